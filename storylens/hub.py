@@ -1,0 +1,205 @@
+"""Load, save and share Tiny Storyteller the Hugging Face way, offline by default.
+
+``TinyStoryteller`` is the GPT of :mod:`storylens.model` plus ``huggingface_hub``'s
+``ModelHubMixin``: ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub``.
+A model folder holds ``config.json``, ``model.safetensors`` and ``tokenizer.json``.
+Weights are only ever read from safetensors (nothing is unpickled).
+
+:func:`load_model` is what every command uses: a local folder, the shipped model
+(default), or a hub id (downloaded only with ``allow_download=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from huggingface_hub import ModelHubMixin
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_model
+
+from .errors import StorylensError
+from .model import GPT, GPTConfig
+from .tokenizer import load_tokenizer
+
+SHIPPED_MODEL = Path(__file__).resolve().parent / "pretrained" / "tiny-storyteller"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+
+
+class TinyStoryteller(
+    GPT,
+    ModelHubMixin,
+    library_name="storylens",
+    tags=["storylens", "tinystories", "interpretability", "gpt2"],
+    license="cdla-sharing-1.0",
+):
+    """A :class:`GPT` that can ``save_pretrained``, ``from_pretrained`` and ``push_to_hub``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.tokenizer = None  # set by load_model / from_pretrained
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        save_directory = Path(save_directory)
+        save_model(self, str(save_directory / WEIGHTS))  # tied embedding stored once
+        if self.tokenizer is not None:
+            self.tokenizer.save(str(save_directory / TOKENIZER))
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision=None, cache_dir=None, force_download=False,
+                         local_files_only=True, token=None, config: GPTConfig | dict | None = None, **kw):
+        folder = Path(model_id)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(model_id, revision=revision, cache_dir=cache_dir,
+                                            local_files_only=local_files_only, token=token,
+                                            allow_patterns=[CONFIG, WEIGHTS, TOKENIZER, "README.md"]))
+        return _load_folder(folder, cls)
+
+
+def _read_config(folder: Path) -> GPTConfig:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise StorylensError(f"{path}: missing (is {folder} a storylens model folder?)")
+    try:
+        return GPTConfig.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise StorylensError(f"{path}: not a valid model config ({e})") from None
+
+
+def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
+    cls = cls or TinyStoryteller
+    if not folder.is_dir():
+        raise StorylensError(f"{folder}: not a model folder")
+    config = _read_config(folder)
+    wpath = folder / WEIGHTS
+    if not wpath.is_file():
+        raise StorylensError(f"{wpath}: weights file missing")
+    model = cls(config)
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    try:
+        with safe_open(str(wpath), "pt") as f:
+            keys = set(f.keys())
+            tensors = {k: f.get_tensor(k) for k in keys}
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise StorylensError(f"{wpath}: corrupt or truncated weights ({e})") from None
+    if "lm_head.weight" in tensors and "transformer.wte.weight" not in tensors:
+        tensors["transformer.wte.weight"] = tensors["lm_head.weight"]
+    tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise StorylensError(
+            f"{wpath}: weights do not match {CONFIG} (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    for k, v in expected.items():
+        if tensors[k].shape != v.shape:
+            raise StorylensError(
+                f"{wpath}: {k} has shape {tuple(tensors[k].shape)} but {CONFIG} implies {tuple(v.shape)}"
+            )
+    model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]})
+    tpath = folder / TOKENIZER
+    tok = load_tokenizer(tpath)
+    if tok.get_vocab_size() != config.vocab_size:
+        raise StorylensError(
+            f"{tpath}: tokenizer has {tok.get_vocab_size()} tokens but the model expects {config.vocab_size}"
+        )
+    model.tokenizer = tok
+    model.eval()
+    return model
+
+
+def load_model(source: str | os.PathLike | None = None, *, allow_download: bool = False) -> TinyStoryteller:
+    """Load a model folder (default: the shipped Tiny Storyteller) or, if asked, a hub id.
+
+    The returned model is in eval mode and carries its tokenizer as ``model.tokenizer``.
+    """
+    if source is None:
+        return _load_folder(SHIPPED_MODEL)
+    path = Path(source)
+    if path.exists():
+        return _load_folder(path)
+    s = str(source)
+    looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise StorylensError(f"{s}: no such model folder")
+    try:
+        return TinyStoryteller.from_pretrained(s, local_files_only=not allow_download)
+    except StorylensError:
+        raise
+    except Exception as e:
+        hint = "" if allow_download else " (offline: pass --allow-download to fetch it from the hub)"
+        raise StorylensError(f"{s}: could not load from the hub cache{hint}: {type(e).__name__}") from None
+
+
+def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and ``tokenizer.json`` into ``folder``."""
+    if not isinstance(model, TinyStoryteller):
+        hub_model = TinyStoryteller(model.config)
+        hub_model.load_state_dict(model.state_dict())
+        model = hub_model
+    model.tokenizer = tokenizer
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
+    """Write a transformers ``GPT2LMHeadModel`` folder with the same weights and tokenizer.
+
+    GPT-2 stores query, key and value as one ``Conv1D`` (``c_attn``, weight ``[in, 3*out]``),
+    so our three ``nn.Linear`` weights are transposed and concatenated.
+    """
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    except ImportError:
+        raise StorylensError("export-hf needs transformers: pip install 'storylens[hf]'") from None
+    from .data import EOT
+
+    c = model.config
+    hf_config = GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+        n_head=c.n_head, n_inner=4 * c.n_embd, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+        bos_token_id=model.tokenizer.token_to_id(EOT), eos_token_id=model.tokenizer.token_to_id(EOT),
+        tie_word_embeddings=True,
+    )
+    hf = GPT2LMHeadModel(hf_config)
+    sd = model.state_dict()
+    new = {
+        "transformer.wte.weight": sd["transformer.wte.weight"],
+        "transformer.wpe.weight": sd["transformer.wpe.weight"],
+        "transformer.ln_f.weight": sd["transformer.ln_f.weight"],
+        "transformer.ln_f.bias": sd["transformer.ln_f.bias"],
+        "lm_head.weight": sd["transformer.wte.weight"],
+    }
+    for i in range(c.n_layer):
+        p = f"transformer.h.{i}."
+        a = p + "attn."
+        new[a + "c_attn.weight"] = torch.cat([sd[a + n + ".weight"] for n in ("query", "key", "value")], 0).T
+        new[a + "c_attn.bias"] = torch.cat([sd[a + n + ".bias"] for n in ("query", "key", "value")], 0)
+        new[a + "c_proj.weight"] = sd[a + "c_proj.weight"].T
+        new[a + "c_proj.bias"] = sd[a + "c_proj.bias"]
+        for ln in ("ln_1", "ln_2"):
+            new[p + ln + ".weight"] = sd[p + ln + ".weight"]
+            new[p + ln + ".bias"] = sd[p + ln + ".bias"]
+        new[p + "mlp.c_fc.weight"] = sd[p + "mlp.c_fc.weight"].T
+        new[p + "mlp.c_fc.bias"] = sd[p + "mlp.c_fc.bias"]
+        new[p + "mlp.c_proj.weight"] = sd[p + "mlp.c_proj.weight"].T
+        new[p + "mlp.c_proj.bias"] = sd[p + "mlp.c_proj.bias"]
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
+    missing = [m for m in missing if not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
+    if missing or unexpected:
+        raise RuntimeError(f"export mapping incomplete: missing {missing}, unexpected {unexpected}")
+    folder = Path(folder)
+    hf.save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=model.tokenizer, bos_token=EOT, eos_token=EOT, unk_token=EOT,
+        model_max_length=c.block_size,
+    )
+    fast.save_pretrained(folder)
+    return folder

@@ -1,0 +1,356 @@
+"""Tiny Storyteller: a GPT-2-style decoder, written to be read.
+
+One file, in the spirit of nanoGPT's ``model.py``:
+
+* ``GPTConfig``  - the numbers that fix the architecture;
+* ``CausalSelfAttention`` - query, key and value as separate projections, and one
+  flag (``record_attention``) that switches from PyTorch's fused kernel
+  (``scaled_dot_product_attention``) to the explicit path that keeps the
+  attention probabilities as ``[batch, head, query, key]``;
+* ``KVCache`` - "Ella's shelf": the keys and values of every token already seen,
+  so that generation computes only the newest token's query, key and value;
+* ``GPT`` - embeddings, six blocks, tied output head, and ``generate``.
+
+Heads are 0-indexed in tensors. People-facing labels count from 1 (``L5H3`` is
+block index 4, head index 2): see :func:`head_label`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# A hook receives (block index, per-head outputs [batch, head, query, head_size])
+# and returns the tensor to use instead. Used to switch heads off (ablation).
+HeadHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def head_label(block: int, head: int) -> str:
+    """``head_label(4, 2) == "L5H3"``: block and head counted from 1, as the lesson does."""
+    return f"L{block + 1}H{head + 1}"
+
+
+def parse_head_label(label: str) -> tuple[int, int]:
+    """Inverse of :func:`head_label`: ``"L5H3" -> (4, 2)``."""
+    s = label.strip().upper()
+    if not s.startswith("L") or "H" not in s:
+        raise ValueError(f"not a head label: {label!r} (expected e.g. L5H3)")
+    b, h = s[1:].split("H", 1)
+    if not (b.isdigit() and h.isdigit()) or int(b) < 1 or int(h) < 1:
+        raise ValueError(f"not a head label: {label!r} (expected e.g. L5H3)")
+    return int(b) - 1, int(h) - 1
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 4096
+    block_size: int = 256  # the window: the most tokens the model can see at once
+    n_layer: int = 6
+    n_head: int = 4
+    n_embd: int = 256  # d_model; head size is n_embd // n_head = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config fields: {sorted(unknown)}")
+        cfg = cls(**d)
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        return cfg
+
+
+@dataclass
+class KVCache:
+    """Ella's shelf: per block, the keys and values of every token seen so far.
+
+    ``key[i]`` and ``value[i]`` are ``[batch, head, tokens, head_size]`` for block i.
+    Earlier tokens cannot see later ones, so a stored key or value never changes;
+    each new token only appends its own. ``kv_computed`` counts the token
+    positions whose key and value were computed (once per position, all blocks).
+    """
+
+    key: list[torch.Tensor | None] = field(default_factory=list)
+    value: list[torch.Tensor | None] = field(default_factory=list)
+    kv_computed: int = 0
+
+    @classmethod
+    def empty(cls, n_layer: int) -> "KVCache":
+        return cls(key=[None] * n_layer, value=[None] * n_layer)
+
+    def __len__(self) -> int:
+        k = self.key[0] if self.key else None
+        return 0 if k is None else k.shape[2]
+
+
+@dataclass
+class GPTOutput:
+    logits: torch.Tensor  # [batch, tokens, vocab]
+    loss: torch.Tensor | None = None
+    # one [batch, head, query, key] tensor per block, when record_attention=True
+    attentions: list[torch.Tensor] | None = None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.head_size = config.head_size
+        self.query = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
+        # Set to a HeadHook to read or replace each head's output (see storylens.analysis.ablation).
+        self.head_hook: HeadHook | None = None
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # [batch, tokens, n_embd] -> [batch, head, tokens, head_size]
+        return x.view(B, T, self.n_head, self.head_size).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        record_attention: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = x.shape
+        query = self._split_heads(self.query(x))
+        key = self._split_heads(self.key(x))
+        value = self._split_heads(self.value(x))
+
+        past = 0
+        if kv_cache is not None:
+            i = self.layer_idx
+            if kv_cache.key[i] is not None:
+                past = kv_cache.key[i].shape[2]
+                key = torch.cat([kv_cache.key[i], key], dim=2)
+                value = torch.cat([kv_cache.value[i], value], dim=2)
+            kv_cache.key[i], kv_cache.value[i] = key, value
+        Tk = key.shape[2]
+
+        att = None
+        if record_attention:
+            # The long way: score every earlier token, mask the future, softmax, blend.
+            scores = (query @ key.transpose(-2, -1)) / math.sqrt(self.head_size)
+            future = torch.ones(T, Tk, dtype=torch.bool, device=x.device).triu(past + 1)
+            scores = scores.masked_fill(future, float("-inf"))
+            att = F.softmax(scores, dim=-1)  # [batch, head, query, key]; rows sum to 1
+            y = self.attn_dropout(att) @ value
+        else:
+            # The fused kernel: same maths, no probabilities kept.
+            drop = self.dropout if self.training else 0.0
+            if past == 0:
+                y = F.scaled_dot_product_attention(query, key, value, dropout_p=drop, is_causal=True)
+            else:
+                allowed = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(past)
+                y = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=drop)
+
+        if self.head_hook is not None:
+            y = self.head_hook(self.layer_idx, y)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y)), att
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, record_attention=False, kv_cache=None):
+        a, att = self.attn(self.ln_1(x), record_attention=record_attention, kv_cache=kv_cache)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, att
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_parameters(self) -> int:
+        """Every distinct parameter (the tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def attentions(self) -> list[CausalSelfAttention]:
+        return [block.attn for block in self.transformer.h]
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        record_attention: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> GPTOutput:
+        B, T = idx.shape
+        past = len(kv_cache) if kv_cache is not None else 0
+        if past + T > self.config.block_size:
+            raise ValueError(
+                f"{past + T} tokens do not fit the {self.config.block_size}-token window"
+            )
+        pos = torch.arange(past, past + T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        attentions = [] if record_attention else None
+        for block in self.transformer.h:
+            x, att = block(x, record_attention=record_attention, kv_cache=kv_cache)
+            if record_attention:
+                attentions.append(att)
+        if kv_cache is not None:
+            kv_cache.kv_computed += T
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+            )
+        return GPTOutput(logits=logits, loss=loss, attentions=attentions)
+
+    @torch.no_grad()
+    def generate_stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        record_attention: bool = False,
+        use_kv_cache: bool = True,
+        eos_id: int | None = None,
+    ) -> Iterator["GenerationStep"]:
+        """Yield one :class:`GenerationStep` per new token.
+
+        ``idx`` is ``[1, prompt_tokens]``. Prompt plus new tokens must fit the window:
+        this model has learned positions only up to ``block_size``, so instead of
+        silently sliding (which would re-position every cached key) we refuse up front.
+        With ``use_kv_cache=False`` every step recomputes the whole sequence
+        (the reference the cache is checked against).
+        """
+        if idx.dim() != 2 or idx.shape[0] != 1 or idx.shape[1] == 0:
+            raise ValueError("generate needs a non-empty prompt of shape [1, tokens]")
+        total = idx.shape[1] + max_new_tokens
+        if total > self.config.block_size:
+            raise ValueError(
+                f"prompt ({idx.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"passes the {self.config.block_size}-token window; ask for fewer tokens"
+            )
+        cache = KVCache.empty(self.config.n_layer) if use_kv_cache else None
+        recomputed = 0
+        seq = idx
+        feed = idx
+        for _ in range(max_new_tokens):
+            if use_kv_cache:
+                out = self(feed, record_attention=record_attention, kv_cache=cache)
+            else:
+                out = self(seq, record_attention=record_attention)
+                recomputed += seq.shape[1]
+            logits = out.logits[:, -1, :]
+            token = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+            rows = None
+            if record_attention:  # the newest query's row, per block: [head, key]
+                rows = [a[0, :, -1, :] for a in out.attentions]
+            yield GenerationStep(
+                token=int(token),
+                logits=logits[0],
+                attention=rows,
+                kv_computed=cache.kv_computed if cache is not None else recomputed,
+            )
+            if eos_id is not None and int(token) == eos_id:
+                return
+            feed = token.view(1, 1)
+            seq = torch.cat([seq, feed], dim=1)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
+        """Return the prompt followed by the generated tokens, ``[1, tokens]``."""
+        new = [s.token for s in self.generate_stream(idx, max_new_tokens, **kw)]
+        return torch.cat([idx, torch.tensor([new], dtype=idx.dtype)], dim=1)
+
+
+@dataclass
+class GenerationStep:
+    token: int
+    logits: torch.Tensor  # [vocab] the logits this token was drawn from
+    attention: list[torch.Tensor] | None  # per block, [head, key]: the new query's row
+    kv_computed: int  # key/value computations so far (cache) or positions recomputed so far
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token from ``[1, vocab]`` logits; temperature 0 means greedy."""
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError("top_k must be >= 1")
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    probs = F.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).view(-1)

@@ -1,0 +1,73 @@
+"""Byte-level BPE (Hugging Face ``tokenizers``), trained on the training stories only.
+
+The end-of-story marker ``<|endoftext|>`` is token 0. In the training stream it follows
+every story, so it also opens the next; a single story fed to the model is
+``[marker] + story``, cut to the window (:func:`encode_story`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .data import EOT
+from .errors import StorylensError
+
+DEFAULT_VOCAB = 4096
+
+
+def train_tokenizer(stories: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(stories, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise StorylensError(f"{path}: tokenizer file not found")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise StorylensError(f"{path}: not a valid tokenizer.json ({e})") from None
+    if tok.token_to_id(EOT) is None:
+        raise StorylensError(f"{path}: tokenizer has no {EOT} token")
+    return tok
+
+
+def eot_id(tok: Tokenizer) -> int:
+    return tok.token_to_id(EOT)
+
+
+@dataclass(frozen=True)
+class EncodedStory:
+    ids: list[int]  # [marker] + story tokens, at most `window` of them
+    cut: bool  # True when the story did not fit and was cut
+    full_length: int  # tokens before cutting (marker included)
+
+
+def encode_story(tok: Tokenizer, text: str, window: int = 256) -> EncodedStory:
+    ids = [eot_id(tok)] + tok.encode(text).ids
+    return EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
+
+
+def encode_stream(tok: Tokenizer, stories: Iterable[str]) -> list[int]:
+    """The training stream: ``<eot> s1 <eot> s2 ... <eot> sN <eot>``."""
+    e = eot_id(tok)
+    out = [e]
+    for enc in tok.encode_batch(list(stories)):
+        out.extend(enc.ids)
+        out.append(e)
+    return out
