@@ -207,3 +207,64 @@ def export_checkpoint(run_dir: Path, folder: Path) -> Path:
     model = GPT(mcfg)
     model.load_state_dict(model_sd)
     return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder)
+
+
+def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int) -> Path:
+    """The shipped model's README: data and licence, recipe, size, cost, quiz perplexity, how to reproduce."""
+    cfg = TrainConfig(**state["train_config"])
+    final = state["evals"][-1]["quiz_perplexity"] if state["evals"] else float("nan")
+    evals = "\n".join(f"| {e['step']} | {e['quiz_perplexity']:.2f} |" for e in state["evals"])
+    tokens = state["step"] * cfg.batch_size * cfg.block_size
+    recipe = "\n".join(f"| `{k}` | {v} |" for k, v in asdict(cfg).items())
+    text = f"""---
+license: cdla-sharing-1.0
+library_name: storylens
+tags: [storylens, tinystories, interpretability, gpt2]
+---
+# Tiny Storyteller (storylens)
+
+The "Lesson 01" model that storylens reads: a GPT-2-style decoder, 6 blocks x 4 heads, head size 64
+(d_model 256), a 256-token window, tied input/output embeddings, and a byte-level BPE tokenizer of
+{cfg.vocab_size} tokens whose end-of-story marker `<|endoftext|>` follows every story (and so opens the next).
+
+**{n_params:,} parameters. Quiz perplexity {final:.2f}** on the 200 held-out quiz stories
+(each fed as `[marker] + story`, cut to the window; exp of the mean next-token loss).
+The lesson's model reached 9 on its own quiz; see "Limits" below.
+
+## Data
+TinyStories (Eldan & Li 2023, arXiv 2305.07759), licensed CDLA-Sharing-1.0: the {train_stories + quiz_stories:,}
+stories of storylens's shared corpus, split in file order: the last {quiz_stories} are the quiz
+(never trained on), the other {train_stories:,} train the tokenizer and the model. This folder
+holds no story text.
+
+## Recipe
+AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,
+gradient clipping, dropout, random 256-token windows from the training stream,
+{state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens.
+fp32: bf16 autocast was measured {''}slower on this CPU (see `benchmarks/bench_core.py`).
+
+| setting | value |
+|---|---|
+{recipe}
+
+Quiz perplexity during training:
+
+| step | quiz perplexity |
+|---|---|
+{evals}
+
+Training time: {state['train_seconds'] / 60:.1f} minutes of compute on {hardware}.
+
+## Reproduce
+```
+storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-storyteller
+```
+(the defaults are the settings above; a killed run continues with `--resume`).
+
+## Limits
+The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's 19,800,
+and training had to fit a 2-core CPU session, so the model saw each token only a few times.
+"""
+    path = Path(folder) / "README.md"
+    path.write_text(text)
+    return path

@@ -1,0 +1,636 @@
+"""Switch heads off and measure what changes: the experiment the lesson did not run.
+
+Everything here goes through the documented hook, ``CausalSelfAttention.head_hook``
+(called with the per-head outputs ``y [batch, head, tokens, head_size]`` before the
+heads are concatenated and projected by ``c_proj``): no weight is edited.
+
+* :func:`ablate_heads` - a context manager that replaces chosen heads' outputs by
+  zeros (``mode="zero"``) or by each head's mean output vector (``mode="mean"``,
+  means from :func:`head_output_means`) and puts the previous hooks back on exit.
+* :func:`head_output_means` - each head's mean output vector over stories.
+* :func:`ablation_loss_table` - next-token loss where the next token is the first
+  token of a mention of the main character's name ("name positions") and at every
+  other position, without ablation and with each head (and groups of heads) off.
+* :func:`name_ablation_table` - the same over story texts, with the main character
+  found by :mod:`storylens.analysis.names` and the top name-mass heads as the group.
+* :func:`generation_divergence` - the same seed, with and without heads: where do
+  the generated stories part?
+
+Positions count the end-of-story marker as position 0 (see
+:func:`storylens.tokenizer.encode_story`). The prediction made at position ``t`` is
+scored against the token at ``t + 1``, so a story of ``T`` tokens has ``T - 1``
+scored positions; a name position is a ``t`` whose target ``t + 1`` is a mention's
+first token.
+
+Speed: ablating a head of block ``b`` cannot change anything before block ``b``, so
+for each batch the unablated run keeps the residual stream entering every block and
+each ablation re-runs only blocks ``b..`` (the fused attention path, no attention
+maps), the final layer norm and the output head, on the batch's real positions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import StorylensError
+from ..model import head_label, parse_head_label
+
+Head = tuple[int, int]  # (block, head), 0-indexed
+MODES = ("zero", "mean")
+
+
+# ---------------------------------------------------------------- heads and hooks
+
+
+def normalise_heads(model, heads: Iterable[Head | str]) -> tuple[Head, ...]:
+    """``[(4, 2), "L1H1"] -> ((0, 0), (4, 2))``: checked against the model, sorted, unique."""
+    n_layer, n_head = model.config.n_layer, model.config.n_head
+    out = set()
+    for h in heads:
+        b, i = parse_head_label(h) if isinstance(h, str) else (int(h[0]), int(h[1]))
+        if not (0 <= b < n_layer and 0 <= i < n_head):
+            raise StorylensError(
+                f"head {h!r}: no such head (blocks 0..{n_layer - 1}, heads 0..{n_head - 1}, 0-indexed)"
+            )
+        out.add((b, i))
+    return tuple(sorted(out))
+
+
+def group_label(heads: Sequence[Head]) -> str:
+    """``((4, 2), (3, 3)) -> "L5H3+L4H4"`` (in the order given)."""
+    return "+".join(head_label(b, h) for b, h in heads) if heads else "none"
+
+
+def _mean_vectors(model, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
+    if means is None:
+        raise StorylensError('mode="mean" needs means (see head_output_means)')
+    out = {}
+    for b, h in heads:
+        if isinstance(means, Mapping):
+            if (b, h) not in means:
+                raise StorylensError(f"means: no mean for {head_label(b, h)}")
+            v = torch.as_tensor(means[(b, h)])
+        else:
+            v = torch.as_tensor(means)[b, h]
+        if v.shape != (model.config.head_size,):
+            raise StorylensError(
+                f"means: {head_label(b, h)} has shape {tuple(v.shape)}, expected ({model.config.head_size},)"
+            )
+        out[(b, h)] = v
+    return out
+
+
+class AblationHook:
+    """A ``head_hook`` that overwrites some heads' outputs, then calls the hook it replaced.
+
+    ``values`` is None (zeros) or ``[len(heads), head_size]`` (one vector per head,
+    the same at every batch row and token). The tensor it is given is not modified.
+    """
+
+    def __init__(self, heads: Sequence[int], values: torch.Tensor | None, previous=None):
+        self.heads = list(heads)
+        self.values = values
+        self.previous = previous
+
+    def __call__(self, layer_idx: int, y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        idx = torch.tensor(self.heads, device=y.device)
+        if self.values is None:
+            y[:, idx] = 0.0
+        else:
+            y[:, idx] = self.values.to(device=y.device, dtype=y.dtype)[None, :, None, :]
+        if self.previous is not None:
+            y = self.previous(layer_idx, y)
+        return y
+
+
+@contextlib.contextmanager
+def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=None) -> Iterator[None]:
+    """Switch ``heads`` off inside the ``with`` block, through ``head_hook``.
+
+    ``heads``: ``(block, head)`` pairs, 0-indexed, or labels like ``"L5H3"``.
+    ``mode="zero"`` replaces each head's output by zeros; ``mode="mean"`` by its mean
+    output vector, ``means[block, head]`` (a ``[block, head, head_size]`` tensor from
+    :func:`head_output_means`, or a ``{(block, head): vector}`` mapping).
+    A hook already set on a block keeps running, after the ablation (so a reading hook
+    sees the ablated outputs); on exit, even by an exception, every block gets back
+    exactly the hook it had.
+    """
+    if mode not in MODES:
+        raise StorylensError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    heads = normalise_heads(model, heads)
+    vectors = _mean_vectors(model, heads, means) if mode == "mean" else None
+    by_block: dict[int, list[int]] = {}
+    for b, h in heads:
+        by_block.setdefault(b, []).append(h)
+    modules = model.attentions
+    saved = {b: modules[b].head_hook for b in by_block}
+    try:
+        for b, hs in by_block.items():
+            values = None if vectors is None else torch.stack([vectors[(b, h)] for h in hs])
+            modules[b].head_hook = AblationHook(hs, values, previous=saved[b])
+        yield
+    finally:
+        for b, hook in saved.items():
+            modules[b].head_hook = hook
+
+
+# ---------------------------------------------------------------- batching
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Story indices, longest first (stable), ``batch_size`` at a time: little padding."""
+    if batch_size < 1:
+        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _pad(stories: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, tokens]`` ids padded at the end with 0, and ``[batch, tokens]`` real-token mask."""
+    T = max(len(s) for s in stories)
+    ids = torch.zeros(len(stories), T, dtype=torch.long)
+    for r, s in enumerate(stories):
+        ids[r, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in stories])
+    valid = torch.arange(T)[None, :] < lengths[:, None]
+    return ids.to(device), valid.to(device)
+
+
+def _check_stories(model, stories_ids: Sequence[Sequence[int]]) -> None:
+    if not stories_ids:
+        raise StorylensError("stories: nothing to run (empty list)")
+    for i, s in enumerate(stories_ids):
+        if not 1 <= len(s) <= model.config.block_size:
+            raise StorylensError(
+                f"story {i}: {len(s)} tokens; each story needs 1..{model.config.block_size} (cut it to the window)"
+            )
+
+
+@torch.inference_mode()
+def head_output_means(
+    model, stories_ids: Sequence[Sequence[int]], *, batch_size: int = 16, include_marker: bool = True
+) -> torch.Tensor:
+    """Each head's mean output vector, ``[block, head, head_size]`` (float32).
+
+    The mean is over every real token position of every story (padding never counts),
+    each position weighted equally; ``include_marker=False`` leaves out position 0 (the
+    end-of-story marker each story opens with). Outputs are the per-head ``y`` the hook
+    sees (before ``c_proj``), from the unablated model; sums are kept in float64.
+    """
+    _check_stories(model, stories_ids)
+    cfg = model.config
+    device = next(model.parameters()).device
+    total = torch.zeros(cfg.n_layer, cfg.n_head, cfg.head_size, dtype=torch.float64)
+    count = 0
+    current: dict[str, torch.Tensor] = {}
+    modules = model.attentions
+    saved = [m.head_hook for m in modules]
+
+    def reader(previous):
+        def hook(layer_idx, y):
+            if previous is not None:  # an existing hook runs first: we average what c_proj gets
+                y = previous(layer_idx, y)
+            w = current["mask"].to(torch.float64)
+            total[layer_idx] += torch.einsum("bhtd,bt->hd", y.to(torch.float64), w).cpu()
+            return y
+
+        return hook
+
+    was_training = model.training
+    model.eval()
+    try:
+        for b, m in enumerate(modules):
+            m.head_hook = reader(saved[b])
+        for idx in length_batches([len(s) for s in stories_ids], batch_size):
+            ids, valid = _pad([stories_ids[i] for i in idx], device)
+            if not include_marker:
+                valid = valid.clone()
+                valid[:, 0] = False
+            current["mask"] = valid
+            model(ids)
+            count += int(valid.sum())
+    finally:
+        for b, m in enumerate(modules):
+            m.head_hook = saved[b]
+        model.train(was_training)
+    if count == 0:
+        raise StorylensError("stories: no token positions to average over")
+    return (total / count).to(torch.float32)
+
+
+# ---------------------------------------------------------------- the loss table
+
+
+def mention_first_tokens(offsets: Sequence[tuple[int, int]], spans: Iterable[tuple[int, int]],
+                         window: int = 256) -> list[int]:
+    """Position (marker = 0, so token i is i + 1) of the first token of each mention, < window.
+
+    ``offsets``: the story's token character spans (``tok.encode(text).offsets``);
+    ``spans``: the mentions' character spans. A token belongs to a mention when their
+    character spans overlap (as in :mod:`storylens.analysis.names`), so the byte-level
+    token that carries the leading space (``ĠLily``) counts as the mention's first token.
+    """
+    out = set()
+    for s, e in spans:
+        for i, (a, b) in enumerate(offsets):
+            if a < e and b > s:
+                if i + 1 < window:
+                    out.add(i + 1)
+                break
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Condition:
+    label: str  # "L5H3", "L5H3+L4H4+L6H2", "baseline"
+    heads: tuple[Head, ...]
+    mode: str  # "zero", "mean", or "none" for the baseline
+
+    @property
+    def start_block(self) -> int:
+        return min(b for b, _ in self.heads)
+
+
+@dataclass(frozen=True)
+class AblationRow:
+    """One condition. Losses are mean cross-entropy (nats) over the positions pooled."""
+
+    label: str
+    mode: str
+    heads: tuple[Head, ...]  # 0-indexed
+    name_loss: float
+    other_loss: float
+    name_increase: float  # name_loss - baseline name_loss
+    other_increase: float  # other_loss - baseline other_loss
+
+
+@dataclass(frozen=True)
+class AblationTable:
+    """Baseline losses and one :class:`AblationRow` per (heads, mode)."""
+
+    rows: tuple[AblationRow, ...]
+    baseline_name_loss: float
+    baseline_other_loss: float
+    n_stories: int
+    n_name_positions: int
+    n_other_positions: int
+    seconds: float  # wall time of the forward passes (means not included)
+
+    def row(self, label: str, mode: str = "zero") -> AblationRow:
+        label = label.strip().upper()
+        for r in self.rows:
+            if r.label == label and r.mode == mode:
+                return r
+        raise KeyError(f"no row {label!r} with mode {mode!r}")
+
+    def to_rows(self) -> list[dict]:
+        return [asdict(r) for r in self.rows]
+
+    def top(self, k: int = 5, mode: str = "zero", by: str = "name_increase") -> list[AblationRow]:
+        rows = [r for r in self.rows if r.mode == mode]
+        return sorted(rows, key=lambda r: -getattr(r, by))[:k]
+
+    def format(self) -> str:
+        """A text table: one line per label, both modes side by side, in the order run."""
+        labels: list[str] = []
+        for r in self.rows:
+            if r.label not in labels:
+                labels.append(r.label)
+        modes = [m for m in MODES if any(r.mode == m for r in self.rows)]
+        w = max(8, *(len(x) for x in labels))
+        head = f"{'heads':<{w}}" + "".join(f"  {'name+ ' + m:>12}  {'other+ ' + m:>12}" for m in modes)
+        lines = [
+            f"baseline loss: name {self.baseline_name_loss:.4f} ({self.n_name_positions} positions), "
+            f"other {self.baseline_other_loss:.4f} ({self.n_other_positions} positions), "
+            f"{self.n_stories} stories",
+            head,
+        ]
+        for lab in labels:
+            cells = []
+            for m in modes:
+                try:
+                    r = self.row(lab, m)
+                    cells.append(f"  {r.name_increase:>+12.4f}  {r.other_increase:>+12.4f}")
+                except KeyError:
+                    cells.append(f"  {'':>12}  {'':>12}")
+            lines.append(f"{lab:<{w}}" + "".join(cells))
+        return "\n".join(lines)
+
+
+def _embed(model, ids: torch.Tensor) -> torch.Tensor:
+    """What ``GPT.forward`` feeds the first block (no cache: positions from 0)."""
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return model.transformer.drop(model.transformer.wte(ids) + model.transformer.wpe(pos))
+
+
+def _losses(model, x: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy at the scored positions only: ``x [B, T, C]`` -> ``[n_scored]``."""
+    h = model.transformer.ln_f(x[:, :-1][scored])
+    logits = model.lm_head(h)
+    return F.cross_entropy(logits.float(), targets[scored], reduction="none")
+
+
+def run_suffix(model, x: torch.Tensor, start_block: int) -> torch.Tensor:
+    """Run blocks ``start_block..`` on ``x``, the residual stream entering that block."""
+    for block in model.transformer.h[start_block:]:
+        x, _ = block(x)
+    return x
+
+
+@torch.inference_mode()
+def ablation_losses(
+    model,
+    stories_ids: Sequence[Sequence[int]],
+    name_starts: Sequence[Iterable[int]],
+    conditions: Sequence[Condition],
+    *,
+    means=None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Summed name and other losses per condition (plus ``"baseline"``), and position counts.
+
+    Returns ``({"baseline" | f"{label}/{mode}": tensor([name_sum, other_sum])}, n_name, n_other)``
+    with float64 sums. ``name_starts[i]``: positions of story i's mention first tokens.
+    """
+    _check_stories(model, stories_ids)
+    if len(name_starts) != len(stories_ids):
+        raise StorylensError(f"name_starts: {len(name_starts)} entries for {len(stories_ids)} stories")
+    device = next(model.parameters()).device
+    sums = {"baseline": torch.zeros(2, dtype=torch.float64)}
+    for c in conditions:
+        sums[f"{c.label}/{c.mode}"] = torch.zeros(2, dtype=torch.float64)
+    n_name = n_other = 0
+    batches = length_batches([len(s) for s in stories_ids], batch_size)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(stories_ids), unit="story", desc="ablations")
+    was_training = model.training
+    model.eval()
+    try:
+        for idx in batches:
+            ids, valid = _pad([stories_ids[i] for i in idx], device)
+            T = ids.shape[1]
+            scored = valid[:, 1:]  # prediction at t is scored against t + 1
+            is_name = torch.zeros(len(idx), T - 1, dtype=torch.bool, device=device)
+            for r, i in enumerate(idx):
+                for p in name_starts[i]:
+                    if not 1 <= p < len(stories_ids[i]):
+                        raise StorylensError(f"story {i}: name start {p} is outside 1..{len(stories_ids[i]) - 1}")
+                    is_name[r, p - 1] = True
+            name_sel = is_name[scored]  # over the scored positions, in order
+            n_name += int(name_sel.sum())
+            n_other += int((~name_sel).sum())
+            targets = ids[:, 1:]
+
+            def add(key: str, x: torch.Tensor) -> None:
+                ce = _losses(model, x, targets, scored).to(torch.float64)
+                sums[key] += torch.stack([ce[name_sel].sum(), ce[~name_sel].sum()]).cpu()
+
+            x = _embed(model, ids)
+            entering = []
+            for block in model.transformer.h:
+                entering.append(x)
+                x, _ = block(x)
+            add("baseline", x)
+            for c in conditions:
+                with ablate_heads(model, c.heads, c.mode, means):
+                    add(f"{c.label}/{c.mode}", run_suffix(model, entering[c.start_block], c.start_block))
+            if bar is not None:
+                bar.update(len(idx))
+    finally:
+        model.train(was_training)
+        if bar is not None:
+            bar.close()
+    return sums, n_name, n_other
+
+
+def single_head_conditions(model, modes: Sequence[str] = MODES, heads=None) -> list[Condition]:
+    """One condition per head (all heads by default) and mode."""
+    heads = normalise_heads(model, heads) if heads is not None else tuple(
+        (b, h) for b in range(model.config.n_layer) for h in range(model.config.n_head)
+    )
+    return [Condition(head_label(b, h), ((b, h),), m) for (b, h) in heads for m in modes]
+
+
+def ablation_loss_table(
+    model,
+    stories_ids: Sequence[Sequence[int]],
+    name_starts: Sequence[Iterable[int]],
+    *,
+    heads: Iterable[Head | str] | None = None,
+    groups: Sequence[Sequence[Head | str]] = (),
+    modes: Sequence[str] = MODES,
+    means: torch.Tensor | Mapping | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> AblationTable:
+    """Name-position and other-position loss, baseline and with heads off.
+
+    ``stories_ids``: each story's ids (``[marker] + tokens``, within the window).
+    ``name_starts[i]``: the positions in story i holding the first token of a mention
+    of its main character (see :func:`mention_first_tokens`); a story with none counts
+    only towards the other positions. Position ``t`` is a name position when ``t + 1``
+    is a name start; every other scored position (``0 .. T-2``) is an other position.
+    Losses are pooled: the mean over all positions of that kind, every position
+    weighted equally.
+
+    Conditions: every head in ``heads`` (default: all) alone, in each of ``modes``, and
+    each group in ``groups`` with all its heads off together (label ``"L5H3+L4H4"``).
+    ``means`` (for ``"mean"``) default to :func:`head_output_means` over the same stories.
+    """
+    for m in modes:
+        if m not in MODES:
+            raise StorylensError(f"modes: {m!r} is not one of {', '.join(MODES)}")
+    conditions = single_head_conditions(model, modes, heads)
+    for g in groups:
+        g = tuple(dict.fromkeys(normalise_heads(model, [x])[0] for x in g))  # checked, order kept
+        if not g:
+            raise StorylensError("groups: an empty group")
+        for m in modes:
+            conditions.append(Condition(group_label(g), g, m))
+    if "mean" in modes and means is None:
+        means = head_output_means(model, stories_ids, batch_size=batch_size)
+    t0 = time.perf_counter()
+    sums, n_name, n_other = ablation_losses(
+        model, stories_ids, name_starts, conditions, means=means, batch_size=batch_size, progress=progress
+    )
+    seconds = time.perf_counter() - t0
+
+    def mean(s: torch.Tensor) -> tuple[float, float]:
+        name = float(s[0] / n_name) if n_name else math.nan
+        other = float(s[1] / n_other) if n_other else math.nan
+        return name, other
+
+    base_name, base_other = mean(sums["baseline"])
+    rows = []
+    for c in conditions:
+        name, other = mean(sums[f"{c.label}/{c.mode}"])
+        rows.append(AblationRow(c.label, c.mode, c.heads, name, other, name - base_name, other - base_other))
+    return AblationTable(
+        rows=tuple(rows),
+        baseline_name_loss=base_name,
+        baseline_other_loss=base_other,
+        n_stories=len(stories_ids),
+        n_name_positions=n_name,
+        n_other_positions=n_other,
+        seconds=seconds,
+    )
+
+
+def name_ablation_table(
+    model,
+    stories: Sequence[str],
+    *,
+    name_heads: Sequence[Head | str] | None = None,
+    k: int = 3,
+    only_main_character: bool = True,
+    modes: Sequence[str] = MODES,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> AblationTable:
+    """:func:`ablation_loss_table` over story texts (e.g. the 200 quiz stories).
+
+    The main character and its mentions come from :mod:`storylens.analysis.names`
+    (name vocabulary of ``stories`` themselves, as the lesson defines it). With
+    ``only_main_character`` (default) only stories whose window holds a mention of
+    a main character are run (name and other positions then come from the same
+    stories). The group row switches off ``name_heads`` together; by default the top
+    ``k`` heads by name mass (:func:`storylens.analysis.scores.score_heads` on the
+    same stories, an extra pass that records attention). Head means for ``"mean"``
+    come from the stories run.
+    """
+    from ..tokenizer import encode_story
+    from .names import find_main_characters
+
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise StorylensError("model: has no tokenizer (load it with storylens.hub.load_model)")
+    stories = list(stories)
+    window = model.config.block_size
+    mains = find_main_characters(tok, stories, window=window)
+    encodings = tok.encode_batch(stories)
+    ids, starts = [], []
+    for text, enc, mc in zip(stories, encodings, mains):
+        s = [] if mc is None else mention_first_tokens(enc.offsets, mc.spans, window)
+        if only_main_character and not s:
+            continue
+        ids.append(encode_story(tok, text, window).ids)
+        starts.append(s)
+    if not ids:
+        raise StorylensError("stories: none has a main character mentioned inside the window")
+    if name_heads is None and k > 0:
+        from .scores import score_heads
+
+        scores = score_heads(model, stories, batch_size=batch_size, progress=progress)
+        name_heads = [h.label for h in scores.top("name_mass", k)]
+    groups = [list(name_heads)] if name_heads else []
+    return ablation_loss_table(model, ids, starts, groups=groups, modes=modes, batch_size=batch_size,
+                               progress=progress)
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Two generations from the same prompt and seed, one with ``heads`` switched off."""
+
+    prompt: str
+    heads: tuple[Head, ...]
+    mode: str
+    seed: int
+    first_difference: int | None  # index of the first new token that differs; None: identical
+    baseline_ids: tuple[int, ...]  # new tokens only
+    ablated_ids: tuple[int, ...]
+    baseline_text: str  # the new tokens, decoded
+    ablated_text: str
+
+    @property
+    def same(self) -> bool:
+        return self.first_difference is None
+
+    def format(self) -> str:
+        where = "never (identical)" if self.same else f"at new token {self.first_difference}"
+        return (
+            f"prompt: {self.prompt!r}\nheads off ({self.mode}): {group_label(self.heads)}; seed {self.seed}; "
+            f"first difference {where}\n--- baseline:\n{self.baseline_text}\n--- ablated:\n{self.ablated_text}"
+        )
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where ``a`` and ``b`` differ (one ending early counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def generation_divergence(
+    model,
+    prompt: str | Sequence[int],
+    heads: Iterable[Head | str],
+    seed: int = 0,
+    max_new_tokens: int = 100,
+    *,
+    mode: str = "zero",
+    means=None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    stop_at_marker: bool = True,
+) -> Divergence:
+    """Generate twice with KV caching (``model.generate_stream``) from ``prompt``, both with
+    ``torch.Generator().manual_seed(seed)``, the second time with ``heads`` off.
+
+    A text prompt is encoded like a story (``[marker] + tokens``). With the same seed the
+    two runs draw the same random numbers, so they agree until the ablation changes a
+    sampled token; after that they go their own ways. ``stop_at_marker`` ends a run at
+    the end-of-story marker (it is kept as the run's last token).
+    """
+    from ..tokenizer import encode_story, eot_id
+
+    tok = model.tokenizer
+    heads = normalise_heads(model, heads)
+    if isinstance(prompt, str):
+        prompt_text = prompt
+        ids = encode_story(tok, prompt, window=10**9).ids
+    else:
+        ids = [int(i) for i in prompt]
+        prompt_text = tok.decode(ids)
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    eos = eot_id(tok) if stop_at_marker else None
+
+    def run() -> list[int]:
+        gen = torch.Generator(device=idx.device).manual_seed(seed)
+        steps = model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                      generator=gen, eos_id=eos)
+        return [s.token for s in steps]
+
+    try:
+        base = run()
+        with ablate_heads(model, heads, mode, means):
+            abl = run()
+    except ValueError as e:  # window overflow, bad temperature, ...
+        raise StorylensError(str(e)) from None
+    return Divergence(
+        prompt=prompt_text,
+        heads=heads,
+        mode=mode,
+        seed=seed,
+        first_difference=first_difference(base, abl),
+        baseline_ids=tuple(base),
+        ablated_ids=tuple(abl),
+        baseline_text=tok.decode(base),
+        ablated_text=tok.decode(abl),
+    )

@@ -1,0 +1,30 @@
+"""Running means of per-story values: a sum and a count, nothing else kept."""
+
+from __future__ import annotations
+
+import torch
+
+
+class MeanAccumulator:
+    """Mean over stories of a per-story value of shape ``shape`` (e.g. ``[block, head]``).
+
+    ``add`` takes one batch, ``[batch, *shape]``, and a ``[batch]`` mask of the stories
+    that count; the sum is kept in float64. Memory does not grow with the stories seen.
+    """
+
+    def __init__(self, shape: tuple[int, ...] = ()):
+        self.total = torch.zeros(shape, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, values: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        values = values.detach().cpu().to(torch.float64)  # cpu first: some devices lack float64
+        if keep is not None:
+            values = values[keep.cpu()]
+        self.total += values.sum(dim=0)
+        self.count += int(values.shape[0])
+
+    def mean(self) -> torch.Tensor:
+        """The mean so far; NaN everywhere while nothing has been added."""
+        if self.count == 0:
+            return torch.full_like(self.total, float("nan"))
+        return self.total / self.count

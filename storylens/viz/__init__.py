@@ -1,0 +1,42 @@
+"""Pictures of attention: matplotlib figures and a self-contained interactive HTML view.
+
+* :mod:`storylens.viz.figures` - the causal-mask triangle, all heads on one story,
+  per-head score bars and heatmaps, the name head on one story; PNG and data-URI output.
+* :mod:`storylens.viz.widget` - :class:`AttentionWidget` (click a token, see its
+  attention) and :func:`toy_widget` (hand-set queries and keys, score, softmax).
+* :mod:`storylens.viz.tokens` - token display text and the model-to-array step.
+"""
+
+from .figures import (
+    all_heads_figure,
+    causal_mask_figure,
+    figure_data_uri,
+    figure_png_bytes,
+    head_heatmap_figure,
+    name_attention_profile,
+    name_head_figure,
+    name_mass_bar_figure,
+    save_png,
+)
+from .tokens import story_attention, tick_label, to_numpy_attention, token_text, token_texts
+from .widget import AttentionWidget, ToyWidget, toy_widget
+
+__all__ = [
+    "AttentionWidget",
+    "ToyWidget",
+    "toy_widget",
+    "all_heads_figure",
+    "causal_mask_figure",
+    "figure_data_uri",
+    "figure_png_bytes",
+    "head_heatmap_figure",
+    "name_attention_profile",
+    "name_head_figure",
+    "name_mass_bar_figure",
+    "save_png",
+    "story_attention",
+    "tick_label",
+    "to_numpy_attention",
+    "token_text",
+    "token_texts",
+]

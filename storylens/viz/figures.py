@@ -1,0 +1,494 @@
+"""The lesson's figures, drawn with matplotlib's Agg canvas.
+
+Every function takes plain data (token texts, numpy arrays, lists of scores) and
+returns a :class:`matplotlib.figure.Figure`. Figures are built without pyplot, so
+nothing here changes the caller's matplotlib backend or piles up open figures.
+Head labels count from 1 (``L5H3``); arrays stay 0-indexed.
+
+Save with :func:`save_png`, or embed in a self-contained HTML page with
+:func:`figure_data_uri`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import Normalize, PowerNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Polygon, Rectangle
+
+from ..model import head_label, parse_head_label
+from .tokens import tick_label, to_numpy_attention
+
+MASK_COLOR = "#262626"  # the causal mask's (always-zero) upper triangle
+MASK_HATCH_COLOR = "#5a5a5a"
+ATTENTION_CMAP = "viridis"
+NAME_COLOR = "#d62728"
+DEFAULT_DPI = 110
+
+__all__ = [
+    "causal_mask_figure",
+    "all_heads_figure",
+    "name_mass_bar_figure",
+    "head_heatmap_figure",
+    "name_head_figure",
+    "name_attention_profile",
+    "save_png",
+    "figure_png_bytes",
+    "figure_data_uri",
+]
+
+
+def _new_figure(figsize) -> Figure:
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
+    return fig
+
+
+def _draw_mask(ax, n: int, *, hatch: bool = True) -> None:
+    """Cover the strict upper triangle of an n x n image (cells centred on integers)."""
+    # a staircase along the diagonal: exactly the cells with key > query
+    stairs = []
+    for q in range(n):
+        stairs += [(q + 0.5, q - 0.5), (q + 0.5, q + 0.5)]
+    pts = stairs + [(n - 0.5, -0.5)]
+    ax.add_patch(
+        Polygon(
+            pts,
+            closed=True,
+            facecolor=MASK_COLOR,
+            edgecolor=MASK_HATCH_COLOR if hatch else MASK_COLOR,
+            hatch="//" if hatch else None,
+            linewidth=0,
+            zorder=2,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- causal mask
+
+
+def causal_mask_figure(tokens: Sequence[str] | int = 8, *, title: str | None = None) -> Figure:
+    """The causal mask as a small T x T table.
+
+    ``tokens`` is a list of token texts (a short story prefix) or just a size T.
+    Allowed cells (key at or before the query) are light and marked "score";
+    masked cells (key after the query) are dark and marked "−∞": their share
+    after the softmax is exactly zero.
+    """
+    labels = [tick_label(t) for t in tokens] if not isinstance(tokens, int) else [
+        str(i) for i in range(tokens)
+    ]
+    n = len(labels)
+    if n < 1:
+        raise ValueError("the mask needs at least one token")
+    size = max(3.2, 0.55 * n + 1.6)
+    fig = _new_figure((size + 0.6, size))
+    ax = fig.add_subplot()
+    allowed = np.tril(np.ones((n, n)))
+    ax.imshow(allowed, cmap=_two_tone(), vmin=0, vmax=1, interpolation="nearest")
+    fs = 9 if n <= 10 else 7 if n <= 16 else 5
+    for q in range(n):
+        for k in range(n):
+            if k <= q:
+                ax.text(k, q, "score", ha="center", va="center", fontsize=fs - 1, color="#1f3b57")
+            else:
+                ax.text(k, q, "−∞", ha="center", va="center", fontsize=fs + 1, color="#f0f0f0",
+                        fontweight="bold")
+    ax.set_xticks(range(n), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=fs + 1)
+    ax.set_yticks(range(n), labels, fontsize=fs + 1)
+    ax.set_xlabel("key: the word looked at (earlier words)")
+    ax.set_ylabel("query: the word doing the looking")
+    ax.set_xticks(np.arange(-0.5, n, 1), minor=True)
+    ax.set_yticks(np.arange(-0.5, n, 1), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.2)
+    ax.tick_params(which="minor", length=0)
+    ax.set_title(
+        title
+        or "The causal mask: a word may look only at itself and earlier words\n"
+        "dark = masked (score set to −∞ before the softmax, share exactly 0)",
+        fontsize=10,
+    )
+    return fig
+
+
+def _two_tone():
+    from matplotlib.colors import ListedColormap
+
+    return ListedColormap([MASK_COLOR, "#cfe3f5"])
+
+
+# --------------------------------------------------------------------------- all heads
+
+
+def _tick_positions(n: int, max_labels: int) -> list[int]:
+    step = max(1, math.ceil(n / max(1, max_labels)))
+    return list(range(0, n, step))
+
+
+def all_heads_figure(
+    attentions,
+    tokens: Sequence[str],
+    *,
+    max_tokens: int | None = 32,
+    max_labels: int = 32,
+    gamma: float = 0.5,
+    title: str | None = None,
+    cell_inches: float | None = None,
+) -> Figure:
+    """Every head's attention map on one story, as a blocks x heads grid (6 x 4 here).
+
+    ``attentions`` is ``[block, head, query, key]`` (or ``model(...).attentions``),
+    ``tokens`` the display text of each position. Only the first ``max_tokens``
+    positions are drawn (``None`` = all); at most ``max_labels`` tokens are named on
+    each axis (every k-th token when there are more). Colours use a power scale
+    (``gamma``; 1 = linear) so small shares stay visible; the hatched dark upper
+    triangle is the causal mask. Each head's axes carries its label
+    (``ax.get_label() == "L5H3"``).
+    """
+    att = to_numpy_attention(attentions)
+    n_block, n_head, T, _ = att.shape
+    if len(tokens) != T:
+        raise ValueError(f"{len(tokens)} tokens but the attention covers {T} positions")
+    n = T if max_tokens is None else min(T, max_tokens)
+    att = att[:, :, :n, :n]
+    labels = [tick_label(t, 10) for t in tokens[:n]]
+    ticks = _tick_positions(n, max_labels)
+    cell = cell_inches or (3.6 if n <= 40 else 3.2)
+    fig = _new_figure((cell * n_head + 1.2, cell * n_block + 1.0))
+    norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=1.0) if gamma != 1 else Normalize(0.0, 1.0)
+    cmap = colormaps[ATTENTION_CMAP]
+    axes = fig.subplots(n_block, n_head, squeeze=False)
+    fs = 6 if len(ticks) > 24 else 7
+    im = None
+    for b in range(n_block):
+        for h in range(n_head):
+            ax = axes[b][h]
+            lab = head_label(b, h)
+            ax.set_label(lab)
+            masked = np.ma.masked_array(att[b, h], mask=np.triu(np.ones((n, n), bool), 1))
+            im = ax.imshow(masked, cmap=cmap, norm=norm, interpolation="nearest")
+            _draw_mask(ax, n, hatch=n <= 64)
+            ax.set_title(lab, fontsize=10, fontweight="bold", pad=3)
+            ax.set_xticks(ticks, [labels[i] for i in ticks] if b == n_block - 1 else [],
+                          rotation=90, fontsize=fs)
+            ax.set_yticks(ticks, [labels[i] for i in ticks] if h == 0 else [], fontsize=fs)
+            ax.tick_params(length=1.5, pad=1)
+            ax.set_xlim(-0.5, n - 0.5)
+            ax.set_ylim(n - 0.5, -0.5)
+    cb = fig.colorbar(im, ax=axes, shrink=0.35, aspect=30, pad=0.01)
+    cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""))
+    shown = f"first {n} of {T} tokens" if n < T else f"{T} tokens"
+    fig.suptitle(
+        title or f"All {n_block * n_head} heads on one story ({shown}); rows: query, columns: key",
+        fontsize=13,
+    )
+    fig.supxlabel("key (the earlier token looked at)", fontsize=10)
+    fig.supylabel("query (the token doing the looking)", fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------- per-head scores
+
+
+def name_mass_bar_figure(
+    scores: Sequence[tuple[str, float]],
+    baseline: float,
+    *,
+    title: str | None = None,
+    ylabel: str = "name mass (share of attention on the name)",
+    sort: bool = False,
+    baseline_label: str | None = None,
+) -> Figure:
+    """Bar chart of a per-head score (e.g. name mass) with the even-spread baseline.
+
+    ``scores`` is a list of ``(head label, value)`` pairs, drawn in the given order
+    (``sort=True`` orders them from highest). Bars above the baseline are coloured,
+    the rest grey; each bar is annotated with its value and its ratio to the baseline.
+    """
+    items = [(str(l), float(v)) for l, v in scores]
+    if not items:
+        raise ValueError("no scores to plot")
+    if sort:
+        items.sort(key=lambda lv: lv[1], reverse=True)
+    labels = [l for l, _ in items]
+    values = np.array([v for _, v in items])
+    fig = _new_figure((max(5.0, 0.42 * len(items) + 2.2), 4.2))
+    ax = fig.add_subplot()
+    colors = ["#1f77b4" if v > baseline else "#b0b0b0" for v in values]
+    bars = ax.bar(range(len(items)), values, color=colors, edgecolor="#333333", linewidth=0.5)
+    ax.axhline(baseline, color=NAME_COLOR, linestyle="--", linewidth=1.5,
+               label=baseline_label or f"even-spread baseline {baseline:.3f}")
+    fs = 8 if len(items) <= 12 else 6
+    for rect, v in zip(bars, values):
+        txt = f"{v:.3f}"
+        if baseline > 0 and len(items) <= 12:
+            txt += f"\n{v / baseline:.1f}×"
+        ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), txt, ha="center",
+                va="bottom", fontsize=fs)
+    ax.set_xticks(range(len(items)), labels, rotation=0 if len(items) <= 12 else 90, fontsize=9)
+    ax.set_xlabel("head (block, head; counted from 1)")
+    ax.set_ylabel(ylabel)
+    top = max(float(values.max()), baseline)
+    ax.set_ylim(0, top * 1.22 if top > 0 else 1)
+    ax.legend(loc="upper right", fontsize=9)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title(title or "Name mass per head against an even spread", fontsize=11)
+    return fig
+
+
+def _score_grid(scores, n_block: int | None, n_head: int | None) -> np.ndarray:
+    if isinstance(scores, Mapping):
+        parsed = {parse_head_label(k): float(v) for k, v in scores.items()}
+        nb = n_block or (max(b for b, _ in parsed) + 1)
+        nh = n_head or (max(h for _, h in parsed) + 1)
+        grid = np.full((nb, nh), np.nan)
+        for (b, h), v in parsed.items():
+            grid[b, h] = v
+        return grid
+    if isinstance(scores, (list, tuple)) and scores and isinstance(scores[0], (list, tuple)) \
+            and len(scores[0]) == 2 and isinstance(scores[0][0], str):
+        return _score_grid(dict(scores), n_block, n_head)
+    grid = np.asarray(scores, dtype=float)
+    if grid.ndim != 2:
+        raise ValueError(f"scores must be [block, head], a {{label: value}} dict or (label, value) pairs; got shape {grid.shape}")
+    return grid
+
+
+def head_heatmap_figure(
+    scores,
+    *,
+    title: str = "Score per head",
+    colorbar_label: str = "score",
+    fmt: str = "{:.3f}",
+    cmap: str = "magma",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    highlight: str | None = None,
+    n_block: int | None = None,
+    n_head: int | None = None,
+) -> Figure:
+    """A blocks x heads heatmap of any per-head score, every cell annotated.
+
+    ``scores`` is a ``[block, head]`` array, a ``{"L5H3": value}`` dict or a list of
+    ``(label, value)`` pairs. Rows are L1..L6, columns H1..H4. ``highlight`` (a head
+    label) gets a box drawn round it.
+    """
+    grid = _score_grid(scores, n_block, n_head)
+    nb, nh = grid.shape
+    fig = _new_figure((1.3 * nh + 2.4, 0.62 * nb + 1.6))
+    ax = fig.add_subplot()
+    finite = grid[np.isfinite(grid)]
+    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
+    if hi <= lo:
+        hi = lo + 1e-9
+    cm = colormaps[cmap]
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cm, vmin=lo, vmax=hi, aspect="auto")
+    for b in range(nb):
+        for h in range(nh):
+            v = grid[b, h]
+            if not np.isfinite(v):
+                ax.text(h, b, "–", ha="center", va="center", fontsize=9, color="#777777")
+                continue
+            r, g, bl, _ = cm((v - lo) / (hi - lo))
+            light = 0.299 * r + 0.587 * g + 0.114 * bl
+            ax.text(h, b, fmt.format(v), ha="center", va="center", fontsize=9,
+                    color="black" if light > 0.5 else "white")
+    ax.set_xticks(range(nh), [f"H{h + 1}" for h in range(nh)])
+    ax.set_yticks(range(nb), [f"L{b + 1}" for b in range(nb)])
+    ax.set_xlabel("head")
+    ax.set_ylabel("block (layer)")
+    ax.tick_params(length=0)
+    ax.xaxis.set_ticks_position("top")
+    ax.xaxis.set_label_position("top")
+    if highlight:
+        hb, hh = parse_head_label(highlight)
+        ax.add_patch(Rectangle((hh - 0.5, hb - 0.5), 1, 1, fill=False, edgecolor="#00bfff",
+                               linewidth=2.5))
+    cb = fig.colorbar(im, ax=ax, shrink=0.9)
+    cb.set_label(colorbar_label)
+    ax.set_title(title, fontsize=11)
+    return fig
+
+
+# --------------------------------------------------------------------------- the name head
+
+
+def name_attention_profile(
+    head_attention, name_positions: Sequence[int], first_mention: int | None = None
+) -> tuple[np.ndarray, list[int]]:
+    """Where one head looks, averaged over the queries after the name's first mention.
+
+    ``head_attention`` is one head's ``[query, key]`` map. The queries averaged are
+    every non-name position after ``first_mention`` (default: the first name
+    position), as the lesson's name mass counts them. Returns ``(weights per key
+    position, the query positions used)``.
+    """
+    att = np.asarray(head_attention, dtype=float)
+    if att.ndim != 2 or att.shape[0] != att.shape[1]:
+        raise ValueError(f"one head's attention must be [query, key], got {att.shape}")
+    names = sorted(set(int(p) for p in name_positions))
+    if not names:
+        raise ValueError("no name positions given")
+    start = names[0] if first_mention is None else int(first_mention)
+    name_set = set(names)
+    queries = [q for q in range(start + 1, att.shape[0]) if q not in name_set]
+    if not queries:
+        raise ValueError("no query after the first mention of the name")
+    return att[queries].mean(axis=0), queries
+
+
+def name_head_figure(
+    tokens: Sequence[str],
+    weights,
+    name_positions: Sequence[int],
+    *,
+    label: str,
+    first_mention: int | None = None,
+    baseline: float | None = None,
+    max_tokens: int | None = None,
+    line_chars: int = 84,
+    title: str | None = None,
+    gamma: float = 0.6,
+    vmax: float | None = None,
+) -> Figure:
+    """One head's view of one story: each token shaded by the attention it gets.
+
+    ``weights`` is either one value per token (e.g. from :func:`name_attention_profile`)
+    or that head's ``[query, key]`` map, which is then averaged over the queries after
+    the first mention. Name tokens get a red box, the first mention a thicker one.
+    The colour scale tops out at ``vmax`` (default: the largest weight on any token
+    but the first, so an attention sink on the end-of-story marker does not wash
+    out the rest; larger weights get the darkest shade).
+    ``label`` is the head label (``"L5H3"``). The title reports the share on the name.
+    """
+    w = np.asarray(weights, dtype=float)
+    if w.ndim == 2:
+        w, queries = name_attention_profile(w, name_positions, first_mention)
+        n_queries = len(queries)
+    else:
+        n_queries = None
+    if w.shape[0] != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {w.shape[0]} weights")
+    names = sorted(set(int(p) for p in name_positions))
+    first = names[0] if first_mention is None and names else first_mention
+    name_share = float(w[names].sum()) if names else 0.0
+    n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+
+    # Lay the tokens out as monospaced text, so positions can be computed without a renderer.
+    rows: list[list[tuple[int, int, str]]] = [[]]  # (position, column, text)
+    col = 0
+    for i in range(n):
+        t = tokens[i].replace("\r", "").replace("\t", " ")
+        pieces = t.split("\n")
+        for j, piece in enumerate(pieces):
+            if j > 0:  # a newline inside the token: show it, then break the line
+                rows[-1].append((i, col, "↵"))
+                col += 1
+                rows.append([])
+                col = 0
+            if not piece:
+                continue
+            if col + len(piece) > line_chars and col > 0:
+                rows.append([])
+                col = 0
+                piece = piece.lstrip(" ") or piece
+            rows[-1].append((i, col, piece))
+            col += len(piece)
+    rows = [r for r in rows if r] or [[]]
+    n_rows = len(rows)
+    font_pt = 9.0
+    char_in = 0.602 * font_pt / 72  # DejaVu Sans Mono's advance is 0.602 em
+    line_in = 1.75 * font_pt / 72
+    # Exact placement (no automatic layout): one data unit on x is one character wide.
+    margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.7, 0.16, 0.45, 0.2
+    text_w, text_h = (line_chars + 1) * char_in, n_rows * line_in
+    W = text_w + 2 * margin
+    H = title_h + text_h + gap + cbar_h + below_cbar
+    fig = Figure(figsize=(W, H))
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes([margin / W, (below_cbar + cbar_h + gap) / H, text_w / W, text_h / H])
+    cax = fig.add_axes([margin / W, below_cbar / H, text_w / W, cbar_h / H])
+    ax.set_xlim(-0.5, line_chars + 0.5)
+    ax.set_ylim(n_rows, 0)
+    ax.axis("off")
+    cmap = colormaps["Blues"]
+    if vmax is None:
+        rest = w[1:n] if n > 1 else w[:n]
+        vmax = float(rest.max()) if rest.size else 1.0
+    norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=vmax if vmax > 0 else 1.0, clip=True)
+    name_set = set(names)
+    for r, row in enumerate(rows):
+        for pos, c, text in row:
+            val = w[pos]
+            face = cmap(norm(val) * 0.85)
+            ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, facecolor=face,
+                                   edgecolor="none", zorder=1))
+            light = 0.299 * face[0] + 0.587 * face[1] + 0.114 * face[2]
+            is_name = pos in name_set
+            ax.text(c - 0.5, r + 0.5, text, family="DejaVu Sans Mono", fontsize=font_pt,
+                    va="center", ha="left", zorder=3,
+                    color=("#7f0000" if light > 0.55 else "#ffdede") if is_name else
+                    ("black" if light > 0.55 else "white"),
+                    fontweight="bold" if is_name else "normal")
+            if is_name:  # the first mention (where averaging starts) gets a thicker box
+                ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, fill=False,
+                                       edgecolor=NAME_COLOR, linewidth=2.6 if pos == first else 1.3,
+                                       zorder=4))
+    from matplotlib.cm import ScalarMappable
+
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=_truncated_blues()), cax=cax,
+                      orientation="horizontal")
+    cb.set_label("attention share received (mean over queries after the first mention)"
+                 + (f"; ≥ {norm.vmax:.3g} darkest" if float(w[:n].max()) > norm.vmax else ""),
+                 fontsize=8)
+    cax.tick_params(labelsize=7)
+    parts = [f"{label}: where it looks in this story"]
+    detail = f"share on the name (red boxes): {name_share:.3f}"
+    if baseline is not None and baseline > 0:
+        detail += f" = {name_share / baseline:.1f}× an even spread ({baseline:.3f})"
+    if n_queries is not None:
+        detail += f"; {n_queries} queries averaged"
+    if n < len(tokens):
+        detail += f"; first {n} of {len(tokens)} tokens shown"
+    fig.suptitle(title or (parts[0] + "\n" + detail), fontsize=10, y=1 - 0.1 / H, va="top")
+    return fig
+
+
+def _truncated_blues():
+    from matplotlib.colors import LinearSegmentedColormap
+
+    base = colormaps["Blues"]
+    return LinearSegmentedColormap.from_list("blues85", [base(x) for x in np.linspace(0, 0.85, 64)])
+
+
+# --------------------------------------------------------------------------- output
+
+
+def figure_png_bytes(fig: Figure, *, dpi: int = DEFAULT_DPI) -> bytes:
+    """The figure as PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
+    return buf.getvalue()
+
+
+def save_png(fig: Figure, path: str | os.PathLike, *, dpi: int = DEFAULT_DPI) -> Path:
+    """Write the figure as a PNG (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(figure_png_bytes(fig, dpi=dpi))
+    return path
+
+
+def figure_data_uri(fig: Figure, *, dpi: int = DEFAULT_DPI) -> str:
+    """``data:image/png;base64,...`` for an ``<img src=...>`` in a self-contained HTML page."""
+    return "data:image/png;base64," + base64.b64encode(figure_png_bytes(fig, dpi=dpi)).decode("ascii")

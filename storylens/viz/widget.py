@@ -1,0 +1,262 @@
+"""A clickable attention viewer as one self-contained HTML view (no network, no CDN).
+
+:class:`AttentionWidget` shows one story's tokens. Click a token (the query) and the
+earlier tokens are shaded by the attention that query gives them, for the selected
+block and head, or for all 24 heads at once as small multiples. :func:`toy_widget`
+is the lesson's toy: a few words with hand-set two-number queries and keys (not the
+model's), showing score = q·k, the softmax and the resulting shares.
+
+The JavaScript and CSS (``static/widget.js`` and ``static/widget.css``) are inlined
+at render time and the data is embedded as JSON, so the HTML works offline, in a
+saved file, and in Jupyter, VS Code and Colab output cells. Story text only ever
+reaches the page as JSON data and is put into the DOM with ``textContent``.
+
+Attention weights are embedded as integers in units of ``10**-decimals`` (default 5
+decimals: every shown weight is within 5e-6 of the model's; a 256-token story
+makes a page of about 3.5 MB). Each token the selected query can see carries its
+shown weight as ``data-weight``; the page root carries ``data-block``,
+``data-head``, ``data-query`` and ``data-mode``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import secrets
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .tokens import story_attention, to_numpy_attention
+
+__all__ = ["AttentionWidget", "ToyWidget", "toy_widget", "TOY_WORDS", "TOY_QUERIES", "TOY_KEYS"]
+
+# The toy: "Momo the monkey found a banana. He ate it". Dimension 1 reads roughly
+# "is / wants a name", dimension 2 "is / wants a thing". Hand-set, not learned.
+TOY_WORDS = ["Momo", "the", "monkey", "found", "a", "banana", ".", "He", "ate", "it"]
+TOY_QUERIES = [
+    [0.0, 1.0], [0.0, 0.5], [0.5, 0.0], [0.0, 1.0], [0.0, 0.5],
+    [0.0, 1.0], [0.2, 0.2], [1.5, 0.0], [0.0, 1.2], [0.0, 1.5],
+]
+TOY_KEYS = [
+    [2.0, 0.0], [0.0, 0.2], [1.2, 0.3], [0.2, 0.5], [0.0, 0.2],
+    [0.1, 2.0], [0.0, 0.0], [1.0, 0.0], [0.3, 0.5], [0.2, 0.3],
+]
+TOY_QUERY = 7  # "He": who is "he"?
+
+
+@lru_cache(maxsize=None)
+def _static(name: str) -> str:
+    text = resources.files("storylens.viz").joinpath("static", name).read_text(encoding="utf-8")
+    if "</script" in text.lower() or "</style" in text.lower():
+        raise RuntimeError(f"static/{name} must not contain a closing script or style tag")
+    return text
+
+
+def _json_for_script(data) -> str:
+    """JSON that is safe inside ``<script type="application/json">``.
+
+    Every ``<``, ``>`` and ``&`` is written as a ``\\u`` escape, so no story text can
+    close the script tag (``</script>``) or open a comment; JSON.parse restores them.
+    """
+    s = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    s = s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return s.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+class _HtmlView:
+    """Shared rendering: a fragment for notebooks, a full page for files."""
+
+    kind = "view"
+
+    def __init__(self, title: str):
+        self.title = str(title)
+
+    def data(self) -> dict:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _fragment(self, nonce: str | None = None) -> str:
+        uid = "slw-" + secrets.token_hex(6)
+        n = f' nonce="{nonce}"' if nonce else ""
+        payload = _json_for_script({"kind": self.kind, **self.data()})
+        boot = (
+            "(function(){var go=function(){window.StorylensWidget.mount(%s);};"
+            "if(document.readyState==='loading'){document.addEventListener('DOMContentLoaded',go);}"
+            "else{go();}})();" % json.dumps(uid)
+        )
+        return (
+            f"<style{n}>{_static('widget.css')}</style>\n"
+            f'<div class="slw-root" id="{uid}" data-slw-kind="{self.kind}">'
+            f'<div class="slw-loading">{html.escape(self.title)}: loading the interactive view… '
+            "(if this message stays, JavaScript is off here, e.g. an untrusted notebook)</div></div>\n"
+            f'<script type="application/json" id="{uid}-data">{payload}</script>\n'
+            f"<script{n}>{_static('widget.js')}\n{boot}</script>\n"
+        )
+
+    def _repr_html_(self) -> str:
+        """The view for Jupyter, VS Code and Colab: a fragment with its own unique ids."""
+        return self._fragment()
+
+    def to_html(self) -> str:
+        """A standalone page. Its Content-Security-Policy forbids every network request."""
+        nonce = secrets.token_urlsafe(16)
+        csp = (
+            "default-src 'none'; "
+            f"script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; img-src data:; "
+            "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'"
+        )
+        return (
+            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{html.escape(self.title)}</title>\n</head>\n<body class=\"slw-page\">\n"
+            f"{self._fragment(nonce)}</body>\n</html>\n"
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_html` to ``path`` (UTF-8); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_html(), encoding="utf-8")
+        return path
+
+
+class AttentionWidget(_HtmlView):
+    """Click a token, see its attention over the earlier tokens.
+
+    ``tokens``: display text per position (see :func:`storylens.viz.tokens.token_texts`).
+    ``attentions``: ``[block, head, query, key]`` (array or tensor), or the model's
+    ``attentions`` list. ``block``/``head`` (0-indexed) and ``query`` (a position;
+    default the last) set what is shown first. ``decimals`` is the precision of the
+    embedded weights.
+    """
+
+    kind = "attention"
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        attentions,
+        title: str = "Attention",
+        *,
+        block: int = 0,
+        head: int = 0,
+        query: int | None = None,
+        decimals: int = 5,
+    ):
+        super().__init__(title)
+        att = to_numpy_attention(attentions)
+        n_block, n_head, T, _ = att.shape
+        tokens = [str(t) for t in tokens]
+        if len(tokens) != T:
+            raise ValueError(f"{len(tokens)} tokens but the attention covers {T} positions")
+        if T == 0:
+            raise ValueError("no tokens")
+        if not np.all(np.isfinite(att)):
+            raise ValueError("attention has non-finite values")
+        if not (0 <= block < n_block and 0 <= head < n_head):
+            raise ValueError(f"block {block}, head {head} out of range ({n_block} x {n_head})")
+        if not 1 <= decimals <= 9:
+            raise ValueError("decimals must be between 1 and 9")
+        query = T - 1 if query is None else int(query)
+        if not 0 <= query < T:
+            raise ValueError(f"query {query} out of range (0..{T - 1})")
+        self.tokens = tokens
+        self.attentions = att
+        self.block, self.head, self.query = int(block), int(head), query
+        self.decimals = int(decimals)
+
+    @classmethod
+    def from_model(
+        cls, model, text: str, title: str | None = None, *, window: int | None = None, **kw
+    ) -> "AttentionWidget":
+        """Encode ``text`` as the lesson does (``<eot>`` + story, cut to the window),
+        record the model's attention and build the widget."""
+        tokens, att, enc = story_attention(model, text, window=window)
+        if title is None:
+            words = text.split()
+            title = " ".join(words[:8]) + (" …" if len(words) > 8 else "")
+            title = f"Attention: “{title}”"
+            if enc.cut:
+                title += f" (first {len(enc.ids)} of {enc.full_length} tokens)"
+        return cls(tokens, att, title=title, **kw)
+
+    def data(self) -> dict:
+        scale = 10 ** self.decimals
+        q = np.rint(self.attentions * scale).astype(np.int64)
+        n_block, n_head, T, _ = q.shape
+        rows = [
+            [[q[b, h, i, : i + 1].tolist() for i in range(T)] for h in range(n_head)]
+            for b in range(n_block)
+        ]
+        return {
+            "title": self.title,
+            "tokens": self.tokens,
+            "nBlock": n_block,
+            "nHead": n_head,
+            "decimals": self.decimals,
+            "att": rows,  # att[block][head][query] = weights on keys 0..query, in 10**-decimals
+            "block": self.block,
+            "head": self.head,
+            "query": self.query,
+        }
+
+
+class ToyWidget(_HtmlView):
+    """The lesson's toy: hand-set two-number queries and keys, score = q·k, softmax, shares."""
+
+    kind = "toy"
+
+    def __init__(self, words, queries, keys, query: int, title: str):
+        super().__init__(title)
+        words = [str(w) for w in words]
+        qs = np.asarray(queries, dtype=float)
+        ks = np.asarray(keys, dtype=float)
+        n = len(words)
+        if n == 0 or qs.shape != ks.shape or qs.shape[0] != n or qs.ndim != 2:
+            raise ValueError("need one query and one key vector (same length) per word")
+        if not 0 <= query < n:
+            raise ValueError(f"query {query} out of range (0..{n - 1})")
+        self.words, self.queries, self.keys, self.query = words, qs, ks, int(query)
+
+    def shares(self, query: int | None = None) -> np.ndarray:
+        """The toy's attention shares for one query (what the page shows)."""
+        i = self.query if query is None else query
+        scores = self.keys[: i + 1] @ self.queries[i]
+        e = np.exp(scores - scores.max())
+        return e / e.sum()
+
+    def data(self) -> dict:
+        return {
+            "title": self.title,
+            "words": self.words,
+            "q": self.queries.tolist(),
+            "k": self.keys.tolist(),
+            "query": self.query,
+        }
+
+
+def toy_widget(
+    words: Sequence[str] | None = None,
+    queries=None,
+    keys=None,
+    *,
+    query: int | None = None,
+    title: str = "Toy attention: hand-set queries and keys (not Momo's weights)",
+) -> ToyWidget:
+    """The toy view. Default: "Momo the monkey found a banana. He ate it", query "He".
+
+    ``queries`` and ``keys`` are one small vector per word (two numbers each in the
+    lesson). In the page the selected word's query and every key are editable.
+    """
+    if words is None:
+        words, queries, keys = TOY_WORDS, TOY_QUERIES, TOY_KEYS
+        query = TOY_QUERY if query is None else query
+    elif queries is None or keys is None:
+        raise ValueError("give queries and keys along with words")
+    query = len(words) - 1 if query is None else query
+    return ToyWidget(words, queries, keys, query, title)

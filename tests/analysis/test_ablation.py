@@ -1,0 +1,236 @@
+"""Switching heads off through head_hook: exactly the chosen heads change, and nothing stays changed."""
+
+import pytest
+import torch
+
+from storylens.analysis.ablation import (
+    Condition,
+    ablate_heads,
+    ablation_loss_table,
+    ablation_losses,
+    first_difference,
+    generation_divergence,
+    head_output_means,
+    mention_first_tokens,
+    run_suffix,
+)
+from storylens.errors import StorylensError
+
+
+@pytest.fixture(scope="module")
+def model(shipped_model):
+    return shipped_model
+
+
+@pytest.fixture(scope="module")
+def small_ids(quiz_ids):
+    """A few quiz stories, shortened: enough to exercise padding and batching, cheaply."""
+    return [quiz_ids[0][:40], quiz_ids[1][:25], quiz_ids[2][:33]]
+
+
+def padded(stories):
+    T = max(len(s) for s in stories)
+    x = torch.zeros(len(stories), T, dtype=torch.long)
+    for i, s in enumerate(stories):
+        x[i, : len(s)] = torch.tensor(s)
+    return x
+
+
+class Reader:
+    """A reading hook on every block: keeps a copy of what each block's c_proj receives."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, {}
+
+    def __enter__(self):
+        self.saved = [m.head_hook for m in self.model.attentions]
+        for m in self.model.attentions:
+            m.head_hook = self
+        return self
+
+    def __call__(self, layer, y):
+        self.seen[layer] = y.clone()
+        return y
+
+    def __exit__(self, *exc):
+        for m, h in zip(self.model.attentions, self.saved):
+            m.head_hook = h
+
+
+@torch.inference_mode()
+def capture(model, x):
+    with Reader(model) as r:
+        model(x)
+    return r.seen
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_only_the_ablated_head_changes(model, small_ids, mode):
+    x = padded(small_ids)
+    means = head_output_means(model, small_ids) if mode == "mean" else None
+    before = capture(model, x)
+    with Reader(model) as r, torch.inference_mode():
+        with ablate_heads(model, [(2, 1)], mode, means):  # L3H2; the reader keeps running after it
+            model(x)
+        after = r.seen
+    for b in (0, 1):  # earlier blocks: bit-identical
+        assert torch.equal(before[b], after[b])
+    for h in (0, 2, 3):  # the other heads of that block: bit-identical
+        assert torch.equal(before[2][:, h], after[2][:, h])
+    expected = torch.zeros_like(after[2][:, 1]) if mode == "zero" else means[2, 1].expand_as(after[2][:, 1])
+    assert torch.equal(after[2][:, 1], expected)
+    assert not torch.equal(before[2][:, 1], after[2][:, 1])
+    assert not torch.equal(before[3], after[3])  # and later blocks feel it
+
+
+def test_zeroing_a_whole_block_leaves_its_c_proj_bias(model, small_ids):
+    x = padded(small_ids)
+    attn = model.transformer.h[3].attn
+    got = {}
+    def keep(mod, inp, out):
+        got["out"] = out[0].clone()  # returns None: the output is left as it is
+
+    handle = attn.register_forward_hook(keep)
+    try:
+        with torch.inference_mode(), ablate_heads(model, [(3, h) for h in range(model.config.n_head)]):
+            model(x)
+    finally:
+        handle.remove()
+    out = got["out"]
+    assert torch.equal(out, attn.c_proj.bias.expand_as(out))
+
+
+def test_exit_restores_hooks_and_logits(model, small_ids):
+    x = padded(small_ids)
+    with torch.inference_mode():
+        ref = model(x).logits
+    mine = lambda layer, y: y  # noqa: E731: a hook already in place must survive
+    model.attentions[1].head_hook = mine
+    try:
+        with torch.inference_mode():
+            with ablate_heads(model, ["L2H1", "L5H3", (5, 3)], "zero"):
+                assert model.attentions[1].head_hook is not mine
+                changed = model(x).logits
+            assert not torch.equal(ref, changed)
+            assert model.attentions[1].head_hook is mine
+            assert all(model.attentions[b].head_hook is None for b in (0, 2, 3, 4, 5))
+            assert torch.equal(model(x).logits, ref)
+            with pytest.raises(RuntimeError):  # an exception inside restores them too
+                with ablate_heads(model, [(1, 0)]):
+                    raise RuntimeError("boom")
+            assert model.attentions[1].head_hook is mine
+    finally:
+        model.attentions[1].head_hook = None
+    with torch.inference_mode():
+        assert torch.equal(model(x).logits, ref)
+
+
+def test_bad_arguments(model):
+    with pytest.raises(StorylensError):
+        with ablate_heads(model, [(6, 0)]):
+            pass
+    with pytest.raises(StorylensError):
+        with ablate_heads(model, [(0, 0)], mode="mean"):  # no means
+            pass
+    with pytest.raises(StorylensError):
+        with ablate_heads(model, [(0, 0)], mode="half"):
+            pass
+    assert all(m.head_hook is None for m in model.attentions)
+
+
+def test_head_means_ignore_padding(model, small_ids):
+    together = head_output_means(model, small_ids, batch_size=8)
+    one_by_one = head_output_means(model, small_ids, batch_size=1)
+    assert together.shape == (model.config.n_layer, model.config.n_head, model.config.head_size)
+    assert torch.allclose(together, one_by_one, atol=1e-6)
+    seen = capture(model, torch.tensor([small_ids[1]]))
+    assert torch.allclose(head_output_means(model, [small_ids[1]])[4], seen[4][0].mean(1), atol=1e-6)
+
+
+def test_suffix_run_equals_full_forward(model, small_ids):
+    x = padded(small_ids)
+    with torch.inference_mode(), ablate_heads(model, [(4, 2)]):
+        full = model(x).logits
+        h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(x.shape[1]))
+        for block in model.transformer.h[:4]:
+            h, _ = block(h)
+        tail = model.lm_head(model.transformer.ln_f(run_suffix(model, h, 4)))
+    assert torch.allclose(full, tail, atol=1e-5)
+
+
+def test_table_losses_match_a_direct_computation(model, small_ids):
+    starts = [[5, 30], [], [12]]  # pretend name starts
+    table = ablation_loss_table(model, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]],
+                                batch_size=2)
+    assert [(r.label, r.mode) for r in table.rows] == [
+        ("L1H1", "zero"), ("L1H1", "mean"), ("L5H3", "zero"), ("L5H3", "mean"),
+        ("L5H3+L4H4", "zero"), ("L5H3+L4H4", "mean"),
+    ]
+    assert table.n_name_positions == 3
+    assert table.n_other_positions == sum(len(s) - 1 for s in small_ids) - 3
+
+    def direct(ctx):
+        name, other = [], []
+        with torch.inference_mode(), ctx:
+            for s, st in zip(small_ids, starts):
+                logits = model(torch.tensor([s])).logits[0, :-1]
+                ce = torch.nn.functional.cross_entropy(logits, torch.tensor(s[1:]), reduction="none")
+                for t in range(len(s) - 1):
+                    (name if t + 1 in st else other).append(ce[t])
+        return torch.stack(name).mean().item(), torch.stack(other).mean().item()
+
+    import contextlib
+
+    assert (table.baseline_name_loss, table.baseline_other_loss) == pytest.approx(direct(contextlib.nullcontext()), abs=1e-5)
+    r = table.row("L5H3", "zero")
+    assert (r.name_loss, r.other_loss) == pytest.approx(direct(ablate_heads(model, [(4, 2)])), abs=1e-5)
+    assert r.name_increase == pytest.approx(r.name_loss - table.baseline_name_loss)
+    means = head_output_means(model, small_ids)
+    g = table.row("L5H3+L4H4", "mean")
+    assert (g.name_loss, g.other_loss) == pytest.approx(
+        direct(ablate_heads(model, [(4, 2), (3, 3)], "mean", means)), abs=1e-5)
+    text = table.format()
+    assert "L5H3+L4H4" in text and "baseline loss" in text
+
+
+def test_losses_reject_bad_name_starts(model, small_ids):
+    with pytest.raises(StorylensError):
+        ablation_losses(model, small_ids, [[0], [], []], [Condition("L1H1", ((0, 0),), "zero")])
+    with pytest.raises(StorylensError):
+        ablation_losses(model, small_ids, [[], []], [])
+
+
+def test_mention_first_tokens():
+    # "Lily and Lily": tokens "Li" "ly" " and" " Lily"
+    offsets = [(0, 2), (2, 4), (4, 8), (8, 13)]
+    assert mention_first_tokens(offsets, [(0, 4), (9, 13)]) == [1, 4]
+    assert mention_first_tokens(offsets, [(0, 4), (9, 13)], window=4) == [1]
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_generation_divergence(model):
+    prompt = "Once upon a time, there was a little girl named Lily."
+    same = generation_divergence(model, prompt, [], seed=3, max_new_tokens=12)
+    assert same.same and same.baseline_ids == same.ablated_ids
+    gen = torch.Generator().manual_seed(3)
+    from storylens.tokenizer import encode_story, eot_id
+
+    idx = torch.tensor([encode_story(model.tokenizer, prompt).ids])
+    plain = [s.token for s in model.generate_stream(idx, 12, generator=gen, eos_id=eot_id(model.tokenizer))]
+    assert list(same.baseline_ids) == plain
+
+    every = [(b, h) for b in range(model.config.n_layer) for h in range(model.config.n_head)]
+    d = generation_divergence(model, prompt, every, seed=3, max_new_tokens=12, temperature=0)
+    assert d.baseline_ids[: d.first_difference or 0] == d.ablated_ids[: d.first_difference or 0]
+    if d.first_difference is not None:
+        i = d.first_difference
+        assert i == len(d.baseline_ids) or i == len(d.ablated_ids) or d.baseline_ids[i] != d.ablated_ids[i]
+    assert all(m.head_hook is None for m in model.attentions)
+    assert "first difference" in d.format()
+    with pytest.raises(StorylensError):
+        generation_divergence(model, prompt, [(0, 0)], max_new_tokens=10_000)

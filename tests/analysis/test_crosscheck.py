@@ -1,0 +1,95 @@
+"""Cross-check with TransformerLens: the same weights, read through its TransformerBridge.
+
+storylens's HF export (a transformers GPT2LMHeadModel folder) is booted offline with
+``TransformerBridge.boot_transformers``; its cached attention patterns must equal
+storylens's recorded attention, and the previous-token score computed on its cache
+with storylens's own definition (storylens.analysis.scores) must equal storylens's.
+Install: see TL_SETUP.md beside this file.
+"""
+
+import os
+
+import pytest
+import torch
+
+try:  # a clear skip reason rather than an ImportError deep in a fixture
+    from transformer_lens.model_bridge import TransformerBridge
+except Exception as e:  # noqa: BLE001: any import failure means "not available"
+    pytest.skip(
+        f"transformer_lens is not importable ({type(e).__name__}: {e}); install it as TL_SETUP.md says",
+        allow_module_level=True,
+    )
+
+from storylens.analysis.names import find_main_characters
+from storylens.analysis.scores import HeadScoreAccumulator, length_batches, make_batch, score_heads
+from storylens.hub import export_hf
+from storylens.tokenizer import eot_id
+
+N_STORIES = 200  # the whole quiz: a few seconds per side on 2 cores
+BATCH = 20
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def bridge(shipped_model, tmp_path_factory):
+    folder = export_hf(shipped_model, tmp_path_factory.mktemp("hf") / "tiny-storyteller")
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        b = TransformerBridge.boot_transformers(str(folder), device="cpu")
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+    b.eval()
+    return b
+
+
+def patterns(bridge, x, n_layer):
+    """TransformerLens's attention patterns, one ``[batch, head, q, k]`` per block."""
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(n_layer)]
+    _, cache = bridge.run_with_cache(x, names_filter=lambda n: n in names)
+    return [cache[n] for n in names]
+
+
+def test_bridge_matches_the_export(bridge, shipped_model):
+    cfg = bridge.cfg
+    c = shipped_model.config
+    assert (cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, cfg.d_vocab) == (
+        c.n_layer, c.n_head, c.head_size, c.n_embd, c.block_size, c.vocab_size)
+
+
+def test_patterns_and_prev_token_score_equal_storylens(bridge, shipped_model, corpus_split, quiz_ids):
+    model = shipped_model
+    stories = corpus_split.quiz[:N_STORIES]
+    ids = quiz_ids[:N_STORIES]
+    mains = find_main_characters(model.tokenizer, stories, window=model.config.block_size)
+    marker = eot_id(model.tokenizer)
+    ours = HeadScoreAccumulator(model.config.n_layer, model.config.n_head)
+    theirs = HeadScoreAccumulator(model.config.n_layer, model.config.n_head)
+    worst = 0.0
+    with torch.inference_mode():
+        for idx in length_batches([len(x) for x in ids], BATCH):
+            batch = make_batch([ids[i] for i in idx], [mains[i] for i in idx], [True] * len(idx), marker)
+            a = model(batch.ids, record_attention=True).attentions
+            b = patterns(bridge, batch.ids, model.config.n_layer)
+            for blk, (x, y) in enumerate(zip(a, b)):
+                assert x.shape == y.shape, blk
+                for r, i in enumerate(idx):  # real positions only (padding sits after each story)
+                    L = len(ids[i])
+                    worst = max(worst, (x[r, :, :L, :L] - y[r, :, :L, :L]).abs().max().item())
+            ours.update(a, batch)
+            theirs.update(b, batch)
+    assert worst <= TOL, f"attention patterns differ by {worst:.3g}"
+    mine, tl = ours.columns(False), theirs.columns(False)
+    assert ours.prev["prev_token"].count == len(ids)
+    for col in ("prev_token", "prev4", "name_mass", "marker"):
+        diff = (mine[col] - tl[col]).abs().max().item()
+        assert diff <= TOL, f"{col}: TransformerLens and storylens differ by {diff:.3g}"
+    # an argmax can flip on a near-tie between two keys (1e-7 apart): allow a few flips
+    assert (mine["prev_argmax"] - tl["prev_argmax"]).abs().max().item() <= 1e-3
+    # and the streaming scorer itself gives the same previous-token scores
+    table = score_heads(model, stories, progress=False)
+    got = torch.tensor(table.column("prev_token"), dtype=torch.float64).view_as(tl["prev_token"])
+    assert (got - tl["prev_token"]).abs().max().item() <= TOL

@@ -1,0 +1,74 @@
+"""The command line: real generation, and one-line errors for bad input."""
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from storylens.cli import main
+from storylens.data import EOT
+from storylens.hub import SHIPPED_MODEL
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_generate_streams_a_story_from_the_shipped_model():
+    r = subprocess.run([sys.executable, "-m", "storylens", "generate", "Once upon a time", "--max-new-tokens", "40",
+                        "--seed", "3"], capture_output=True, text=True, check=True)
+    assert r.stdout.startswith("Once upon a time")
+    assert len(r.stdout.split()) > 8
+    again = subprocess.run([sys.executable, "-m", "storylens", "generate", "Once upon a time", "--max-new-tokens",
+                            "40", "--seed", "3", "--no-cache"], capture_output=True, text=True, check=True)
+    assert again.stdout == r.stdout  # the KV cache changes the cost, not the story
+
+
+def test_empty_prompt(capsys):
+    assert "prompt: empty" in _err(capsys, ["generate", "   "])
+
+
+def test_prompt_past_the_window(capsys):
+    assert "256-token window" in _err(capsys, ["generate", "Once", "--max-new-tokens", "300"])
+
+
+def test_bad_corpus_files(capsys, tmp_path):
+    assert "stories file not found" in _err(capsys, ["perplexity", "--stories", str(tmp_path / "none.gz")])
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(gzip.compress(b"x" * 1000)[:30])
+    assert "bad.gz: corrupt gzip" in _err(capsys, ["perplexity", "--stories", str(bad)])
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Zoë.\n<|endoftext|>\n".encode("latin-1"))
+    assert "latin.txt: not UTF-8" in _err(capsys, ["perplexity", "--stories", str(latin)])
+    few = tmp_path / "few.txt"
+    few.write_text("".join(f"Tale {i}.\n{EOT}\n" for i in range(150)))
+    assert "150 stories" in _err(capsys, ["perplexity", "--stories", str(few)])
+
+
+def test_bad_model_folders(capsys, tmp_path):
+    m = tmp_path / "m"
+    shutil.copytree(SHIPPED_MODEL, m)
+    w = m / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    assert "corrupt or truncated weights" in _err(capsys, ["generate", "Hi", "--model", str(m)])
+    w.unlink()
+    assert "weights file missing" in _err(capsys, ["generate", "Hi", "--model", str(m)])
+    shutil.copy(SHIPPED_MODEL / "model.safetensors", w)
+    (m / "config.json").write_text(json.dumps({"n_layer": 4}))
+    assert "weights do not match" in _err(capsys, ["generate", "Hi", "--model", str(m)])
+    (m / "config.json").write_text("{not json")
+    assert "config.json: not a valid model config" in _err(capsys, ["generate", "Hi", "--model", str(m)])
+
+
+def test_debug_shows_the_traceback(capsys):
+    from storylens.errors import StorylensError
+
+    with pytest.raises(StorylensError):
+        main(["--debug", "generate", ""])

@@ -1,0 +1,66 @@
+"""Shared fixtures for the viz tests: the shipped model and one real quiz story.
+
+Nothing here hard-codes what the model computes: the shipped weights are replaced
+as training goes on, so every test compares against a fresh forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from storylens.data import load_split
+from storylens.errors import StorylensError
+from storylens.hub import load_model
+from storylens.tokenizer import encode_story
+from storylens.viz.tokens import token_texts
+
+
+@pytest.fixture(scope="session")
+def model():
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def quiz():
+    try:
+        return load_split().quiz
+    except StorylensError as e:
+        pytest.skip(f"TinyStories corpus not available: {e}")
+
+
+def main_name(story: str, quiz: list[str]) -> str | None:
+    """The lesson's crude main character: the most frequent capitalised word (at least
+    two mentions) whose lowercase form appears nowhere in the quiz stories."""
+    lower = set(re.findall(r"[a-z]+", " ".join(quiz)))
+    words = re.findall(r"\b[A-Z][a-z]+\b", story)
+    counts = Counter(w for w in words if w.lower() not in lower)
+    best = [w for w, c in counts.most_common() if c >= 2]
+    return best[0] if best else None
+
+
+@pytest.fixture(scope="session")
+def story(quiz):
+    """The first quiz story that has a main character by the lesson's rule."""
+    for s in quiz:
+        name = main_name(s, quiz)
+        if name:
+            return s, name
+    pytest.skip("no quiz story with a named main character")
+
+
+@pytest.fixture(scope="session")
+def story_run(model, story):
+    """``(token ids, display tokens, attention [block, head, q, k] as float64 numpy, name positions)``."""
+    text, name = story
+    tok = model.tokenizer
+    enc = encode_story(tok, text, window=model.config.block_size)
+    with torch.no_grad():
+        out = model(torch.tensor([enc.ids]), record_attention=True)
+    att = torch.stack([a[0] for a in out.attentions]).double().numpy()
+    tokens = token_texts(tok, enc.ids)
+    names = [i for i, t in enumerate(tokens) if t.strip() == name]
+    return enc.ids, tokens, att, names

@@ -1,0 +1,134 @@
+"""Figures on a real quiz story with the shipped model: shapes, labels and PNG output."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from storylens.model import head_label
+from storylens.viz import (
+    all_heads_figure,
+    causal_mask_figure,
+    figure_data_uri,
+    head_heatmap_figure,
+    name_attention_profile,
+    name_head_figure,
+    name_mass_bar_figure,
+    save_png,
+    token_texts,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LABELS = [head_label(b, h) for b in range(6) for h in range(4)]
+
+
+def _png_shape(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return imread(io.BytesIO(data)).shape
+
+
+def _name_mass(att, names):
+    """Per head: mean share on the name over non-name queries after the first mention."""
+    out = {}
+    for b in range(att.shape[0]):
+        for h in range(att.shape[1]):
+            w, _ = name_attention_profile(att[b, h], names)
+            out[head_label(b, h)] = float(w[names].sum())
+    return out
+
+
+def test_token_texts_show_marker_and_round_trip(model, story_run):
+    ids, tokens, _, _ = story_run
+    assert tokens[0] == "<eot>"
+    tok = model.tokenizer
+    if not any("\ufffd" in tok.decode([i]) for i in ids[1:]):  # whole characters only
+        assert "".join(tokens[1:]) == tok.decode(ids[1:])
+    # partial UTF-8 tokens fall back to their vocabulary entry, never to U+FFFD
+    snowman = tok.encode("\u2603").ids
+    assert all("\ufffd" not in t for t in token_texts(tok, snowman))
+
+
+def test_all_heads_grid(story_run, tmp_path):
+    _, tokens, att, _ = story_run
+    fig = all_heads_figure(att, tokens, max_tokens=24)
+    head_axes = [ax for ax in fig.axes if ax.get_label() in LABELS]
+    assert [ax.get_label() for ax in head_axes] == LABELS  # 24 heads, L1H1 .. L6H4
+    assert [ax.get_title() for ax in head_axes] == LABELS
+    h, w, _ = _png_shape(save_png(fig, tmp_path / "all_heads.png"))  # drawing lays it out
+    assert h > w > 300  # a tall 6 x 4 grid
+    xs = {round(ax.get_position().x0, 3) for ax in head_axes}
+    ys = {round(ax.get_position().y0, 3) for ax in head_axes}
+    assert (len(ys), len(xs)) == (6, 4)
+    # each map is the recorded attention, cropped; the masked upper triangle is not drawn as data
+    first = head_axes[0].get_images()[0].get_array()
+    assert first.shape == (24, 24)
+    np.testing.assert_allclose(np.ma.filled(first, 0.0), np.tril(att[0, 0, :24, :24]), atol=1e-6)
+    assert first.mask[0, 1] and not first.mask[1, 0]
+    # token labels on the outer axes
+    assert [t.get_text() for t in head_axes[0].get_yticklabels()][0] == "<eot>"
+
+
+def test_all_heads_long_story_labels_every_kth(story_run):
+    _, tokens, att, _ = story_run
+    fig = all_heads_figure(att, tokens, max_tokens=None, max_labels=20)  # not drawn: cheap
+    ax = fig.axes[0]
+    assert ax.get_images()[0].get_array().shape == (len(tokens), len(tokens))
+    assert 0 < len(ax.get_yticks()) <= 20
+
+
+def test_causal_mask_triangle(story_run, tmp_path):
+    _, tokens, _, _ = story_run
+    fig = causal_mask_figure(tokens[:6])
+    ax = fig.axes[0]
+    np.testing.assert_array_equal(ax.get_images()[0].get_array(), np.tril(np.ones((6, 6))))
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("−∞") == 15 and texts.count("score") == 21
+    assert _png_shape(save_png(fig, tmp_path / "mask.png"))[0] > 100
+
+
+def test_name_mass_bars_and_heatmap(story_run, tmp_path):
+    _, tokens, att, names = story_run
+    scores = _name_mass(att, names)
+    baseline = len(names) / len(tokens)
+    pairs = sorted(scores.items(), key=lambda kv: -kv[1])
+    fig = name_mass_bar_figure(pairs[:6], baseline)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [l for l, _ in pairs[:6]]
+    assert len(ax.patches) == 6
+    np.testing.assert_allclose([p.get_height() for p in ax.patches], [v for _, v in pairs[:6]])
+    assert any(np.allclose(line.get_ydata(), baseline) for line in ax.get_lines())
+    save_png(fig, tmp_path / "bars.png")
+
+    best = pairs[0][0]
+    fig = head_heatmap_figure(scores, title="Name mass", highlight=best)
+    ax = fig.axes[0]
+    grid = ax.get_images()[0].get_array()
+    assert grid.shape == (6, 4)
+    assert grid[int(best[1]) - 1, int(best[3]) - 1] == pytest.approx(scores[best])
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"L{i}" for i in range(1, 7)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"H{i}" for i in range(1, 5)]
+    assert len(ax.texts) == 24
+    assert _png_shape(save_png(fig, tmp_path / "heat.png"))[1] > 200
+    # array input gives the same grid
+    arr = np.array([[scores[head_label(b, h)] for h in range(4)] for b in range(6)])
+    np.testing.assert_allclose(head_heatmap_figure(arr).axes[0].get_images()[0].get_array(), arr)
+
+
+def test_name_head_figure_and_data_uri(story_run):
+    _, tokens, att, names = story_run
+    scores = _name_mass(att, names)
+    best = max(scores, key=scores.get)
+    b, h = int(best[1]) - 1, int(best[3]) - 1
+    weights, queries = name_attention_profile(att[b, h], names)
+    assert weights.shape == (len(tokens),) and weights.sum() == pytest.approx(1.0, abs=1e-6)
+    assert min(queries) > names[0] and not set(queries) & set(names)
+    fig = name_head_figure(tokens, att[b, h], names, label=best, baseline=0.05)
+    assert best in fig.get_suptitle()
+    uri = figure_data_uri(fig)
+    assert uri.startswith("data:image/png;base64,")
+    assert base64.b64decode(uri.split(",", 1)[1])[:8] == PNG_MAGIC
