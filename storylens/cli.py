@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     try:
-        from .analysis.ablation_cli import add_ablate_parser
+        from .analysis.beyond import add_ablate_parser
 
         add_ablate_parser(sub)
     except ImportError:

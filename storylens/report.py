@@ -94,25 +94,10 @@ def build_report(
     progress: bool = True,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .analysis import check_leakage, find_main_characters, score_heads
+    from .analysis import check_leakage, score_heads
     from .data import load_split
     from .hub import load_model
-    from .viz import (
-        AttentionWidget,
-        all_heads_figure,
-        causal_mask_figure,
-        head_heatmap_figure,
-        name_attention_profile,
-        name_head_figure,
-        name_mass_bar_figure,
-        story_attention,
-        toy_widget,
-    )
+    from .viz import AttentionWidget, toy_widget
 
     timings: dict = {}
     t_start = time.perf_counter()
@@ -136,10 +121,7 @@ def build_report(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         with _timer(timings, "figures"):
-            figs, story_info = _figures(model, quiz_stories, scores, tmp, plt, causal_mask_figure,
-                                        all_heads_figure, name_mass_bar_figure, head_heatmap_figure,
-                                        name_attention_profile, name_head_figure, story_attention,
-                                        find_main_characters)
+            figs, story_info = _figures(model, quiz_stories, scores, tmp)
         with _timer(timings, "widget"):
             widget = AttentionWidget.from_model(model, quiz_stories[story_info["index"]],
                                                 block=story_info["block"], head=story_info["head"])
@@ -173,16 +155,21 @@ def build_report(
     return Report(out=out, summary=summary, scores=scores, leakage=leakage, timings=timings)
 
 
-def _figures(model, quiz, scores, tmp, plt, causal_mask_figure, all_heads_figure, name_mass_bar_figure,
-             head_heatmap_figure, name_attention_profile, name_head_figure, story_attention, find_main_characters):
-    from .viz.figures import figure_data_uri, save_png
+def _figures(model, quiz, scores, tmp) -> tuple[dict[str, str], dict]:
+    """Draw every figure once; write it as PNG and keep its data URI for report.html."""
+    import base64
+
+    from .analysis import find_main_characters
+    from .viz import (all_heads_figure, causal_mask_figure, head_heatmap_figure, name_attention_profile,
+                      name_head_figure, name_mass_bar_figure, story_attention)
+    from .viz.figures import figure_png_bytes
 
     figs: dict[str, str] = {}
 
-    def keep(name, fig):
-        save_png(fig, tmp / f"{name}.png")
-        figs[name] = figure_data_uri(fig)
-        plt.close(fig)
+    def keep(name, fig):  # render once: the PNG file and the report's embedded copy are the same bytes
+        png = figure_png_bytes(fig)
+        (tmp / f"{name}.png").write_bytes(png)
+        figs[name] = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
     mains = find_main_characters(model.tokenizer, quiz, window=model.config.block_size)
     index = _pick_story(quiz, mains)

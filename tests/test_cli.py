@@ -42,7 +42,7 @@ def test_prompt_past_the_window(capsys):
 def test_bad_corpus_files(capsys, tmp_path):
     assert "stories file not found" in _err(capsys, ["perplexity", "--stories", str(tmp_path / "none.gz")])
     bad = tmp_path / "bad.gz"
-    bad.write_bytes(gzip.compress(b"x" * 1000)[:30])
+    bad.write_bytes(gzip.compress(b"Once upon a time\n" * 100)[:40])
     assert "bad.gz: corrupt gzip" in _err(capsys, ["perplexity", "--stories", str(bad)])
     latin = tmp_path / "latin.txt"
     latin.write_bytes("Zoë.\n<|endoftext|>\n".encode("latin-1"))

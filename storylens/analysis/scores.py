@@ -428,7 +428,7 @@ def score_heads(
             for idx in length_batches([len(e.ids) for e in encoded], batch_size):
                 batch = make_batch([encoded[i].ids for i in idx], [mains[i] for i in idx],
                                    [i < limit for i in idx], marker, device)
-                out = model(batch.ids, record_attention=True)
+                out = model(batch.ids, record_attention=True, compute_logits=False)
                 acc.update(out.attentions, batch)
                 del out
                 bar.update(len(idx))

@@ -12,6 +12,7 @@ from storylens.analysis.ablation import (
     generation_divergence,
     head_output_means,
     mention_first_tokens,
+    name_ablation_table,
     run_suffix,
 )
 from storylens.errors import StorylensError
@@ -234,3 +235,21 @@ def test_generation_divergence(model):
     assert "first difference" in d.format()
     with pytest.raises(StorylensError):
         generation_divergence(model, prompt, [(0, 0)], max_new_tokens=10_000)
+
+
+def test_name_ablation_table_on_quiz_stories(model, corpus_split):
+    from storylens.analysis.names import find_main_characters
+
+    stories = corpus_split.quiz[:6]
+    table = name_ablation_table(model, stories, heads=["L5H3"], name_heads=["L5H3", "L4H4"], modes=("zero",))
+    assert [(r.label, r.mode) for r in table.rows] == [("L5H3", "zero"), ("L5H3+L4H4", "zero")]
+    mains = find_main_characters(model.tokenizer, stories)
+    with_main = [m for m in mains if m is not None and m.positions]
+    assert table.n_stories == len(with_main)
+    # a mention's first token starts a run of name positions (mentions are never adjacent here)
+    runs = sum(sum(1 for i, p in enumerate(m.positions) if i == 0 or m.positions[i - 1] != p - 1)
+               for m in with_main)
+    assert table.n_name_positions == runs
+    assert table.n_name_positions + table.n_other_positions == sum(
+        min(len(model.tokenizer.encode(s).ids) + 1, model.config.block_size) - 1
+        for s, m in zip(stories, mains) if m is not None and m.positions)
