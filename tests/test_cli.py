@@ -72,3 +72,8 @@ def test_debug_shows_the_traceback(capsys):
 
     with pytest.raises(StorylensError):
         main(["--debug", "generate", ""])
+
+
+def test_ablate_rejects_bad_head_labels(capsys):
+    assert "--heads: not a head label" in _err(capsys, ["ablate", "--heads", "banana"])
+    assert "L9H9" in _err(capsys, ["ablate", "--heads", "L9H9", "--mode", "zero"])

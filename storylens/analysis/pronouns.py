@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..model import head_label
+from .position import _as_blocks
 
 PRONOUNS = frozenset({"he", "she", "him", "her", "his", "they"})
 WORD_RE = re.compile(r"[^\W\d_]+")  # the words of storylens.analysis.names
@@ -68,15 +69,6 @@ def story_pronoun_positions(tok, text: str, window: int = 256, pronouns: Iterabl
     """Pronoun query positions of one story as :func:`storylens.tokenizer.encode_story` feeds it."""
     enc = tok.encode(text)
     return pronoun_positions(enc.offsets, [s for _, s in pronoun_spans(text, pronouns)], window)
-
-
-def _as_blocks(attn: torch.Tensor) -> torch.Tensor:
-    a = torch.as_tensor(attn).detach()
-    if a.dim() == 3:
-        a = a[None]
-    if a.dim() != 4 or a.shape[-1] != a.shape[-2]:
-        raise ValueError(f"attention: expected [head, T, T] or [block, head, T, T], got {tuple(a.shape)}")
-    return a.to("cpu", torch.float64)
 
 
 @dataclass(frozen=True)
