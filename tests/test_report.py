@@ -1,0 +1,84 @@
+"""`storylens report` end to end on the shipped model, and its refusals."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from storylens.cli import main
+from storylens.data import EOT
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rep") / "report"
+    assert main(["report", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_report_files_and_labels(report_dir):
+    for name in ("report.html", "heads.csv", "heads.json", "summary.json", "all_heads.png", "causal_mask.png",
+                 "name_mass.png", "top_name_head.png", "heatmap_prev_token.png", "widget.html"):
+        assert (report_dir / name).stat().st_size > 0, name
+    rows = list(csv.DictReader(open(report_dir / "heads.csv")))
+    assert [r["label"] for r in rows] == [f"L{b}H{h}" for b in range(1, 7) for h in range(1, 5)]
+    assert all(r["label"] == f"L{r['block']}H{r['head']}" for r in rows)
+    assert not list(report_dir.glob(".*"))  # no temporary folder left behind
+
+
+def test_summary_agrees_with_the_table(report_dir):
+    heads = json.loads((report_dir / "heads.json").read_text())
+    rows = heads["heads"] if isinstance(heads, dict) else heads
+    s = json.loads((report_dir / "summary.json").read_text())
+    best = max(rows, key=lambda r: r["name_mass"])
+    assert s["number_to_reproduce"]["head"] == best["label"]
+    assert s["number_to_reproduce"]["name_mass"] == pytest.approx(best["name_mass"])
+    below = sum(r["name_mass"] < s["name_heads"]["baseline"] for r in rows)
+    assert s["name_heads"]["below_baseline"] == below
+    assert s["quiz"]["stories"] == 200
+
+
+def test_report_html_is_self_contained(report_dir):
+    page = (report_dir / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?https?://""", page)
+    assert "<script src" not in page
+    assert page.count("data:image/png;base64,") >= 8
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_stories_with_no_usable_names(capsys, tmp_path):
+    quiz = tmp_path / "plain.txt"
+    quiz.write_text("".join(f"the cat sat on the mat number {i}. the cat was happy.\n{EOT}\n" for i in range(5)))
+    out = tmp_path / "out"
+    assert "no story has a main character" in _err(capsys, ["report", "--quiz", str(quiz), "--out", str(out),
+                                                             "--no-progress"])
+    assert not out.exists()
+
+
+def test_no_stories(capsys, tmp_path):
+    quiz = tmp_path / "empty.txt"
+    quiz.write_text("\n")
+    out = tmp_path / "out"
+    assert "empty.txt: no stories" in _err(capsys, ["report", "--quiz", str(quiz), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_unwritable_out(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert "exists and is not a folder" in _err(capsys, ["report", "--out", str(blocker)])
+    assert "not writable" in _err(capsys, ["report", "--out", str(blocker / "report")])
+    assert blocker.read_text() == "x"
+
+
+def test_model_folder_that_is_not_one(capsys, tmp_path):
+    out = tmp_path / "out"
+    assert "config.json: missing" in _err(capsys, ["report", "--model", str(tmp_path), "--out", str(out)])
+    assert not out.exists()
