@@ -45,6 +45,7 @@ def main():
     import torch
 
     from storylens.analysis import score_heads
+    from storylens.analysis.ablation import _pad
     from storylens.analysis.scores import length_batches
     from storylens.data import load_split
     from storylens.hub import load_model
@@ -63,10 +64,7 @@ def main():
     @torch.inference_mode()
     def bare():
         for chunk in length_batches([len(i) for i in ids], 16):
-            T = max(len(ids[i]) for i in chunk)
-            x = torch.zeros(len(chunk), T, dtype=torch.long)
-            for j, i in enumerate(chunk):
-                x[j, : len(ids[i])] = torch.tensor(ids[i])
+            x, _ = _pad([ids[i] for i in chunk], "cpu")
             model(x)
 
     bare_s = min(_timed(bare) for _ in range(2))

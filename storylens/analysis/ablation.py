@@ -41,6 +41,7 @@ from torch.nn import functional as F
 
 from ..errors import StorylensError
 from ..model import head_label, parse_head_label
+from .scores import length_batches
 
 Head = tuple[int, int]  # (block, head), 0-indexed
 MODES = ("zero", "mean")
@@ -143,14 +144,6 @@ def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=N
 
 
 # ---------------------------------------------------------------- batching
-
-
-def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Story indices, longest first (stable), ``batch_size`` at a time: little padding."""
-    if batch_size < 1:
-        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _pad(stories: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -310,7 +310,8 @@ def position_control_scores(model, stories: Sequence[str], *, batch_size: int = 
     (the name vocabulary of ``stories`` themselves); one pass recording attention.
     """
     from ..tokenizer import encode_story
-    from .ablation import _pad, length_batches
+    from .ablation import _pad
+    from .scores import length_batches
     from .names import find_main_characters
 
     tok = model.tokenizer

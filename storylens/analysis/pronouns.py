@@ -231,7 +231,8 @@ def pronoun_attention(model, stories: Sequence[str], *, batch_size: int = 16) ->
     ``stories`` themselves).
     """
     from ..tokenizer import encode_story
-    from .ablation import _pad, length_batches
+    from .ablation import _pad
+    from .scores import length_batches
     from .names import find_main_characters
 
     tok = model.tokenizer

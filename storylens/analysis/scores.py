@@ -379,6 +379,8 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Story indices, longest first (stable), in chunks of ``batch_size``: little padding."""
+    if batch_size < 1:
+        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
