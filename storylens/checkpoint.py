@@ -18,16 +18,53 @@ from .errors import StorylensError
 
 
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors into a temporary file named for this run (pid + random), fsync, one rename."""
+    from .publish import _tmp_name, fault_point, os_error
+
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _tmp_name(path, "tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        fault_point("checkpoint-before-replace")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise os_error(path, e) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def save_checkpoint(path: Path, model, optimizer, state: dict, rng: dict[str, torch.Tensor]) -> None:
+def remove_stale_temporaries(path: Path) -> None:
+    """Temporary checkpoint files a killed run left (call only while holding the run's lock)."""
+    for p in Path(path).parent.glob(f".{Path(path).name}.tmp-*"):
+        p.unlink(missing_ok=True)
+
+
+def validate_state(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse (one line) a checkpoint whose tensors are not exactly the expected keys, shapes and
+    dtypes, or hold NaN or infinity."""
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise StorylensError(f"{path}: {what} does not match the run's model "
+                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, ref in expected.items():
+        t = tensors[k]
+        if t.shape != ref.shape:
+            raise StorylensError(f"{path}: {what} {k} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.dtype != ref.dtype:
+            raise StorylensError(f"{path}: {what} {k} is {t.dtype}, expected {ref.dtype}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise StorylensError(f"{path}: {what} {k} holds NaN or infinite numbers")
+
+
+def save_checkpoint(path: Path, model, optimizer, state: dict, rng: dict[str, torch.Tensor], ema=None) -> None:
     tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if ema is not None:
+        tensors.update({f"ema.{k}": v.detach().clone() for k, v in ema.state_dict().items() if k != "lm_head.weight"})
     opt_sd = optimizer.state_dict()
     for pid, st in opt_sd["state"].items():
         for k, v in st.items():
@@ -40,7 +77,7 @@ def save_checkpoint(path: Path, model, optimizer, state: dict, rng: dict[str, to
 
 
 def load_checkpoint(path: Path):
-    """Return (model_state, optimizer_state, state, rng) or raise StorylensError."""
+    """Return (model_state, optimizer_state, state, rng, ema_state or None) or raise StorylensError."""
     path = Path(path)
     if not path.is_file():
         raise StorylensError(f"{path}: no checkpoint to resume from")
@@ -62,4 +99,7 @@ def load_checkpoint(path: Path):
             _, pid, name = k.split(".", 2)
             opt_state.setdefault(int(pid), {})[name] = v
     rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-    return model_sd, {"state": opt_state, "param_groups": groups}, state, rng
+    ema_sd = {k[4:]: v for k, v in tensors.items() if k.startswith("ema.")} or None
+    if ema_sd is not None:
+        ema_sd["lm_head.weight"] = ema_sd["transformer.wte.weight"]
+    return model_sd, {"state": opt_state, "param_groups": groups}, state, rng, ema_sd

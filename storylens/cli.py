@@ -13,6 +13,13 @@ from pathlib import Path
 from .errors import StorylensError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and the exit code 2), not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or hub id (default: the shipped Tiny Storyteller)")
     p.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
@@ -24,13 +31,31 @@ def _load(args):
     return load_model(args.model, allow_download=args.allow_download)
 
 
+def _validate_generate(args) -> None:
+    import math
+
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StorylensError("prompt: not valid text (it holds bytes that are not UTF-8)") from None
+    if not args.prompt.strip():
+        raise StorylensError("prompt: empty; give the story's first words, e.g. storylens generate \"Once upon a time\"")
+    if args.max_new_tokens < 0:
+        raise StorylensError(f"--max-new-tokens: must be 0 or more (got {args.max_new_tokens})")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise StorylensError(f"--temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
+    if args.top_k < 0:
+        raise StorylensError(f"--top-k: must be 0 (off) or more (got {args.top_k})")
+    if not 0 <= args.seed < 2**64:
+        raise StorylensError(f"--seed: must be between 0 and 2^64 - 1 (got {args.seed})")
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from .tokenizer import eot_id
 
-    if not args.prompt.strip():
-        raise StorylensError("prompt: empty; give the story's first words, e.g. storylens generate \"Once upon a time\"")
+    _validate_generate(args)
     model = _load(args)
     tok = model.tokenizer
     ids = [eot_id(tok)] + tok.encode(args.prompt).ids
@@ -108,12 +133,87 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def _check_stories(model, args) -> tuple[list[list[int]], str]:
+    """The quiz (cut to the window) if the corpus is at hand, else stories the model writes itself."""
+    import torch
+
+    from .data import load_split
+    from .tokenizer import encode_story, eot_id
+
+    window = model.config.block_size
+    try:
+        quiz = load_split(args.stories).quiz
+    except StorylensError as e:
+        if args.stories is not None:
+            raise
+        gen = torch.Generator().manual_seed(0)
+        ids = []
+        for _ in range(args.n_stories or 8):
+            out = model.generate(torch.tensor([[eot_id(model.tokenizer)]]), window - 1, temperature=0.8,
+                                 top_k=40, generator=gen)
+            ids.append(out[0].tolist())
+        return ids, f"{len(ids)} stories the model wrote (no corpus: {str(e).split(':')[-1].strip()})"
+    quiz = quiz[: args.n_stories] if args.n_stories else quiz
+    return [encode_story(model.tokenizer, s, window).ids for s in quiz], f"{len(quiz)} quiz stories"
+
+
+def cmd_check(args) -> int:
+    import json
+    import platform
+
+    import torch
+
+    from .numerics import run_checks
+
+    if args.n_stories is not None and args.n_stories < 1:
+        raise StorylensError("--n-stories: must be at least 1")
+    if not 1 <= args.gen_tokens:
+        raise StorylensError("--gen-tokens: must be at least 1")
+    model = _load(args)
+    ids, source = _check_stories(model, args)
+    dtypes = {"both": (torch.float32, torch.float64), "float32": (torch.float32,), "float64": (torch.float64,)}
+    checks = run_checks(model, ids, dtypes=dtypes[args.dtype], gen_tokens=args.gen_tokens)
+    cpu = _cpu_name()
+    print(f"storylens check on {cpu} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()} kernels, "
+          f"{platform.machine()}), {source}")
+    print(f"{'check':34} {'dtype':8} {'measured':>10} {'bound':>10} {'lesson':>8}  ok  detail")
+    for c in checks:
+        lesson = f"{c.lesson:.0e}" if c.lesson is not None else ""
+        print(f"{c.name:34} {c.dtype:8} {c.measured:10.2e} {c.bound:10.2e} {lesson:>8}  "
+              f"{'yes' if c.passed else 'NO '}  {c.detail}")
+    print("bounds: rounding alone (see storylens.numerics); the lesson's figures are for comparison")
+    if args.json:
+        from .publish import write_text_atomic
+
+        write_text_atomic(Path(args.json), json.dumps(
+            {"cpu": cpu, "torch": torch.__version__, "stories": source,
+             "checks": [c.to_dict() for c in checks]}, indent=1))
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        print(f"storylens: error: {len(failed)} check(s) past their bound: "
+              + ", ".join(f"{c.name} ({c.dtype})" for c in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train import TrainConfig
 
-    p = argparse.ArgumentParser(prog="storylens", description="Read Tiny Storyteller's attention.")
+    p = _Parser(prog="storylens", description="Read Tiny Storyteller's attention.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="write a story from a prompt (KV-cached, streamed)")
     g.add_argument("prompt")
@@ -132,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     t.add_argument("--export", default=None, help="write a model folder here when done")
     d = TrainConfig()
-    for name in ("max_steps", "batch_size", "eval_every", "seed"):
+    for name in ("max_steps", "batch_size", "eval_every", "seed", "warmup_steps", "vocab_size"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
-    for name in ("lr", "dropout", "checkpoint_minutes"):
+    for name in ("lr", "min_lr", "weight_decay", "dropout", "attn_dropout", "ema_decay", "checkpoint_minutes"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(d, name)}")
     t.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)")
     t.set_defaults(func=cmd_train)
@@ -148,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--stories", default=None)
     _add_model(q)
     q.set_defaults(func=cmd_perplexity)
+
+    c = sub.add_parser("check", help="measure the lesson's numerical promises on this machine (float32 and float64)")
+    c.add_argument("--stories", default=None, help="corpus whose quiz is used (default: the shared corpus)")
+    c.add_argument("--n-stories", type=int, default=None, help="use only the first N quiz stories")
+    c.add_argument("--gen-tokens", type=int, default=200, help="tokens generated with and without the cache")
+    c.add_argument("--dtype", choices=["both", "float32", "float64"], default="both")
+    c.add_argument("--json", default=None, help="also write the measurements to this JSON file")
+    _add_model(c)
+    c.set_defaults(func=cmd_check)
 
     try:
         from .report import add_report_parser
@@ -164,21 +273,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` works before or after the subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    _debug_everywhere(parser)
     args = parser.parse_args(argv)
+    if not getattr(args, "allow_download", False):
+        # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
+        from .hub import hub_offline
+
+        ctx = hub_offline(True)
+    else:
+        from contextlib import nullcontext
+
+        ctx = nullcontext()
     try:
-        return args.func(args)
+        with ctx:
+            return args.func(args)
     except StorylensError as e:
         if args.debug:
             raise
-        print(f"storylens: error: {e}", file=sys.stderr)
+        print(f"storylens: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.debug:
             raise
         print("storylens: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"storylens: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        if args.debug:
+            raise
+        print("storylens: error: out of memory", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_model
 
 from .errors import StorylensError
+from .publish import publish_folder
 from .model import GPT, GPTConfig
 from .tokenizer import load_tokenizer
 
@@ -28,6 +30,7 @@ SHIPPED_MODEL = Path(__file__).resolve().parent / "pretrained" / "tiny-storytell
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+MODEL_FOLDER_FILES = frozenset({CONFIG, WEIGHTS, TOKENIZER, "README.md"})
 
 
 class TinyStoryteller(
@@ -67,9 +70,55 @@ def _read_config(folder: Path) -> GPTConfig:
     if not path.is_file():
         raise StorylensError(f"{path}: missing (is {folder} a storylens model folder?)")
     try:
-        return GPTConfig.from_dict(json.loads(path.read_text()))
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        return GPTConfig.from_dict(raw)
+    except UnicodeDecodeError:
+        raise StorylensError(f"{path}: not UTF-8 text") from None
     except (ValueError, TypeError) as e:
         raise StorylensError(f"{path}: not a valid model config ({e})") from None
+
+
+def _read_weights(wpath: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Check the file's header against the config (names, shapes, dtypes) before reading any
+    tensor or building the model; then refuse NaN or infinite numbers."""
+    try:
+        with safe_open(str(wpath), "pt") as f:
+            keys = set(f.keys())
+            blocks = {k.split(".")[2] for k in keys if k.startswith("transformer.h.") and k.count(".") >= 3}
+            if len(blocks) != config.n_layer:
+                raise StorylensError(f"{wpath}: holds {len(blocks)} blocks but {CONFIG} says n_layer={config.n_layer}")
+            expected = config.weight_shapes()
+            if "lm_head.weight" in keys and "transformer.wte.weight" not in keys:
+                rename = {"lm_head.weight": "transformer.wte.weight"}
+            else:
+                rename = {}
+            keys.discard("lm_head.weight") if not rename else None
+            named = {rename.get(k, k): k for k in keys}
+            missing = sorted(set(expected) - set(named))
+            extra = sorted(set(named) - set(expected))
+            if missing or extra:
+                raise StorylensError(
+                    f"{wpath}: weights do not match {CONFIG} (missing {missing[:3]}, unexpected {extra[:3]})")
+            for k, shape in expected.items():
+                sl = f.get_slice(named[k])
+                got = tuple(sl.get_shape())
+                if got != shape:
+                    raise StorylensError(f"{wpath}: {k} has shape {got} but {CONFIG} implies {shape}")
+                dtype = sl.get_dtype()
+                if dtype not in ("F32", "F16", "BF16", "F64"):
+                    raise StorylensError(f"{wpath}: {k} is stored as {dtype}; storylens reads floating-point "
+                                         "weights only (F32, F16, BF16, F64)")
+            tensors = {k: f.get_tensor(named[k]) for k in expected}
+    except StorylensError:
+        raise
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise StorylensError(f"{wpath}: corrupt or truncated weights ({e})") from None
+    for k, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise StorylensError(f"{wpath}: {k} holds NaN or infinite numbers")
+    return {k: t.float() for k, t in tensors.items()}
 
 
 def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
@@ -80,38 +129,41 @@ def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
     wpath = folder / WEIGHTS
     if not wpath.is_file():
         raise StorylensError(f"{wpath}: weights file missing")
-    model = cls(config)
-    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    try:
-        with safe_open(str(wpath), "pt") as f:
-            keys = set(f.keys())
-            tensors = {k: f.get_tensor(k) for k in keys}
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise StorylensError(f"{wpath}: corrupt or truncated weights ({e})") from None
-    if "lm_head.weight" in tensors and "transformer.wte.weight" not in tensors:
-        tensors["transformer.wte.weight"] = tensors["lm_head.weight"]
-    tensors.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise StorylensError(
-            f"{wpath}: weights do not match {CONFIG} (missing {missing[:3]}, unexpected {extra[:3]})"
-        )
-    for k, v in expected.items():
-        if tensors[k].shape != v.shape:
-            raise StorylensError(
-                f"{wpath}: {k} has shape {tuple(tensors[k].shape)} but {CONFIG} implies {tuple(v.shape)}"
-            )
-    model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]})
+    tensors = _read_weights(wpath, config)  # before anything is built: the file bounds the size
     tpath = folder / TOKENIZER
     tok = load_tokenizer(tpath)
     if tok.get_vocab_size() != config.vocab_size:
         raise StorylensError(
             f"{tpath}: tokenizer has {tok.get_vocab_size()} tokens but the model expects {config.vocab_size}"
         )
+    model = cls(config)
+    model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]})
     model.tokenizer = tok
     model.eval()
     return model
+
+
+@contextmanager
+def hub_offline(offline: bool = True):
+    """Run the block with the Hugging Face clients in offline mode (no DNS, no socket)."""
+    if not offline:
+        yield
+        return
+    import huggingface_hub.constants as hc
+
+    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    saved = hc.HF_HUB_OFFLINE
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    hc.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hc.HF_HUB_OFFLINE = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def load_model(source: str | os.PathLike | None = None, *, allow_download: bool = False) -> TinyStoryteller:
@@ -129,12 +181,27 @@ def load_model(source: str | os.PathLike | None = None, *, allow_download: bool 
     if not looks_like_hub_id:
         raise StorylensError(f"{s}: no such model folder")
     try:
-        return TinyStoryteller.from_pretrained(s, local_files_only=not allow_download)
+        with hub_offline(not allow_download):
+            return TinyStoryteller.from_pretrained(s, local_files_only=not allow_download)
     except StorylensError:
         raise
     except Exception as e:
-        hint = "" if allow_download else " (offline: pass --allow-download to fetch it from the hub)"
-        raise StorylensError(f"{s}: could not load from the hub cache{hint}: {type(e).__name__}") from None
+        if not allow_download:
+            raise StorylensError(f"{s}: not a folder here and not in the local hub cache; storylens stays "
+                                 "offline unless asked: pass --allow-download to fetch it") from None
+        raise StorylensError(f"{s}: could not be loaded from the hub ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]})") from None
+
+
+@contextmanager
+def _safetensors_errors(folder):
+    """safetensors reports a failed write (a full disk) as its own error type: make it one line."""
+    try:
+        yield
+    except SafetensorError as e:
+        msg = " ".join(str(e).split())
+        reason = "No space left on device" if "No space left" in msg else msg
+        raise StorylensError(f"{folder}: cannot write ({reason})") from None
 
 
 def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike) -> Path:
@@ -144,7 +211,9 @@ def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike) -> Path:
         hub_model.load_state_dict(model.state_dict())
         model = hub_model
     model.tokenizer = tokenizer
-    model.save_pretrained(folder)
+    with publish_folder(folder, "storylens model folder", owned=MODEL_FOLDER_FILES) as tmp:
+        with _safetensors_errors(folder):
+            model.save_pretrained(tmp)
     return Path(folder)
 
 
@@ -196,10 +265,22 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"export mapping incomplete: missing {missing}, unexpected {unexpected}")
     folder = Path(folder)
-    hf.save_pretrained(folder)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=model.tokenizer, bos_token=EOT, eos_token=EOT, unk_token=EOT,
         model_max_length=c.block_size,
     )
-    fast.save_pretrained(folder)
+    # a temporary folder beside the target, then one step; a folder holding files storylens
+    # did not write is refused (see storylens.publish)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one small file: no "Writing model shards" bar on stderr
+    try:
+        with publish_folder(folder, "transformers GPT2LMHeadModel export") as tmp:
+            with _safetensors_errors(folder):
+                hf.save_pretrained(tmp)
+            fast.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return folder

@@ -53,7 +53,8 @@ class GPTConfig:
     n_layer: int = 6
     n_head: int = 4
     n_embd: int = 256  # d_model; head size is n_embd // n_head = 64
-    dropout: float = 0.0
+    dropout: float = 0.0  # residual and embedding dropout (training only)
+    attn_dropout: float | None = None  # dropout on the attention probabilities; None: same as dropout
     bias: bool = True
 
     @property
@@ -69,10 +70,45 @@ class GPTConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown config fields: {sorted(unknown)}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = d.get(name, getattr(cls, name))
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, not {v!r}")
+        for name in ("dropout", "attn_dropout"):
+            v = d.get(name, getattr(cls, name))
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1):
+                raise ValueError(f"{name} must be a probability below 1, not {v!r}")
+        if not isinstance(d.get("bias", True), bool):
+            raise ValueError(f"bias must be true or false, not {d['bias']!r}")
         cfg = cls(**d)
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         return cfg
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a model of this config stores (the tied output head as the embedding),
+        computed without building the model: a config can be checked against a weights file
+        before any memory is spent on it."""
+        C, V = self.n_embd, self.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "transformer.wte.weight": (V, C), "transformer.wpe.weight": (self.block_size, C),
+        }
+        lin = {"attn.query": (C, C), "attn.key": (C, C), "attn.value": (C, C), "attn.c_proj": (C, C),
+               "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+        for i in range(self.n_layer):
+            p = f"transformer.h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                shapes[p + ln + ".weight"] = (C,)
+                if self.bias:
+                    shapes[p + ln + ".bias"] = (C,)
+            for name, shape in lin.items():
+                shapes[p + name + ".weight"] = shape
+                if self.bias:
+                    shapes[p + name + ".bias"] = (shape[0],)
+        shapes["transformer.ln_f.weight"] = (C,)
+        if self.bias:
+            shapes["transformer.ln_f.bias"] = (C,)
+        return shapes
 
 
 @dataclass
@@ -116,9 +152,10 @@ class CausalSelfAttention(nn.Module):
         self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
+        p_att = config.dropout if config.attn_dropout is None else config.attn_dropout
+        self.attn_dropout = nn.Dropout(p_att)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.dropout = config.dropout
+        self.dropout = p_att
         # Set to a HeadHook to read or replace each head's output (see storylens.analysis.ablation).
         self.head_hook: HeadHook | None = None
 
@@ -346,12 +383,16 @@ def sample_next(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Draw one token from ``[1, vocab]`` logits; temperature 0 means greedy."""
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0")
+    """Draw one token from ``[1, vocab]`` logits; temperature 0 means greedy.
+
+    The largest logit is subtracted before dividing (in float64), so a tiny temperature gives
+    ``0`` for the best token and ``-inf`` for the rest instead of ``inf - inf = nan``."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError("temperature must be a finite number >= 0")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    logits = logits.double()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None:
         if top_k < 1:
             raise ValueError("top_k must be >= 1")

@@ -13,15 +13,16 @@ from __future__ import annotations
 import html
 import json
 import os
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import StorylensError
+from .publish import publish_folder
 
+CHECK_STORIES = 16  # the report's numerical checks run on the first 16 quiz stories ...
+CHECK_TOKENS = 100  # ... and 100 generated tokens (storylens check runs all 200 stories and 200 tokens)
 PREV_LIMIT = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
 SCORE_TITLES = {
     "name_mass": "Name mass (share of attention on the main character's name)",
@@ -50,14 +51,11 @@ def _timer(timings: dict, name: str):
 
 
 def _check_writable(out: Path) -> Path:
+    """Refuse a bad ``--out`` before any work (publish_folder checks again under its lock)."""
+    from .publish import check_target_folder
+
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise StorylensError(f"{out}: exists and is not a folder")
-    parent = out if out.exists() else out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise StorylensError(f"{out}: not writable")
+    check_target_folder(out)
     return out
 
 
@@ -77,7 +75,10 @@ def _pick_story(quiz: list[str], scores_mains) -> int:
     for i, m in enumerate(scores_mains):
         if m is not None and m.first_mention is not None and m.first_mention < 40 and len(m.positions) >= 3:
             return i
-    return 0
+    for i, m in enumerate(scores_mains):  # else the first story that has a main character at all
+        if m is not None and m.positions:
+            return i
+    raise StorylensError("quiz: no story has a main character to show")
 
 
 def build_report(
@@ -92,6 +93,8 @@ def build_report(
     batch_size: int = 16,
     beyond: bool = False,
     progress: bool = True,
+    check_stories: int = CHECK_STORIES,
+    check_tokens: int = CHECK_TOKENS,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
     from .analysis import check_leakage, score_heads
@@ -102,24 +105,26 @@ def build_report(
     timings: dict = {}
     t_start = time.perf_counter()
     out = _check_writable(Path(out))
-    with _timer(timings, "load"):
-        model = model if model is not None else load_model(model_source)
-        split = load_split(stories)
-        quiz_stories, quiz_source = _read_quiz(quiz, split)
-    with _timer(timings, "leakage"):
-        leakage = check_leakage(quiz_stories, split.train, word=word)
-    with _timer(timings, "scoring"):
-        scores = score_heads(model, quiz_stories, batch_size=batch_size,
-                             max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
-    if scores.n_name_scored == 0:
-        raise StorylensError(
-            f"{quiz if quiz is not None else 'quiz'}: no story has a main character "
-            "(a capitalised name mentioned at least twice): nothing to score name heads on"
-        )
+    # one lock and one temporary folder for the whole run: a second run into the same --out is
+    # refused at once, and a kill at any moment leaves the old report (see storylens.publish)
+    with publish_folder(out, "report") as tmp:
+        with _timer(timings, "load"):
+            model = model if model is not None else load_model(model_source)
+            split = load_split(stories)
+            quiz_stories, quiz_source = _read_quiz(quiz, split)
+        with _timer(timings, "leakage"):
+            leakage = check_leakage(quiz_stories, split.train, word=word)
+        with _timer(timings, "scoring"):
+            scores = score_heads(model, quiz_stories, batch_size=batch_size,
+                                 max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
+        if scores.n_name_scored == 0:
+            raise StorylensError(
+                f"{quiz if quiz is not None else 'quiz'}: no story has a main character "
+                "(a capitalised name mentioned at least twice): nothing to score name heads on"
+            )
+        with _timer(timings, "check"):
+            checks = _numerics(model, quiz_stories, check_stories, check_tokens)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
         with _timer(timings, "figures"):
             figs, story_info = _figures(model, quiz_stories, scores, tmp)
         with _timer(timings, "widget"):
@@ -137,6 +142,7 @@ def build_report(
                     model, quiz_stories, scores, tmp, progress=progress)
                 figs.update(beyond_figs)
         summary = _summary(model, scores, leakage, quiz_source, split, word, story_info)
+        summary["numerics"] = [c.to_dict() for c in checks]
         if beyond_summary is not None:
             summary["beyond"] = beyond_summary
         scores.to_csv(tmp / "heads.csv")
@@ -146,13 +152,23 @@ def build_report(
         (tmp / "report.html").write_text(
             _html(summary, scores, figs, widget._repr_html_(), toy._repr_html_(), beyond_html), encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-        out.mkdir(parents=True, exist_ok=True)
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     timings["total"] = round(time.perf_counter() - t_start, 3)
     return Report(out=out, summary=summary, scores=scores, leakage=leakage, timings=timings)
+
+
+def _numerics(model, quiz, n_stories: int, n_tokens: int):
+    from .numerics import run_checks
+    from .tokenizer import encode_story
+
+    ids = [encode_story(model.tokenizer, s, model.config.block_size).ids for s in quiz[:n_stories]]
+    return run_checks(model, ids, gen_tokens=n_tokens)
+
+
+def _numerics_html(checks: list[dict]) -> str:
+    rows = [[c["name"], c["dtype"], f"{c['measured']:.2e}", f"{c['bound']:.2e}",
+             "" if c["lesson"] is None else f"{c['lesson']:.0e}", "yes" if c["passed"] else "NO", c["detail"]]
+            for c in checks]
+    return _table(["check", "dtype", "measured here", "rounding bound", "lesson", "within", "detail"], rows)
 
 
 def _figures(model, quiz, scores, tmp) -> tuple[dict[str, str], dict]:
@@ -331,6 +347,14 @@ a tendency, not a switch.</li>
 over {nr['stories']} of the {nr['of']} stories, against an even-spread baseline of {_f(nr['baseline'])}
 ({nr['ratio']:.1f} times). The lesson's model: L5H3, 0.221 over 159 of 200, baseline 0.052 (4.3 times).</p>
 
+<h2>The lesson's numbers on this machine</h2>
+<p>The lesson promises that the fused kernel and the explicit softmax agree, that rows sum to 1, that
+the upper triangle is exactly zero, and that the KV cache changes the cost and not the answer. These
+are this computer's own measurements (first {CHECK_STORIES} quiz stories, {CHECK_TOKENS} generated tokens;
+<code>storylens check</code> runs the full set), each beside the bound that rounding alone allows
+(float32 and float64; derived in <code>storylens.numerics</code>).</p>
+{_numerics_html(s["numerics"])}
+
 <h2>Every head</h2>
 {_table(["head", "name mass", "ratio", "prev token", "prev = top key", "last four", "marker"], all_rows)}
 {beyond_html}
@@ -389,6 +413,11 @@ def add_report_parser(sub) -> None:
 def _cmd_report(args) -> int:
     from .hub import load_model
 
+    if args.batch_size < 1:
+        raise StorylensError(f"--batch-size: must be at least 1 (got {args.batch_size})")
+    if args.prev_limit < 0:
+        raise StorylensError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
+    _check_writable(Path(args.out))
     model = load_model(args.model, allow_download=args.allow_download)
     report = build_report(args.out, model=model, stories=args.stories, quiz=args.quiz, word=args.word,
                           prev_limit=args.prev_limit, batch_size=args.batch_size, beyond=args.beyond,

@@ -38,7 +38,9 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    dropout: float = 0.1
+    dropout: float = 0.1  # residual and embedding dropout
+    attn_dropout: float | None = None  # attention-probability dropout; None: same as dropout
+    ema_decay: float = 0.0  # exponential moving average of the weights (0: off); evaluated beside the raw weights
     vocab_size: int = 4096
     seed: int = 1337
     eval_every: int = 250
@@ -58,6 +60,7 @@ class TrainConfig:
             n_head=self.n_head,
             n_embd=self.n_embd,
             dropout=self.dropout,
+            attn_dropout=self.attn_dropout,
         )
 
 
@@ -66,6 +69,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
+
+
+def ema_decay_at(step: int, cfg: TrainConfig) -> float:
+    """The EMA's decay at ``step``: short at first (so the average does not remember the random
+    start), then ``cfg.ema_decay``."""
+    return min(cfg.ema_decay, (1 + step) / (10 + step))
 
 
 def get_batch(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator):
@@ -98,28 +107,152 @@ def quiz_perplexity(model: GPT, tok, quiz: list[str], batch_size: int = 16) -> f
     return math.exp(total / count)
 
 
+def _validate_optimizer(path: Path, opt_sd: dict, optimizer) -> None:
+    from .checkpoint import validate_state
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = opt_sd.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+            not isinstance(g, dict) or len(g.get("params", ())) != len(mine["params"])
+            for g, mine in zip(groups, optimizer.param_groups)):
+        raise StorylensError(f"{path}: optimizer settings do not match the run's model")
+    state = opt_sd["state"]
+    if set(state) - set(range(len(params))):
+        raise StorylensError(f"{path}: optimizer state names parameters the model does not have")
+    for pid, st in state.items():
+        p = params[pid]
+        ref = {"exp_avg": p.detach(), "exp_avg_sq": p.detach(), "step": torch.tensor(0.0)}
+        validate_state(path, st, ref, f"optimizer state {pid}")
+
+
+def _validate_rng(path: Path, rng: dict, gen: torch.Generator) -> None:
+    from .checkpoint import validate_state
+
+    validate_state(path, rng, {"data": gen.get_state(), "torch": torch.get_rng_state()}, "random state")
+
+
 class _StopRequested(Exception):
     pass
 
 
+def validate_config(cfg: TrainConfig) -> None:
+    """One line for a setting no training can use (before anything is read or written)."""
+    def bad(name, why):
+        raise StorylensError(f"--{name.replace('_', '-')}: {why}")
+
+    for name in ("max_steps", "batch_size", "eval_every", "vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad(name, f"must be a whole number of at least 1 (got {v!r})")
+    if cfg.warmup_steps < 0:
+        bad("warmup_steps", f"must be 0 or more (got {cfg.warmup_steps})")
+    if cfg.vocab_size < 257:
+        bad("vocab_size", f"a byte-level tokenizer needs at least 257 tokens (got {cfg.vocab_size})")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "checkpoint_minutes"):
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v < 0:
+            bad(name, f"must be a finite number, 0 or more (got {v})")
+    if cfg.lr <= 0:
+        bad("lr", f"must be above 0 (got {cfg.lr})")
+    for name in ("dropout", "attn_dropout"):
+        v = getattr(cfg, name)
+        if v is not None and not (math.isfinite(v) and 0 <= v < 1):
+            bad(name, f"a probability: at least 0 and below 1 (got {v})")
+    if not (math.isfinite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1):
+        bad("ema_decay", f"must be at least 0 and below 1 (got {cfg.ema_decay})")
+    if cfg.n_embd % cfg.n_head:
+        bad("n_embd", f"{cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    if cfg.dtype not in ("fp32", "bf16"):
+        bad("dtype", f"fp32 or bf16 (got {cfg.dtype!r})")
+
+
+def fingerprint(texts) -> str:
+    """sha256 of a list of stories (each with its length, so the split points count too)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _check_fingerprints(ckpt_path: Path, saved: dict | None, now: dict) -> None:
+    if not saved:
+        return  # a checkpoint from before fingerprints were recorded: nothing to compare
+    what = {"train": "the training stories", "quiz": "the quiz stories", "tokenizer": "tokenizer.json"}
+    for key, name in what.items():
+        if key in saved and saved[key] != now.get(key):
+            raise StorylensError(f"{ckpt_path}: {name} changed since this run started; "
+                                 "restore them or train into a new --out")
+
+
 def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
-    """Train (or resume) into ``out_dir``; returns the final state (losses, evals, timings)."""
+    """Train (or resume) into ``out_dir``; returns the final state (losses, evals, timings).
+
+    One run at a time per folder (a lock: a second is refused with one line); temporary files
+    carry the run's pid; the checkpoint records fingerprints of the corpus split and tokenizer,
+    so ``resume`` refuses a folder whose data changed, and its tensors are validated before use.
+    """
+    from .publish import file_lock, os_error
+
+    validate_config(cfg)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise StorylensError(f"{out_dir}: exists and is not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise StorylensError(f"{out_dir}: a part of this path is a file, not a folder") from None
+    except OSError as e:
+        raise os_error(out_dir, e, "create") from None
+    with file_lock(out_dir / ".lock", str(out_dir)):
+        from .checkpoint import remove_stale_temporaries
+
+        remove_stale_temporaries(out_dir / CHECKPOINT)
+        remove_stale_temporaries(out_dir / "tokenizer.json")
+        return _train_locked(split, out_dir, cfg, resume, progress)
+
+
+def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, progress: bool) -> dict:
+    from .checkpoint import validate_state
+    from .publish import write_text_atomic
+
     ckpt_path = out_dir / CHECKPOINT
     tok_path = out_dir / "tokenizer.json"
+    prints = {"train": fingerprint(split.train), "quiz": fingerprint(split.quiz)}
 
+    ema_sd = None
     if resume:
-        model_sd, opt_sd, state, rng = load_checkpoint(ckpt_path)
-        saved_cfg = TrainConfig(**state["train_config"])
+        model_sd, opt_sd, state, rng, ema_sd = load_checkpoint(ckpt_path)
+        try:
+            saved_cfg = TrainConfig(**state["train_config"])
+        except (KeyError, TypeError) as e:
+            raise StorylensError(f"{ckpt_path}: checkpoint has no usable training settings ({e})") from None
         if saved_cfg != cfg:
             diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved_cfg).items() if getattr(cfg, k) != v}
             raise StorylensError(f"{ckpt_path}: checkpoint was made with other settings {diff}")
         tok = load_tokenizer(tok_path)
+        prints["tokenizer"] = _file_digest(tok_path)
+        _check_fingerprints(ckpt_path, state.get("fingerprints"), prints)
     else:
         tok = train_tokenizer(split.train, cfg.vocab_size)
-        tok.save(str(tok_path))
-        state = {"step": 0, "losses": [], "evals": [], "train_seconds": 0.0, "train_config": asdict(cfg)}
+        if tok.get_vocab_size() != cfg.vocab_size:
+            raise StorylensError(
+                f"corpus: too small for a {cfg.vocab_size:,}-token vocabulary (byte-level BPE found only "
+                f"{tok.get_vocab_size():,} tokens in the training stories); give more stories or "
+                f"--vocab-size {tok.get_vocab_size()}")
+        write_text_atomic(tok_path, tok.to_str())
+        prints["tokenizer"] = _file_digest(tok_path)
+        state = {"step": 0, "losses": [], "evals": [], "train_seconds": 0.0, "train_config": asdict(cfg),
+                 "fingerprints": prints}
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
@@ -132,16 +265,35 @@ def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, p
     )
     gen = torch.Generator().manual_seed(cfg.seed)
     if resume:
+        expected = {k: v for k, v in model.state_dict().items()}
+        validate_state(ckpt_path, model_sd, expected, "weights")
+        if ema_sd is not None:
+            validate_state(ckpt_path, ema_sd, expected, "EMA weights")
+        _validate_optimizer(ckpt_path, opt_sd, optimizer)
+        _validate_rng(ckpt_path, rng, gen)
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(opt_sd)
         gen.set_state(rng["data"])
         torch.set_rng_state(rng["torch"])
+    ema_model = None
+    if cfg.ema_decay > 0:
+        import copy
+
+        ema_model = copy.deepcopy(model)
+        if ema_sd is not None:
+            ema_model.load_state_dict(ema_sd)
+        ema_model.eval()
+        ema_params, raw_params = list(ema_model.parameters()), list(model.parameters())
 
     stream = torch.tensor(encode_stream(tok, split.train), dtype=torch.long)
+    if len(stream) < cfg.block_size + 2:
+        raise StorylensError(f"corpus: the training stories make {len(stream):,} tokens, fewer than one "
+                             f"{cfg.block_size}-token window; give more stories")
     tokens_per_step = cfg.batch_size * cfg.block_size
 
     def checkpoint():
-        save_checkpoint(ckpt_path, model, optimizer, state, {"data": gen.get_state(), "torch": torch.get_rng_state()})
+        save_checkpoint(ckpt_path, model, optimizer, state, {"data": gen.get_state(), "torch": torch.get_rng_state()},
+                        ema=ema_model)
 
     # Ctrl-C / SIGTERM only raise a flag; the loop stops between two whole steps,
     # so the checkpoint never holds a half-applied optimizer step.
@@ -169,16 +321,25 @@ def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, p
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
+            if ema_model is not None:
+                with torch.no_grad():
+                    torch._foreach_lerp_(ema_params, raw_params, 1.0 - ema_decay_at(step, cfg))
             dt = time.time() - t0
             state["step"] = step + 1
-            state["losses"].append(round(float(loss), 6))
+            state["losses"].append(round(loss.item(), 6))
             state["train_seconds"] += dt
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.max_steps:
                 ppl = quiz_perplexity(model, tok, split.quiz)
-                state["evals"].append({"step": state["step"], "quiz_perplexity": ppl})
-                tqdm.write(f"step {state['step']}: quiz perplexity {ppl:.3f}") if progress else None
+                row = {"step": state["step"], "quiz_perplexity": ppl, "tokens": state["step"] * tokens_per_step,
+                       "train_seconds": round(state["train_seconds"], 1)}
+                if ema_model is not None:
+                    row["quiz_perplexity_ema"] = quiz_perplexity(ema_model, tok, split.quiz)
+                state["evals"].append(row)
+                if progress:
+                    ema_txt = f" (EMA {row['quiz_perplexity_ema']:.3f})" if ema_model is not None else ""
+                    tqdm.write(f"step {state['step']}: quiz perplexity {ppl:.3f}{ema_txt}")
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if time.time() - last_ckpt > cfg.checkpoint_minutes * 60:
                 checkpoint()
                 last_ckpt = time.time()
@@ -200,12 +361,13 @@ def export_checkpoint(run_dir: Path, folder: Path) -> Path:
     from .hub import save_model_folder
 
     run_dir = Path(run_dir)
-    model_sd, _, state, _ = load_checkpoint(run_dir / CHECKPOINT)
+    model_sd, _, state, _, ema_sd = load_checkpoint(run_dir / CHECKPOINT)
     cfg = TrainConfig(**state["train_config"])
     mcfg = cfg.model_config()
-    mcfg.dropout = 0.0  # inference folder: dropout off
+    mcfg.dropout, mcfg.attn_dropout = 0.0, None  # inference folder: dropout off
     model = GPT(mcfg)
-    model.load_state_dict(model_sd)
+    # a run that kept an EMA of its weights ships the average (what its evals measured as "EMA")
+    model.load_state_dict(ema_sd if ema_sd is not None else model_sd)
     return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder)
 
 
@@ -265,6 +427,6 @@ storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-s
 The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's 19,800,
 and training had to fit a 2-core CPU session, so the model saw each token only a few times.
 """
-    path = Path(folder) / "README.md"
-    path.write_text(text)
-    return path
+    from .publish import write_text_atomic
+
+    return write_text_atomic(Path(folder) / "README.md", text)

@@ -62,7 +62,7 @@ def test_bad_model_folders(capsys, tmp_path):
     assert "weights file missing" in _err(capsys, ["generate", "Hi", "--model", str(m)])
     shutil.copy(SHIPPED_MODEL / "model.safetensors", w)
     (m / "config.json").write_text(json.dumps({"n_layer": 4}))
-    assert "weights do not match" in _err(capsys, ["generate", "Hi", "--model", str(m)])
+    assert "holds 6 blocks but config.json says n_layer=4" in _err(capsys, ["generate", "Hi", "--model", str(m)])
     (m / "config.json").write_text("{not json")
     assert "config.json: not a valid model config" in _err(capsys, ["generate", "Hi", "--model", str(m)])
 
@@ -77,3 +77,17 @@ def test_debug_shows_the_traceback(capsys):
 def test_ablate_rejects_bad_head_labels(capsys):
     assert "--heads: not a head label" in _err(capsys, ["ablate", "--heads", "banana"])
     assert "L9H9" in _err(capsys, ["ablate", "--heads", "L9H9", "--mode", "zero"])
+
+
+def test_check_prints_the_learners_own_numbers(capsys, tmp_path):
+    out = tmp_path / "check.json"
+    assert main(["check", "--n-stories", "6", "--gen-tokens", "30", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fused vs explicit logits" in text and "float64" in text
+    assert "cache 30 vs recompute 465" in text  # 1 + 2 + ... + 30
+    data = json.loads(out.read_text())
+    checks = {(c["name"], c["dtype"]): c for c in data["checks"]}
+    assert len(checks) == 14 and all(c["passed"] for c in checks.values())
+    f64 = checks[("fused vs explicit logits", "float64")]
+    assert 0 < f64["measured"] <= f64["bound"] < 1e-10
+    assert checks[("upper triangle is exactly 0", "float32")]["measured"] == 0.0

@@ -24,7 +24,8 @@ def test_report_files_and_labels(report_dir):
     rows = list(csv.DictReader(open(report_dir / "heads.csv")))
     assert [r["label"] for r in rows] == [f"L{b}H{h}" for b in range(1, 7) for h in range(1, 5)]
     assert all(r["label"] == f"L{r['block']}H{r['head']}" for r in rows)
-    assert not list(report_dir.glob(".*"))  # no temporary folder left behind
+    assert [p.name for p in report_dir.glob(".*")] == [".storylens.json"]  # the manifest; nothing temporary
+    assert [p.name for p in report_dir.parent.glob(f".{report_dir.name}.*")] == [f".{report_dir.name}.lock"]
 
 
 def test_summary_agrees_with_the_table(report_dir):
@@ -74,7 +75,7 @@ def test_unwritable_out(capsys, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     assert "exists and is not a folder" in _err(capsys, ["report", "--out", str(blocker)])
-    assert "not writable" in _err(capsys, ["report", "--out", str(blocker / "report")])
+    assert f"{blocker} is not a folder" in _err(capsys, ["report", "--out", str(blocker / "report")])
     assert blocker.read_text() == "x"
 
 

@@ -30,7 +30,8 @@ def slice_file(tmp_path_factory, corpus_split):
 
 def _train_cmd(slice_file, out, *extra):
     return [sys.executable, "-m", "storylens", "train", "--stories", str(slice_file), "--out", str(out),
-            "--max-steps", str(STEPS), "--batch-size", "2", "--eval-every", "5", "--checkpoint-minutes", "0", *extra]
+            "--max-steps", str(STEPS), "--batch-size", "2", "--eval-every", "5", "--checkpoint-minutes", "0",
+            "--vocab-size", "1024", *extra]
 
 
 def _losses(out: Path):

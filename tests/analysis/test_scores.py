@@ -39,6 +39,10 @@ B_HEAD1 = [
     [0.2, 0.2, 0.2, 0.2, 0.2],  # padding queries: must be ignored
     [0.2, 0.2, 0.2, 0.2, 0.2],
 ]
+from storylens.model import GPTConfig as _Cfg
+from storylens.numerics import probability_bound, row_sum_bound
+
+F32_TOL = probability_bound(_Cfg(), torch.float32)  # derived in storylens.numerics
 
 
 def prev_only(T):
@@ -252,7 +256,9 @@ def test_streaming_equals_stored_maps_reference(shipped_model, five_stories):
     grid = lambda c: np.array(hs.grid(c))
     for col, key in (("name_mass", "name"), ("prev_token", "prev"), ("prev4", "prev4"),
                      ("prev_argmax", "argmax"), ("marker", "marker")):
-        np.testing.assert_allclose(grid(col), ref[key], atol=1e-6, rtol=0, err_msg=col)
+        # float32 rounding of two equal computations (storylens.numerics); an argmax may flip on a near-tie
+        tol = 1e-3 if col == "prev_argmax" else F32_TOL
+        np.testing.assert_allclose(grid(col), ref[key], atol=tol, rtol=0, err_msg=col)
     assert hs.name_baseline == pytest.approx(ref["base"], abs=1e-12)
 
 
@@ -267,7 +273,7 @@ def test_real_model_sanity(shipped_model, corpus_split):
     assert len(maps) == shipped_model.config.n_layer
     for a in maps:
         assert a.shape == (3, shipped_model.config.n_head, T, T)
-        assert torch.allclose(a.sum(-1), torch.ones(()), atol=1e-5)  # every row sums to 1
+        assert (a.sum(-1) - 1).abs().max().item() <= row_sum_bound(torch.float32, T)  # every row sums to 1
         assert (a.triu(1) == 0).all()  # the causal mask
 
     hs = score_heads(shipped_model, stories, batch_size=3, max_stories_prev=4, progress=False)
@@ -285,7 +291,8 @@ def test_real_model_sanity(shipped_model, corpus_split):
     # the first-4 columns are the same scores on the first 4 stories alone
     first = score_heads(shipped_model, stories[:4], batch_size=4, progress=False)
     for col in ("prev_token", "prev_argmax", "prev4"):
-        np.testing.assert_allclose(hs.column(col + "_first"), first.column(col), atol=1e-6)
+        np.testing.assert_allclose(hs.column(col + "_first"), first.column(col),
+                                   atol=1e-3 if col == "prev_argmax" else F32_TOL)
 
 
 def test_batch_size_does_not_change_scores(shipped_model, corpus_split):
@@ -294,7 +301,7 @@ def test_batch_size_does_not_change_scores(shipped_model, corpus_split):
     a = score_heads(shipped_model, stories, batch_size=1, names=names, progress=False)
     b = score_heads(shipped_model, stories, batch_size=6, names=names, progress=False)
     for col in ("name_mass", "prev_token", "prev4", "marker"):
-        np.testing.assert_allclose(a.column(col), b.column(col), atol=1e-6)
+        np.testing.assert_allclose(a.column(col), b.column(col), atol=F32_TOL)
 
 
 def test_bad_arguments(shipped_model):

@@ -1,0 +1,274 @@
+"""Outputs are published whole or not at all.
+
+Every file or folder storylens writes for a user goes through here:
+
+* :func:`write_bytes_atomic` / :func:`write_text_atomic`: a uniquely named temporary file beside
+  the target, flushed and fsynced, then one ``os.replace``. A kill leaves the old file or the new
+  one; a symlink at the target is refused (never written through).
+* :func:`publish_folder`: a context manager that holds a lock beside the target folder, hands the
+  caller a fresh temporary folder beside it to build in, and, when the block ends without error,
+  puts the whole set in place in one step: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders
+  atomically (Linux), or a plain rename when there is no old folder. The replaced set is then
+  removed. A kill at any moment leaves either the old folder or the new one, never a mix; a
+  temporary folder a killed run left behind is removed by the next run (which holds the lock, so
+  nothing else can be writing it).
+* A folder is only replaced if storylens wrote everything in it: each published folder carries a
+  manifest (``.storylens.json``) naming its files, and a target that holds anything else is
+  refused, so a user's own files are never deleted or overwritten.
+
+Where ``RENAME_EXCHANGE`` is unavailable (another OS, a filesystem without it), the swap falls back
+to two renames with the old set parked as ``.NAME.old-*``; a kill between the two leaves the old
+set there and the next run puts it back before doing anything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import StorylensError
+
+MANIFEST = ".storylens.json"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for the tests (tests/faults): ``STORYLENS_INJECT_KILL=NAME`` kills this
+    process with SIGKILL when it reaches the point called NAME, as a power cut would."""
+    if os.environ.get("STORYLENS_INJECT_KILL") == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _tmp_name(target: Path, kind: str) -> Path:
+    return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def os_error(path: Path, e: OSError, doing: str = "write") -> StorylensError:
+    """One line for an OSError: the path and the system's reason (disk full, read-only, ...)."""
+    reason = e.strerror or type(e).__name__
+    return StorylensError(f"{path}: cannot {doing} ({reason})")
+
+
+def _refuse_symlink(path: Path) -> None:
+    if path.is_symlink():
+        raise StorylensError(f"{path}: is a symbolic link; storylens does not write through links")
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    _refuse_symlink(path)
+    if path.is_dir():
+        raise StorylensError(f"{path}: is a folder, expected a file path")
+    tmp = _tmp_name(path, "tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fault_point("file-before-replace")
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise os_error(path, e) from None
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def _unlink_quietly(p: Path) -> None:
+    try:
+        p.unlink()
+    except OSError:
+        pass
+
+
+@contextmanager
+def file_lock(lock_path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (created if needed) or refuse with one line."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise os_error(lock_path, e, "create the lock file") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StorylensError(f"{what}: another storylens run is writing it right now; "
+                                 "try again when that one has finished") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass  # the lock is what matters, not its note of who holds it
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
+    """Refuse a target that is a file, a link, under a file, or a folder holding files storylens
+    did not write (anything not in its manifest; ``owned`` names a folder of this kind always
+    holds, for folders made before manifests existed)."""
+    if out.is_symlink():
+        raise StorylensError(f"{out}: is a symbolic link; give a real folder")
+    if out.exists() and not out.is_dir():
+        raise StorylensError(f"{out}: exists and is not a folder")
+    for parent in out.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise StorylensError(f"{out}: {parent} is not a folder")
+            break
+    if not out.is_dir():
+        return
+    try:
+        present = {p.name for p in out.iterdir()}
+    except OSError as e:
+        raise os_error(out, e, "read") from None
+    if not present:
+        return
+    listed = _manifest_files(out)
+    if listed is None and owned and present <= owned:
+        return
+    if listed is None:
+        raise StorylensError(f"{out}: holds files storylens did not write ({_some(present)}); "
+                             "give an empty or new folder")
+    foreign = present - listed - owned - {MANIFEST}
+    if foreign:
+        raise StorylensError(f"{out}: holds files storylens did not write ({_some(foreign)}); "
+                             "move them away or give another folder")
+
+
+def _some(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _manifest_files(folder: Path) -> set[str] | None:
+    try:
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        return set(data["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported here."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    r = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if r == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Under the lock: put back an old set parked by an interrupted fallback swap, then remove
+    every temporary folder an earlier killed run left."""
+    parent = out.parent
+    prefix = f".{out.name}."
+    try:
+        entries = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return
+    parked = sorted(p for p in entries if p.name.startswith(prefix + "old-"))
+    if parked and not out.exists():
+        os.rename(parked[-1], out)
+        parked = parked[:-1]
+    for p in entries:
+        if p.exists() and (p.name.startswith(prefix + "build-") or p in parked):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def lock_path_for(out: Path) -> Path:
+    return out.with_name(f".{out.name}.lock")
+
+
+@contextmanager
+def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozenset[str] = frozenset()) -> Iterator[Path]:
+    """Build into the yielded temporary folder; on success it replaces ``out`` in one step.
+
+    ``out`` must be new, empty, or a folder storylens published before (see the module docstring).
+    On an error (or a kill) ``out`` is left exactly as it was.
+    """
+    out = Path(out)
+    check_target_folder(out, owned)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(out.parent, e, "create") from None
+    with file_lock(lock_path_for(out), str(out)):
+        try:
+            _clean_leftovers(out)
+        except OSError as e:
+            raise os_error(out, e, "tidy") from None
+        check_target_folder(out, owned)  # again, now that nobody else can be writing it
+        tmp = _tmp_name(out, "build")
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise os_error(out.parent, e) from None
+        try:
+            yield tmp
+            fault_point("folder-built")
+            files = sorted(p.name for p in tmp.iterdir())
+            (tmp / MANIFEST).write_text(json.dumps({"written_by": "storylens", "what": what, "files": files},
+                                                   indent=1), encoding="utf-8")
+            _fsync_tree(tmp)
+            fault_point("folder-before-swap")
+            _swap_in(tmp, out)
+        except OSError as e:
+            raise os_error(out, e) from None
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.rename(tmp, out)  # nothing to replace: one rename
+        return
+    if _exchange(tmp, out):
+        fault_point("folder-after-swap")
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old set
+        return
+    parked = _tmp_name(out, "old")
+    os.rename(out, parked)
+    os.rename(tmp, out)
+    shutil.rmtree(parked, ignore_errors=True)
