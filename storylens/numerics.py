@@ -127,7 +127,7 @@ def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -
     n = len(stories_ids)
     return [
         Check("fused vs explicit logits", name, worst_logit, rounding_bound(m.config, dtype, scale),
-              LESSON["fused_vs_explicit"], f"{n} stories, largest |logit| {scale:.1f}"),
+              LESSON["fused_vs_explicit"], f"{n} stories, largest logit magnitude {scale:.1f}"),
         Check("attention rows sum to 1", name, worst_row, row_sum_bound(dtype, longest), None,
               f"{n} stories x {m.config.n_layer * m.config.n_head} heads, up to {longest} keys"),
         Check("upper triangle is exactly 0", name, upper, 0.0, None, "the causal mask: exp(-inf) = 0"),
@@ -152,7 +152,7 @@ def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
             scale = max(scale, f.abs().max().item())
     return Check("prefix keys/values = full run's", str(dtype).replace("torch.", ""), worst,
                  rounding_bound(m.config, dtype, scale), None,
-                 f"first {n} of {len(ids)} tokens, largest |key|,|value| {scale:.1f}")
+                 f"first {n} of {len(ids)} tokens, largest key or value magnitude {scale:.1f}")
 
 
 @torch.no_grad()
@@ -172,7 +172,7 @@ def cached_vs_recomputed(model, dtype: torch.dtype, n_tokens: int = 200, seed: i
     expected_recompute = n * (n + 1) // 2
     return [
         Check("KV cache vs recompute logits", name, worst, rounding_bound(m.config, dtype, scale),
-              LESSON["kv_cache_vs_recompute"], f"{n} tokens, {same} of {n} the same, largest |logit| {scale:.1f}"),
+              LESSON["kv_cache_vs_recompute"], f"{n} tokens, {same} of {n} the same, largest logit magnitude {scale:.1f}"),
         Check("same tokens generated", name, float(n - same), 0.0, None, f"{n - same} of {n} differ"),
         Check("key/value computations", name, float(abs(cached[-1].kv_computed - n)
                                                     + abs(full[-1].kv_computed - expected_recompute)), 0.0, None,

@@ -126,6 +126,8 @@ def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
     """Refuse a target that is a file, a link, under a file, or a folder holding files storylens
     did not write (anything not in its manifest; ``owned`` names a folder of this kind always
     holds, for folders made before manifests existed)."""
+    if out.name in ("", ".", ".."):
+        raise StorylensError(f"{out}: give the output folder a name of its own (not '.' or '..')")
     if out.is_symlink():
         raise StorylensError(f"{out}: is a symbolic link; give a real folder")
     if out.exists() and not out.is_dir():

@@ -281,3 +281,9 @@ def test_command_line_errors_in_a_real_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "storylens", "report", "--out", str(tmp_path / "f" / "x")],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr == f"storylens: error: {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a folder\n"
+
+
+@pytest.mark.parametrize("target", [".", ".."])
+def test_dot_targets_are_refused(capsys, target):
+    assert one_line(capsys, ["export-hf", target]) == (f"storylens: error: {target}: give the output folder a "
+                                                       "name of its own (not '.' or '..')")

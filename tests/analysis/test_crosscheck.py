@@ -76,11 +76,11 @@ def test_bridge_matches_the_export(bridge, shipped_model):
         c.n_layer, c.n_head, c.head_size, c.n_embd, c.block_size, c.vocab_size)
 
 
-def max_pattern_difference(model, bridge, ids):
+def max_pattern_difference(model, bridge, ids, batch=BATCH):
     """Largest |storylens - TransformerLens| attention over the real positions of ``ids``."""
     worst = 0.0
     with torch.inference_mode():
-        for idx in length_batches([len(x) for x in ids], BATCH):
+        for idx in length_batches([len(x) for x in ids], batch):
             T = max(len(ids[i]) for i in idx)
             x = torch.zeros(len(idx), T, dtype=torch.long)
             for r, i in enumerate(idx):
@@ -97,7 +97,10 @@ def max_pattern_difference(model, bridge, ids):
 
 def test_float64_patterns_are_the_same_computation(shipped_model, hf_folder, quiz_ids):
     model64 = copy.deepcopy(shipped_model).to(torch.float64)
-    worst = max_pattern_difference(model64, boot(hf_folder, torch.float64), quiz_ids[:N_STORIES_F64])
+    # One story at a time: on right-padded batches TransformerLens's float64 patterns at real
+    # positions move by ~1e-10 (its padding handling; seen on this Intel Xeon), while each story alone
+    # agrees to ~5e-15. The identity is checked where it is one: unpadded.
+    worst = max_pattern_difference(model64, boot(hf_folder, torch.float64), quiz_ids[:N_STORIES_F64], batch=1)
     assert worst <= TOL, f"float64 attention patterns differ by {worst:.3g}"
 
 

@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from matplotlib.image import imread
 
 from storylens.model import head_label
@@ -67,7 +68,7 @@ def test_all_heads_grid(story_run, tmp_path):
     # each map is the recorded attention, cropped; the masked upper triangle is not drawn as data
     first = head_axes[0].get_images()[0].get_array()
     assert first.shape == (24, 24)
-    np.testing.assert_allclose(np.ma.filled(first, 0.0), np.tril(att[0, 0, :24, :24]), atol=1e-6)
+    np.testing.assert_array_equal(np.ma.filled(first, 0.0), np.tril(att[0, 0, :24, :24]))  # the same numbers
     assert first.mask[0, 1] and not first.mask[1, 0]
     # token labels on the outer axes
     assert [t.get_text() for t in head_axes[0].get_yticklabels()][0] == "<eot>"
@@ -125,7 +126,11 @@ def test_name_head_figure_and_data_uri(story_run):
     best = max(scores, key=scores.get)
     b, h = int(best[1]) - 1, int(best[3]) - 1
     weights, queries = name_attention_profile(att[b, h], names)
-    assert weights.shape == (len(tokens),) and weights.sum() == pytest.approx(1.0, abs=1e-6)
+    from storylens.numerics import row_sum_bound
+
+    # a mean of attention rows: sums to 1 up to a float32 softmax's rounding (storylens.numerics)
+    assert weights.shape == (len(tokens),)
+    assert weights.sum() == pytest.approx(1.0, abs=row_sum_bound(torch.float32, len(tokens)))
     assert min(queries) > names[0] and not set(queries) & set(names)
     fig = name_head_figure(tokens, att[b, h], names, label=best, baseline=0.05)
     assert best in fig.get_suptitle()
