@@ -1,103 +1,324 @@
-"""Writes lesson_02.ipynb (run: python notebooks/make_lesson_02.py). Cells follow the lesson's order."""
+"""Writes lesson_02.ipynb (run: python notebooks/make_lesson_02.py).
+
+The notebook follows the lesson's order in its own words. Cells that draw a figure carry the tag
+``figure`` and cells that show a widget the tag ``widget``: tests/test_notebook.py checks that each
+produced an image or an HTML output when the notebook runs.
+"""
 
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-cells = [
-    new_markdown_cell("""# Lesson 02: read Tiny Storyteller's own attention maps
 
-Every number below is computed here, on storylens's shipped Tiny Storyteller and the 200 held-out
-quiz stories. The lesson's figures are quoted next to ours; where they differ, ours is what this
-model does."""),
-    new_code_cell("""import torch
+def md(text):
+    return new_markdown_cell(text.strip())
+
+
+def code(text, *tags):
+    cell = new_code_cell(text.strip())
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def answer(question, text):
+    """A check-yourself question whose answer stays folded until the reader opens it."""
+    return md(f"**{question}**\n\n<details><summary>Show the answer</summary>\n\n{text.strip()}\n\n</details>")
+
+
+cells = [
+    md("""
+# Lesson 02 in storylens: reading a small GPT's attention
+
+Tiny Storyteller is a small language model: six blocks, four attention heads in each, about
+5.9 million numbers in all, trained on short children's stories. In this notebook you open it
+up and watch where each of its 24 heads looks while it reads a story. Nothing gets trained here;
+we only read.
+
+You will see every number computed on your own machine, from the model and the 200 quiz stories
+that ship with storylens (stories the model never trained on). The lesson quotes its own
+figures for a model trained elsewhere; where ours differ, ours are what this model does, and the
+text says so rather than bending a definition.
+
+**To run it**: on Colab, *Runtime → Run all* (the first cell installs storylens if it is
+missing); on your own computer, `pip install storylens` and open this file in Jupyter. No GPU and
+no corpus download are needed; everything takes well under a minute on a laptop CPU.
+"""),
+    code("""
+import importlib.util
+if importlib.util.find_spec("storylens") is None:  # Colab or a fresh environment: install once
+    %pip install -q storylens
+"""),
+    code("""
+import torch
+from IPython.display import display
 from storylens.hub import load_model
-from storylens.data import load_split
+from storylens.lesson import lesson_quiz
+
+model = load_model()                 # the shipped Tiny Storyteller; no network
+tok = model.tokenizer
+quiz, quiz_source = lesson_quiz(model)
+print(f"{model.num_parameters():,} parameters, {model.config.n_layer} blocks x {model.config.n_head} heads")
+print(f"{len(quiz)} quiz stories ({quiz_source})")
+"""),
+    md("""
+## 1. One head, in miniature
+
+Picture the story read aloud in a circle: every word takes its seat in order, and when its turn
+comes it may glance back at the words already seated, never forward. A **head** is one particular
+way of glancing back. For that, every word is given three short lists of numbers (64 each in this
+model):
+
+* its **query**: what this word is looking for;
+* its **key**: what this word offers to be found by;
+* its **value**: what this word passes on if someone looks at it.
+
+A word compares its query with the key of every earlier word by a dot product (multiply the
+numbers pairwise, add them up). The softmax then turns those scores into shares that are all
+positive and add up to one: raise *e* to each score, divide by the total. Finally the word takes
+the share-weighted mix of the values. The shares are the **attention probabilities**; one row of
+them per word, for a whole story, is an **attention map**.
+
+The widget below is a toy with two numbers per query and key, set by hand so that "He" goes
+looking for a name. Click a word to make it the one that looks back, and edit the numbers to watch
+the shares move. These are not the model's numbers; the model's queries are 64 numbers produced
+by a matrix multiply, and any "looking for a name" story we tell about them is our reading.
+"""),
+    code("""
+from storylens.viz import toy_widget
+toy_widget()
+""", "widget"),
+    md("""
+## 2. A switch that keeps the shares
+
+PyTorch computes attention with one fused routine that never hands back the shares. storylens's
+model has a flag, `record_attention`, that makes every block do it the long way instead: scores,
+mask, softmax, blend, keeping the probabilities as a tensor shaped
+`[batch, head, query, key]`. Both ways are the same mathematics; they can only differ by the order
+in which the computer rounds its sums.
+
+The cell measures that on your CPU, in single precision (float32, how the model normally runs)
+and in double precision (float64). Each number sits next to the largest difference rounding alone
+could explain (the *bound*; see `storylens.numerics` for the derivation). In float64 the gaps
+shrink to around 1e-14: the two paths really compute the same thing.
+"""),
+    code("""
+from storylens.numerics import run_checks
 from storylens.tokenizer import encode_story
 
-model = load_model()              # the shipped model, no network
-tok = model.tokenizer
-split = load_split()              # last 200 stories = the quiz
-quiz = split.quiz
-print(f"{model.num_parameters():,} parameters; {len(split.train):,} training stories, {len(quiz)} quiz stories")"""),
-    new_markdown_cell("""## The flag: fused kernel or the long way
+ids = [encode_story(tok, s).ids for s in quiz[:12]]
+checks = run_checks(model, ids, gen_tokens=200)
+for c in checks:
+    print(f"{c.name:34} {c.dtype:8} measured {c.measured:9.2e}   bound {c.bound:9.2e}   {c.detail}")
+"""),
+    md("""
+## 3. The triangle
 
-`record_attention=True` makes every block compute query·key / 8, mask the future with minus
-infinity, softmax, and keep the probabilities as `[batch, head, query, key]`."""),
-    new_code_cell("""worst_logit, worst_row, cut = 0.0, 0.0, 0
-with torch.no_grad():
-    for story in quiz:
-        enc = encode_story(tok, story)
-        cut += enc.cut
-        idx = torch.tensor([enc.ids])
-        fused, explicit = model(idx), model(idx, record_attention=True)
-        worst_logit = max(worst_logit, (fused.logits - explicit.logits).abs().max().item())
-        worst_row = max(worst_row, max((a.sum(-1) - 1).abs().max().item() for a in explicit.attentions))
-print(f"fused vs explicit, max |logit difference|: {worst_logit:.2e} (lesson: within 2e-5)")
-print(f"max |row sum - 1|: {worst_row:.1e}; stories cut to the window: {cut} (lesson: 5)")"""),
-    new_markdown_cell("## The triangle, and Ella's shelf"),
-    new_code_cell("""from storylens.viz import causal_mask_figure, story_attention
+While guessing the next word the model must not peek ahead. The rule that enforces it is the
+**causal mask**: before the softmax, the score of every later word is set to minus infinity, and
+*e* to the minus infinity is exactly zero. So every attention map is a lower triangle, and the
+blank upper-right half of every picture below is that rule, not a choice a head made.
+"""),
+    code("""
+from storylens.viz import causal_mask_figure, story_attention
 tokens, att, enc = story_attention(model, quiz[0])
-causal_mask_figure(tokens[:8]);"""),
-    new_code_cell("""from storylens.model import KVCache
-g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-start = torch.tensor([[0]])
-cached = list(model.generate_stream(start, 200, generator=g1))
-full = list(model.generate_stream(start, 200, generator=g2, use_kv_cache=False))
-print("same tokens:", [s.token for s in cached] == [s.token for s in full])
-print(f"max |logit difference|: {max((a.logits - b.logits).abs().max().item() for a, b in zip(cached, full)):.1e} (lesson: 3e-7)")
-print("key/value computations:", cached[-1].kv_computed, "with the shelf,", full[-1].kv_computed, "without")
-print(tok.decode([s.token for s in cached])[:300])"""),
-    new_markdown_cell("## All 24 heads on one story"),
-    new_code_cell("""from storylens.viz import all_heads_figure
-all_heads_figure(att, tokens, max_tokens=32);"""),
-    new_markdown_cell("## Click a token (the toy first: hand-set numbers, not Momo's weights)"),
-    new_code_cell("""from storylens.viz import toy_widget, AttentionWidget
-toy_widget()"""),
-    new_code_cell("""AttentionWidget.from_model(model, quiz[0])"""),
-    new_markdown_cell("## Leakage check"),
-    new_code_cell("""from storylens.analysis import check_leakage
-leak = check_leakage(quiz, split.train, word="Momo")
-leak.summary()"""),
-    new_markdown_cell("## Finding the name-tracking head"),
-    new_code_cell("""from storylens.analysis import score_heads
+display(causal_mask_figure(tokens[:8]))
+""", "figure"),
+    md("""
+## 4. The shelf: why generation can be cheap
+
+The triangle has a consequence. An earlier word can never see a later one, so once its key and
+value are computed they never change. When the model writes a story token by token, it can file
+each token's key and value on a shelf (the **KV cache**) and, for every new token, compute only
+that token's own query, key and value, reading the rest from the shelf.
+
+The check above already compared the two ways of generating (with the shelf and recomputing
+everything each step): the same tokens, logits apart only by rounding. The counter is the saving:
+200 tokens cost 200 key and value computations with the shelf, and 1 + 2 + ... + 200 = 20,100
+without. The shelf is a speed-up, not a memory: what the model knows lives in its weights.
+"""),
+    code("""
+counter = next(c for c in checks if c.name == "key/value computations" and c.dtype == "float32")
+print(counter.detail)
+"""),
+    md("""
+## 5. All 24 heads on one story
+
+Here is the first quiz story through all six blocks and four heads, the first tokens of it. Each
+small square is one head's attention map: row = the word looking back, column = the word looked
+at, darker = a larger share. Some heads spread their attention thinly; some fix on the very first
+token (the end-of-story marker that opens every story); a few pick out particular words.
+"""),
+    code("""
+from storylens.viz import all_heads_figure
+display(all_heads_figure(att, tokens, max_tokens=32))
+""", "figure"),
+    md("""
+## 6. Click a token
+
+The same story in an interactive view. Click any token to make it the query and the earlier
+tokens light up by the share it gives them; pick a block and head, or show all 24 at once. Hover a
+token for its exact share. (In an untrusted notebook, Jupyter may refuse to run the view's script:
+trust the notebook, or open the report's HTML file instead.)
+"""),
+    code("""
+from storylens.viz import AttentionWidget
+AttentionWidget.from_model(model, quiz[0])
+""", "widget"),
+    md("""
+### Watch it write
+
+The same view can replay generation. storylens records, at every step of KV-cached generation,
+the new token's row of attention; press **Play** (or step through) and each token appears
+together with where the model looked while choosing it.
+"""),
+    code("""
+from storylens.generation import record_generation
+from storylens.viz import replay_widget
+run = record_generation(model, "Once upon a time, there was a girl named Mia.", max_new_tokens=60,
+                        temperature=0.8, top_k=40, seed=0)
+replay_widget(run, tok)
+""", "widget"),
+    md("""
+## 7. Are the quiz stories really unseen?
+
+A measurement on stories the model memorised would tell us little, so first a leakage check
+between the quiz and the training stories: how many quiz stories are identical to a training
+story, how many mention the word "Momo", and what share of each quiz story's eight-word runs also
+occur somewhere in training. TinyStories are written from a small vocabulary and repeat many
+phrases, so some overlap is expected; identical stories would be a problem. (Without the training
+corpus at hand, storylens shows the check it ran when the model was trained.)
+"""),
+    code("""
+from storylens.lesson import lesson_leakage
+leakage = lesson_leakage(model)
+leakage
+"""),
+    md("""
+## 8. Looking for the name-tracking head
+
+Now a crude but precise question: which head looks most at the story's main character?
+
+* A **name** is a capitalised word whose lowercase form appears nowhere in the 200 quiz stories
+  (that rules out "She" and "The" but keeps "Lily" and "Tim").
+* A story's **main character** is its most frequent name, if it is mentioned at least twice;
+  stories without one are skipped.
+* For each head, take every position after the name's first mention that is not itself part of
+  the name, add up the attention it puts on the name's tokens, average over those positions, then
+  over the stories. That is the head's **name mass**.
+* The **baseline** is what an even spread would give: at each position, the number of name
+  tokens it can see divided by the number of tokens it can see, averaged the same way.
+"""),
+    code("""
+from storylens.analysis import score_heads
 scores = score_heads(model, quiz, max_stories_prev=100, progress=False)
-print(f"{scores.n_main_character} of {scores.n_stories} stories have a main character (lesson: 159); "
-      f"{scores.n_name_scored} scored; baseline {scores.name_baseline:.3f} (lesson: 0.052)")
+print(f"{scores.n_main_character} of {scores.n_stories} stories have a main character; "
+      f"{scores.n_name_scored} are scored. Baseline {scores.name_baseline:.3f}.")
 for h in scores.top("name_mass", 6):
-    print(f"{h.label}  name mass {h.name_mass:.3f}  ratio {h.name_ratio:.1f}x")
-print(scores.count("name_mass", below=scores.name_baseline), "of 24 heads below the baseline (lesson: 17)")"""),
-    new_code_cell("""from storylens.viz import name_mass_bar_figure, head_heatmap_figure
-name_mass_bar_figure([(h.label, h.name_mass) for h in scores.heads], scores.name_baseline);
-head_heatmap_figure(scores.grid("name_mass"), title="Name mass", highlight=scores.best("name_mass").label);"""),
-    new_code_cell("""from storylens.analysis import find_main_characters
+    print(f"{h.label}  name mass {h.name_mass:.3f}  ({h.name_ratio:.1f} x the baseline)")
+below = scores.count("name_mass", below=scores.name_baseline)
+print(f"{below} of {len(scores.heads)} heads put less on the name than an even spread would")
+"""),
+    code("""
+from storylens.viz import name_mass_bar_figure, head_heatmap_figure
+display(name_mass_bar_figure([(h.label, h.name_mass) for h in scores.heads], scores.name_baseline))
+display(head_heatmap_figure(scores.grid("name_mass"), title="Name mass, block x head",
+                            highlight=scores.best("name_mass").label))
+""", "figure"),
+    md("""
+Here is the winning head on one story, after the name's first mention: each bar is the share of
+attention that lands on a token, averaged over the positions that look back at it, with the
+name's tokens marked.
+"""),
+    code("""
+from storylens.analysis import find_main_characters
 from storylens.viz import name_attention_profile, name_head_figure
 top = scores.best("name_mass")
 mains = find_main_characters(tok, quiz)
 i = next(i for i, m in enumerate(mains) if m is not None and len(m.positions) >= 3)
-tokens, att, _ = story_attention(model, quiz[i])
-w, _ = name_attention_profile(att[top.block - 1, top.head - 1], list(mains[i].positions), mains[i].first_mention)
-name_head_figure(tokens, w, list(mains[i].positions), label=top.label, first_mention=mains[i].first_mention,
-                 baseline=scores.name_baseline, max_tokens=160);"""),
-    new_markdown_cell("## Previous-token heads and the end-of-story marker"),
-    new_code_cell("""p, pf, af = scores.best("prev_token"), scores.best("prev_token_first"), scores.best("prev_argmax_first")
-print("heads above 0.5 on the previous token:", scores.count("prev_token", above=0.5), "(lesson: 0)")
-print(f"highest: {p.label} {p.prev_token:.3f} (lesson: L1H1 0.146)")
-print(f"first 100 stories: {pf.label} {pf.prev_token_first:.3f} on the previous token, "
-      f"{pf.prev4_first:.3f} on the last four (lesson: 0.140 and 0.389)")
-print(f"previous token is the top key: best {af.label} {af.prev_argmax_first:.3f} of queries (lesson: 0.369)")
-m = scores.best("marker")
-print(f"end-of-story marker: highest {m.label} {m.marker:.3f} (lesson: 0.065)")"""),
-    new_markdown_cell("## Check yourself, with our numbers"),
-    new_code_cell("""top = scores.best("name_mass")
-print(f"The number to reproduce: {top.label}, name mass {top.name_mass:.3f} over {scores.n_name_scored} of "
-      f"{scores.n_stories} stories, baseline {scores.name_baseline:.3f} ({top.name_ratio:.1f}x).")
-print("1. The upper right is exactly zero:", all(bool((a[0].triu(1) == 0).all())
-      for a in model(torch.tensor([encode_story(tok, quiz[0]).ids]), record_attention=True).attentions))
-print("2. The shelf never needs updating: a prefix's keys and values equal the full run's (see the cache cell).")
-print("3. Attention is not reliance: switching heads off (storylens ablate / report --beyond) tests it.")"""),
+tokens_i, att_i, _ = story_attention(model, quiz[i])
+weights, _ = name_attention_profile(att_i[top.block - 1, top.head - 1], list(mains[i].positions),
+                                    mains[i].first_mention)
+display(name_head_figure(tokens_i, weights, list(mains[i].positions), label=top.label,
+                         first_mention=mains[i].first_mention, baseline=scores.name_baseline, max_tokens=120))
+""", "figure"),
+    md("""
+## 9. The heads that are not there
+
+Small transformers often grow a **previous-token head**: one that sends most of its attention to
+the word just before. Here we count heads with more than half their attention on the previous
+token, and also how often the previous token is the single most-attended one. A last score asks
+whether any head leans mostly on the end-of-story marker, the token that closes one story and
+opens the next.
+"""),
+    code("""
+prev = scores.best("prev_token")
+print(f"heads with more than half on the previous token: {scores.count('prev_token', above=0.5)}")
+print(f"highest: {prev.label} at {prev.prev_token:.3f}; on the last four tokens together: {prev.prev4:.3f}")
+arg = scores.best("prev_argmax")
+print(f"the previous token is the top key for {arg.prev_argmax:.3f} of queries at best ({arg.label})")
+mk = scores.best("marker")
+print(f"most attention on the end-of-story marker: {mk.label} at {mk.marker:.3f}")
+"""),
+    code("""
+display(head_heatmap_figure(scores.grid("prev_token"), title="Attention on the previous token",
+                            highlight=prev.label))
+display(head_heatmap_figure(scores.grid("marker"), title="Attention on the end-of-story marker",
+                            highlight=mk.label))
+""", "figure"),
+    md("""
+## 10. What this does and does not show
+
+Three limits to keep in mind before telling a story about these heads:
+
+1. The top head puts a fraction of its attention on the name, not all of it. It leans; it does
+   not switch.
+2. Attention says where a head looks. It does not say that the model's next word depends on what
+   the head found there: to learn that you have to take the head away and watch what breaks.
+3. Position is not controlled. A name that comes early is far back for most later words, and
+   some heads simply like far-back tokens.
+
+The lesson stopped there. The next two cells do the experiment it names: switch the top
+name-mass head off (replace its output with zeros) and measure how much worse the model gets at
+predicting the name's tokens, against every other token.
+"""),
+    code("""
+from storylens.analysis import name_ablation_table
+table = name_ablation_table(model, quiz, heads=[top.label], k=0, modes=["zero"], progress=False)
+print(table.format())
+"""),
+    md("""
+If the loss on the name's tokens rises much more than on other tokens when the head is switched
+off, the model relies on that head for names, not just looks with it. `storylens report --beyond`
+runs this for every head (and a position control and a pronoun test); the head that attends most
+to the name is not always the one whose loss hurts most.
+
+## Check yourself
+
+The number to reproduce with this notebook: the top name-mass head, its mass, the baseline and
+their ratio (printed in section 8).
+"""),
+    answer("1. Why is the upper-right half of every attention map exactly zero, not just small?",
+           """Before the softmax the score of every later word is set to minus infinity, and the
+exponential of minus infinity is exactly 0. It is the causal mask, applied on purpose, so no share
+can go to a word that has not been written yet."""),
+    answer("2. Why can the KV cache keep keys and values without ever updating them?",
+           """A token's key and value are computed only from itself and the tokens before it (the
+mask again), so tokens that arrive later cannot change them. Each new token adds its own key and
+value and reads the rest."""),
+    answer("3. A head puts a large share of its attention on the main character's name. Does that "
+           "prove the model uses the name to write the next word? What would?",
+           """No: it shows where the head looks, not what the output depends on. Switch the head off
+(zero or mean ablation) and compare the loss on predicting the name against the loss elsewhere;
+control for position too, since early tokens draw attention for being early."""),
 ]
 
-nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-nbformat.write(nb, Path(__file__).with_name("lesson_02.ipynb"))
+nb = new_notebook(cells=cells, metadata={
+    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+    "language_info": {"name": "python"},
+    "colab": {"provenance": []},
+})
+out = Path(__file__).with_name("lesson_02.ipynb")
+nbformat.write(nb, out)
+print(f"wrote {out}")

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# torch==2.13.0 resolves to the CPU wheel these machines hold; the rest come from PyPI.
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' -r requirements-dev.txt
+# Exact versions from constraints.txt (torch==2.13.0 resolves to the CPU wheel these machines hold).
+.venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]' -r requirements-dev.txt
 
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

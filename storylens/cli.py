@@ -56,6 +56,8 @@ def cmd_generate(args) -> int:
     from .tokenizer import eot_id
 
     _validate_generate(args)
+    if args.html is not None:
+        return _generate_recorded(args)
     model = _load(args)
     tok = model.tokenizer
     ids = [eot_id(tok)] + tok.encode(args.prompt).ids
@@ -91,15 +93,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_recorded(args) -> int:
+    """``generate --record --html FILE``: the story, then a page that replays its writing."""
+    from .generation import record_generation
+    from .publish import write_text_atomic
+    from .viz import replay_widget
+
+    if args.no_cache:
+        raise StorylensError("--record: records the KV-cached generation; drop --no-cache")
+    out = Path(args.html)
+    if out.is_dir():
+        raise StorylensError(f"{out}: is a folder; give an .html file name")
+    model = _load(args)
+    run = record_generation(model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k or None, seed=args.seed, stop_at_marker=not args.no_stop)
+    tok = model.tokenizer
+    print(args.prompt + tok.decode(run.ids[run.prompt_len:]))
+    write_text_atomic(out, replay_widget(run, tok).to_html())
+    print(f"replay written to {out} ({len(run.ids) - run.prompt_len} tokens, each with its recorded attention)",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     from dataclasses import fields
 
     from .data import load_split
-    from .train import TrainConfig, export_checkpoint, train
+    from .train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
 
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     cfg = TrainConfig(**overrides)
-    split = load_split(args.stories)
+    validate_config(cfg)
+    if args.first is not None and args.first < 201:
+        raise StorylensError(f"--first: at least 201 stories (200 for the quiz and one to train on), got {args.first}")
+    split = load_split(args.stories, first=args.first)
     try:
         result = train(split, Path(args.out), cfg, resume=args.resume)
     except KeyboardInterrupt as e:
@@ -109,7 +136,7 @@ def cmd_train(args) -> int:
     if evals:
         print(f"quiz perplexity {evals[-1]['quiz_perplexity']:.3f} after {result['state']['step']} steps")
     if args.export:
-        folder = export_checkpoint(Path(args.out), Path(args.export))
+        folder = export_checkpoint(Path(args.out), Path(args.export), lesson_files(split))
         print(f"model folder written to {folder}")
     return 0
 
@@ -124,25 +151,36 @@ def cmd_export_hf(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from .data import load_split
+    from .lesson import lesson_data
     from .train import quiz_perplexity
 
     model = _load(args)
-    split = load_split(args.stories)
-    print(f"quiz perplexity {quiz_perplexity(model, model.tokenizer, split.quiz):.3f} ({len(split.quiz)} quiz stories)")
+    data = lesson_data(getattr(model, "source_folder", None), args.stories)
+    print(f"quiz perplexity {quiz_perplexity(model, model.tokenizer, data.quiz):.3f} ({data.quiz_source})")
+    return 0
+
+
+def cmd_data_download(args) -> int:
+    from .data import download_tinystories
+
+    path = download_tinystories(args.split)
+    print(f"TinyStories {args.split} split: {path}")
+    print(f"use it with --stories tinystories{'-valid' if args.split == 'valid' else ''} "
+          f"(e.g. storylens train --stories tinystories --first 20000, the lesson's recipe)")
     return 0
 
 
 def _check_stories(model, args) -> tuple[list[list[int]], str]:
-    """The quiz (cut to the window) if the corpus is at hand, else stories the model writes itself."""
+    """The quiz (the corpus's, else the one shipped with the model), cut to the window; for a model
+    with neither, stories the model writes itself."""
     import torch
 
-    from .data import load_split
+    from .lesson import lesson_data
     from .tokenizer import encode_story, eot_id
 
     window = model.config.block_size
     try:
-        quiz = load_split(args.stories).quiz
+        data = lesson_data(getattr(model, "source_folder", None), args.stories)
     except StorylensError as e:
         if args.stories is not None:
             raise
@@ -153,7 +191,7 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
                                  top_k=40, generator=gen)
             ids.append(out[0].tolist())
         return ids, f"{len(ids)} stories the model wrote (no corpus: {str(e).split(':')[-1].strip()})"
-    quiz = quiz[: args.n_stories] if args.n_stories else quiz
+    quiz = data.quiz[: args.n_stories] if args.n_stories else data.quiz
     return [encode_story(model.tokenizer, s, window).ids for s in quiz], f"{len(quiz)} quiz stories"
 
 
@@ -211,16 +249,22 @@ def _cpu_name() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .train import TrainConfig
 
+    from . import __version__
+
     p = _Parser(prog="storylens", description="Read Tiny Storyteller's attention.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"storylens {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="write a story from a prompt (KV-cached, streamed)")
-    g.add_argument("prompt")
-    g.add_argument("--max-new-tokens", type=int, default=150)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40, help="0 for no top-k")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("prompt", help="the story's first words")
+    g.add_argument("--max-new-tokens", type=int, default=150, help="at most this many new tokens (default 150)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 for all (default 40)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed, 0 to 2^64 - 1 (default 0)")
+    g.add_argument("--record", action="store_true", help="record every new token's attention (use with --html)")
+    g.add_argument("--html", default=None, metavar="FILE",
+                   help="with --record: write a page that replays the writing, token by token, with its attention")
     g.add_argument("--no-cache", action="store_true", help="recompute everything each step (slow reference)")
     g.add_argument("--no-stop", action="store_true", help="keep going past the end-of-story marker")
     _add_model(g)
@@ -231,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/tiny-storyteller", help="run folder (checkpoint, tokenizer)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     t.add_argument("--export", default=None, help="write a model folder here when done")
+    t.add_argument("--first", type=int, default=None, metavar="N",
+                   help="use only the corpus's first N stories (the lesson: --stories tinystories --first 20000)")
     d = TrainConfig()
     for name in ("max_steps", "batch_size", "eval_every", "seed", "warmup_steps", "vocab_size"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
@@ -240,12 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("export-hf", help="export to a transformers GPT2LMHeadModel folder")
-    e.add_argument("dir")
+    e.add_argument("dir", help="the folder to write (new, empty, or an earlier export)")
     _add_model(e)
     e.set_defaults(func=cmd_export_hf)
 
     q = sub.add_parser("perplexity", help="quiz perplexity of a model")
-    q.add_argument("--stories", default=None)
+    q.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
+                   "(default: the shared corpus, else the quiz shipped with the model)")
     _add_model(q)
     q.set_defaults(func=cmd_perplexity)
 
@@ -253,10 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stories", default=None, help="corpus whose quiz is used (default: the shared corpus)")
     c.add_argument("--n-stories", type=int, default=None, help="use only the first N quiz stories")
     c.add_argument("--gen-tokens", type=int, default=200, help="tokens generated with and without the cache")
-    c.add_argument("--dtype", choices=["both", "float32", "float64"], default="both")
+    c.add_argument("--dtype", choices=["both", "float32", "float64"], default="both",
+                   help="precision(s) to measure in (default both)")
     c.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     _add_model(c)
     c.set_defaults(func=cmd_check)
+
+    dd = sub.add_parser("data", help="the TinyStories corpus: storylens data download")
+    dsub = dd.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    dl = dsub.add_parser("download", help="fetch TinyStories from the Hugging Face Hub into the user cache")
+    dl.add_argument("--split", choices=["train", "valid"], default="train",
+                    help="train (1.9 GB, what the lesson trains on) or valid (19 MB); default train")
+    dl.set_defaults(func=cmd_data_download, allow_download=True)
 
     try:
         from .report import add_report_parser
@@ -285,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _debug_everywhere(parser)
     args = parser.parse_args(argv)
+    if getattr(args, "html", None) is not None and not getattr(args, "record", False):
+        print("storylens: error: --html: needs --record (the page replays the recorded attention)", file=sys.stderr)
+        return 2
+    if getattr(args, "record", False) and getattr(args, "html", None) is None:
+        print("storylens: error: --record: give --html FILE to write the replay page", file=sys.stderr)
+        return 2
     if not getattr(args, "allow_download", False):
         # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
         from .hub import hub_offline

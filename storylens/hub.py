@@ -30,7 +30,8 @@ SHIPPED_MODEL = Path(__file__).resolve().parent / "pretrained" / "tiny-storytell
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
-MODEL_FOLDER_FILES = frozenset({CONFIG, WEIGHTS, TOKENIZER, "README.md"})
+MODEL_FOLDER_FILES = frozenset({CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json",
+                                "LICENSE-DATA.md"})
 
 
 class TinyStoryteller(
@@ -45,6 +46,7 @@ class TinyStoryteller(
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.tokenizer = None  # set by load_model / from_pretrained
+        self.source_folder = None  # the folder it was loaded from, if any
 
     def _save_pretrained(self, save_directory: Path) -> None:
         save_directory = Path(save_directory)
@@ -139,6 +141,7 @@ def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
     model = cls(config)
     model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]})
     model.tokenizer = tok
+    model.source_folder = folder  # where the model came from (its shipped quiz lives there too)
     model.eval()
     return model
 
@@ -204,8 +207,10 @@ def _safetensors_errors(folder):
         raise StorylensError(f"{folder}: cannot write ({reason})") from None
 
 
-def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and ``tokenizer.json`` into ``folder``."""
+def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike,
+                      extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` (and ``extra_files``, name to
+    bytes) into ``folder``, all published in one step."""
     if not isinstance(model, TinyStoryteller):
         hub_model = TinyStoryteller(model.config)
         hub_model.load_state_dict(model.state_dict())
@@ -214,6 +219,8 @@ def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike) -> Path:
     with publish_folder(folder, "storylens model folder", owned=MODEL_FOLDER_FILES) as tmp:
         with _safetensors_errors(folder):
             model.save_pretrained(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
     return Path(folder)
 
 

@@ -23,7 +23,10 @@ from .publish import publish_folder
 
 CHECK_STORIES = 16  # the report's numerical checks run on the first 16 quiz stories ...
 CHECK_TOKENS = 100  # ... and 100 generated tokens (storylens check runs all 200 stories and 200 tokens)
-PREV_LIMIT = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
+PREV_LIMIT = 100
+GRID_TOKENS = 24  # the 24-head grid shows the first 24 tokens, every one labelled ...
+GRID_LABEL_PT = 8.5  # ... in 8.5-point type at 100 dpi (about 12 pixels), shown unscaled in the page
+GRID_DPI = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
 SCORE_TITLES = {
     "name_mass": "Name mass (share of attention on the main character's name)",
     "name_ratio": "Name mass / even-spread baseline",
@@ -59,17 +62,6 @@ def _check_writable(out: Path) -> Path:
     return out
 
 
-def _read_quiz(quiz_path, split) -> tuple[list[str], str]:
-    from .data import read_stories
-
-    if quiz_path is None:
-        return split.quiz, "the corpus's last 200 stories"
-    stories = read_stories(quiz_path)
-    if not stories:
-        raise StorylensError(f"{quiz_path}: no stories")
-    return stories, str(Path(quiz_path).name)
-
-
 def _pick_story(quiz: list[str], scores_mains) -> int:
     """The first quiz story with a main character mentioned early and at least 60 tokens."""
     for i, m in enumerate(scores_mains):
@@ -97,8 +89,8 @@ def build_report(
     check_tokens: int = CHECK_TOKENS,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
-    from .analysis import check_leakage, score_heads
-    from .data import load_split
+    from .analysis import score_heads
+    from .lesson import leakage_for, lesson_data
     from .hub import load_model
     from .viz import AttentionWidget, toy_widget
 
@@ -110,10 +102,14 @@ def build_report(
     with publish_folder(out, "report") as tmp:
         with _timer(timings, "load"):
             model = model if model is not None else load_model(model_source)
-            split = load_split(stories)
-            quiz_stories, quiz_source = _read_quiz(quiz, split)
+            data = lesson_data(getattr(model, "source_folder", None), stories, quiz)
+            quiz_stories, quiz_source = data.quiz, data.quiz_source
         with _timer(timings, "leakage"):
-            leakage = check_leakage(quiz_stories, split.train, word=word)
+            # recomputed when the training stories are here; else the check stored with the model
+            # (for its own quiz); a --quiz of one's own without the corpus cannot be checked
+            leakage = None
+            if data.train is not None or (quiz is None and data.stored_leakage is not None):
+                leakage = leakage_for(data, word)
         with _timer(timings, "scoring"):
             scores = score_heads(model, quiz_stories, batch_size=batch_size,
                                  max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
@@ -141,7 +137,7 @@ def build_report(
                 beyond_summary, beyond_html, beyond_figs = beyond_section(
                     model, quiz_stories, scores, tmp, progress=progress)
                 figs.update(beyond_figs)
-        summary = _summary(model, scores, leakage, quiz_source, split, word, story_info)
+        summary = _summary(model, scores, leakage, quiz_source, data, story_info)
         summary["numerics"] = [c.to_dict() for c in checks]
         if beyond_summary is not None:
             summary["beyond"] = beyond_summary
@@ -191,9 +187,11 @@ def _figures(model, quiz, scores, tmp) -> tuple[dict[str, str], dict]:
     index = _pick_story(quiz, mains)
     tokens, att, enc = story_attention(model, quiz[index])
     keep("causal_mask", causal_mask_figure(tokens[:8], title="The causal mask: later words are -inf before the softmax"))
-    keep("all_heads", all_heads_figure(att, tokens, max_tokens=32,
-                                       title=f"All 24 heads on quiz story {index + 1} (first 32 tokens)"),
-         dpi=72)  # a 16 x 23 inch grid: 72 dpi keeps it sharp on screen and halves the render time
+    n_heads = model.config.n_layer * model.config.n_head
+    grid = all_heads_figure(att, tokens, max_tokens=GRID_TOKENS, max_labels=GRID_TOKENS, cell_inches=2.55,
+                            label_fontsize=GRID_LABEL_PT,
+                            title=f"All {n_heads} heads on quiz story {index + 1} (first {GRID_TOKENS} tokens)")
+    keep("all_heads", grid, dpi=GRID_DPI)  # shown at its own size: labels GRID_LABEL_PT at GRID_DPI
     rows = [(h.label, h.name_mass) for h in scores.heads]
     keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline,
                                            title=f"Name mass per head over {scores.n_name_scored} quiz stories"))
@@ -215,7 +213,16 @@ def _f(x, nd=3):
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def _summary(model, scores, leakage, quiz_source, split, word, story_info) -> dict:
+def _leakage_summary(leakage, data) -> dict:
+    if leakage is None:
+        return {"computed": False, "source": "not computed: no training stories here (get them with "
+                                             "storylens data download, or pass --stories)"}
+    src = (f"recomputed against the {leakage.n_train:,} training stories" if data.train is not None else
+           f"stored with the model (computed against its {leakage.n_train:,} training stories when it was trained)")
+    return {"computed": True, "source": src, **leakage.summary()}
+
+
+def _summary(model, scores, leakage, quiz_source, data, story_info) -> dict:
     top6 = scores.top("name_mass", 6)
     prev = scores.best("prev_token")
     prev_first = scores.best("prev_token_first")
@@ -227,8 +234,9 @@ def _summary(model, scores, leakage, quiz_source, split, word, story_info) -> di
                   "heads": model.config.n_head, "window": model.config.block_size},
         "quiz": {"source": quiz_source, "stories": scores.n_stories, "cut_to_window": scores.n_cut,
                  "with_main_character": scores.n_main_character, "name_scored": scores.n_name_scored,
-                 "skipped": scores.n_skipped_no_name, "train_stories": len(split.train)},
-        "leakage": leakage.summary(),
+                 "skipped": scores.n_skipped_no_name,
+                 "train_stories": leakage.n_train if leakage is not None else None},
+        "leakage": _leakage_summary(leakage, data),
         "name_heads": {
             "baseline": scores.name_baseline,
             "top": [{"head": h.label, "name_mass": h.name_mass, "ratio": h.name_ratio} for h in top6],
@@ -258,8 +266,10 @@ def _table(header, rows) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
-def _img(figs, name, alt) -> str:
-    return f'<figure><img src="{figs[name]}" alt="{html.escape(alt)}"><figcaption>{html.escape(alt)}</figcaption></figure>'
+def _img(figs, name, alt, cls="", attrs="") -> str:
+    c = f' class="{cls}"' if cls else ""
+    return (f'<figure{c}><img src="{figs[name]}" alt="{html.escape(alt)}"{attrs}>'
+            f'<figcaption>{html.escape(alt)}</figcaption></figure>')
 
 
 def _html(s, scores, figs, widget_html, toy_html, beyond_html) -> str:
@@ -271,42 +281,66 @@ def _html(s, scores, figs, widget_html, toy_html, beyond_html) -> str:
         [f"mentioning “{lk['word']}”", lk["n_mentioning"]],
         [f"mean share of {lk['run_words']}-word runs found in training", _f(lk["run_share_mean"])],
         [f"maximum share of {lk['run_words']}-word runs", _f(lk["run_share_max"])],
-    ]
+    ] if lk["computed"] else [["leakage check", lk["source"]]]
     name_rows = [[h["head"], _f(h["name_mass"]), _f(nh["baseline"]), f"{h['ratio']:.1f}x"] for h in nh["top"]]
     all_rows = [[h.label, _f(h.name_mass), f"{h.name_ratio:.2f}", _f(h.prev_token), _f(h.prev_argmax), _f(h.prev4),
                  _f(h.marker)] for h in scores.heads]
-    css = """body{font:15px/1.55 system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+    counter = next((c for c in s["numerics"] if c["name"] == "key/value computations" and c["dtype"] == "float32"), None)
+    label_px = GRID_LABEL_PT * GRID_DPI / 72
+    css = """body{font:15px/1.55 system-ui,-apple-system,Segoe UI,sans-serif;max-width:1180px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.7em}h2{margin-top:2em;border-bottom:1px solid #ddd}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:3px 9px;text-align:right}th{background:#f4f4f4}td:first-child{text-align:left}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#666;font-size:.9em}
+figure.wide{overflow-x:auto}figure.wide img{max-width:none}
+.pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:0 1.5em;align-items:start}
 .num{font-size:1.25em;background:#f7f7ff;border-left:4px solid #66c;padding:.6em 1em}"""
+    n_heads = s["model"]["blocks"] * s["model"]["heads"]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>storylens: Tiny Storyteller's attention</title>
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:; connect-src 'none'; base-uri 'none'; form-action 'none'">
 <style>{css}</style></head><body>
 <h1>Reading Tiny Storyteller's attention</h1>
-<p>Every number on this page was computed by storylens on the shipped model
+<p>Every number on this page was computed by storylens on this machine, with the model
 ({s['model']['parameters']:,} parameters, {s['model']['blocks']} blocks x {s['model']['heads']} heads,
-{s['model']['window']}-token window) over {q['stories']} quiz stories ({e(q['source'])}).
+{s['model']['window']}-token window) and {q['stories']} quiz stories ({e(q['source'])}).
 {q['cut_to_window']} of them were cut to the {s['model']['window']}-token window (the lesson had 5 of 200).
 Heads are labelled as the lesson does: <b>L5H3</b> is block 5, head 3, counting from 1.</p>
 
-<h2>1. Leakage check</h2>
-<p>Quiz stories against the {q['train_stories']:,} training stories
+<h2>1. How attention works</h2>
+<p>Each word of a story gets, from each head, three short lists of numbers: a <b>query</b> (what it is
+looking for), a <b>key</b> (what it offers) and a <b>value</b> (what it passes on). A word scores every
+earlier word by the dot product of its query with their keys, turns the scores into shares that add up
+to one with a softmax, and takes the share-weighted blend of their values. The shares are the attention
+probabilities. The toy below uses two hand-set numbers per query and key (not the model's): click a word,
+edit the numbers, watch the shares move.</p>
+{toy_html}
+<h3>The triangle</h3>
+<p>Before the softmax every score for a later word is set to minus infinity, so its share is exactly zero:
+the upper right of every map is this causal mask, not a choice the head made.</p>
+{_img(figs, "causal_mask", "The causal mask")}
+<h3>The switch and the shelf, measured here</h3>
+<p>storylens's model has one flag, <code>record_attention</code>: off, each block runs PyTorch's fused
+attention kernel; on, it computes the scores, mask and softmax explicitly and keeps the probabilities as
+<code>[batch, head, query, key]</code>. Because earlier words never see later ones, their keys and values
+never change, so generation can keep them on a shelf (the KV cache) and compute only the newest token's.
+The table is this computer's own measurement of both promises (first {CHECK_STORIES} quiz stories,
+{CHECK_TOKENS} generated tokens; <code>storylens check</code> runs all of them), each beside the bound that
+rounding alone allows, in float32 and float64 (derived in <code>storylens.numerics</code>).
+{"Key/value computations: " + e(counter["detail"]) + "." if counter else ""}</p>
+{_numerics_html(s["numerics"])}
+
+<h2>2. All {n_heads} heads on one story</h2>
+<p>Row: the token looking back (query); column: the token looked at (key); darker: a larger share.</p>
+{_img(figs, "all_heads", f"All {n_heads} heads, one quiz story", cls="wide",
+      attrs=f' data-label-px="{label_px:.1f}"')}
+<h3>Click a token</h3>
+<p>The same story in the widget: click a token to see where it looks; pick a block and head, or all {n_heads}.</p>
+{widget_html}
+
+<h2>3. Leakage check</h2>
+<p>Quiz stories against the training stories: {e(lk['source'])}
 (the lesson: none identical, none mentioning Momo, 8-word runs 8.7% on average, 30% at most).</p>
 {_table(["check", "ours"], leak_rows)}
-
-<h2>2. The triangle</h2>
-<p>Before the softmax every score for a later word is set to minus infinity, so its share is exactly zero:
-the upper right of every map is the mask, not a choice the head made.</p>
-{_img(figs, "causal_mask", "The causal mask")}
-
-<h2>3. All 24 heads on one story</h2>
-{_img(figs, "all_heads", "All 24 heads, one quiz story")}
-<h3>Click a token</h3>
-<p>The same story in the widget: click a token to see where it looks; pick a block and head, or all 24.</p>
-{widget_html}
-<h3>Toy mode (hand-set numbers, not the model's)</h3>
-{toy_html}
 
 <h2>4. The name-tracking head</h2>
 <p>A name is a capitalised word whose lowercase form appears nowhere in the {q['stories']} quiz stories; the
@@ -314,46 +348,38 @@ main character is a story's most frequent name with at least two mentions. {q['w
 {q['stories']} stories have one; {q['name_scored']} are scored, {q['skipped']} skipped
 (the lesson: 159 of 200). Even-spread baseline: <b>{_f(nh['baseline'])}</b> (lesson: 0.052).</p>
 {_table(["head", "name mass", "baseline", "ratio"], name_rows)}
-<p>{nh['below_baseline']} of 24 heads put less on the name than an even spread would (lesson: 17).</p>
+<p>{nh['below_baseline']} of {n_heads} heads put less on the name than an even spread would (lesson: 17).</p>
 {_img(figs, "name_mass", "Name mass per head against the baseline")}
-{_img(figs, "heatmap_name_mass", "Name mass, block x head")}
+<div class="pair">{_img(figs, "heatmap_name_mass", "Name mass, block x head")}
+{_img(figs, "heatmap_name_ratio", "Name mass / even-spread baseline")}</div>
 {_img(figs, "top_name_head", f"{top['head']} on one story: where it looks after the first mention")}
 
-<h2>5. Previous-token and end-of-story heads</h2>
-<p>Heads with more than half their attention on the word just before: <b>{pt['above_half']} of 24</b>
-(lesson: 0). Highest: {pt['highest']['head']} at {_f(pt['highest']['prev_token'])} over all stories;
-on the first {pt['highest_first']['stories']} stories {pt['highest_first']['head']} puts
-{_f(pt['highest_first']['prev_token'])} on the previous word and {_f(pt['highest_first']['prev4'])} on the last four
-(lesson: L1H1, 0.140 and 0.389). The previous word is the single most-attended one for
-{_f(pt['best_argmax_first']['share'])} of queries at best ({pt['best_argmax_first']['head']}, first
-{pt['best_argmax_first']['stories']} stories; {_f(pt['best_argmax_all']['share'])} over all, {pt['best_argmax_all']['head']};
-lesson: 0.369).</p>
-{_img(figs, "heatmap_prev_token", "Attention on the previous token")}
-{_img(figs, "heatmap_prev_argmax", "Share of queries whose top key is the previous token")}
-{_img(figs, "heatmap_prev4", "Attention on the last four tokens")}
-<p>End-of-story marker: the highest head is {mk['highest']['head']} at {_f(mk['highest']['marker'])}
-(lesson: 0.065); {mk['above_half']} heads lean mostly on it.</p>
-{_img(figs, "heatmap_marker", "Attention on the end-of-story marker")}
-
-<h2>6. Three honest limits</h2>
+<h2>5. Three honest limits</h2>
 <ol><li>{top['head']} puts about {100 * top['name_mass']:.0f}% of its attention on the name, not all of it:
 a tendency, not a switch.</li>
 <li>Attention is where a head looks, not proof of what the model relies on; the lesson switched no head off
 (section 8, when run with <code>--beyond</code>, does).</li>
 <li>Name position is not controlled: a name early in a story may draw attention partly for being early.</li></ol>
 
+<h2>6. Previous-token and end-of-story heads</h2>
+<p>Heads with more than half their attention on the word just before: <b>{pt['above_half']} of {n_heads}</b>
+(lesson: 0). Highest: {pt['highest']['head']} at {_f(pt['highest']['prev_token'])} over all stories;
+on the first {pt['highest_first']['stories']} stories {pt['highest_first']['head']} puts
+{_f(pt['highest_first']['prev_token'])} on the previous word and {_f(pt['highest_first']['prev4'])} on the last four
+(lesson: L1H1, 0.140 and 0.389). The previous word is the single most-attended one for
+{_f(pt['best_argmax_first']['share'])} of queries at best ({pt['best_argmax_first']['head']}, first
+{pt['best_argmax_first']['stories']} stories; {_f(pt['best_argmax_all']['share'])} over all, {pt['best_argmax_all']['head']};
+lesson: 0.369). End-of-story marker: the highest head is {mk['highest']['head']} at {_f(mk['highest']['marker'])}
+(lesson: 0.065); {mk['above_half']} heads lean mostly on it.</p>
+<div class="pair">{_img(figs, "heatmap_prev_token", "Attention on the previous token")}
+{_img(figs, "heatmap_prev_argmax", "Share of queries whose top key is the previous token")}
+{_img(figs, "heatmap_prev4", "Attention on the last four tokens")}
+{_img(figs, "heatmap_marker", "Attention on the end-of-story marker")}</div>
+
 <h2>7. The number to reproduce</h2>
 <p class="num">The most name-attending head is <b>{nr['head']}</b>, with mean name mass <b>{_f(nr['name_mass'])}</b>
 over {nr['stories']} of the {nr['of']} stories, against an even-spread baseline of {_f(nr['baseline'])}
 ({nr['ratio']:.1f} times). The lesson's model: L5H3, 0.221 over 159 of 200, baseline 0.052 (4.3 times).</p>
-
-<h2>The lesson's numbers on this machine</h2>
-<p>The lesson promises that the fused kernel and the explicit softmax agree, that rows sum to 1, that
-the upper triangle is exactly zero, and that the KV cache changes the cost and not the answer. These
-are this computer's own measurements (first {CHECK_STORIES} quiz stories, {CHECK_TOKENS} generated tokens;
-<code>storylens check</code> runs the full set), each beside the bound that rounding alone allows
-(float32 and float64; derived in <code>storylens.numerics</code>).</p>
-{_numerics_html(s["numerics"])}
 
 <h2>Every head</h2>
 {_table(["head", "name mass", "ratio", "prev token", "prev = top key", "last four", "marker"], all_rows)}
@@ -361,6 +387,38 @@ are this computer's own measurements (first {CHECK_STORIES} quiz stories, {CHECK
 <p style="color:#888">Made by storylens. TinyStories (Eldan &amp; Li 2023), CDLA-Sharing-1.0.</p>
 </body></html>
 """
+
+
+LESSON_TABLE = "lesson-table"  # README markers: <!-- lesson-table:start --> ... <!-- lesson-table:end -->
+
+
+def lesson_table(s: dict) -> str:
+    """The README's "ours against the lesson" table, from a report's summary.json (never typed in)."""
+    q, lk, nh, pt, mk = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"]
+    top, rest = nh["top"][0], nh["top"][1:]
+    n_heads = s["model"]["blocks"] * s["model"]["heads"]
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    leak = (f"{lk['n_duplicates']} / {lk['n_mentioning']} / {pct(lk['run_share_mean'])}, {pct(lk['run_share_max'])}"
+            if lk["computed"] else "not computed")
+    rows = [
+        ("quiz stories cut to the 256-token window", "5 of 200", f"{q['cut_to_window']} of {q['stories']}"),
+        ('leakage: identical / mention "Momo" / 8-word runs mean, max', "0 / 0 / 8.7%, 30%", leak),
+        ("stories with a main character", "159", f"{q['with_main_character']}"),
+        ("even-spread baseline", "0.052", f"{nh['baseline']:.3f}"),
+        ("top name head (name mass, ratio)", "L5H3 0.221 (4.3x)",
+         f"**{top['head']} {top['name_mass']:.3f} ({top['ratio']:.1f}x)**"),
+        ("next five", "L4H4, L6H2, ...", ", ".join(f"{h['head']} {h['name_mass']:.3f}" for h in rest)),
+        ("heads below the baseline", "17 of 24", f"{nh['below_baseline']} of {n_heads}"),
+        ("previous-token heads above 0.5", "0", f"{pt['above_half']}"),
+        ("highest previous-token head", "L1H1 0.146", f"{pt['highest']['head']} {pt['highest']['prev_token']:.3f}"),
+        (f"first {pt['highest_first']['stories']} stories: best prev-token / last four", "L1H1 0.140 / 0.389",
+         f"{pt['highest_first']['head']} {pt['highest_first']['prev_token']:.3f} / {pt['highest_first']['prev4']:.3f}"),
+        (f"best share of queries whose top key is the previous token (first {pt['best_argmax_first']['stories']})",
+         "0.369", f"{pt['best_argmax_first']['head']} {pt['best_argmax_first']['share']:.3f}"),
+        ("highest end-of-story-marker head", "0.065", f"{mk['highest']['head']} {mk['highest']['marker']:.3f}"),
+    ]
+    lines = ["| measure | lesson | ours |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
 
 
 def print_summary(report: Report, file=None) -> None:
@@ -372,8 +430,11 @@ def print_summary(report: Report, file=None) -> None:
     p = lambda *a: print(*a, file=file)  # noqa: E731
     p(f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
       f"{q['with_main_character']} with a main character, {q['name_scored']} scored")
-    p(f"leakage: {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
-      f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}")
+    if lk["computed"]:
+        p(f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
+          f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}")
+    else:
+        p(f"leakage: {lk['source']}")
     p("")
     p(f"{'head':6} {'name mass':>10} {'baseline':>9} {'ratio':>6}")
     for h in nh["top"]:
@@ -396,17 +457,18 @@ def print_summary(report: Report, file=None) -> None:
 def add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
     r.add_argument("--model", default=None, help="model folder or hub id (default: the shipped model)")
-    r.add_argument("--allow-download", action="store_true")
-    r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz)")
+    r.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz; default: the "
+                   "shared corpus if present, else the quiz and leakage check shipped with the model)")
     r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz")
     r.add_argument("--out", default="report", help="output folder (default: report)")
     r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
     r.add_argument("--prev-limit", type=int, default=PREV_LIMIT,
                    help="previous-token figures also over the first N stories (lesson: 100)")
-    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--batch-size", type=int, default=16, help="stories per recorded forward pass (default 16)")
     r.add_argument("--beyond", action="store_true",
                    help="also switch heads off, control for position, and measure pronouns (slower)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
     r.set_defaults(func=_cmd_report)
 
 

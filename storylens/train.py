@@ -305,7 +305,8 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     model.train()
     last_ckpt = time.time()
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], disable=None if progress else True, unit="step",
+               dynamic_ncols=True)  # disable=None: a bar on a terminal only, no carriage returns into pipes
     try:
         while state["step"] < cfg.max_steps:
             if stop:
@@ -356,8 +357,37 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
     return {"model": model, "tokenizer": tok, "state": state}
 
 
-def export_checkpoint(run_dir: Path, folder: Path) -> Path:
-    """Turn a training run's checkpoint into a model folder (config, safetensors, tokenizer)."""
+def lesson_files(split: Split) -> dict[str, bytes]:
+    """What a model folder ships for the lesson besides its weights: the quiz stories (so the lesson
+    runs without the corpus), the leakage check computed against the training stories, and the
+    data's licence (TinyStories is CDLA-Sharing-1.0)."""
+    from importlib import resources
+
+    from .analysis.leakage import check_leakage
+    from .data import LEAKAGE_FILE, QUIZ_FILE, quiz_file_bytes
+
+    leakage = check_leakage(split.quiz, split.train)
+    licence = resources.files("storylens").joinpath("licenses", "CDLA-Sharing-1.0.txt").read_text(encoding="utf-8")
+    notice = f"""# Data licence
+
+This folder holds {len(split.quiz)} stories of TinyStories (`{QUIZ_FILE}`, the quiz the model never trained on)
+and weights trained on {len(split.train):,} other TinyStories stories.
+
+TinyStories: Ronen Eldan and Yuanzhi Li, "TinyStories: How Small Can Language Models Be and Still
+Speak Coherent English?" (2023, arXiv 2305.07759), published under the Community Data License
+Agreement - Sharing, Version 1.0 (CDLA-Sharing-1.0), reproduced below. The stories are unchanged.
+
+---
+
+"""
+    return {QUIZ_FILE: quiz_file_bytes(split.quiz),
+            LEAKAGE_FILE: json.dumps(leakage.to_dict(), indent=1).encode("utf-8"),
+            "LICENSE-DATA.md": (notice + licence).encode("utf-8")}
+
+
+def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Turn a training run's checkpoint into a model folder (config, safetensors, tokenizer, and
+    ``extra_files``, e.g. :func:`lesson_files`), published in one step."""
     from .hub import save_model_folder
 
     run_dir = Path(run_dir)
@@ -368,7 +398,7 @@ def export_checkpoint(run_dir: Path, folder: Path) -> Path:
     model = GPT(mcfg)
     # a run that kept an EMA of its weights ships the average (what its evals measured as "EMA")
     model.load_state_dict(ema_sd if ema_sd is not None else model_sd)
-    return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder)
+    return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder, extra_files)
 
 
 def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int) -> Path:

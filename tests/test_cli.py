@@ -91,3 +91,33 @@ def test_check_prints_the_learners_own_numbers(capsys, tmp_path):
     f64 = checks[("fused vs explicit logits", "float64")]
     assert 0 < f64["measured"] <= f64["bound"] < 1e-10
     assert checks[("upper triangle is exactly 0", "float32")]["measured"] == 0.0
+
+
+def test_version_and_help_on_every_option(capsys):
+    import argparse
+
+    from storylens import __version__
+    from storylens.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"storylens {__version__}"
+    missing = []
+
+    def walk(parser, name):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    walk(sp, f"{name} {sub}")
+            elif not a.help:
+                missing.append(f"{name} {a.dest}")
+    walk(build_parser(), "storylens")
+    assert missing == []
+
+
+def test_record_and_html_go_together(capsys, tmp_path):
+    assert main(["generate", "Once", "--html", str(tmp_path / "x.html")]) == 2
+    assert capsys.readouterr().err == "storylens: error: --html: needs --record (the page replays the recorded attention)\n"
+    assert main(["generate", "Once", "--record"]) == 2
+    assert capsys.readouterr().err == "storylens: error: --record: give --html FILE to write the replay page\n"
+    assert not (tmp_path / "x.html").exists()

@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -83,3 +84,14 @@ def test_model_folder_that_is_not_one(capsys, tmp_path):
     out = tmp_path / "out"
     assert "config.json: missing" in _err(capsys, ["report", "--model", str(tmp_path), "--out", str(out)])
     assert not out.exists()
+
+
+def test_readme_lesson_table_is_the_reports(report_dir):
+    """README figures come from a report run: regenerate with scripts/readme_tables.py when this fails."""
+    from storylens.report import LESSON_TABLE, lesson_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = f"<!-- {LESSON_TABLE}:start -->", f"<!-- {LESSON_TABLE}:end -->"
+    shown = readme[readme.index(start) + len(start): readme.index(end)].strip()
+    summary = json.loads((report_dir / "summary.json").read_text())
+    assert shown == lesson_table(summary)

@@ -373,7 +373,7 @@ def ablation_losses(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(stories_ids), unit="story", desc="ablations")
+        bar = tqdm(total=len(stories_ids), unit="story", desc="ablations", disable=None)  # None: terminals only
     was_training = model.training
     model.eval()
     try:

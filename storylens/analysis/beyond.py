@@ -161,24 +161,26 @@ def add_ablate_parser(sub) -> None:
     a = sub.add_parser("ablate", help="switch heads off and measure the loss on the main character's name")
     a.add_argument("--heads", nargs="*", default=None, help="heads to switch off together, e.g. L4H2 L5H1 "
                    "(default: every head alone, plus the top three name heads together)")
-    a.add_argument("--mode", choices=["zero", "mean"], default=None, help="default: both")
-    a.add_argument("--model", default=None)
-    a.add_argument("--allow-download", action="store_true")
-    a.add_argument("--stories", default=None)
-    a.add_argument("--quiz", default=None)
+    a.add_argument("--mode", choices=["zero", "mean"], default=None,
+                   help="replace a head's output by zeros or by its mean output (default: both)")
+    a.add_argument("--model", default=None, help="model folder or hub id (default: the shipped Tiny Storyteller)")
+    a.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    a.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
+                   "(default: the shared corpus, else the quiz shipped with the model)")
+    a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
     a.set_defaults(func=_cmd_ablate)
 
 
 def _cmd_ablate(args) -> int:
-    from ..data import load_split, read_stories
     from ..hub import load_model
+    from ..lesson import lesson_data
     from ..model import parse_head_label
     from .ablation import generation_divergence, name_ablation_table
 
     model = load_model(args.model, allow_download=args.allow_download)
-    stories = read_stories(args.quiz) if args.quiz else load_split(args.stories).quiz
+    stories = lesson_data(getattr(model, "source_folder", None), args.stories, args.quiz).quiz
     modes = (args.mode,) if args.mode else ("zero", "mean")
     heads = None
     if args.heads:

@@ -91,6 +91,19 @@ class LeakageReport:
     def n_too_short(self) -> int:
         return sum(s is None for s in self.shares)
 
+    def to_dict(self) -> dict:
+        """Every field (per-story lists included), JSON-ready; :meth:`from_dict` reads it back."""
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LeakageReport":
+        fields = {k: d[k] for k in cls.__dataclass_fields__}
+        for k in ("duplicates", "mentioning", "shares"):
+            fields[k] = tuple(fields[k])
+        return cls(**fields)
+
     def summary(self) -> dict:
         """The headline numbers as a plain dict (no per-story lists)."""
         return {

@@ -426,7 +426,7 @@ def score_heads(
     model.eval()
     try:
         with torch.inference_mode(), tqdm(total=len(stories), unit="story", desc="scoring heads",
-                                          disable=not progress) as bar:
+                                          disable=None if progress else True) as bar:  # None: terminals only
             for idx in length_batches([len(e.ids) for e in encoded], batch_size):
                 batch = make_batch([encoded[i].ids for i in idx], [mains[i] for i in idx],
                                    [i < limit for i in idx], marker, device)

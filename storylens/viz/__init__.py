@@ -19,12 +19,13 @@ from .figures import (
     save_png,
 )
 from .tokens import story_attention, tick_label, to_numpy_attention, token_text, token_texts
-from .widget import AttentionWidget, ToyWidget, toy_widget
+from .widget import AttentionWidget, ToyWidget, replay_widget, toy_widget
 
 __all__ = [
     "AttentionWidget",
     "ToyWidget",
     "toy_widget",
+    "replay_widget",
     "all_heads_figure",
     "causal_mask_figure",
     "figure_data_uri",

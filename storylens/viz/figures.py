@@ -143,6 +143,7 @@ def all_heads_figure(
     gamma: float = 0.5,
     title: str | None = None,
     cell_inches: float | None = None,
+    label_fontsize: float | None = None,
 ) -> Figure:
     """Every head's attention map on one story, as a blocks x heads grid (6 x 4 here).
 
@@ -167,7 +168,8 @@ def all_heads_figure(
     norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=1.0) if gamma != 1 else Normalize(0.0, 1.0)
     cmap = colormaps[ATTENTION_CMAP]
     axes = fig.subplots(n_block, n_head, squeeze=False)
-    fs = 6 if len(ticks) > 24 else 7
+    fs = label_fontsize or (6 if len(ticks) > 24 else 7)
+    fig.label_fontsize = fs  # points: what a page needs to know how large the token labels show
     im = None
     for b in range(n_block):
         for h in range(n_head):
@@ -184,8 +186,8 @@ def all_heads_figure(
             ax.tick_params(length=1.5, pad=1)
             ax.set_xlim(-0.5, n - 0.5)
             ax.set_ylim(n - 0.5, -0.5)
-    cb = fig.colorbar(im, ax=axes, shrink=0.35, aspect=30, pad=0.01)
-    cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""))
+    cb = fig.colorbar(im, ax=axes, location="bottom", shrink=0.5, aspect=40, pad=0.04)
+    cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""), fontsize=9)
     shown = f"first {n} of {T} tokens" if n < T else f"{T} tokens"
     fig.suptitle(
         title or f"All {n_block * n_head} heads on one story ({shown}); rows: query, columns: key",
@@ -284,7 +286,7 @@ def head_heatmap_figure(
     """
     grid = _score_grid(scores, n_block, n_head)
     nb, nh = grid.shape
-    fig = _new_figure((1.3 * nh + 2.4, 0.62 * nb + 1.6))
+    fig = _new_figure((0.95 * nh + 1.9, 0.42 * nb + 1.3))  # compact: two fit side by side on a page
     ax = fig.add_subplot()
     finite = grid[np.isfinite(grid)]
     lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)

@@ -33,7 +33,7 @@ import numpy as np
 
 from .tokens import story_attention, to_numpy_attention
 
-__all__ = ["AttentionWidget", "ToyWidget", "toy_widget", "TOY_WORDS", "TOY_QUERIES", "TOY_KEYS"]
+__all__ = ["AttentionWidget", "ToyWidget", "replay_widget", "toy_widget", "TOY_WORDS", "TOY_QUERIES", "TOY_KEYS"]
 
 # The toy: "Momo the monkey found a banana. He ate it". Dimension 1 reads roughly
 # "is / wants a name", dimension 2 "is / wants a thing". Hand-set, not learned.
@@ -147,6 +147,7 @@ class AttentionWidget(_HtmlView):
         head: int = 0,
         query: int | None = None,
         decimals: int = 5,
+        replay_start: int | None = None,
     ):
         super().__init__(title)
         att = to_numpy_attention(attentions)
@@ -165,6 +166,9 @@ class AttentionWidget(_HtmlView):
         query = T - 1 if query is None else int(query)
         if not 0 <= query < T:
             raise ValueError(f"query {query} out of range (0..{T - 1})")
+        if replay_start is not None and not 1 <= replay_start <= T:
+            raise ValueError(f"replay_start {replay_start} out of range (1..{T})")
+        self.replay_start = replay_start
         self.tokens = tokens
         self.attentions = att
         self.block, self.head, self.query = int(block), int(head), query
@@ -203,7 +207,23 @@ class AttentionWidget(_HtmlView):
             "block": self.block,
             "head": self.head,
             "query": self.query,
+            # a generated story: tokens from replay_start on were written by the model, and the
+            # page can replay them one by one (each with the row recorded while it was read)
+            "replay": None if self.replay_start is None else {"start": self.replay_start},
         }
+
+
+def replay_widget(run, tok, title: str | None = None, **kw) -> AttentionWidget:
+    """The generated story of ``run`` (:class:`storylens.generation.RecordedGeneration`) as a
+    widget that replays the writing token by token: press Play, or step, and each new token
+    appears with the attention it gave while the model read it."""
+    from .tokens import token_texts
+
+    tokens = token_texts(tok, run.ids)
+    if title is None:
+        n_new = len(run.ids) - run.prompt_len
+        title = f"Watch it write: {n_new} new tokens after a {run.prompt_len}-token prompt"
+    return AttentionWidget(tokens, run.attention, title=title, replay_start=run.prompt_len, **kw)
 
 
 class ToyWidget(_HtmlView):

@@ -6,7 +6,9 @@ as training goes on, so every test compares against a fresh forward pass.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from collections import Counter
 
 import pytest
@@ -64,3 +66,64 @@ def story_run(model, story):
     tokens = token_texts(tok, enc.ids)
     names = [i for i, t in enumerate(tokens) if t.strip() == name]
     return enc.ids, tokens, att, names
+
+
+# ---------------------------------------------------------------- a real headless browser
+
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+REQUIRE = os.environ.get("STORYLENS_REQUIRE_BROWSER") == "1"
+
+
+def _unavailable(reason: str):
+    if REQUIRE:
+        pytest.fail(f"{reason} (STORYLENS_REQUIRE_BROWSER=1)")
+    pytest.skip(reason)
+
+
+def _chromium_path() -> str | None:
+    env = os.environ.get("STORYLENS_CHROMIUM")
+    if env:
+        return env if os.path.isfile(env) else None
+    for name in ("chromium", "chromium-browser"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return "/usr/bin/chromium" if os.path.isfile("/usr/bin/chromium") else None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("playwright is not installed (pip install playwright==1.65.2; see tests/viz/BROWSER_SETUP.md)")
+    exe = _chromium_path()
+    if exe is None:
+        _unavailable("chromium is not installed (apt-get install -y chromium; see tests/viz/BROWSER_SETUP.md)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser):
+    """A page that records script errors and refuses (and records) every network request."""
+    ctx = browser.new_context(viewport={"width": 1200, "height": 900})
+    pg = ctx.new_page()
+    pg.errors, pg.requests = [], []
+    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+
+    def guard(route):
+        url = route.request.url
+        if url.startswith(("file:", "data:", "about:")):
+            route.continue_()
+        else:
+            pg.requests.append(url)
+            route.abort()
+
+    pg.route("**/*", guard)
+    yield pg
+    ctx.close()

@@ -8,7 +8,7 @@
  */
 (function () {
   "use strict";
-  var VERSION = "1";
+  var VERSION = "2";
   if (window.StorylensWidget && window.StorylensWidget.version === VERSION) { return; }
 
   // ------------------------------------------------------------------ helpers
@@ -94,6 +94,47 @@
 
     var info = el("div", "slw-info");
     root.appendChild(info);
+    // ---- replay: a generated story, written token by token (data.replay.start = first new token)
+    var replay = data.replay || null;
+    var written = T - 1;
+    if (replay) {
+      written = Math.max(replay.start - 1, 0);
+      state.query = written;
+      var rp = el("div", "slw-replay");
+      var bFirst = el("button", "slw-rp-first", "\u23ee Prompt");
+      var bPrev = el("button", "slw-rp-prev", "\u25c0 Step");
+      var bNext = el("button", "slw-rp-next", "Step \u25b6");
+      var bPlay = el("button", "slw-rp-play", "Play");
+      var bLast = el("button", "slw-rp-last", "All \u23ed");
+      var rpInfo = el("span", "slw-rp-info");
+      [bFirst, bPrev, bNext, bPlay, bLast].forEach(function (b) { b.type = "button"; rp.appendChild(b); });
+      rp.appendChild(rpInfo);
+      root.insertBefore(rp, info);
+      var timer = null;
+      var setWritten = function (n) {
+        written = Math.max(replay.start - 1, Math.min(T - 1, n));
+        state.query = written;
+        render();
+        reveal();
+      };
+      var stop = function () {
+        if (timer !== null) { clearInterval(timer); timer = null; }
+        bPlay.textContent = "Play";
+      };
+      bFirst.addEventListener("click", function () { stop(); setWritten(0); });
+      bPrev.addEventListener("click", function () { stop(); setWritten(written - 1); });
+      bNext.addEventListener("click", function () { stop(); setWritten(written + 1); });
+      bLast.addEventListener("click", function () { stop(); setWritten(T - 1); });
+      bPlay.addEventListener("click", function () {
+        if (timer !== null) { stop(); return; }
+        if (written >= T - 1) { setWritten(0); }
+        bPlay.textContent = "Pause";
+        timer = setInterval(function () {
+          if (written >= T - 1) { stop(); return; }
+          setWritten(written + 1);
+        }, 350);
+      });
+    }
 
     var body = el("div", "slw-body");
     var textBox = el("div", "slw-tokens");
@@ -141,6 +182,7 @@
       for (var i = 0; i <= q; i++) { if (w[i] > max) { max = w[i]; } }
       for (i = 0; i < T; i++) {
         var s = spans[i];
+        s.classList.toggle("slw-unwritten", i > written);  // replay: not written yet
         s.classList.toggle("slw-query", i === q);
         s.setAttribute("aria-selected", i === q ? "true" : "false");
         if (i <= q) {
@@ -246,6 +288,14 @@
       root.setAttribute("data-head", String(state.head));
       root.setAttribute("data-query", String(state.query));
       root.setAttribute("data-mode", state.mode);
+      root.setAttribute("data-written", String(written));
+      if (replay) {
+        var k = written - replay.start + 1;
+        rpInfo.textContent = k > 0
+          ? "Written " + k + " of " + (T - replay.start) + " new tokens. Each one is shown with the " +
+            "attention it gave while the model read it (recorded during KV-cached generation)."
+          : "The prompt (" + replay.start + " tokens). Step or Play to watch the model write.";
+      }
       info.textContent = "";
       info.appendChild(document.createTextNode("Query: "));
       info.appendChild(el("span", "slw-info-tok", compact(tokens[state.query])));
@@ -271,12 +321,12 @@
       var t = ev.target;
       if (!t || !t.getAttribute) { return; }
       var p = t.getAttribute("data-pos");
-      if (p === null) { return; }
+      if (p === null || parseInt(p, 10) > written) { return; }
       state.query = parseInt(p, 10);
       render();
     });
     textBox.addEventListener("keydown", function (ev) {
-      if (ev.key === "ArrowRight" && state.query < T - 1) { state.query++; }
+      if (ev.key === "ArrowRight" && state.query < written) { state.query++; }
       else if (ev.key === "ArrowLeft" && state.query > 0) { state.query--; }
       else { return; }
       ev.preventDefault();
