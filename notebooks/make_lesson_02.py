@@ -51,6 +51,7 @@ if importlib.util.find_spec("storylens") is None:  # Colab or a fresh environmen
     %pip install -q storylens
 """),
     code("""
+%matplotlib inline
 import torch
 from IPython.display import display
 from storylens.hub import load_model

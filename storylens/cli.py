@@ -334,6 +334,7 @@ def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sp in action.choices.values():
                 sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+                _debug_everywhere(sp)  # nested commands too (storylens data download --debug)
 
 
 def main(argv: list[str] | None = None) -> int:

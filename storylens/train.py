@@ -427,7 +427,9 @@ The lesson's model reached 9 on its own quiz; see "Limits" below.
 TinyStories (Eldan & Li 2023, arXiv 2305.07759), licensed CDLA-Sharing-1.0: the {train_stories + quiz_stories:,}
 stories of storylens's shared corpus, split in file order: the last {quiz_stories} are the quiz
 (never trained on), the other {train_stories:,} train the tokenizer and the model. This folder
-holds no story text.
+holds the quiz (`quiz.txt.gz`, so the lesson runs without the corpus), the leakage check computed
+against the training stories (`leakage.json`) and the data's licence (`LICENSE-DATA.md`); no
+training story.
 
 ## Recipe
 AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,

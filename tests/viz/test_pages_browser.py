@@ -12,6 +12,16 @@ from storylens.cli import main
 MIN_LABEL_PX = 9.0  # token labels of the 24-head grid, as shown on the page
 
 
+def _assert_drawn(png: bytes) -> None:
+    import io
+
+    from matplotlib.image import imread
+
+    img = imread(io.BytesIO(png))
+    assert img.shape[0] > 300 and img.shape[1] > 300
+    assert img[..., :3].std() > 0.05  # not a blank page
+
+
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("pages") / "report"
@@ -34,6 +44,8 @@ def test_report_page_loads_clean_with_legible_grid(page, report_dir):
              "Previous-token", "number to reproduce"]
     positions = [next(i for i, h in enumerate(heads) if key in h) for key in order]
     assert positions == sorted(positions)
+    shot = page.screenshot(full_page=True)  # the page as a reader sees it: drawn, not blank
+    _assert_drawn(shot)
     # the score heatmaps sit side by side, not stacked one under another
     tops = page.eval_on_selector_all(".pair figure", "els => els.map(e => Math.round(e.getBoundingClientRect().top))")
     assert len(tops) == 6 and len(set(tops)) == 3
@@ -63,6 +75,7 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
         shown = page.eval_on_selector_all(".slw-tokens .slw-tok[data-weight]",
                                           "els => els.map(e => parseFloat(e.dataset.weight))")
         np.testing.assert_allclose(shown, run.attention[b, h, q, : q + 1].numpy(), atol=1e-5, rtol=0)
+    _assert_drawn(page.screenshot())
     page.click(".slw-rp-last")
     assert int(page.get_attribute(root, "data-written")) == len(run.ids) - 1 and visible() == len(run.ids)
 
