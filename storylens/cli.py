@@ -359,27 +359,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with ctx:
             return args.func(args)
-    except StorylensError as e:
+    except (StorylensError, KeyboardInterrupt, OSError, MemoryError) as e:
         if args.debug:
             raise
-        print(f"storylens: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print("storylens: interrupted", file=sys.stderr)
-        return 130
-    except OSError as e:
-        if args.debug:
-            raise
+        message, code = _describe(e)
+        print(f"storylens: {message}", file=sys.stderr)
+        return code
+
+
+def _describe(e: BaseException) -> tuple[str, int]:
+    """One line and an exit code for a problem the user can act on."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(e, MemoryError):
+        return "error: out of memory", 2
+    if isinstance(e, OSError):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"storylens: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
-        return 2
-    except MemoryError:
-        if args.debug:
-            raise
-        print("storylens: error: out of memory", file=sys.stderr)
-        return 2
+        return f"error: {where}{e.strerror or _one_line(e)}", 2
+    return f"error: {_one_line(e)}", 2
 
 
 def _one_line(e: BaseException) -> str:

@@ -39,6 +39,20 @@ def leftovers(out: Path) -> list[str]:
                   if p.name.startswith(f".{out.name}.") and p.name != f".{out.name}.lock")
 
 
+def wait_until(condition, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not condition():
+        time.sleep(0.05)
+
+
+def assert_refused_by_lock(first, second, out):
+    """The first run finishes; the second, started while the first held the lock, is refused in one line."""
+    assert first.wait() == 0, first.stderr.read()
+    assert second.returncode == 2
+    assert second.stderr == (f"storylens: error: {out}: another storylens run is writing it right now; "
+                             "try again when that one has finished\n")
+
+
 # ---------------------------------------------------------------- report
 
 @pytest.fixture(scope="module")
@@ -119,14 +133,8 @@ def test_two_reports_at_once_one_is_refused(tmp_path, quizzes):
     out = tmp_path / "report"
     first = subprocess.Popen([sys.executable, "-m", "storylens", "report", "--out", str(out), "--quiz", str(a),
                               "--no-progress"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not leftovers(out):  # the first holds the lock once its build folder exists
-        time.sleep(0.05)
-    second = report(out, b)
-    assert first.wait() == 0, first.stderr.read()
-    assert second.returncode == 2
-    assert second.stderr == (f"storylens: error: {out}: another storylens run is writing it right now; "
-                             "try again when that one has finished\n")
+    wait_until(lambda: leftovers(out))  # the first holds the lock once its build folder exists
+    assert_refused_by_lock(first, report(out, b), out)
     assert json.loads((out / "summary.json").read_text())["quiz"]["source"] == "a.txt"
     assert leftovers(out) == []
 
@@ -233,14 +241,8 @@ def test_train_killed_while_replacing_a_checkpoint(tmp_path, slice_file):
 def test_two_trainings_into_one_folder(tmp_path, slice_file):
     out = tmp_path / "run"
     first = train(out, slice_file, popen=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (out / "tokenizer.json").exists():
-        time.sleep(0.05)
-    second = train(out, slice_file)
-    assert first.wait() == 0, first.stderr.read()
-    assert second.returncode == 2
-    assert second.stderr == (f"storylens: error: {out}: another storylens run is writing it right now; "
-                             "try again when that one has finished\n")
+    wait_until(lambda: (out / "tokenizer.json").exists())  # written under the run's lock
+    assert_refused_by_lock(first, train(out, slice_file), out)
 
 
 def test_resume_refuses_a_changed_corpus_or_tokenizer(tmp_path, slice_file, corpus_split):
