@@ -92,12 +92,10 @@ def _read_weights(wpath: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
             if len(blocks) != config.n_layer:
                 raise StorylensError(f"{wpath}: holds {len(blocks)} blocks but {CONFIG} says n_layer={config.n_layer}")
             expected = config.weight_shapes()
-            if "lm_head.weight" in keys and "transformer.wte.weight" not in keys:
-                rename = {"lm_head.weight": "transformer.wte.weight"}
-            else:
-                rename = {}
-            keys.discard("lm_head.weight") if not rename else None
-            named = {rename.get(k, k): k for k in keys}
+            # the tied output head is the embedding: read it under either name, once
+            tied = "lm_head.weight" in keys and "transformer.wte.weight" not in keys
+            named = {("transformer.wte.weight" if tied and k == "lm_head.weight" else k): k
+                     for k in keys if tied or k != "lm_head.weight"}
             missing = sorted(set(expected) - set(named))
             extra = sorted(set(named) - set(expected))
             if missing or extra:
