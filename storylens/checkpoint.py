@@ -7,34 +7,21 @@ previous checkpoint intact. Nothing is unpickled when reading one back.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from .errors import StorylensError
 
 
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors into a temporary file named for this run (pid + random), fsync, one rename."""
-    from .publish import _tmp_name, fault_point, os_error
+    """safetensors bytes written whole or not at all (:func:`storylens.publish.write_bytes_atomic`)."""
+    from .publish import write_bytes_atomic
 
-    path = Path(path)
-    tmp = _tmp_name(path, "tmp")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        fault_point("checkpoint-before-replace")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise os_error(path, e) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    write_bytes_atomic(path, data, fault="checkpoint-before-replace")
 
 
 def remove_stale_temporaries(path: Path) -> None:

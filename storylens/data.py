@@ -172,34 +172,27 @@ def read_stories(path: str | os.PathLike | None = None, limit: int | None = None
 
 def _first_stories(path: Path, limit: int) -> list[str]:
     """The first ``limit`` stories, read line by line (a 2 GB file costs only what it holds)."""
+    from itertools import islice
+
     if limit < 1:
         raise StorylensError(f"--first: must be at least 1 (got {limit})")
-    stories, current = [], []
+
+    def lines(stream):
+        for number, raw in enumerate(stream, 1):
+            try:
+                yield raw.decode("utf-8").rstrip("\n")
+            except UnicodeDecodeError:
+                raise StorylensError(f"{path}: not UTF-8 text (line {number})") from None
+
     try:
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
             f.seek(0)
-            stream = gzip.GzipFile(fileobj=f) if gz else f
-            for number, raw in enumerate(stream, 1):
-                try:
-                    line = raw.decode("utf-8").rstrip("\n")
-                except UnicodeDecodeError:
-                    raise StorylensError(f"{path}: not UTF-8 text (line {number})") from None
-                if line.strip(_EDGE) == EOT:
-                    story = "\n".join(current).strip(_EDGE)
-                    current = []
-                    if story:
-                        stories.append(story)
-                        if len(stories) == limit:
-                            return stories
-                else:
-                    current.append(line)
+            return list(islice(iter_stories(lines(gzip.GzipFile(fileobj=f) if gz else f)), limit))
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise StorylensError(f"{path}: corrupt gzip file ({e})") from None
     except OSError as e:
         raise StorylensError(f"{path}: cannot read ({e.strerror or e})") from None
-    last = "\n".join(current).strip(_EDGE)
-    return stories + ([last] if last else [])
 
 
 def format_stories(stories) -> str:
@@ -215,21 +208,30 @@ def quiz_file_bytes(stories) -> bytes:
 _EDGE = " \t\r\n"  # what is trimmed around a story or a marker line: ASCII whitespace only
 
 
+def iter_stories(lines):
+    """Stories from lines (without their ``\n``): a line holding only the end-of-story marker ends
+    a story; each story is trimmed of ASCII whitespace at both ends; empty pieces are dropped."""
+    current: list[str] = []
+    for line in lines:
+        if line.strip(_EDGE) == EOT:
+            story = "\n".join(current).strip(_EDGE)
+            current = []
+            if story:
+                yield story
+        else:
+            current.append(line)
+    story = "\n".join(current).strip(_EDGE)
+    if story:
+        yield story
+
+
 def split_stories(text: str) -> list[str]:
     """Split on lines holding only the end-of-story marker; drop empty pieces.
 
     Lines end at ``\n`` only (``\r\n`` too): unlike ``str.splitlines``, U+2028, U+0085 or a form
     feed inside a story stay part of it, so a story is kept exactly as stored.
     """
-    stories, current = [], []
-    for line in text.split("\n"):
-        if line.strip(_EDGE) == EOT:
-            stories.append("\n".join(current).strip(_EDGE))
-            current = []
-        else:
-            current.append(line)
-    stories.append("\n".join(current).strip(_EDGE))
-    return [s for s in stories if s]
+    return list(iter_stories(text.split("\n")))
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ def _refuse_symlink(path: Path) -> None:
         raise StorylensError(f"{path}: is a symbolic link; storylens does not write through links")
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, fault: str = "file-before-replace") -> Path:
+    """``data`` into a temporary file named for this run (pid + random), fsync, one rename.
+    ``fault`` names the injection point just before the rename (see :func:`fault_point`)."""
     path = Path(path)
     _refuse_symlink(path)
     if path.is_dir():
@@ -77,7 +79,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        fault_point("file-before-replace")
+        fault_point(fault)
         os.replace(tmp, path)
     except OSError as e:
         _unlink_quietly(tmp)
