@@ -18,7 +18,7 @@ block index 4, head index 2): see :func:`head_label`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -111,27 +111,79 @@ class GPTConfig:
         return shapes
 
 
-@dataclass
 class KVCache:
     """Ella's shelf: per block, the keys and values of every token seen so far.
 
     ``key[i]`` and ``value[i]`` are ``[batch, head, tokens, head_size]`` for block i.
     Earlier tokens cannot see later ones, so a stored key or value never changes;
-    each new token only appends its own. ``kv_computed`` counts the token
-    positions whose key and value were computed (once per position, all blocks).
+    each new token only appends its own (:meth:`update`). The shelf is allocated once
+    for ``capacity`` tokens (generation knows how many it will make), so appending is a
+    copy into place, not a new tensor per step; it grows by doubling if it runs out.
+    ``kv_computed`` counts the token positions whose key and value were computed (once
+    per position, all blocks).
     """
 
-    key: list[torch.Tensor | None] = field(default_factory=list)
-    value: list[torch.Tensor | None] = field(default_factory=list)
-    kv_computed: int = 0
+    def __init__(self, n_layer: int, capacity: int | None = None):
+        self.capacity = capacity
+        self._key: list[torch.Tensor | None] = [None] * n_layer
+        self._value: list[torch.Tensor | None] = [None] * n_layer
+        self._len = [0] * n_layer
+        self.kv_computed = 0
 
     @classmethod
-    def empty(cls, n_layer: int) -> "KVCache":
-        return cls(key=[None] * n_layer, value=[None] * n_layer)
+    def empty(cls, n_layer: int, capacity: int | None = None) -> "KVCache":
+        return cls(n_layer, capacity)
+
+    def length(self, layer: int) -> int:
+        return self._len[layer]
 
     def __len__(self) -> int:
-        k = self.key[0] if self.key else None
-        return 0 if k is None else k.shape[2]
+        return self._len[0] if self._len else 0
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys and values for ``layer``; return every key and value so far."""
+        n, T = self._len[layer], key.shape[2]
+        buf_k, buf_v = self._key[layer], self._value[layer]
+        if buf_k is None or n + T > buf_k.shape[2]:
+            size = max(n + T, self.capacity or 0, 2 * buf_k.shape[2] if buf_k is not None else 0)
+            B, H, _, D = key.shape
+            new_k = key.new_empty(B, H, size, D)
+            new_v = value.new_empty(B, H, size, D)
+            if n:
+                new_k[:, :, :n] = buf_k[:, :, :n]
+                new_v[:, :, :n] = buf_v[:, :, :n]
+            self._key[layer], self._value[layer] = buf_k, buf_v = new_k, new_v
+        buf_k.narrow(2, n, T).copy_(key)
+        buf_v.narrow(2, n, T).copy_(value)
+        self._len[layer] = n + T
+        return buf_k.narrow(2, 0, n + T), buf_v.narrow(2, 0, n + T)
+
+    @property
+    def key(self) -> list[torch.Tensor | None]:
+        """Per block, the stored keys (views into the shelf: writing to them changes it)."""
+        return [None if k is None else k[:, :, :n] for k, n in zip(self._key, self._len)]
+
+    @property
+    def value(self) -> list[torch.Tensor | None]:
+        return [None if v is None else v[:, :, :n] for v, n in zip(self._value, self._len)]
+
+
+class HookPoint(nn.Identity):
+    """A named place in the forward pass where torch's own hooks can read an activation.
+
+    ``model.transformer.h[4].attn.hook_pattern.register_forward_hook(fn)`` calls
+    ``fn(module, (pattern,), pattern)`` with block 5's attention probabilities
+    ``[batch, head, query, key]`` as soon as they exist (TransformerLens calls the same
+    place ``blocks.4.attn.hook_pattern``). It runs only on the explicit path
+    (``record_attention=True``): the fused kernel never forms the probabilities.
+    """
+
+
+def causal_mask(T: int, Tk: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[T, Tk]`` additive mask: 0 where query ``past + i`` may see key j (j <= past + i),
+    ``-inf`` for the future. Added to the scores, it makes the softmax give the future 0."""
+    future = torch.ones(T, Tk, dtype=torch.bool, device=device).triu(past + 1)
+    return torch.zeros(T, Tk, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
 
 
 @dataclass
@@ -158,6 +210,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = p_att
         # Set to a HeadHook to read or replace each head's output (see storylens.analysis.ablation).
         self.head_hook: HeadHook | None = None
+        self.hook_pattern = HookPoint()  # the attention probabilities, on the explicit path
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # [batch, tokens, n_embd] -> [batch, head, tokens, head_size]
@@ -175,28 +228,30 @@ class CausalSelfAttention(nn.Module):
         value = self._split_heads(self.value(x))
 
         past = 0
-        if kv_cache is not None:
-            i = self.layer_idx
-            if kv_cache.key[i] is not None:
-                past = kv_cache.key[i].shape[2]
-                key = torch.cat([kv_cache.key[i], key], dim=2)
-                value = torch.cat([kv_cache.value[i], value], dim=2)
-            kv_cache.key[i], kv_cache.value[i] = key, value
+        if kv_cache is not None:  # append this step's keys and values to the shelf, attend to all of them
+            past = kv_cache.length(self.layer_idx)
+            key, value = kv_cache.update(self.layer_idx, key, value)
         Tk = key.shape[2]
 
         att = None
         if record_attention:
             # The long way: score every earlier token, mask the future, softmax, blend.
-            scores = (query @ key.transpose(-2, -1)) / math.sqrt(self.head_size)
-            future = torch.ones(T, Tk, dtype=torch.bool, device=x.device).triu(past + 1)
-            scores = scores.masked_fill(future, float("-inf"))
-            att = F.softmax(scores, dim=-1)  # [batch, head, query, key]; rows sum to 1
+            #   scores = query @ key^T / sqrt(head_size), the future set to -inf
+            # done as one call (baddbmm adds the mask while it multiplies, and the query is scaled
+            # first), so that only one [query, key] temporary is made per block.
+            mask = causal_mask(T, Tk, past, query.dtype, x.device).expand(B * self.n_head, T, Tk)
+            scaled_query = (query * (1.0 / math.sqrt(self.head_size))).reshape(B * self.n_head, T, self.head_size)
+            scores = torch.baddbmm(mask, scaled_query, key.reshape(B * self.n_head, Tk, self.head_size).transpose(1, 2))
+            att = scores.view(B, self.n_head, T, Tk).softmax(dim=-1)  # [batch, head, query, key]; rows sum to 1
+            att = self.hook_pattern(att)
             y = self.attn_dropout(att) @ value
         else:
             # The fused kernel: same maths, no probabilities kept.
             drop = self.dropout if self.training else 0.0
             if past == 0:
                 y = F.scaled_dot_product_attention(query, key, value, dropout_p=drop, is_causal=True)
+            elif T == 1:  # one new token sees every key on the shelf: nothing to mask
+                y = F.scaled_dot_product_attention(query, key, value, dropout_p=drop)
             else:
                 allowed = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(past)
                 y = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=drop)
@@ -279,9 +334,15 @@ class GPT(nn.Module):
         record_attention: bool = False,
         kv_cache: KVCache | None = None,
         compute_logits: bool = True,
+        keep_attention: bool = True,
     ) -> GPTOutput:
-        """``compute_logits=False`` skips the output head (``logits`` is then None): for
-        callers that only read the attention maps, about a sixth of the forward cost."""
+        """``record_attention=True`` takes the explicit path, whose probabilities are returned as
+        ``attentions`` (one ``[batch, head, query, key]`` per block) and passed to each block's
+        ``attn.hook_pattern``; ``keep_attention=False`` leaves them to the hooks only, so no map
+        outlives its block (how :func:`storylens.analysis.score_heads` streams).
+        ``compute_logits=False`` returns no logits and stops after the last block's attention:
+        its MLP and the output head feed only the logits (for callers that read attention or the
+        KV cache)."""
         B, T = idx.shape
         past = len(kv_cache) if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -290,10 +351,14 @@ class GPT(nn.Module):
             )
         pos = torch.arange(past, past + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        attentions = [] if record_attention else None
-        for block in self.transformer.h:
-            x, att = block(x, record_attention=record_attention, kv_cache=kv_cache)
-            if record_attention:
+        attentions = [] if record_attention and keep_attention else None
+        last = len(self.transformer.h) - 1
+        for i, block in enumerate(self.transformer.h):
+            if not compute_logits and i == last:  # the attention is all that is read from here on
+                _, att = block.attn(block.ln_1(x), record_attention=record_attention, kv_cache=kv_cache)
+            else:
+                x, att = block(x, record_attention=record_attention, kv_cache=kv_cache)
+            if attentions is not None:
                 attentions.append(att)
         if kv_cache is not None:
             kv_cache.kv_computed += T
@@ -307,7 +372,7 @@ class GPT(nn.Module):
             )
         return GPTOutput(logits=logits, loss=loss, attentions=attentions)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_stream(
         self,
         idx: torch.Tensor,
@@ -336,21 +401,27 @@ class GPT(nn.Module):
                 f"prompt ({idx.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
                 f"passes the {self.config.block_size}-token window; ask for fewer tokens"
             )
-        cache = KVCache.empty(self.config.n_layer) if use_kv_cache else None
+        cache = KVCache.empty(self.config.n_layer, capacity=total) if use_kv_cache else None
+        # one new token at a time: the lean step (below) when nothing is hooked into the modules
+        fast = use_kv_cache and not self.training and not self._hooked()
+        weights = self._decode_weights() if fast else None
         recomputed = 0
         seq = idx
         feed = idx
-        for _ in range(max_new_tokens):
-            if use_kv_cache:
-                out = self(feed, record_attention=record_attention, kv_cache=cache)
+        for step in range(max_new_tokens):
+            if fast and step > 0:
+                logits, rows = self._decode_step(int(feed), cache, weights, record_attention)
             else:
-                out = self(seq, record_attention=record_attention)
-                recomputed += seq.shape[1]
-            logits = out.logits[:, -1, :]
+                if use_kv_cache:
+                    out = self(feed, record_attention=record_attention, kv_cache=cache)
+                else:
+                    out = self(seq, record_attention=record_attention)
+                    recomputed += seq.shape[1]
+                logits = out.logits[:, -1, :]
+                rows = None
+                if record_attention:  # the newest query's row, per block: [head, key]
+                    rows = [a[0, :, -1, :] for a in out.attentions]
             token = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
-            rows = None
-            if record_attention:  # the newest query's row, per block: [head, key]
-                rows = [a[0, :, -1, :] for a in out.attentions]
             yield GenerationStep(
                 token=int(token),
                 logits=logits[0],
@@ -361,6 +432,52 @@ class GPT(nn.Module):
                 return
             feed = token.view(1, 1)
             seq = torch.cat([seq, feed], dim=1)
+
+    def _hooked(self) -> bool:
+        """Is anything hooked into the forward pass (torch hooks, or a head_hook for ablation)?"""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules()) or any(
+            a.head_hook is not None for a in self.attentions)
+
+    def _decode_weights(self) -> list[tuple]:
+        """Per block, the tensors one new token needs, query, key and value stacked into one matrix
+        (a copy of 0.75 MB per block, made once per generation)."""
+        out = []
+        for block in self.transformer.h:
+            a, mlp = block.attn, block.mlp
+            qkv_b = None if a.query.bias is None else torch.cat([a.query.bias, a.key.bias, a.value.bias])
+            out.append((block.ln_1.weight, block.ln_1.bias, block.ln_1.eps,
+                        torch.cat([a.query.weight, a.key.weight, a.value.weight]), qkv_b,
+                        a.c_proj.weight, a.c_proj.bias, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps,
+                        mlp.c_fc.weight, mlp.c_fc.bias, mlp.gelu.approximate, mlp.c_proj.weight, mlp.c_proj.bias))
+        return out
+
+    def _decode_step(self, token: int, cache: KVCache, weights: list[tuple], record: bool):
+        """One new token through every block with the KV cache: the same maths as ``forward``
+        (tests hold the two together), written for a single query: no module dispatch, no mask
+        (the newest token may see every key), query, key and value from one product.
+        Returns its logits ``[1, vocab]`` and, when ``record``, its attention row per block."""
+        C, H, D = self.config.n_embd, self.config.n_head, self.config.head_size
+        pos = len(cache)
+        x = (self.transformer.wte.weight[token] + self.transformer.wpe.weight[pos]).view(1, 1, C)
+        rows = [] if record else None
+        for i, (ln1_w, ln1_b, ln1_eps, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, ln2_eps,
+                fc_w, fc_b, approximate, fc_proj_w, fc_proj_b) in enumerate(weights):
+            h = F.layer_norm(x, (C,), ln1_w, ln1_b, ln1_eps)
+            query, key, value = F.linear(h, qkv_w, qkv_b).view(1, 1, 3, H, D).transpose(1, 3).unbind(2)
+            key, value = cache.update(i, key, value)  # [1, head, tokens so far, head_size]
+            if record:
+                att = ((query * (1.0 / math.sqrt(D))) @ key.transpose(-2, -1)).softmax(dim=-1)
+                rows.append(att[0, :, 0, :])
+                y = att @ value
+            else:
+                y = F.scaled_dot_product_attention(query, key, value)
+            x = x + F.linear(y.transpose(1, 2).reshape(1, 1, C), proj_w, proj_b)
+            h = F.layer_norm(x, (C,), ln2_w, ln2_b, ln2_eps)
+            x = x + F.linear(F.gelu(F.linear(h, fc_w, fc_b), approximate=approximate), fc_proj_w, fc_proj_b)
+        cache.kv_computed += 1
+        ln_f = self.transformer.ln_f
+        logits = F.linear(F.layer_norm(x[:, -1], (C,), ln_f.weight, ln_f.bias, ln_f.eps), self.lm_head.weight)
+        return logits, rows
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
         """Return the prompt followed by the generated tokens, ``[1, tokens]``."""

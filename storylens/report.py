@@ -20,9 +20,10 @@ from pathlib import Path
 
 from .errors import StorylensError
 from .publish import publish_folder
+from .background import run_beside
 
-CHECK_STORIES = 16  # the report's numerical checks run on the first 16 quiz stories ...
-CHECK_TOKENS = 100  # ... and 100 generated tokens (storylens check runs all 200 stories and 200 tokens)
+CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
+CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
 PREV_LIMIT = 100
 GRID_TOKENS = 24  # the 24-head grid shows the first 24 tokens, every one labelled ...
 GRID_LABEL_PT = 8.5  # ... in 8.5-point type at 100 dpi (about 12 pixels), shown unscaled in the page
@@ -51,6 +52,21 @@ def _timer(timings: dict, name: str):
     t = time.perf_counter()
     yield
     timings[name] = round(time.perf_counter() - t, 3)
+
+
+@contextmanager
+def _one_thread_if(cond: bool):
+    """torch on one thread while another process has the other core (two thread pools spinning
+    for two cores slow each other several times over)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if cond:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_writable(out: Path) -> Path:
@@ -90,7 +106,7 @@ def build_report(
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
     from .analysis import score_heads
-    from .lesson import leakage_for, lesson_data
+    from .lesson import lesson_data
     from .hub import load_model
     from .viz import AttentionWidget, toy_widget
 
@@ -104,12 +120,6 @@ def build_report(
             model = model if model is not None else load_model(model_source)
             data = lesson_data(getattr(model, "source_folder", None), stories, quiz)
             quiz_stories, quiz_source = data.quiz, data.quiz_source
-        with _timer(timings, "leakage"):
-            # recomputed when the training stories are here; else the check stored with the model
-            # (for its own quiz); a --quiz of one's own without the corpus cannot be checked
-            leakage = None
-            if data.train is not None or (quiz is None and data.stored_leakage is not None):
-                leakage = leakage_for(data, word)
         with _timer(timings, "scoring"):
             scores = score_heads(model, quiz_stories, batch_size=batch_size,
                                  max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
@@ -118,16 +128,25 @@ def build_report(
                 f"{quiz if quiz is not None else 'quiz'}: no story has a main character "
                 "(a capitalised name mentioned at least twice): nothing to score name heads on"
             )
-        with _timer(timings, "check"):
-            checks = _numerics(model, quiz_stories, check_stories, check_tokens)
-
-        with _timer(timings, "figures"):
-            figs, story_info = _figures(model, quiz_stories, scores, tmp)
-        with _timer(timings, "widget"):
-            widget = AttentionWidget.from_model(model, quiz_stories[story_info["index"]],
-                                                block=story_info["block"], head=story_info["head"])
-            (tmp / "widget.html").write_text(widget.to_html(), encoding="utf-8")
-            toy = toy_widget()
+        with _timer(timings, "figure data"):
+            fig_data = _figure_data(model, quiz_stories, scores)
+            story_info = fig_data["info"]
+        # the drawing and the leakage check (numpy, matplotlib and Python; no model) go to a child
+        # process while this one runs the numerical checks and the widget: two cores, two jobs
+        check_leakage = data.train is not None or (quiz is None and data.stored_leakage is not None)
+        with _timer(timings, "figures and leakage beside checks"), \
+                run_beside(_beside_model_work, fig_data, scores, tmp, data if check_leakage else None,
+                           word) as drawing:
+            with _timer(timings, "check"), _one_thread_if(drawing.forked):  # one core each
+                checks = _numerics(model, quiz_stories, check_stories, check_tokens)
+            with _timer(timings, "widget"):
+                widget = AttentionWidget.from_recording(fig_data["text"], fig_data["tokens"], fig_data["att"],
+                                                        fig_data["enc"], block=story_info["block"],
+                                                        head=story_info["head"])
+                (tmp / "widget.html").write_text(widget.to_html(), encoding="utf-8")
+                toy = toy_widget()
+        fig_names, leakage, timings["figures"], timings["leakage"] = drawing.result
+        figs = _data_uris(tmp, fig_names)
         beyond_html = ""
         beyond_summary = None
         if beyond:
@@ -167,46 +186,73 @@ def _numerics_html(checks: list[dict]) -> str:
     return _table(["check", "dtype", "measured here", "rounding bound", "lesson", "within", "detail"], rows)
 
 
-def _figures(model, quiz, scores, tmp) -> tuple[dict[str, str], dict]:
-    """Draw every figure once; write it as PNG and keep its data URI for report.html."""
-    import base64
-
+def _figure_data(model, quiz, scores) -> dict:
+    """Everything the figures need, computed with the model (the drawing itself never runs it)."""
     from .analysis import find_main_characters
-    from .viz import (all_heads_figure, causal_mask_figure, head_heatmap_figure, name_attention_profile,
-                      name_head_figure, name_mass_bar_figure, story_attention)
-    from .viz.figures import figure_png_bytes
-
-    figs: dict[str, str] = {}
-
-    def keep(name, fig, dpi=110):  # render once: the PNG file and the report's embedded copy are the same bytes
-        png = figure_png_bytes(fig, dpi=dpi)
-        (tmp / f"{name}.png").write_bytes(png)
-        figs[name] = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+    from .viz import story_attention
 
     mains = find_main_characters(model.tokenizer, quiz, window=model.config.block_size)
     index = _pick_story(quiz, mains)
-    tokens, att, enc = story_attention(model, quiz[index])
+    tokens, att, enc = story_attention(model, quiz[index])  # recorded once: figures and widget
+    top = scores.best("name_mass")
+    main = mains[index]
+    info = {"index": index, "name": main.name, "block": top.block - 1, "head": top.head - 1, "tokens": len(tokens)}
+    return {"tokens": tokens, "att": att, "enc": enc, "text": quiz[index], "main": main, "info": info,
+            "n_heads": model.config.n_layer * model.config.n_head}
+
+
+def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
+    """Draw every figure once and write it as ``NAME.png`` into ``folder``; returns the names.
+    Pure drawing (numpy and matplotlib), so it can run in a child process beside the model work."""
+    from .viz import (all_heads_figure, causal_mask_figure, name_attention_profile,
+                      name_head_figure, name_mass_bar_figure)
+    from .viz.figures import figure_png_bytes
+
+    names: list[str] = []
+
+    def keep(name, fig, dpi=110):
+        (folder / f"{name}.png").write_bytes(figure_png_bytes(fig, dpi=dpi))
+        names.append(name)
+
+    tokens, att, main, info = data["tokens"], data["att"], data["main"], data["info"]
     keep("causal_mask", causal_mask_figure(tokens[:8], title="The causal mask: later words are -inf before the softmax"))
-    n_heads = model.config.n_layer * model.config.n_head
     grid = all_heads_figure(att, tokens, max_tokens=GRID_TOKENS, max_labels=GRID_TOKENS, cell_inches=2.55,
                             label_fontsize=GRID_LABEL_PT,
-                            title=f"All {n_heads} heads on quiz story {index + 1} (first {GRID_TOKENS} tokens)")
+                            title=f"All {data['n_heads']} heads on quiz story {info['index'] + 1} "
+                                  f"(first {GRID_TOKENS} tokens)")
     keep("all_heads", grid, dpi=GRID_DPI)  # shown at its own size: labels GRID_LABEL_PT at GRID_DPI
     rows = [(h.label, h.name_mass) for h in scores.heads]
     keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline,
                                            title=f"Name mass per head over {scores.n_name_scored} quiz stories"))
-    for col in ("name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker"):
-        best = scores.best(col).label
-        keep(f"heatmap_{col}", head_heatmap_figure(scores.grid(col), title=SCORE_TITLES[col], highlight=best))
-    top = scores.best("name_mass")
-    b, h = top.block - 1, top.head - 1
-    main = mains[index]
+    b, h = info["block"], info["head"]
     weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
-    keep("top_name_head", name_head_figure(tokens, weights, list(main.positions), label=top.label,
+    keep("top_name_head", name_head_figure(tokens, weights, list(main.positions), label=scores.best("name_mass").label,
                                            first_mention=main.first_mention, baseline=scores.name_baseline,
                                            max_tokens=160))
-    info = {"index": index, "name": main.name, "block": b, "head": h, "tokens": len(tokens)}
-    return figs, info
+    return names
+
+
+def _beside_model_work(fig_data: dict, scores, folder: Path, data, word: str):
+    """What needs no model: the figures, then the leakage check (recomputed when the training
+    stories are here; else the check stored with the model, for its own quiz; ``data=None``: a
+    quiz of one's own without the corpus cannot be checked). Returns
+    ``(figure names, leakage, seconds drawing, seconds checking leakage)``."""
+    from .lesson import leakage_for
+
+    t = time.perf_counter()
+    names = _draw_figures(fig_data, scores, folder)
+    t_fig = time.perf_counter() - t
+    t = time.perf_counter()
+    leakage = leakage_for(data, word) if data is not None else None
+    return names, leakage, round(t_fig, 3), round(time.perf_counter() - t, 3)
+
+
+def _data_uris(folder: Path, names: list[str]) -> dict[str, str]:
+    """The PNGs as data URIs for report.html: the same bytes as the files."""
+    import base64
+
+    return {n: "data:image/png;base64," + base64.b64encode((folder / f"{n}.png").read_bytes()).decode("ascii")
+            for n in names}
 
 
 def _f(x, nd=3):
@@ -266,6 +312,13 @@ def _table(header, rows) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
+def _heat(scores, col: str) -> str:
+    """One score as a coloured block x head table (the best head boxed): HTML, not an image."""
+    from .viz import head_heatmap_html
+
+    return f"<figure>{head_heatmap_html(scores.grid(col), title=SCORE_TITLES[col], highlight=scores.best(col).label)}</figure>"
+
+
 def _img(figs, name, alt, cls="", attrs="") -> str:
     c = f' class="{cls}"' if cls else ""
     return (f'<figure{c}><img src="{figs[name]}" alt="{html.escape(alt)}"{attrs}>'
@@ -273,6 +326,8 @@ def _img(figs, name, alt, cls="", attrs="") -> str:
 
 
 def _html(s, scores, figs, widget_html, toy_html, beyond_html) -> str:
+    from .viz import HEATMAP_CSS
+
     q, lk, nh, pt, mk, nr = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"], s["number_to_reproduce"]
     top = nh["top"][0]
     e = html.escape
@@ -293,7 +348,7 @@ td,th{border:1px solid #ccc;padding:3px 9px;text-align:right}th{background:#f4f4
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#666;font-size:.9em}
 figure.wide{overflow-x:auto}figure.wide img{max-width:none}
 .pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:0 1.5em;align-items:start}
-.num{font-size:1.25em;background:#f7f7ff;border-left:4px solid #66c;padding:.6em 1em}"""
+.num{font-size:1.25em;background:#f7f7ff;border-left:4px solid #66c;padding:.6em 1em}""" + HEATMAP_CSS
     n_heads = s["model"]["blocks"] * s["model"]["heads"]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>storylens: Tiny Storyteller's attention</title>
@@ -350,8 +405,8 @@ main character is a story's most frequent name with at least two mentions. {q['w
 {_table(["head", "name mass", "baseline", "ratio"], name_rows)}
 <p>{nh['below_baseline']} of {n_heads} heads put less on the name than an even spread would (lesson: 17).</p>
 {_img(figs, "name_mass", "Name mass per head against the baseline")}
-<div class="pair">{_img(figs, "heatmap_name_mass", "Name mass, block x head")}
-{_img(figs, "heatmap_name_ratio", "Name mass / even-spread baseline")}</div>
+<div class="pair">{_heat(scores, "name_mass")}
+{_heat(scores, "name_ratio")}</div>
 {_img(figs, "top_name_head", f"{top['head']} on one story: where it looks after the first mention")}
 
 <h2>5. Three honest limits</h2>
@@ -371,10 +426,10 @@ on the first {pt['highest_first']['stories']} stories {pt['highest_first']['head
 {pt['best_argmax_first']['stories']} stories; {_f(pt['best_argmax_all']['share'])} over all, {pt['best_argmax_all']['head']};
 lesson: 0.369). End-of-story marker: the highest head is {mk['highest']['head']} at {_f(mk['highest']['marker'])}
 (lesson: 0.065); {mk['above_half']} heads lean mostly on it.</p>
-<div class="pair">{_img(figs, "heatmap_prev_token", "Attention on the previous token")}
-{_img(figs, "heatmap_prev_argmax", "Share of queries whose top key is the previous token")}
-{_img(figs, "heatmap_prev4", "Attention on the last four tokens")}
-{_img(figs, "heatmap_marker", "Attention on the end-of-story marker")}</div>
+<div class="pair">{_heat(scores, "prev_token")}
+{_heat(scores, "prev_argmax")}
+{_heat(scores, "prev4")}
+{_heat(scores, "marker")}</div>
 
 <h2>7. The number to reproduce</h2>
 <p class="num">The most name-attending head is <b>{nr['head']}</b>, with mean name mass <b>{_f(nr['name_mass'])}</b>

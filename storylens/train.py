@@ -39,13 +39,16 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     dropout: float = 0.1  # residual and embedding dropout
-    attn_dropout: float | None = None  # attention-probability dropout; None: same as dropout
+    # attention-probability dropout (None: same as dropout). Off by default: it doubled the time of a
+    # training step here (benchmarks/bench_perf.py) and lost to residual-only dropout on the quiz
+    # (benchmarks/train_sweep.md)
+    attn_dropout: float | None = 0.0
     ema_decay: float = 0.0  # exponential moving average of the weights (0: off); evaluated beside the raw weights
     vocab_size: int = 4096
     seed: int = 1337
     eval_every: int = 250
     checkpoint_minutes: float = 3.0
-    dtype: str = "fp32"  # fp32 or bf16 (autocast); see benchmarks/bench_core.py
+    dtype: str = "fp32"  # fp32 or bf16 (autocast; slower on CPUs without bf16 units: benchmarks/bench_perf.py)
     # the model architecture (the lesson's: 6 blocks x 4 heads, d_model 256, window 256)
     n_layer: int = 6
     n_head: int = 4
@@ -435,7 +438,7 @@ training story.
 AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,
 gradient clipping, dropout, random 256-token windows from the training stream,
 {state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens.
-fp32: bf16 autocast was measured {''}slower on this CPU (see `benchmarks/bench_core.py`).
+fp32: bf16 autocast was measured {''}slower on this CPU (see `benchmarks/bench_perf.py`).
 
 | setting | value |
 |---|---|

@@ -20,7 +20,7 @@ def report_dir(tmp_path_factory):
 
 def test_report_files_and_labels(report_dir):
     for name in ("report.html", "heads.csv", "heads.json", "summary.json", "all_heads.png", "causal_mask.png",
-                 "name_mass.png", "top_name_head.png", "heatmap_prev_token.png", "widget.html"):
+                 "name_mass.png", "top_name_head.png", "widget.html"):
         assert (report_dir / name).stat().st_size > 0, name
     rows = list(csv.DictReader(open(report_dir / "heads.csv")))
     assert [r["label"] for r in rows] == [f"L{b}H{h}" for b in range(1, 7) for h in range(1, 5)]
@@ -45,7 +45,14 @@ def test_report_html_is_self_contained(report_dir):
     page = (report_dir / "report.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?https?://""", page)
     assert "<script src" not in page
-    assert page.count("data:image/png;base64,") >= 8
+    srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", page)
+    assert len(srcs) >= 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
+    # the six score heatmaps are tables, every cell the head's score as heads.json has it
+    tables = re.findall(r'<table class="slh">(.*?)</table>', page, flags=re.S)
+    assert len(tables) == 6
+    heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
+    cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', tables[0]))  # name mass
+    assert list(cells) == list(heads) and all(float(v) == heads[k]["name_mass"] for k, v in cells.items())
 
 
 def _err(capsys, argv):

@@ -2,9 +2,11 @@
 
 Every score is a **mean over stories of a per-story mean over that story's queries**:
 each story counts once however long it is. Per-story means are summed and counted
-batch by batch (:class:`~storylens.analysis.accumulate.MeanAccumulator`), so no
-attention map outlives its batch and memory does not grow with the number of stories
-(only the stories' token ids and name positions are held, to sort them by length).
+batch by batch (:class:`~storylens.analysis.accumulate.MeanAccumulator`). Each block's
+map is scored the moment the model makes it (through ``attn.hook_pattern``) and freed
+with its block; stories are encoded once, :data:`CHUNK_STORIES` at a time, so memory
+does not grow with the number of stories (only the texts the caller passes, and the name
+vocabulary of a first pass over them, span the run).
 
 Positions count the end-of-story marker the model sees first as position 0 (see
 :func:`storylens.tokenizer.encode_story`); a query at position q sees keys 0..q.
@@ -58,9 +60,9 @@ from torch.nn import functional as F
 
 from ..errors import StorylensError
 from ..model import head_label
-from ..tokenizer import encode_story, eot_id
+from ..tokenizer import eot_id
 from .accumulate import MeanAccumulator
-from .names import MainCharacter, find_main_characters
+from .names import MainCharacter, name_vocabulary
 
 PREV_SPAN = 4  # prev4: the last four positions
 
@@ -166,39 +168,85 @@ def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor
     return _masked_mean(even[:, None, :], name_queries.cpu())[:, 0]
 
 
-def story_scores(attentions: Sequence[torch.Tensor], batch: StoryBatch) -> StoryScores:
-    """Per-story, per-head means from one batch's maps (one ``[batch, head, q, k]`` per block)."""
-    queries, name_queries = query_masks(batch)
-    T = batch.ids.shape[1]
-    prev_key = torch.arange(T, device=batch.ids.device) - 1
-    keys = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None]  # [B, 1, T, 2]
-    per_block: dict[str, list[torch.Tensor]] = {k: [] for k in ("name", "prev", "argmax", "prev4", "marker")}
-    for att in attentions:
-        on = att @ keys.to(att.dtype)  # [B, H, q, 2]: attention on name tokens, on markers
-        per_block["name"].append(_masked_mean(on[..., 0], name_queries))
-        per_block["marker"].append(_masked_mean(on[..., 1], queries))
-        per_block["prev"].append(_masked_mean(_diagonal(att, 1), queries))
-        per_block["argmax"].append(_masked_mean((att.argmax(-1) == prev_key).to(att.dtype), queries))
-        last = sum(_diagonal(att, k) for k in range(1, PREV_SPAN + 1))
-        per_block["prev4"].append(_masked_mean(last, queries))
-    stacked = {k: torch.stack(v, dim=1) for k, v in per_block.items()}  # [B, L, H]
+def prev_is_argmax(att: torch.Tensor) -> torch.Tensor:
+    """``[..., query]`` float: 1 where key ``q - 1`` is the query's most-attended key, ties going
+    to the earliest key (exactly ``att.argmax(-1) == q - 1``; 0 for query 0).
+
+    Computed with one ``amax`` instead of ``argmax`` (which tracks indices and is four times slower
+    here): key q - 1 wins when its weight is at least query q's own (a later key, which it beats
+    on a tie) and above every key before it. Keys after q hold exactly 0 and never win (every
+    weight the softmax gives is above 0). To take the maximum over keys 0 .. q-2 without a copy
+    of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
+    ``att`` leaves this function bit for bit as it came in.
+    """
+    T = att.shape[-1]
+    prev = att.diagonal(offset=-1, dim1=-2, dim2=-1)  # views: [..., T - 1]
+    own = att.diagonal(dim1=-2, dim2=-1)
+    saved_prev, saved_own = prev.clone(), own.clone()
+    prev.zero_()
+    own.zero_()
+    try:
+        earlier = att.amax(-1)  # [..., query]: the largest weight on keys 0 .. q-2
+    finally:
+        prev.copy_(saved_prev)
+        own.copy_(saved_own)
+    wins = (saved_prev >= saved_own[..., 1:]) & (saved_prev > earlier[..., 1:])
+    return F.pad(wins.to(att.dtype), (1, 0))[..., :T]
+
+
+class BatchMasks:
+    """What every block's scores need from one batch, made once per batch."""
+
+    def __init__(self, batch: StoryBatch, dtype: torch.dtype):
+        self.batch = batch
+        self.queries, self.name_queries = query_masks(batch)
+        self.keys = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None].to(dtype)  # [B, 1, T, 2]
+
+
+def block_scores(att: torch.Tensor, masks: BatchMasks) -> dict[str, torch.Tensor]:
+    """Per-story, per-head means ``[batch, head]`` of one block's map ``[batch, head, q, k]``."""
+    on = att @ masks.keys.to(att.dtype)  # [B, H, q, 2]: attention on name tokens, on markers
+    queries = masks.queries
+    prev = _diagonal(att, 1)
+    last = sum((_diagonal(att, k) for k in range(2, PREV_SPAN + 1)), prev)
+    return {
+        "name": _masked_mean(on[..., 0], masks.name_queries),
+        "marker": _masked_mean(on[..., 1], queries),
+        "prev": _masked_mean(prev, queries),
+        "argmax": _masked_mean(prev_is_argmax(att), queries),
+        "prev4": _masked_mean(last, queries),
+    }
+
+
+def _stack_scores(per_block: list[dict[str, torch.Tensor]], masks: BatchMasks) -> StoryScores:
+    stacked = {k: torch.stack([b[k] for b in per_block], dim=1) for k in per_block[0]}  # [B, L, H]
     return StoryScores(
         name_mass=stacked["name"],
-        name_baseline=name_baseline(batch, name_queries),
-        has_name_queries=name_queries.any(-1),
+        name_baseline=name_baseline(masks.batch, masks.name_queries),
+        has_name_queries=masks.name_queries.any(-1),
         prev_token=stacked["prev"],
         prev_argmax=stacked["argmax"],
         prev4=stacked["prev4"],
         marker=stacked["marker"],
-        has_queries=queries.any(-1),
+        has_queries=masks.queries.any(-1),
     )
+
+
+def story_scores(attentions: Sequence[torch.Tensor], batch: StoryBatch) -> StoryScores:
+    """Per-story, per-head means from one batch's maps (one ``[batch, head, q, k]`` per block)."""
+    masks = BatchMasks(batch, attentions[0].dtype)
+    return _stack_scores([block_scores(att, masks) for att in attentions], masks)
 
 
 # ---------------------------------------------------------------- many batches
 
 
 class HeadScoreAccumulator:
-    """Sums and counts of per-story means, fed batch by batch (see :func:`story_scores`)."""
+    """Sums and counts of per-story means, fed batch by batch (see :func:`story_scores`).
+
+    Either all of a batch's maps at once (:meth:`update`), or block by block as the model makes
+    them (:meth:`begin`, then :meth:`update_block` for every block, then :meth:`end`): then no
+    map outlives its block."""
 
     def __init__(self, n_layer: int, n_head: int):
         shape = (n_layer, n_head)
@@ -208,9 +256,25 @@ class HeadScoreAccumulator:
         self.marker = MeanAccumulator(shape)
         self.prev = {k: MeanAccumulator(shape) for k in ("prev_token", "prev_argmax", "prev4")}
         self.prev_first = {k: MeanAccumulator(shape) for k in self.prev}
+        self._masks: BatchMasks | None = None
+        self._blocks: list[dict[str, torch.Tensor] | None] = []
 
-    def update(self, attentions: Sequence[torch.Tensor], batch: StoryBatch) -> StoryScores:
-        s = story_scores(attentions, batch)
+    def begin(self, batch: StoryBatch, dtype: torch.dtype = torch.float32) -> None:
+        self._masks = BatchMasks(batch, dtype)
+        self._blocks = [None] * self.n_layer
+
+    def update_block(self, layer: int, att: torch.Tensor) -> None:
+        if self._masks is None:
+            raise RuntimeError("update_block() before begin(batch)")
+        self._blocks[layer] = block_scores(att, self._masks)
+
+    def end(self) -> StoryScores:
+        missing = [i for i, b in enumerate(self._blocks) if b is None]
+        if self._masks is None or missing:
+            raise RuntimeError(f"end(): no map for blocks {missing}")
+        s = _stack_scores(self._blocks, self._masks)
+        batch = self._masks.batch
+        self._masks, self._blocks = None, []
         self.name_mass.add(s.name_mass, s.has_name_queries)
         self.name_baseline.add(s.name_baseline, s.has_name_queries)
         self.marker.add(s.marker, s.has_queries)
@@ -219,6 +283,12 @@ class HeadScoreAccumulator:
             self.prev[k].add(getattr(s, k), s.has_queries)
             self.prev_first[k].add(getattr(s, k), first)
         return s
+
+    def update(self, attentions: Sequence[torch.Tensor], batch: StoryBatch) -> StoryScores:
+        self.begin(batch, attentions[0].dtype)
+        for layer, att in enumerate(attentions):
+            self.update_block(layer, att)
+        return self.end()
 
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:
         """Every score as a ``[block, head]`` float64 tensor (None: not computed)."""
@@ -385,6 +455,33 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+CHUNK_STORIES = 512  # stories encoded (and sorted by length into batches) at a time
+
+
+def encode_chunk(tok, texts: Sequence[str], names, window: int):
+    """Each story encoded once: its ids (``[marker] + story``, cut to the window), whether it was
+    cut, and its main character (from the same encoding's character offsets)."""
+    from .names import main_character
+
+    marker = eot_id(tok)
+    out = []
+    for text, enc in zip(texts, tok.encode_batch(list(texts))):
+        ids = [marker] + enc.ids
+        out.append((ids[:window], len(ids) > window, main_character(text, enc.offsets, names, window)))
+    return out
+
+
+def attention_feed(model, acc: HeadScoreAccumulator):
+    """Hook every block's ``attn.hook_pattern`` so that each map goes into ``acc`` the moment it
+    exists (and is freed with its block). Returns the hook handles (``.remove()`` each)."""
+    handles = []
+    for layer, attn in enumerate(model.attentions):
+        def feed(module, inputs, output, layer=layer):
+            acc.update_block(layer, output)
+        handles.append(attn.hook_pattern.register_forward_hook(feed))
+    return handles
+
+
 def score_heads(
     model,
     stories: Sequence[str],
@@ -393,19 +490,23 @@ def score_heads(
     max_stories_prev: int | None = None,
     names: frozenset[str] | set[str] | None = None,
     progress: bool = True,
+    chunk_stories: int = CHUNK_STORIES,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories).
 
     ``names`` defaults to the name vocabulary of ``stories`` themselves (the whole set
-    scored, as the lesson defines it). ``max_stories_prev`` adds the ``*_first``
-    previous-token columns over the first that many stories, in the same single pass.
-    Stories go through the model longest first, ``batch_size`` at a time, padded at the
-    end (causal attention: padding never changes an earlier position).
+    scored, as the lesson defines it): a first pass over the texts. ``max_stories_prev`` adds
+    the ``*_first`` previous-token columns over the first that many stories, in the same single
+    pass. Then stories are encoded ``chunk_stories`` at a time, each chunk's stories go through
+    the model longest first, ``batch_size`` at a time, padded at the end (causal attention:
+    padding never changes an earlier position), and each block's map is scored as soon as it
+    exists (see :func:`attention_feed`): memory does not grow with the number of stories.
     """
     from tqdm.auto import tqdm
 
-    stories = list(stories)
-    if not stories:
+    if not isinstance(stories, Sequence) or isinstance(stories, str):
+        stories = list(stories)
+    if len(stories) == 0:
         raise StorylensError("stories: nothing to score (empty list)")
     if batch_size < 1:
         raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
@@ -415,34 +516,42 @@ def score_heads(
     if tok is None:
         raise StorylensError("model: has no tokenizer (load it with storylens.hub.load_model)")
     window = model.config.block_size
-    encoded = [encode_story(tok, s, window) for s in stories]
-    mains = find_main_characters(tok, stories, names=names, window=window)
+    if names is None:
+        names = name_vocabulary(stories)
     limit = len(stories) if max_stories_prev is None else max_stories_prev
     marker = eot_id(tok)
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    n_cut = n_main = 0
 
     acc = HeadScoreAccumulator(model.config.n_layer, model.config.n_head)
     was_training = model.training
     model.eval()
+    handles = attention_feed(model, acc)
     try:
         with torch.inference_mode(), tqdm(total=len(stories), unit="story", desc="scoring heads",
                                           disable=None if progress else True) as bar:  # None: terminals only
-            for idx in length_batches([len(e.ids) for e in encoded], batch_size):
-                batch = make_batch([encoded[i].ids for i in idx], [mains[i] for i in idx],
-                                   [i < limit for i in idx], marker, device)
-                out = model(batch.ids, record_attention=True, compute_logits=False)
-                acc.update(out.attentions, batch)
-                del out
-                bar.update(len(idx))
+            for start in range(0, len(stories), chunk_stories):
+                chunk = encode_chunk(tok, stories[start : start + chunk_stories], names, window)
+                n_cut += sum(cut for _, cut, _ in chunk)
+                n_main += sum(main is not None for _, _, main in chunk)
+                for idx in length_batches([len(ids) for ids, _, _ in chunk], batch_size):
+                    batch = make_batch([chunk[i][0] for i in idx], [chunk[i][2] for i in idx],
+                                       [start + i < limit for i in idx], marker, param.device)
+                    acc.begin(batch, param.dtype)
+                    model(batch.ids, record_attention=True, keep_attention=False, compute_logits=False)
+                    acc.end()
+                    bar.update(len(idx))
     finally:
+        for h in handles:
+            h.remove()
         model.train(was_training)
 
     with_first = max_stories_prev is not None
     return HeadScores(
         heads=build_table(acc, with_first),
         n_stories=len(stories),
-        n_cut=sum(e.cut for e in encoded),
-        n_main_character=sum(m is not None for m in mains),
+        n_cut=n_cut,
+        n_main_character=n_main,
         n_name_scored=acc.name_mass.count,
         max_stories_prev=max_stories_prev,
         n_prev_first=acc.prev_first["prev_token"].count if with_first else None,

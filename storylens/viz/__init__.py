@@ -18,6 +18,7 @@ from .figures import (
     name_mass_bar_figure,
     save_png,
 )
+from .tables import HEATMAP_CSS, head_heatmap_html
 from .tokens import story_attention, tick_label, to_numpy_attention, token_text, token_texts
 from .widget import AttentionWidget, ToyWidget, replay_widget, toy_widget
 
@@ -31,6 +32,8 @@ __all__ = [
     "figure_data_uri",
     "figure_png_bytes",
     "head_heatmap_figure",
+    "head_heatmap_html",
+    "HEATMAP_CSS",
     "name_attention_profile",
     "name_head_figure",
     "name_mass_bar_figure",

@@ -21,7 +21,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import Normalize, PowerNorm
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize, PowerNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
@@ -149,11 +150,16 @@ def all_heads_figure(
 
     ``attentions`` is ``[block, head, query, key]`` (or ``model(...).attentions``),
     ``tokens`` the display text of each position. Only the first ``max_tokens``
-    positions are drawn (``None`` = all); at most ``max_labels`` tokens are named on
-    each axis (every k-th token when there are more). Colours use a power scale
-    (``gamma``; 1 = linear) so small shares stay visible; the hatched dark upper
-    triangle is the causal mask. Each head's axes carries its label
-    (``ax.get_label() == "L5H3"``).
+    positions are drawn (``None`` = all); at most ``max_labels`` tokens are named along
+    the left and bottom edges (every k-th token when there are more). Colours use a power
+    scale (``gamma``; 1 = linear) so small shares stay visible; the dark upper triangle is
+    the causal mask.
+
+    The grid is one image on one axes (the maps side by side with gaps), labelled with
+    plain texts, in a layout fixed in inches: 24 separate axes took several times longer to
+    make and draw. ``fig.head_panels`` maps each head label (``"L5H3"``) to its panel's
+    ``(row, column)`` slice of ``fig.grid_image`` (``[rows, columns, RGBA]``), and
+    ``fig.head_maps`` to the attention drawn there (a masked ``[query, key]`` array).
     """
     att = to_numpy_attention(attentions)
     n_block, n_head, T, _ = att.shape
@@ -164,37 +170,67 @@ def all_heads_figure(
     labels = [tick_label(t, 10) for t in tokens[:n]]
     ticks = _tick_positions(n, max_labels)
     cell = cell_inches or (3.6 if n <= 40 else 3.2)
-    fig = _new_figure((cell * n_head + 1.2, cell * n_block + 1.0))
+    fs = label_fontsize or (6 if len(ticks) > 24 else 7)
+    # the image: panels of n x n cells; gaps of `gap` cells across, `vgap` down (room for a title)
+    gap = max(1, round(n * 0.12 / cell * 1.0))
+    vgap = max(2, round(n * (0.12 + 0.26) / cell))
+    rows, cols = n_block * n + (n_block - 1) * vgap + vgap, n_head * n + (n_head - 1) * gap
     norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=1.0) if gamma != 1 else Normalize(0.0, 1.0)
     cmap = colormaps[ATTENTION_CMAP]
-    axes = fig.subplots(n_block, n_head, squeeze=False)
-    fs = label_fontsize or (6 if len(ticks) > 24 else 7)
-    fig.label_fontsize = fs  # points: what a page needs to know how large the token labels show
-    im = None
+    upper = np.triu(np.ones((n, n), bool), 1)
+    image = np.ones((rows, cols, 4))  # white between the panels
+    mask_rgba = np.array(to_rgba(MASK_COLOR))
+    panels, maps = {}, {}
     for b in range(n_block):
         for h in range(n_head):
-            ax = axes[b][h]
+            r0, c0 = vgap + b * (n + vgap), h * (n + gap)
             lab = head_label(b, h)
-            ax.set_label(lab)
-            masked = np.ma.masked_array(att[b, h], mask=np.triu(np.ones((n, n), bool), 1))
-            im = ax.imshow(masked, cmap=cmap, norm=norm, interpolation="nearest")
-            _draw_mask(ax, n, hatch=n <= 64)
-            ax.set_title(lab, fontsize=10, fontweight="bold", pad=3)
-            ax.set_xticks(ticks, [labels[i] for i in ticks] if b == n_block - 1 else [],
-                          rotation=90, fontsize=fs)
-            ax.set_yticks(ticks, [labels[i] for i in ticks] if h == 0 else [], fontsize=fs)
-            ax.tick_params(length=1.5, pad=1)
-            ax.set_xlim(-0.5, n - 0.5)
-            ax.set_ylim(n - 0.5, -0.5)
-    cb = fig.colorbar(im, ax=axes, location="bottom", shrink=0.5, aspect=40, pad=0.04)
+            maps[lab] = np.ma.masked_array(att[b, h], mask=upper)
+            rgba = cmap(norm(np.clip(att[b, h], 0.0, 1.0)))
+            rgba[upper] = mask_rgba
+            image[r0 : r0 + n, c0 : c0 + n] = rgba
+            panels[lab] = (slice(r0, r0 + n), slice(c0, c0 + n))
+    # margins in inches: room for the token labels (about 0.6 of a point size per character)
+    label_in = max(len(x) for x in labels) * fs * 0.62 / 72 + 0.12
+    left, bottom, top, right = 0.35 + label_in, 0.95 + label_in, 0.5, 0.15
+    per_cell = cell / n
+    width, height = left + cols * per_cell + right, top + rows * per_cell + bottom
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    fig.label_fontsize = fs  # points: what a page needs to know how large the token labels show
+    fig.grid_image, fig.head_panels, fig.head_maps = image, panels, maps
+    ax = fig.add_axes((left / width, bottom / height, cols * per_cell / width, rows * per_cell / height))
+    ax.imshow(image, interpolation="nearest", aspect="equal")
+    ax.set_xlim(-0.5, cols - 0.5)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.axis("off")
+    for lab, (rs, cs) in panels.items():
+        ax.text(cs.start + n / 2 - 0.5, rs.start - 0.6, lab, ha="center", va="bottom", fontsize=10,
+                fontweight="bold", gid="head-label")
+        ax.add_patch(Rectangle((cs.start - 0.5, rs.start - 0.5), n, n, fill=False, edgecolor="#444444",
+                               linewidth=0.6))
+    for b in range(n_block):  # token labels along the left edge of each row ...
+        r0 = vgap + b * (n + vgap)
+        for i in ticks:
+            ax.text(-0.75, r0 + i, labels[i], ha="right", va="center", fontsize=fs, gid="token-label-y")
+    for h in range(n_head):  # ... and under each column of the bottom row
+        c0 = h * (n + gap)
+        for i in ticks:
+            ax.text(c0 + i, rows - 0.25, labels[i], rotation=90, ha="center", va="top", fontsize=fs,
+                    gid="token-label-x")
+    cax = fig.add_axes(((left + 0.25 * cols * per_cell) / width, 0.42 / height, 0.5 * cols * per_cell / width,
+                        0.12 / height))
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, orientation="horizontal")
     cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""), fontsize=9)
     shown = f"first {n} of {T} tokens" if n < T else f"{T} tokens"
     fig.suptitle(
         title or f"All {n_block * n_head} heads on one story ({shown}); rows: query, columns: key",
-        fontsize=13,
+        fontsize=13, y=1 - 0.2 / height,
     )
-    fig.supxlabel("key (the earlier token looked at)", fontsize=10)
-    fig.supylabel("query (the token doing the looking)", fontsize=10)
+    fig.text((left + cols * per_cell / 2) / width, 0.72 / height, "key (the earlier token looked at)",
+             ha="center", va="bottom", fontsize=10)
+    fig.text(0.12 / width, (bottom + rows * per_cell / 2) / height, "query (the token doing the looking)",
+             rotation=90, ha="left", va="center", fontsize=10)
     return fig
 
 
@@ -286,8 +322,13 @@ def head_heatmap_figure(
     """
     grid = _score_grid(scores, n_block, n_head)
     nb, nh = grid.shape
-    fig = _new_figure((0.95 * nh + 1.9, 0.42 * nb + 1.3))  # compact: two fit side by side on a page
-    ax = fig.add_subplot()
+    # compact (two fit side by side on a page), laid out in fixed inches: no layout engine to run
+    width, height = 0.95 * nh + 1.9, 0.42 * nb + 1.3
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    left, right, top, bottom, bar = 0.62, 1.05, 0.8, 0.12, 0.14
+    ax = fig.add_axes((left / width, bottom / height, (width - left - right) / width, (height - top - bottom) / height))
+    cax = fig.add_axes(((width - right + 0.12) / width, bottom / height, bar / width, (height - top - bottom) / height))
     finite = grid[np.isfinite(grid)]
     lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
     hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
@@ -316,9 +357,9 @@ def head_heatmap_figure(
         hb, hh = parse_head_label(highlight)
         ax.add_patch(Rectangle((hh - 0.5, hb - 0.5), 1, 1, fill=False, edgecolor="#00bfff",
                                linewidth=2.5))
-    cb = fig.colorbar(im, ax=ax, shrink=0.9)
+    cb = fig.colorbar(im, cax=cax)
     cb.set_label(colorbar_label)
-    ax.set_title(title, fontsize=11)
+    fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
     return fig
 
 

@@ -181,6 +181,11 @@ class AttentionWidget(_HtmlView):
         """Encode ``text`` as the lesson does (``<eot>`` + story, cut to the window),
         record the model's attention and build the widget."""
         tokens, att, enc = story_attention(model, text, window=window)
+        return cls.from_recording(text, tokens, att, enc, title, **kw)
+
+    @classmethod
+    def from_recording(cls, text: str, tokens, att, enc, title: str | None = None, **kw) -> "AttentionWidget":
+        """The widget for what :func:`~storylens.viz.story_attention` already recorded."""
         if title is None:
             words = text.split()
             title = " ".join(words[:8]) + (" …" if len(words) > 8 else "")

@@ -57,29 +57,42 @@ def test_token_texts_show_marker_and_round_trip(model, story_run):
 def test_all_heads_grid(story_run, tmp_path):
     _, tokens, att, _ = story_run
     fig = all_heads_figure(att, tokens, max_tokens=24)
-    head_axes = [ax for ax in fig.axes if ax.get_label() in LABELS]
-    assert [ax.get_label() for ax in head_axes] == LABELS  # 24 heads, L1H1 .. L6H4
-    assert [ax.get_title() for ax in head_axes] == LABELS
-    h, w, _ = _png_shape(save_png(fig, tmp_path / "all_heads.png"))  # drawing lays it out
+    ax = fig.axes[0]
+    heads = [t.get_text() for t in ax.texts if t.get_gid() == "head-label"]
+    assert heads == LABELS and list(fig.head_panels) == LABELS  # 24 heads, L1H1 .. L6H4
+    h, w, _ = _png_shape(save_png(fig, tmp_path / "all_heads.png"))
     assert h > w > 300  # a tall 6 x 4 grid
-    xs = {round(ax.get_position().x0, 3) for ax in head_axes}
-    ys = {round(ax.get_position().y0, 3) for ax in head_axes}
-    assert (len(ys), len(xs)) == (6, 4)
-    # each map is the recorded attention, cropped; the masked upper triangle is not drawn as data
-    first = head_axes[0].get_images()[0].get_array()
+    rows = sorted({p[0].start for p in fig.head_panels.values()})
+    cols = sorted({p[1].start for p in fig.head_panels.values()})
+    assert (len(rows), len(cols)) == (6, 4)
+    # each panel is the recorded attention, cropped, in the colour scale; the masked upper
+    # triangle is not drawn as data
+    first = fig.head_maps["L1H1"]
     assert first.shape == (24, 24)
     np.testing.assert_array_equal(np.ma.filled(first, 0.0), np.tril(att[0, 0, :24, :24]))  # the same numbers
     assert first.mask[0, 1] and not first.mask[1, 0]
-    # token labels on the outer axes
-    assert [t.get_text() for t in head_axes[0].get_yticklabels()][0] == "<eot>"
+    from matplotlib import colormaps
+    from matplotlib.colors import PowerNorm
+
+    rs, cs = fig.head_panels["L5H3"]
+    drawn = fig.grid_image[rs, cs]
+    expected = colormaps["viridis"](PowerNorm(0.5, 0.0, 1.0)(att[4, 2, :24, :24]))
+    lower = ~np.triu(np.ones((24, 24), bool), 1)
+    np.testing.assert_allclose(drawn[lower], expected[lower])
+    assert np.all(drawn[~lower] == drawn[0, 1])  # one mask colour above the diagonal
+    # token labels along the outer edges only: every one of the 24, per row and per column
+    def token_labels(axis):
+        return [t.get_text() for t in ax.texts if t.get_gid() == f"token-label-{axis}"]
+    assert token_labels("y")[:1] == ["<eot>"] and len(token_labels("y")) == 6 * 24
+    assert len(token_labels("x")) == 4 * 24
 
 
 def test_all_heads_long_story_labels_every_kth(story_run):
     _, tokens, att, _ = story_run
     fig = all_heads_figure(att, tokens, max_tokens=None, max_labels=20)  # not drawn: cheap
-    ax = fig.axes[0]
-    assert ax.get_images()[0].get_array().shape == (len(tokens), len(tokens))
-    assert 0 < len(ax.get_yticks()) <= 20
+    assert fig.head_maps["L1H1"].shape == (len(tokens), len(tokens))
+    per_row = len([t for t in fig.axes[0].texts if t.get_gid() == "token-label-y"]) / 6
+    assert 0 < per_row <= 20
 
 
 def test_causal_mask_triangle(story_run, tmp_path):

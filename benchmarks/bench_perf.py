@@ -1,0 +1,311 @@
+"""How close storylens runs to this machine's limit: every figure of the performance issue,
+each beside its comparator, measured in one run.
+
+    python benchmarks/bench_perf.py [--rounds 3] [--json benchmarks/perf.json] [--skip tl,memory,...]
+
+1. ``report``: ``storylens report`` as a user runs it (a fresh process, imports included), and
+   its phases (from the report's own summary.json).
+2. ``scoring``: the quiz's 200 stories, batch 16, longest first; in rounds, interleaved:
+   a bare fused forward through every block without the output head; storylens recording and
+   scoring all lesson measures (the maps fed block by block to the accumulator); storylens's
+   whole ``score_heads`` (encoding and names included); TransformerLens ``run_with_cache``
+   (patterns only) on the same weights (its boot of our HF export), the same batches and the
+   same measure code fed from its cache.
+3. ``memory``: peak resident memory (``ru_maxrss`` from the OS) of a fresh process that loads
+   the model and the corpus and scores the first N stories, for N = 200, 2,000 and 8,000.
+4. ``generation``: 200 tokens from the end-of-story marker, temperature 1, one seed: KV cache,
+   recomputing everything each step, and KV cache recording every step's attention; the tokens
+   must be the same.
+5. ``training``: tokens per second of 16 x 256 training steps: fp32 without dropout, with
+   residual dropout 0.1, with attention-probability dropout 0.1 as well, and bf16 autocast.
+
+Every pair is timed in alternating rounds (best of ``--rounds``), so a noisy moment hits both.
+``--json`` writes the figures for ``scripts/readme_tables.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+SECTIONS = ("report", "scoring", "memory", "generation", "training")
+MEMORY_SIZES = (200, 2000, 8000)
+
+
+def best_of_rounds(fns: dict, rounds: int) -> dict[str, float]:
+    """Time each callable once per round, rounds interleaved; the best time of each."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
+# ------------------------------------------------------------------ 1. report
+
+
+def bench_report(rounds: int) -> dict:
+    walls, phases = [], []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "report")
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "storylens", "report", "--out", out, "--no-progress"],
+                           check=True, stdout=subprocess.DEVNULL)
+            walls.append(time.perf_counter() - t)
+            with open(os.path.join(out, "summary.json")) as f:
+                phases.append(json.load(f)["timings_s"])
+    i = walls.index(min(walls))
+    return {"wall_s": walls, "best_wall_s": walls[i], "phases_s": phases[i]}
+
+
+# ------------------------------------------------------------------ 2. scoring
+
+
+def _quiz_batches(model, batch_size=16):
+    from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.scores import encode_chunk, length_batches, make_batch
+    from storylens.data import load_split
+    from storylens.tokenizer import eot_id
+
+    quiz = load_split().quiz
+    chunk = encode_chunk(model.tokenizer, quiz, name_vocabulary(quiz), model.config.block_size)
+    marker = eot_id(model.tokenizer)
+    return quiz, [make_batch([chunk[i][0] for i in idx], [chunk[i][2] for i in idx], [True] * len(idx), marker)
+                  for idx in length_batches([len(c[0]) for c in chunk], batch_size)]
+
+
+def bench_scoring(rounds: int, with_tl: bool) -> dict:
+    import torch
+
+    from storylens.analysis.scores import HeadScoreAccumulator, attention_feed, score_heads
+    from storylens.hub import export_hf, load_model
+
+    model = load_model().eval()
+    quiz, batches = _quiz_batches(model)
+    L, H = model.config.n_layer, model.config.n_head
+
+    @torch.inference_mode()
+    def bare():  # embeddings and every block, fused attention, no output head
+        for b in batches:
+            T = b.ids.shape[1]
+            x = model.transformer.wte(b.ids) + model.transformer.wpe(torch.arange(T))
+            for block in model.transformer.h:
+                x, _ = block(x)
+
+    @torch.inference_mode()
+    def record_and_score():
+        acc = HeadScoreAccumulator(L, H)
+        handles = attention_feed(model, acc)
+        try:
+            for b in batches:
+                acc.begin(b)
+                model(b.ids, record_attention=True, keep_attention=False, compute_logits=False)
+                acc.end()
+        finally:
+            for h in handles:
+                h.remove()
+        return acc
+
+    fns = {"bare fused forward": bare, "storylens record + score": record_and_score,
+           "storylens score_heads (all)": lambda: score_heads(model, quiz, max_stories_prev=100, progress=False)}
+    agree = None
+    if with_tl:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        from transformers.utils import logging as hf_logging
+        from transformer_lens.model_bridge import TransformerBridge
+
+        hf_logging.disable_progress_bar()
+        tmp = tempfile.mkdtemp()
+        export_hf(model, os.path.join(tmp, "hf"))
+        bridge = TransformerBridge.boot_transformers(os.path.join(tmp, "hf"), device="cpu")
+        bridge.eval()
+        names = [f"blocks.{i}.attn.hook_pattern" for i in range(L)]
+
+        @torch.inference_mode()
+        def tl():
+            acc = HeadScoreAccumulator(L, H)
+            for b in batches:
+                _, cache = bridge.run_with_cache(b.ids, names_filter=lambda n: n in names)
+                acc.update([cache[n] for n in names], b)
+                del cache
+            return acc
+
+        fns["TransformerLens run_with_cache + same measures"] = tl
+        ours, theirs = record_and_score().columns(False), tl().columns(False)
+        agree = max(float((ours[k] - theirs[k]).abs().max()) for k in ("name_mass", "prev_token", "prev_argmax",
+                                                                      "prev4", "marker"))
+    t = best_of_rounds(fns, rounds)
+    base = t["bare fused forward"]
+    return {"seconds": t, "ratio_to_bare": {k: v / base for k, v in t.items()},
+            "tokens": int(sum(b.ids.numel() for b in batches)), "batches": len(batches),
+            "tl_vs_storylens": (t["TransformerLens run_with_cache + same measures"] / t["storylens record + score"]
+                                if with_tl else None),
+            "tl_max_score_difference": agree}
+
+
+# ------------------------------------------------------------------ 3. memory
+
+
+def memory_child(n: int) -> None:
+    from storylens.analysis import score_heads
+    from storylens.data import load_split
+    from storylens.hub import load_model
+
+    model = load_model()
+    split = load_split()
+    stories = (split.quiz + split.train)[:n]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    score_heads(model, stories, progress=False)
+    seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before / 1024, "rss_peak_mb": peak / 1024}))
+
+
+def bench_memory() -> dict:
+    rows = []
+    for n in MEMORY_SIZES:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", str(n)],
+                           check=True, capture_output=True, text=True)
+        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    return {"runs": rows, "peak_ratio": rows[-1]["rss_peak_mb"] / rows[0]["rss_peak_mb"]}
+
+
+# ------------------------------------------------------------------ 4. generation
+
+
+def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
+    import torch
+
+    from storylens.hub import load_model
+    from storylens.tokenizer import eot_id
+
+    model = load_model().eval()
+    prompt = torch.tensor([[eot_id(model.tokenizer)]])
+    tokens = {}
+
+    def run(name, **kw):
+        g = torch.Generator().manual_seed(0)
+        tokens[name] = [s.token for s in model.generate_stream(prompt, n_tokens, temperature=1.0, generator=g, **kw)]
+
+    t = best_of_rounds({"kv cache": lambda: run("kv cache"),
+                        "recompute": lambda: run("recompute", use_kv_cache=False),
+                        "kv cache + recording": lambda: run("kv cache + recording", record_attention=True)}, rounds)
+    return {"ms_per_token": {k: 1000 * v / n_tokens for k, v in t.items()},
+            "recompute_over_cache": t["recompute"] / t["kv cache"],
+            "recording_over_cache": t["kv cache + recording"] / t["kv cache"],
+            "same_tokens": tokens["kv cache"] == tokens["recompute"] == tokens["kv cache + recording"],
+            "n_tokens": n_tokens}
+
+
+# ------------------------------------------------------------------ 5. training
+
+
+def bench_training(rounds: int, steps: int = 3) -> dict:
+    import torch
+
+    from storylens.model import GPT, GPTConfig
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4096, (16, 256), generator=g)
+    setups = {"fp32, no dropout": (0.0, 0.0, False), "fp32, residual dropout 0.1": (0.1, 0.0, False),
+              "fp32, residual + attention dropout 0.1": (0.1, 0.1, False), "bf16 autocast, no dropout": (0.0, 0.0, True)}
+
+    def make(drop, attn, bf16):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(dropout=drop, attn_dropout=attn)).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            for _ in range(steps):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(x, x).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        step()  # warm-up
+        return step
+
+    t = best_of_rounds({k: make(*v) for k, v in setups.items()}, rounds)
+    tok = steps * x.numel()
+    base = t["fp32, no dropout"]
+    return {"tokens_per_s": {k: tok / v for k, v in t.items()}, "slowdown": {k: v / base for k, v in t.items()}}
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--skip", default="", help=f"comma-separated, from {','.join(SECTIONS)} (and 'tl')")
+    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        return memory_child(args.memory_child)
+    import torch
+
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "python": platform.python_version()},
+           "rounds": args.rounds}
+    if "report" not in skip:
+        res["report"] = bench_report(args.rounds)
+        r = res["report"]
+        print(f"report: {r['best_wall_s']:.2f} s as a process (best of {args.rounds}: "
+              + ", ".join(f"{w:.2f}" for w in r["wall_s"]) + ")")
+        print("  phases: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items()))
+    if "scoring" not in skip:
+        res["scoring"] = s = bench_scoring(args.rounds, with_tl="tl" not in skip)
+        print(f"scoring the quiz ({s['tokens']:,} padded tokens, {s['batches']} batches of 16):")
+        for k, v in s["seconds"].items():
+            print(f"  {k:48} {v:6.2f} s  {s['ratio_to_bare'][k]:5.2f}x bare")
+        if s["tl_vs_storylens"]:
+            print(f"  TransformerLens / storylens: {s['tl_vs_storylens']:.2f}x; largest score difference "
+                  f"{s['tl_max_score_difference']:.1e}")
+    if "memory" not in skip:
+        res["memory"] = m = bench_memory()
+        for r in m["runs"]:
+            print(f"memory: scoring {r['n']:>5} stories: {r['seconds']:6.1f} s, peak RSS {r['rss_peak_mb']:.0f} MB "
+                  f"(loaded {r['rss_loaded_mb']:.0f} MB)")
+        print(f"  peak at {MEMORY_SIZES[-1]:,} / peak at {MEMORY_SIZES[0]}: {m['peak_ratio']:.3f}x")
+    if "generation" not in skip:
+        res["generation"] = g = bench_generation(args.rounds)
+        print(f"generation ({g['n_tokens']} tokens): " + ", ".join(f"{k} {v:.2f} ms/token" for k, v in
+                                                                 g["ms_per_token"].items()))
+        print(f"  recompute / cache {g['recompute_over_cache']:.1f}x, recording / cache "
+              f"{g['recording_over_cache']:.2f}x, same tokens: {g['same_tokens']}")
+    if "training" not in skip:
+        res["training"] = tr = bench_training(args.rounds)
+        for k, v in tr["tokens_per_s"].items():
+            print(f"training {k:40} {v:8.0f} tokens/s  {tr['slowdown'][k]:.2f}x the time of no dropout")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+            f.write("\n")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Per-head scores as HTML heatmap tables: blocks down, heads across, every cell coloured and
+annotated, for a self-contained page (no image to draw, numbers a reader can select and copy).
+
+:func:`head_heatmap_html` takes the same ``[block, head]`` grid, dict or pairs as
+:func:`storylens.viz.head_heatmap_figure` and the same colour map; labels are the lesson's
+``L{block}H{head}`` (rows ``L1`` .., columns ``H1`` ..), counted from 1.
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
+
+from ..model import head_label, parse_head_label
+from .figures import _score_grid
+
+HEATMAP_CSS = (
+    ".slh{border-collapse:collapse;margin:.3em 0;font:13px/1.2 system-ui,sans-serif}"
+    ".slh caption{font-weight:600;padding:.2em 0 .4em;text-align:left}"
+    ".slh th{font-weight:500;color:#444;padding:.25em .5em}"
+    ".slh td{width:4.2em;height:1.9em;text-align:center;font-variant-numeric:tabular-nums}"
+    ".slh td.best{outline:3px solid #00bfff;outline-offset:-3px}"
+)
+
+
+def head_heatmap_html(scores, *, title: str = "Score per head", fmt: str = "{:.3f}", cmap: str = "magma",
+                      vmin: float | None = None, vmax: float | None = None, highlight: str | None = None,
+                      n_block: int | None = None, n_head: int | None = None) -> str:
+    """A ``<table class="slh">`` heatmap (style: :data:`HEATMAP_CSS`); ``highlight`` (a head label)
+    gets a box. Each cell carries ``data-head="L5H3"`` and ``data-value``."""
+    grid = _score_grid(scores, n_block, n_head)
+    nb, nh = grid.shape
+    finite = grid[np.isfinite(grid)]
+    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
+    if hi <= lo:
+        hi = lo + 1e-9
+    cm = colormaps[cmap]
+    best = parse_head_label(highlight) if highlight else None
+    rows = ["<tr><th></th>" + "".join(f"<th>H{h + 1}</th>" for h in range(nh)) + "</tr>"]
+    for b in range(nb):
+        cells = [f"<th>L{b + 1}</th>"]
+        for h in range(nh):
+            v = grid[b, h]
+            label = head_label(b, h)
+            mark = ' class="best"' if best == (b, h) else ""
+            if not np.isfinite(v):
+                cells.append(f'<td{mark} data-head="{label}" style="background:#f4f4f4;color:#777">–</td>')
+                continue
+            r, g, bl, _ = cm((v - lo) / (hi - lo))
+            ink = "#000" if 0.299 * r + 0.587 * g + 0.114 * bl > 0.5 else "#fff"
+            cells.append(f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}" '
+                         f'style="background:{to_hex((r, g, bl))};color:{ink}">{html.escape(fmt.format(v))}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<table class="slh"><caption>{html.escape(title)}</caption>' + "".join(rows) + "</table>")
