@@ -11,7 +11,7 @@ each beside its comparator, measured in one run.
    whole ``score_heads`` (encoding and names included); TransformerLens ``run_with_cache``
    (patterns only) on the same weights (its boot of our HF export), the same batches and the
    same measure code fed from its cache.
-3. ``memory``: peak resident memory (``ru_maxrss`` from the OS) of a fresh process that loads
+3. ``memory``: peak resident memory (``VmHWM`` from the OS) of a fresh process that loads
    the model and the corpus and scores the first N stories, for N = 200, 2,000 and 8,000.
 4. ``generation``: 200 tokens from the end-of-story marker, temperature 1, one seed: KV cache,
    recomputing everything each step, and KV cache recording every step's attention; the tokens
@@ -164,12 +164,25 @@ def memory_child(n: int) -> None:
     model = load_model()
     split = load_split()
     stories = (split.quiz + split.train)[:n]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_mb()
     t = time.perf_counter()
     score_heads(model, stories, progress=False)
     seconds = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before / 1024, "rss_peak_mb": peak / 1024}))
+    print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before, "rss_peak_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-memory high-water mark, from the OS: ``VmHWM`` (Linux; it starts
+    afresh at exec, where ``ru_maxrss`` carries the parent's peak over), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 def bench_memory() -> dict:
@@ -250,6 +263,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--skip", default="", help=f"comma-separated, from {','.join(SECTIONS)} (and 'tl')")
+    ap.add_argument("--merge", action="store_true", help="update --json with the sections run, keep the others")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -260,6 +274,9 @@ def main() -> None:
     res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "python": platform.python_version()},
            "rounds": args.rounds}
+    if args.json and args.merge and os.path.exists(args.json):  # keep the sections not run now
+        with open(args.json) as f:
+            res = {**json.load(f), **{k: res[k] for k in ("machine",)}}
     if "report" not in skip:
         res["report"] = bench_report(args.rounds)
         r = res["report"]

@@ -31,7 +31,7 @@ CHECKPOINT = "checkpoint.safetensors"
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 2000
+    max_steps: int = 4500
     batch_size: int = 16
     lr: float = 2e-3
     min_lr: float = 2e-4
@@ -43,7 +43,7 @@ class TrainConfig:
     # training step here (benchmarks/bench_perf.py) and lost to residual-only dropout on the quiz
     # (benchmarks/train_sweep.md)
     attn_dropout: float | None = 0.0
-    ema_decay: float = 0.0  # exponential moving average of the weights (0: off); evaluated beside the raw weights
+    ema_decay: float = 0.998  # exponential moving average of the weights (0: off); evaluated beside the raw weights
     vocab_size: int = 4096
     seed: int = 1337
     eval_every: int = 250
@@ -388,9 +388,18 @@ Agreement - Sharing, Version 1.0 (CDLA-Sharing-1.0), reproduced below. The stori
             "LICENSE-DATA.md": (notice + licence).encode("utf-8")}
 
 
+def shipped_weights(state: dict) -> str:
+    """``"ema"`` when the run kept an average of its weights and the last evaluation found it no
+    worse on the quiz than the raw weights, else ``"raw"``."""
+    last = state["evals"][-1] if state.get("evals") else {}
+    ema, raw = last.get("quiz_perplexity_ema"), last.get("quiz_perplexity")
+    return "ema" if ema is not None and raw is not None and ema <= raw else "raw"
+
+
 def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes] | None = None) -> Path:
     """Turn a training run's checkpoint into a model folder (config, safetensors, tokenizer, and
-    ``extra_files``, e.g. :func:`lesson_files`), published in one step."""
+    ``extra_files``, e.g. :func:`lesson_files`), published in one step. The weights are the run's
+    EMA when its last evaluation found them no worse than the raw ones (:func:`shipped_weights`)."""
     from .hub import save_model_folder
 
     run_dir = Path(run_dir)
@@ -399,18 +408,28 @@ def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes]
     mcfg = cfg.model_config()
     mcfg.dropout, mcfg.attn_dropout = 0.0, None  # inference folder: dropout off
     model = GPT(mcfg)
-    # a run that kept an EMA of its weights ships the average (what its evals measured as "EMA")
-    model.load_state_dict(ema_sd if ema_sd is not None else model_sd)
+    model.load_state_dict(ema_sd if ema_sd is not None and shipped_weights(state) == "ema" else model_sd)
     return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder, extra_files)
 
 
-def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int) -> Path:
-    """The shipped model's README: data and licence, recipe, size, cost, quiz perplexity, how to reproduce."""
+def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int,
+                     quiz_perplexity: float, choices: str = "") -> Path:
+    """The shipped model's README: data and licence, recipe and how it was chosen, size, cost, the
+    quiz perplexity curve, how to reproduce. ``quiz_perplexity`` is the shipped folder's own
+    (``storylens perplexity``); ``choices`` a markdown table of the short runs behind the recipe."""
     cfg = TrainConfig(**state["train_config"])
-    final = state["evals"][-1]["quiz_perplexity"] if state["evals"] else float("nan")
-    evals = "\n".join(f"| {e['step']} | {e['quiz_perplexity']:.2f} |" for e in state["evals"])
+    which = shipped_weights(state)
+    with_ema = any(e.get("quiz_perplexity_ema") is not None for e in state["evals"])
+    head = "| step | tokens (M) | quiz perplexity |" + (" with EMA weights |" if with_ema else "")
+    rule = "|---|---|---|" + ("---|" if with_ema else "")
+    evals = "\n".join(
+        f"| {e['step']} | {e['step'] * cfg.batch_size * cfg.block_size / 1e6:.1f} | {e['quiz_perplexity']:.2f} |"
+        + (f" {e['quiz_perplexity_ema']:.2f} |" if with_ema else "") for e in state["evals"])
     tokens = state["step"] * cfg.batch_size * cfg.block_size
     recipe = "\n".join(f"| `{k}` | {v} |" for k, v in asdict(cfg).items())
+    passes = tokens / (train_stories * 205)  # about 205 tokens per training story (1.7 M / 8,204)
+    weights = (f"the exponential moving average of the weights (decay {cfg.ema_decay}), which the last evaluation "
+               "found no worse than the raw weights" if which == "ema" else "the raw weights of the last step")
     text = f"""---
 license: cdla-sharing-1.0
 library_name: storylens
@@ -422,9 +441,9 @@ The "Lesson 01" model that storylens reads: a GPT-2-style decoder, 6 blocks x 4 
 (d_model 256), a 256-token window, tied input/output embeddings, and a byte-level BPE tokenizer of
 {cfg.vocab_size} tokens whose end-of-story marker `<|endoftext|>` follows every story (and so opens the next).
 
-**{n_params:,} parameters. Quiz perplexity {final:.2f}** on the 200 held-out quiz stories
-(each fed as `[marker] + story`, cut to the window; exp of the mean next-token loss).
-The lesson's model reached 9 on its own quiz; see "Limits" below.
+**{n_params:,} parameters. Quiz perplexity {quiz_perplexity:.2f}** on the 200 held-out quiz stories
+(`storylens perplexity`: each story fed as `[marker] + story`, cut to the window; exp of the mean
+next-token loss). The lesson's model reached 9 on its own quiz.
 
 ## Data
 TinyStories (Eldan & Li 2023, arXiv 2305.07759), licensed CDLA-Sharing-1.0: the {train_stories + quiz_stories:,}
@@ -436,21 +455,25 @@ training story.
 
 ## Recipe
 AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,
-gradient clipping, dropout, random 256-token windows from the training stream,
-{state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens.
-fp32: bf16 autocast was measured {''}slower on this CPU (see `benchmarks/bench_perf.py`).
+gradient clipping, random 256-token windows from the training stream,
+{state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens
+(about {passes:.0f} passes over the training stories). Dropout on the residual stream and embeddings
+only: dropout on the attention probabilities doubled the time of a step here and lost to
+residual-only dropout in the short runs below. fp32: bf16 autocast was measured slower on this CPU
+(see `benchmarks/bench_perf.py`). The folder holds {weights}.
 
 | setting | value |
 |---|---|
 {recipe}
+{choices}
+Quiz perplexity during training (the weights as they were at that step, and their moving average):
 
-Quiz perplexity during training:
-
-| step | quiz perplexity |
-|---|---|
+{head}
+{rule}
 {evals}
 
-Training time: {state['train_seconds'] / 60:.1f} minutes of compute on {hardware}.
+Training time: {state['train_seconds'] / 60:.1f} minutes (the training process's wall clock, checkpoints and
+evaluations included) on {hardware}.
 
 ## Reproduce
 ```
@@ -460,7 +483,7 @@ storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-s
 
 ## Limits
 The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's 19,800,
-and training had to fit a 2-core CPU session, so the model saw each token only a few times.
+so the model sees each training token many times; training had to fit a 2-core CPU session.
 """
     from .publish import write_text_atomic
 

@@ -136,3 +136,41 @@ def test_config_round_trip_rejects_bad_fields():
 def test_fresh_model_is_random_not_the_shipped_one(shipped_model):
     fresh = GPT(GPTConfig())
     assert not torch.equal(fresh.lm_head.weight, shipped_model.lm_head.weight)
+
+
+def test_kv_cache_appends_in_place_and_grows_by_doubling():
+    cache = KVCache.empty(2, capacity=3)
+    parts = [torch.randn(1, 4, n, 8) for n in (2, 1, 4, 1)]  # 2 + 1 fit; the 4 makes it grow
+    for p in parts:
+        for layer in range(2):
+            k, v = cache.update(layer, p, -p)
+            assert k.shape[2] == cache.length(layer)
+    whole = torch.cat(parts, dim=2)
+    assert len(cache) == 8
+    assert torch.equal(cache.key[1], whole) and torch.equal(cache.value[0], -whole)
+    assert cache._key[0].shape[2] == 14  # room for 3, then 7 (what was asked), then 14 (doubled)
+
+
+@torch.no_grad()
+def test_lean_decoding_is_the_forward_pass(shipped_model, quiz_ids):
+    """Generation steps one token with a lean path (no module dispatch, one query/key/value
+    product); with any hook in the model it takes the ordinary forward. Both: same tokens,
+    logits within the rounding bound, attention rows too."""
+    prompt = torch.tensor([quiz_ids[2][:30]])
+    kw = dict(temperature=1.0, record_attention=True)
+    lean = list(shipped_model.generate_stream(prompt, 40, generator=torch.Generator().manual_seed(3), **kw))
+    handle = shipped_model.transformer.ln_f.register_forward_hook(lambda *a: None)  # forces the module path
+    try:
+        assert shipped_model._hooked()
+        plain = list(shipped_model.generate_stream(prompt, 40, generator=torch.Generator().manual_seed(3), **kw))
+    finally:
+        handle.remove()
+    assert not shipped_model._hooked()
+    assert [s.token for s in lean] == [s.token for s in plain]
+    scale = max(s.logits.abs().max().item() for s in plain)
+    worst = max((a.logits - b.logits).abs().max().item() for a, b in zip(lean, plain))
+    assert worst <= rounding_bound(shipped_model.config, F32, scale)
+    for a, b in zip(lean, plain):
+        for ra, rb in zip(a.attention, b.attention):
+            assert (ra - rb).abs().max().item() <= rounding_bound(shipped_model.config, F32, 1.0)
+    assert lean[-1].kv_computed == plain[-1].kv_computed == 30 + 39

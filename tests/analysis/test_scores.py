@@ -19,7 +19,7 @@ from storylens.analysis.scores import (
     story_scores,
 )
 from storylens.errors import StorylensError
-from storylens.tokenizer import encode_story
+from storylens.tokenizer import encode_story, eot_id
 
 # ---------------------------------------------------------------- hand-worked maps
 # Story A: 5 positions, the name at position 2 (first mention 2), so the name queries
@@ -311,3 +311,60 @@ def test_bad_arguments(shipped_model):
         score_heads(shipped_model, ["Tim ran."], max_stories_prev=0, progress=False)
     with pytest.raises(StorylensError, match="batch_size"):
         score_heads(shipped_model, ["Tim ran."], batch_size=0, progress=False)
+
+
+# ---------------------------------------------------------------- fast paths, checked against the plain ones
+
+
+def test_prev_is_argmax_equals_argmax_and_leaves_the_map_as_it_was(shipped_model, quiz_ids):
+    from storylens.analysis.scores import prev_is_argmax
+
+    ids = torch.tensor([quiz_ids[0]])
+    with torch.no_grad():
+        maps = shipped_model(ids, record_attention=True).attentions
+    T = ids.shape[1]
+    prev_key = torch.arange(T) - 1
+    for att in maps:
+        before = att.clone()
+        fast = prev_is_argmax(att)
+        assert torch.equal(att, before)  # written back bit for bit
+        assert torch.equal(fast, (att.argmax(-1) == prev_key).to(att.dtype))
+    # ties: argmax takes the earliest key, so key q-1 loses a tie with an earlier key and wins
+    # a tie with the query's own key (q); zeros after q never win
+    tie = torch.tensor([[[[1.0, 0, 0, 0],
+                          [0.5, 0.5, 0, 0],
+                          [0.4, 0.4, 0.2, 0],      # q=2: keys 0 and 1 tie -> argmax 0
+                          [0.1, 0.2, 0.35, 0.35]]]])  # q=3: keys 2 and 3 tie -> argmax 2 = q-1
+    expected = (tie.argmax(-1) == torch.arange(4) - 1).to(tie.dtype)
+    assert torch.equal(prev_is_argmax(tie), expected)
+    assert expected.flatten().tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_block_by_block_scoring_equals_scoring_the_stored_maps(shipped_model, corpus_split):
+    """score_heads (maps fed by the hooks, stories in chunks) against every map of a batch at
+    once through HeadScoreAccumulator.update, and against a different chunking."""
+    from storylens.numerics import probability_bound
+
+    stories = corpus_split.quiz[:40]
+    tok, W = shipped_model.tokenizer, shipped_model.config.block_size
+    names = name_vocabulary(stories)
+    hooked = score_heads(shipped_model, stories, names=names, batch_size=8, max_stories_prev=10, progress=False)
+    chunked = score_heads(shipped_model, stories, names=names, batch_size=8, max_stories_prev=10, progress=False,
+                          chunk_stories=7)
+    mains = find_main_characters(tok, stories, names=names, window=W)
+    ids = [encode_story(tok, s, W).ids for s in stories]
+    acc = HeadScoreAccumulator(6, 4)
+    with torch.no_grad():
+        for idx in length_batches([len(x) for x in ids], 8):
+            batch = make_batch([ids[i] for i in idx], [mains[i] for i in idx], [i < 10 for i in idx], eot_id(tok))
+            acc.update(shipped_model(batch.ids, record_attention=True).attentions, batch)
+    stored = build_table(acc, True)
+    # the same batches: the same numbers; other batches (other padding): within rounding
+    bound = probability_bound(shipped_model.config, torch.float32)
+    for a, b, c in zip(hooked.heads, stored, chunked.heads):
+        for col in SCORE_COLUMNS:
+            assert getattr(a, col) == pytest.approx(getattr(b, col), abs=1e-12), (a.label, col)
+            scale = 1 / a.name_baseline if col == "name_ratio" else 1  # a ratio of means: the mass's error / baseline
+            assert abs(getattr(a, col) - getattr(c, col)) <= bound * scale, (a.label, col)
+    assert hooked.counts() == chunked.counts()
+    assert not any(a.hook_pattern._forward_hooks for a in shipped_model.attentions)  # hooks removed

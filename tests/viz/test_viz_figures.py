@@ -150,3 +150,24 @@ def test_name_head_figure_and_data_uri(story_run):
     uri = figure_data_uri(fig)
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1])[:8] == PNG_MAGIC
+
+
+def test_heatmap_table_colours_every_head_and_boxes_the_best():
+    import re
+
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    from storylens.viz import head_heatmap_html
+
+    grid = np.arange(24, dtype=float).reshape(6, 4) / 23
+    grid[5, 3] = np.nan
+    page = head_heatmap_html(grid, title="Name <mass>", highlight="L2H3")
+    assert "<caption>Name &lt;mass&gt;</caption>" in page
+    cells = re.findall(r'<td( class="best")? data-head="(L\dH\d)"(?: data-value="([^"]+)")?[^>]*'
+                       r'style="background:(#[0-9a-f]{6})', page)
+    assert [c[1] for c in cells] == LABELS
+    assert [c[1] for c in cells if c[0]] == ["L2H3"]
+    assert float(cells[0][2]) == 0.0 and float(cells[22][2]) == grid[5, 2]
+    assert cells[0][3] == to_hex(colormaps["magma"](0.0)) and cells[22][3] == to_hex(colormaps["magma"](1.0))
+    assert cells[23][2] == "" and ">–</td>" in page  # no score: a dash, no colour scale
