@@ -205,7 +205,7 @@ class BatchMasks:
 
 def block_scores(att: torch.Tensor, masks: BatchMasks) -> dict[str, torch.Tensor]:
     """Per-story, per-head means ``[batch, head]`` of one block's map ``[batch, head, q, k]``."""
-    on = att @ masks.keys.to(att.dtype)  # [B, H, q, 2]: attention on name tokens, on markers
+    on = att @ masks.keys  # [B, H, q, 2]: attention on name tokens, on markers
     queries = masks.queries
     prev = _diagonal(att, 1)
     last = sum((_diagonal(att, k) for k in range(2, PREV_SPAN + 1)), prev)

@@ -301,6 +301,20 @@ def _score_grid(scores, n_block: int | None, n_head: int | None) -> np.ndarray:
     return grid
 
 
+def _colour_range(grid: np.ndarray, vmin: float | None, vmax: float | None) -> tuple[float, float]:
+    """The colour scale of a score grid: ``vmin``/``vmax`` when given, else its finite extremes."""
+    finite = grid[np.isfinite(grid)]
+    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
+    return lo, (hi if hi > lo else lo + 1e-9)
+
+
+def _is_light(rgba) -> bool:
+    """Black text reads on this colour (perceived brightness above one half), else white."""
+    r, g, b = rgba[:3]
+    return 0.299 * r + 0.587 * g + 0.114 * b > 0.5
+
+
 def head_heatmap_figure(
     scores,
     *,
@@ -329,11 +343,7 @@ def head_heatmap_figure(
     left, right, top, bottom, bar = 0.62, 1.05, 0.8, 0.12, 0.14
     ax = fig.add_axes((left / width, bottom / height, (width - left - right) / width, (height - top - bottom) / height))
     cax = fig.add_axes(((width - right + 0.12) / width, bottom / height, bar / width, (height - top - bottom) / height))
-    finite = grid[np.isfinite(grid)]
-    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
-    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
-    if hi <= lo:
-        hi = lo + 1e-9
+    lo, hi = _colour_range(grid, vmin, vmax)
     cm = colormaps[cmap]
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cm, vmin=lo, vmax=hi, aspect="auto")
     for b in range(nb):
@@ -342,10 +352,8 @@ def head_heatmap_figure(
             if not np.isfinite(v):
                 ax.text(h, b, "–", ha="center", va="center", fontsize=9, color="#777777")
                 continue
-            r, g, bl, _ = cm((v - lo) / (hi - lo))
-            light = 0.299 * r + 0.587 * g + 0.114 * bl
             ax.text(h, b, fmt.format(v), ha="center", va="center", fontsize=9,
-                    color="black" if light > 0.5 else "white")
+                    color="black" if _is_light(cm((v - lo) / (hi - lo))) else "white")
     ax.set_xticks(range(nh), [f"H{h + 1}" for h in range(nh)])
     ax.set_yticks(range(nb), [f"L{b + 1}" for b in range(nb)])
     ax.set_xlabel("head")

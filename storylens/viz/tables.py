@@ -15,7 +15,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
 from ..model import head_label, parse_head_label
-from .figures import _score_grid
+from .figures import _colour_range, _is_light, _score_grid
 
 HEATMAP_CSS = (
     ".slh{border-collapse:collapse;margin:.3em 0;font:13px/1.2 system-ui,sans-serif}"
@@ -33,11 +33,7 @@ def head_heatmap_html(scores, *, title: str = "Score per head", fmt: str = "{:.3
     gets a box. Each cell carries ``data-head="L5H3"`` and ``data-value``."""
     grid = _score_grid(scores, n_block, n_head)
     nb, nh = grid.shape
-    finite = grid[np.isfinite(grid)]
-    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
-    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
-    if hi <= lo:
-        hi = lo + 1e-9
+    lo, hi = _colour_range(grid, vmin, vmax)
     cm = colormaps[cmap]
     best = parse_head_label(highlight) if highlight else None
     rows = ["<tr><th></th>" + "".join(f"<th>H{h + 1}</th>" for h in range(nh)) + "</tr>"]
@@ -50,9 +46,9 @@ def head_heatmap_html(scores, *, title: str = "Score per head", fmt: str = "{:.3
             if not np.isfinite(v):
                 cells.append(f'<td{mark} data-head="{label}" style="background:#f4f4f4;color:#777">–</td>')
                 continue
-            r, g, bl, _ = cm((v - lo) / (hi - lo))
-            ink = "#000" if 0.299 * r + 0.587 * g + 0.114 * bl > 0.5 else "#fff"
+            colour = cm((v - lo) / (hi - lo))
+            ink = "#000" if _is_light(colour) else "#fff"
             cells.append(f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}" '
-                         f'style="background:{to_hex((r, g, bl))};color:{ink}">{html.escape(fmt.format(v))}</td>')
+                         f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(fmt.format(v))}</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return (f'<table class="slh"><caption>{html.escape(title)}</caption>' + "".join(rows) + "</table>")
