@@ -72,23 +72,21 @@ def bench_report(rounds: int) -> dict:
 
 
 def _quiz_batches(model, batch_size=16):
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.scores import encode_chunk, length_batches, make_batch
+    from storylens.analysis.encode import iter_batches
     from storylens.data import load_split
-    from storylens.tokenizer import eot_id
+    from storylens.lm import NativeLM
 
     quiz = load_split().quiz
-    chunk = encode_chunk(model.tokenizer, quiz, name_vocabulary(quiz), model.config.block_size)
-    marker = eot_id(model.tokenizer)
-    return quiz, [make_batch([chunk[i][0] for i in idx], [chunk[i][2] for i in idx], [True] * len(idx), marker)
-                  for idx in length_batches([len(c[0]) for c in chunk], batch_size)]
+    return quiz, list(iter_batches(NativeLM(model), quiz, batch_size=batch_size))
 
 
 def bench_scoring(rounds: int, with_tl: bool) -> dict:
     import torch
 
-    from storylens.analysis.scores import HeadScoreAccumulator, attention_feed, score_heads
+    from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
+    from storylens.analysis.scores import HeadScoreAccumulator, score_heads
     from storylens.hub import export_hf, load_model
+    from storylens.lm import NativeLM
 
     model = load_model().eval()
     quiz, batches = _quiz_batches(model)
@@ -102,21 +100,21 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
             for block in model.transformer.h:
                 x, _ = block(x)
 
+    lm = NativeLM(model)
+
     @torch.inference_mode()
-    def record_and_score():
-        acc = HeadScoreAccumulator(L, H)
-        handles = attention_feed(model, acc)
-        try:
+    def record_and_score(detectors=LESSON_DETECTORS):  # the lesson's measures, as TransformerLens gets below
+        acc = HeadScoreAccumulator(L, H, detectors)
+        feed = [(f"blocks.{i}.attn.hook_pattern", (lambda i: lambda p: acc.block(i, p))(i)) for i in range(L)]
+        with lm.hooks(feed):
             for b in batches:
                 acc.begin(b)
-                model(b.ids, record_attention=True, keep_attention=False, compute_logits=False)
+                lm.forward(b.ids, patterns=True, logits=False)
                 acc.end()
-        finally:
-            for h in handles:
-                h.remove()
         return acc
 
     fns = {"bare fused forward": bare, "storylens record + score": record_and_score,
+           "storylens record + score, every detector": lambda: record_and_score(BUILTIN_DETECTORS),
            "storylens score_heads (all)": lambda: score_heads(model, quiz, max_stories_prev=100, progress=False)}
     agree = None
     if with_tl:
@@ -133,7 +131,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
         @torch.inference_mode()
         def tl():
-            acc = HeadScoreAccumulator(L, H)
+            acc = HeadScoreAccumulator(L, H, LESSON_DETECTORS)
             for b in batches:
                 _, cache = bridge.run_with_cache(b.ids, names_filter=lambda n: n in names)
                 acc.update([cache[n] for n in names], b)

@@ -122,7 +122,8 @@ While guessing the next word the model must not peek ahead. The rule that enforc
 blank upper-right half of every picture below is that rule, not a choice a head made.
 """),
     code("""
-from storylens.viz import causal_mask_figure, story_attention
+from storylens.recording import story_attention  # runs the model; storylens.viz only draws
+from storylens.viz import causal_mask_figure
 tokens, att, enc = story_attention(model, quiz[0])
 display(causal_mask_figure(tokens[:8]))
 """, "figure"),
@@ -164,8 +165,8 @@ token for its exact share. (In an untrusted notebook, Jupyter may refuse to run 
 trust the notebook, or open the report's HTML file instead.)
 """),
     code("""
-from storylens.viz import AttentionWidget
-AttentionWidget.from_model(model, quiz[0])
+from storylens.recording import attention_widget
+attention_widget(model, quiz[0])
 """, "widget"),
     md("""
 ### Watch it write

@@ -7,9 +7,11 @@ folder itself (parameters, quiz perplexity measured now) and benchmarks/train_sw
 runs behind the recipe).
 """
 
+import argparse
 import os
 import platform
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 from storylens.checkpoint import load_checkpoint  # noqa: E402
 from storylens.data import load_split  # noqa: E402
 from storylens.hub import load_model  # noqa: E402
-from storylens.train import CHECKPOINT, quiz_perplexity, write_model_card  # noqa: E402
+from storylens.publish import write_text_atomic  # noqa: E402
+from storylens.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
 from scripts.readme_tables import README, replace_between  # noqa: E402
 
 
@@ -39,9 +42,90 @@ def sweep_table() -> str:
             "repository):\n\n" + "\n".join(table) + "\n") if table else ""
 
 
+def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int,
+                     quiz_perplexity: float, choices: str = "") -> Path:
+    """The shipped model's README: data and licence, recipe and how it was chosen, size, cost, the
+    quiz perplexity curve, how to reproduce. ``quiz_perplexity`` is the shipped folder's own
+    (``storylens perplexity``); ``choices`` a markdown table of the short runs behind the recipe."""
+    cfg = TrainConfig(**state["train_config"])
+    which = shipped_weights(state)
+    with_ema = any(e.get("quiz_perplexity_ema") is not None for e in state["evals"])
+    head = "| step | tokens (M) | quiz perplexity |" + (" with EMA weights |" if with_ema else "")
+    rule = "|---|---|---|" + ("---|" if with_ema else "")
+    evals = "\n".join(
+        f"| {e['step']} | {e['step'] * cfg.batch_size * cfg.block_size / 1e6:.1f} | {e['quiz_perplexity']:.2f} |"
+        + (f" {e['quiz_perplexity_ema']:.2f} |" if with_ema else "") for e in state["evals"])
+    tokens = state["step"] * cfg.batch_size * cfg.block_size
+    recipe = "\n".join(f"| `{k}` | {v} |" for k, v in asdict(cfg).items())
+    passes = tokens / (train_stories * 205)  # about 205 tokens per training story (1.7 M / 8,204)
+    weights = (f"the exponential moving average of the weights (decay {cfg.ema_decay}), which the last evaluation "
+               "found no worse than the raw weights" if which == "ema" else "the raw weights of the last step")
+    text = f"""---
+license: cdla-sharing-1.0
+library_name: storylens
+tags: [storylens, tinystories, interpretability, gpt2]
+---
+# Tiny Storyteller (storylens)
+
+The "Lesson 01" model that storylens reads: a GPT-2-style decoder, 6 blocks x 4 heads, head size 64
+(d_model 256), a 256-token window, tied input/output embeddings, and a byte-level BPE tokenizer of
+{cfg.vocab_size} tokens whose end-of-story marker `<|endoftext|>` follows every story (and so opens the next).
+
+**{n_params:,} parameters. Quiz perplexity {quiz_perplexity:.2f}** on the 200 held-out quiz stories
+(`storylens perplexity`: each story fed as `[marker] + story`, cut to the window; exp of the mean
+next-token loss). The lesson's model reached 9 on its own quiz.
+
+## Data
+TinyStories (Eldan & Li 2023, arXiv 2305.07759), licensed CDLA-Sharing-1.0: the {train_stories + quiz_stories:,}
+stories of storylens's shared corpus, split in file order: the last {quiz_stories} are the quiz
+(never trained on), the other {train_stories:,} train the tokenizer and the model. This folder
+holds the quiz (`quiz.txt.gz`, so the lesson runs without the corpus), the leakage check computed
+against the training stories (`leakage.json`) and the data's licence (`LICENSE-DATA.md`); no
+training story.
+
+## Recipe
+AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,
+gradient clipping, random 256-token windows from the training stream,
+{state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens
+(about {passes:.0f} passes over the training stories). Dropout on the residual stream and embeddings
+only: dropout on the attention probabilities doubled the time of a step here and lost to
+residual-only dropout in the short runs below. fp32: bf16 autocast was measured slower on this CPU
+(see `benchmarks/bench_perf.py`). The folder holds {weights}.
+
+| setting | value |
+|---|---|
+{recipe}
+{choices}
+Quiz perplexity during training (the weights as they were at that step, and their moving average):
+
+{head}
+{rule}
+{evals}
+
+Training time: {state['train_seconds'] / 60:.1f} minutes (the training process's wall clock, checkpoints and
+evaluations included) on {hardware}.
+
+## Reproduce
+```
+storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-storyteller
+```
+(the defaults are the settings above; a killed run continues with `--resume`).
+
+## Limits
+The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's 19,800,
+so the model sees each training token many times; training had to fit a 2-core CPU session.
+"""
+    return write_text_atomic(Path(folder) / "README.md", text)
+
+
 def main() -> None:
-    run = Path(sys.argv[1])
-    folder = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "storylens" / "pretrained" / "tiny-storyteller"
+    p = argparse.ArgumentParser(description="Write the shipped model's card (README.md) from the training run "
+                                            "that made it, and the model line of the repository's README.")
+    p.add_argument("run", type=Path, help="the training run's folder (holds checkpoint.safetensors)")
+    p.add_argument("folder", type=Path, nargs="?", default=ROOT / "storylens" / "pretrained" / "tiny-storyteller",
+                   help="the shipped model folder (default: storylens/pretrained/tiny-storyteller)")
+    args = p.parse_args()
+    run, folder = args.run, args.folder
     _, _, state, _, _ = load_checkpoint(run / CHECKPOINT)
     model = load_model(folder)
     split = load_split()

@@ -1,6 +1,9 @@
-"""storylens: read a small GPT's attention, plot it, and score every head over held-out stories."""
+"""storylens: read a causal language model's attention, plot it, and score every head over stories."""
 
 __version__ = "0.1.0"
 
 from .errors import StorylensError  # noqa: F401
-from .model import GPT, GPTConfig, KVCache, head_label, parse_head_label  # noqa: F401
+from .heads import Head, head_label, parse_head_label  # noqa: F401
+from .lm import AttentionLM, load_lm, wrap  # noqa: F401
+from .model import GPT, GPTConfig, KVCache  # noqa: F401
+from .recording import attention_widget, story_attention  # noqa: F401

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .constants import DIVERGENCE_PROMPT, FIRST_STORIES
 from .errors import StorylensError
 
 
@@ -26,9 +27,46 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from .hub import load_model
+    """The ``--model``: a storylens folder, a transformers folder or a hub id, as an AttentionLM."""
+    from .lm import load_lm
 
-    return load_model(args.model, allow_download=args.allow_download)
+    return load_lm(args.model, allow_download=args.allow_download)
+
+
+def _load_native(args, what: str):
+    """A storylens model (the commands about storylens's own attention paths, KV cache and export)."""
+    from .lm import NativeLM
+
+    lm = _load(args)
+    if not isinstance(lm, NativeLM):
+        raise StorylensError(f"{what}: works on storylens's own models; {args.model} is a transformers model")
+    return lm.module
+
+
+def load_detector(path: str):
+    """A user head detector from a Python file defining ``pattern(ids) -> [batch, query, key]`` key
+    weights and, optionally, ``NAME`` (default: the file's stem). The file is run as Python: only
+    pass files you wrote or trust."""
+    import importlib.util
+
+    from .analysis.detectors import pattern_detector
+
+    file = Path(path)
+    if not file.is_file():
+        raise StorylensError(f"--detector {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"storylens_detector_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: any error becomes one line
+        raise StorylensError(f"--detector {path}: {type(e).__name__}: {_one_line(e)}") from None
+    fn = getattr(module, "pattern", None)
+    if not callable(fn):
+        raise StorylensError(f"--detector {path}: defines no function pattern(ids) -> [batch, query, key] weights")
+    try:
+        return pattern_detector(str(getattr(module, "NAME", file.stem)), fn)
+    except ValueError as e:
+        raise StorylensError(f"--detector {path}: {e}") from None
 
 
 def _validate_generate(args) -> None:
@@ -51,43 +89,37 @@ def _validate_generate(args) -> None:
 
 
 def cmd_generate(args) -> int:
+    import itertools
+
     import torch
 
-    from .tokenizer import eot_id
+    from .generation import stream_text
 
     _validate_generate(args)
     if args.html is not None:
         return _generate_recorded(args)
     model = _load(args)
-    tok = model.tokenizer
-    ids = [eot_id(tok)] + tok.encode(args.prompt).ids
-    if len(ids) + args.max_new_tokens > model.config.block_size:
+    ids = model.encode(args.prompt)
+    if len(ids) + args.max_new_tokens > model.window:
         raise StorylensError(
             f"generate: prompt ({len(ids)} tokens with the opening marker) + --max-new-tokens "
-            f"({args.max_new_tokens}) passes the {model.config.block_size}-token window; ask for fewer tokens"
+            f"({args.max_new_tokens}) passes the {model.window}-token window; ask for fewer tokens"
         )
-    idx = torch.tensor([ids])
-    gen = torch.Generator().manual_seed(args.seed)
+    idx = torch.tensor([ids], device=model.device)
+    marker = model.marker_id
+    gen = torch.Generator(device=model.device).manual_seed(args.seed)
     try:
         steps = model.generate_stream(
             idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-            generator=gen, use_kv_cache=not args.no_cache, eos_id=None if args.no_stop else eot_id(tok),
+            generator=gen, use_kv_cache=not args.no_cache, eos_id=None if args.no_stop else marker,
         )
         out = sys.stdout
         out.write(args.prompt)
-        new: list[int] = []
-        shown = ""
-        for step in steps:
-            if step.token == eot_id(tok):
-                break
-            new.append(step.token)
-            text = tok.decode(new)
-            if text.endswith("\ufffd"):  # a character split across byte-level tokens: wait for the rest
-                continue
-            out.write(text[len(shown):])
+        tokens = itertools.takewhile(lambda t: t != marker, (s.token for s in steps))
+        for piece in stream_text(model.tokenizer, tokens):  # each piece as soon as its characters are whole
+            out.write(piece)
             out.flush()
-            shown = text
-        out.write(tok.decode(new)[len(shown):] + "\n")
+        out.write("\n")
     except ValueError as e:
         raise StorylensError(f"generate: {e}") from None
     return 0
@@ -144,19 +176,20 @@ def cmd_train(args) -> int:
 def cmd_export_hf(args) -> int:
     from .hub import export_hf
 
-    model = _load(args)
+    model = _load_native(args, "export-hf")
     folder = export_hf(model, Path(args.dir))
     print(f"transformers GPT2LMHeadModel written to {folder}")
     return 0
 
 
 def cmd_perplexity(args) -> int:
+    from .analysis.perplexity import perplexity
     from .lesson import lesson_data
-    from .train import quiz_perplexity
+    from .report import _quiz_folder
 
-    model = _load(args)
-    data = lesson_data(getattr(model, "source_folder", None), args.stories)
-    print(f"quiz perplexity {quiz_perplexity(model, model.tokenizer, data.quiz):.3f} ({data.quiz_source})")
+    lm = _load(args)
+    data = lesson_data(_quiz_folder(lm), args.stories)
+    print(f"quiz perplexity {perplexity(lm, data.quiz):.3f} ({data.quiz_source})")
     return 0
 
 
@@ -184,10 +217,11 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
     except StorylensError as e:
         if args.stories is not None:
             raise
-        gen = torch.Generator().manual_seed(0)
+        device = next(model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(0)
         ids = []
         for _ in range(args.n_stories or 8):
-            out = model.generate(torch.tensor([[eot_id(model.tokenizer)]]), window - 1, temperature=0.8,
+            out = model.generate(torch.tensor([[eot_id(model.tokenizer)]], device=device), window - 1, temperature=0.8,
                                  top_k=40, generator=gen)
             ids.append(out[0].tolist())
         return ids, f"{len(ids)} stories the model wrote (no corpus: {str(e).split(':')[-1].strip()})"
@@ -207,7 +241,7 @@ def cmd_check(args) -> int:
         raise StorylensError("--n-stories: must be at least 1")
     if not 1 <= args.gen_tokens:
         raise StorylensError("--gen-tokens: must be at least 1")
-    model = _load(args)
+    model = _load_native(args, "check")
     ids, source = _check_stories(model, args)
     dtypes = {"both": (torch.float32, torch.float64), "float32": (torch.float32,), "float64": (torch.float64,)}
     checks = run_checks(model, ids, dtypes=dtypes[args.dtype], gen_tokens=args.gen_tokens)
@@ -313,19 +347,125 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train (1.9 GB, what the lesson trains on) or valid (19 MB); default train")
     dl.set_defaults(func=cmd_data_download, allow_download=True)
 
-    try:
-        from .report import add_report_parser
-
-        add_report_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from .analysis.beyond import add_ablate_parser
-
-        add_ablate_parser(sub)
-    except ImportError:
-        pass
+    add_report_parser(sub)
+    add_ablate_parser(sub)
     return p
+
+
+# ---------------------------------------------------------------- report and ablate
+
+
+def print_summary(report, file=None) -> None:
+    from .report import _f
+
+    file = file or sys.stdout
+    s = report.summary
+    q, lk, nh, pt, mk = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"]
+    p = lambda *a: print(*a, file=file)  # noqa: E731
+    p(f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
+      f"{q['with_main_character']} with a main character, {q['name_scored']} scored")
+    if lk["computed"]:
+        p(f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
+          f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}")
+    else:
+        p(f"leakage: {lk['source']}")
+    p("")
+    p(f"{'head':6} {'name mass':>10} {'baseline':>9} {'ratio':>6}")
+    for h in nh["top"]:
+        p(f"{h['head']:6} {h['name_mass']:10.3f} {nh['baseline']:9.3f} {h['ratio']:5.1f}x")
+    p(f"{nh['below_baseline']} of {s['model']['blocks'] * s['model']['heads']} heads below the baseline")
+    p("")
+    p(f"previous-token heads above 0.5: {pt['above_half']}; highest {pt['highest']['head']} "
+      f"{_f(pt['highest']['prev_token'])}; first {pt['highest_first']['stories']} stories: "
+      f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
+      f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
+      f"{_f(pt['best_argmax_first']['share'])}")
+    p(f"end-of-story marker: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
+    nr = s["number_to_reproduce"]
+    p("")
+    p(f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
+      f"({nr['ratio']:.1f}x) over {nr['stories']} of {nr['of']} stories")
+    p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
+
+
+def add_report_parser(sub) -> None:
+    r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
+    r.add_argument("--model", default=None, help="model folder or hub id (default: the shipped model)")
+    r.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz; default: the "
+                   "shared corpus if present, else the quiz and leakage check shipped with the model)")
+    r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz")
+    r.add_argument("--out", default="report", help="output folder (default: report)")
+    r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
+    r.add_argument("--detector", action="append", default=[], metavar="FILE",
+                   help="add a head detector: a Python file defining pattern(ids) -> key weights "
+                        "[batch, query, key] (and optionally NAME); may be given more than once")
+    r.add_argument("--prev-limit", type=int, default=FIRST_STORIES,
+                   help="previous-token figures also over the first N stories (lesson: 100)")
+    r.add_argument("--batch-size", type=int, default=16, help="stories per recorded forward pass (default 16)")
+    r.add_argument("--beyond", action="store_true",
+                   help="also switch heads off, control for position, and measure pronouns (slower)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
+    r.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args) -> int:
+    from .report import _check_writable, build_report
+
+    if args.batch_size < 1:
+        raise StorylensError(f"--batch-size: must be at least 1 (got {args.batch_size})")
+    if args.prev_limit < 0:
+        raise StorylensError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
+    _check_writable(Path(args.out))
+    detectors = [load_detector(f) for f in args.detector]
+    lm = _load(args)
+    report = build_report(args.out, model=lm, stories=args.stories, quiz=args.quiz, word=args.word,
+                          prev_limit=args.prev_limit, batch_size=args.batch_size, beyond=args.beyond,
+                          progress=not args.no_progress, detectors=detectors)
+    print_summary(report)
+    return 0
+
+
+def add_ablate_parser(sub) -> None:
+    a = sub.add_parser("ablate", help="switch heads off and measure the loss on the main character's name")
+    a.add_argument("--heads", nargs="*", default=None, help="heads to switch off together, e.g. L4H2 L5H1 "
+                   "(default: every head alone, plus the top three name heads together)")
+    a.add_argument("--mode", choices=["zero", "mean"], default=None,
+                   help="replace a head's output by zeros or by its mean output (default: both)")
+    a.add_argument("--model", default=None, help="model folder or hub id (default: the shipped Tiny Storyteller)")
+    a.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    a.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
+                   "(default: the shared corpus, else the quiz shipped with the model)")
+    a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
+    a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
+    a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
+    a.set_defaults(func=_cmd_ablate)
+
+
+def _cmd_ablate(args) -> int:
+    from .analysis.ablation import generation_divergence, name_ablation_table
+    from .heads import head_label, parse_head_label
+    from .lesson import lesson_data
+    from .report import _quiz_folder
+
+    model = _load(args)
+    stories = lesson_data(_quiz_folder(model), args.stories, args.quiz).quiz
+    modes = (args.mode,) if args.mode else ("zero", "mean")
+    heads = None
+    if args.heads:
+        try:
+            heads = [head_label(*parse_head_label(h)) for h in args.heads]
+        except ValueError as e:
+            raise StorylensError(f"--heads: {e}") from None
+    table = name_ablation_table(model, stories, name_heads=heads, modes=modes, progress=True)
+    print(table.format())
+    first = heads[0] if heads else table.rows[-1].label.split("+")[0]
+    d = generation_divergence(model, args.prompt, heads or [first], seed=args.seed, max_new_tokens=80,
+                              mode=modes[0], temperature=0.8, top_k=40)
+    print()
+    print(d.format())
+    sys.stdout.flush()
+    return 0
 
 
 def _debug_everywhere(parser: argparse.ArgumentParser) -> None:

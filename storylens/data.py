@@ -15,8 +15,7 @@ from pathlib import Path
 
 from .errors import StorylensError
 
-EOT = "<|endoftext|>"
-N_QUIZ = 200
+from .constants import EOT, N_QUIZ  # noqa: F401  (the lesson's numbers live in constants)
 QUIZ_FILE = "quiz.txt.gz"  # the 200 quiz stories, shipped in the model folder
 LEAKAGE_FILE = "leakage.json"  # the leakage check computed when the model was trained
 # TinyStories on the Hugging Face Hub (fetched only by `storylens data download`)

@@ -5,16 +5,20 @@ computes only the newest token's query, so each step yields that token's attenti
 key so far (per block, per head); the prompt's own rows come from the first step's forward pass.
 Together they fill a whole ``[block, head, query, key]`` map, row by row in the order the model
 produced them, which :func:`storylens.viz.replay_widget` replays.
+
+:func:`stream_text` turns generated tokens into text as they arrive (``tokenizers``'
+``DecodeStream``): a character split across byte-level tokens is written once it is whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from .errors import StorylensError
-from .tokenizer import eot_id
 
 
 @dataclass
@@ -29,31 +33,35 @@ class RecordedGeneration:
 def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperature: float = 0.8,
                       top_k: int | None = 40, seed: int = 0, stop_at_marker: bool = True) -> RecordedGeneration:
     """Generate from ``prompt`` (opened by the end-of-story marker) with the KV cache, recording
-    the attention of every token as it is read."""
-    tok = model.tokenizer
-    marker = eot_id(tok)
-    ids = [marker] + tok.encode(prompt).ids
-    window = model.config.block_size
+    the attention of every token as it is read. ``model``: storylens's GPT, an
+    :class:`~storylens.lm.AttentionLM` or a transformers causal LM (the latter with eager attention)."""
+    from .lm import wrap
+
+    lm = wrap(model)
+    marker = lm.marker_id
+    ids = lm.encode(prompt)
+    window = lm.window
     if max_new_tokens < 1:
         raise StorylensError("max_new_tokens: record at least one new token")
     if len(ids) + max_new_tokens > window:  # the same refusal as storylens generate
         raise StorylensError(f"prompt ({len(ids)} tokens with the opening marker) + {max_new_tokens} new tokens "
                              f"passes the {window}-token window; ask for fewer tokens")
-    idx = torch.tensor([ids])
+    device = lm.device
+    idx = torch.tensor([ids], device=device)
     # the prompt's rows: one forward pass with the flag on (the same pass generation starts with)
-    prompt_maps = model(idx, record_attention=True, compute_logits=False).attentions
-    L, H = model.config.n_layer, model.config.n_head
+    prompt_maps = lm.attention(idx)
+    L, H = lm.n_layer, lm.n_head
     total = len(ids) + max_new_tokens
-    att = torch.zeros(L, H, total, total, dtype=prompt_maps[0].dtype)
+    att = torch.zeros(L, H, total, total, dtype=prompt_maps[0].dtype, device=device)
     for b, a in enumerate(prompt_maps):
         att[b, :, : len(ids), : len(ids)] = a[0]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # sampling draws on the model's device
     new: list[int] = []
     stopped = False
     # One step more than the tokens kept: step i reads the token sampled at step i - 1 (its row is
     # recorded then) and samples the next; the extra step's sample is dropped.
     n_steps = min(max_new_tokens + 1, window - len(ids))
-    steps = model.generate_stream(idx, n_steps, temperature=temperature, top_k=top_k, generator=gen,
+    steps = lm.generate_stream(idx, n_steps, temperature=temperature, top_k=top_k, generator=gen,
                                   record_attention=True, eos_id=None)
     for i, step in enumerate(steps):
         q = len(ids) - 1 + i  # the query this step read: the prompt's last token, then each new one
@@ -67,11 +75,32 @@ def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperat
         new.append(step.token)
     else:
         if new and n_steps <= max_new_tokens:  # the window had no room for the extra step
-            seq = torch.tensor([ids + new])
-            last = model(seq, record_attention=True, compute_logits=False).attentions
+            seq = torch.tensor([ids + new], device=device)
+            last = lm.attention(seq)
             q = len(ids) + len(new) - 1
             for b, a in enumerate(last):
                 att[b, :, q, : q + 1] = a[0, :, q, : q + 1]
     n = len(ids) + len(new)
     return RecordedGeneration(ids=ids + new, prompt_len=len(ids), attention=att[:, :, :n, :n].contiguous(),
                               stopped_at_marker=stopped)
+
+
+def stream_text(tokenizer, tokens: Iterable[int]) -> Iterator[str]:
+    """The text of ``tokens`` (a ``tokenizers.Tokenizer``'s ids, e.g. generated one at a time),
+    piece by piece as soon as each piece is whole: a character split across byte-level tokens
+    waits for its last token. Joined, the pieces are ``tokenizer.decode(tokens)`` (special
+    tokens skipped, as ``decode`` does); a character still unfinished when the tokens end is
+    written as ``decode`` writes it."""
+    stream = DecodeStream(skip_special_tokens=True)
+    ids: list[int] = []
+    shown = 0
+    for token in tokens:
+        ids.append(int(token))
+        piece = stream.step(tokenizer, int(token))
+        if piece:
+            shown += len(piece)
+            yield piece
+    if ids:  # the tail DecodeStream still holds (an unfinished character): decode's replacement
+        rest = tokenizer.decode(ids)[shown:]
+        if rest:
+            yield rest

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelHubMixin
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_model
+from safetensors.torch import load_model as load_safetensors_model, save_model
 
 from .errors import StorylensError
 from .publish import publish_folder
@@ -82,20 +82,21 @@ def _read_config(folder: Path) -> GPTConfig:
         raise StorylensError(f"{path}: not a valid model config ({e})") from None
 
 
-def _read_weights(wpath: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Check the file's header against the config (names, shapes, dtypes) before reading any
-    tensor or building the model; then refuse NaN or infinite numbers."""
+def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
+    """Check the file's header against the config (names, shapes, dtypes) before the model is
+    built: the file bounds what a config can make storylens allocate. Reads no tensor."""
     try:
         with safe_open(str(wpath), "pt") as f:
             keys = set(f.keys())
             blocks = {k.split(".")[2] for k in keys if k.startswith("transformer.h.") and k.count(".") >= 3}
             if len(blocks) != config.n_layer:
                 raise StorylensError(f"{wpath}: holds {len(blocks)} blocks but {CONFIG} says n_layer={config.n_layer}")
+            if {"lm_head.weight", "transformer.wte.weight"} <= keys:
+                raise StorylensError(f"{wpath}: holds both transformer.wte.weight and lm_head.weight; the output "
+                                     "head is the token embedding (tied), stored once under either name")
             expected = config.weight_shapes()
-            # the tied output head is the embedding: read it under either name, once
-            tied = "lm_head.weight" in keys and "transformer.wte.weight" not in keys
-            named = {("transformer.wte.weight" if tied and k == "lm_head.weight" else k): k
-                     for k in keys if tied or k != "lm_head.weight"}
+            # the tied output head is the embedding: stored once, under either name
+            named = {("transformer.wte.weight" if k == "lm_head.weight" else k): k for k in keys}
             missing = sorted(set(expected) - set(named))
             extra = sorted(set(named) - set(expected))
             if missing or extra:
@@ -110,15 +111,29 @@ def _read_weights(wpath: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
                 if dtype not in ("F32", "F16", "BF16", "F64"):
                     raise StorylensError(f"{wpath}: {k} is stored as {dtype}; storylens reads floating-point "
                                          "weights only (F32, F16, BF16, F64)")
-            tensors = {k: f.get_tensor(named[k]) for k in expected}
     except StorylensError:
         raise
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise StorylensError(f"{wpath}: corrupt or truncated weights ({e})") from None
-    for k, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise StorylensError(f"{wpath}: {k} holds NaN or infinite numbers")
-    return {k: t.float() for k, t in tensors.items()}
+        raise StorylensError(f"{wpath}: corrupt or truncated weights ({_one_line(e)})") from None
+
+
+def _load_weights(model: GPT, wpath: Path) -> None:
+    """Read the (checked) file into ``model``, cast to its float32; then refuse NaN or infinite
+    numbers (an F64 weight beyond float32's range among them)."""
+    try:
+        # strict: every weight of the model from the file and nothing else; safetensors matches
+        # the tied head (lm_head.weight is transformer.wte.weight) to whichever name was stored
+        load_safetensors_model(model, str(wpath), strict=True)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise StorylensError(f"{wpath}: corrupt or truncated weights ({_one_line(e)})") from None
+    with torch.no_grad():
+        for k, p in model.named_parameters():  # the tied head once, as transformer.wte.weight
+            if not torch.isfinite(p).all():
+                raise StorylensError(f"{wpath}: {k} holds NaN or infinite numbers")
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
@@ -129,15 +144,15 @@ def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
     wpath = folder / WEIGHTS
     if not wpath.is_file():
         raise StorylensError(f"{wpath}: weights file missing")
-    tensors = _read_weights(wpath, config)  # before anything is built: the file bounds the size
+    _check_weights_file(wpath, config)  # before anything is built: the file bounds the size
+    model = cls(config)
+    _load_weights(model, wpath)
     tpath = folder / TOKENIZER
     tok = load_tokenizer(tpath)
     if tok.get_vocab_size() != config.vocab_size:
         raise StorylensError(
             f"{tpath}: tokenizer has {tok.get_vocab_size()} tokens but the model expects {config.vocab_size}"
         )
-    model = cls(config)
-    model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]})
     model.tokenizer = tok
     model.source_folder = folder  # where the model came from (its shipped quiz lives there too)
     model.eval()

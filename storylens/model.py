@@ -19,31 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-# A hook receives (block index, per-head outputs [batch, head, query, head_size])
-# and returns the tensor to use instead. Used to switch heads off (ablation).
-HeadHook = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-def head_label(block: int, head: int) -> str:
-    """``head_label(4, 2) == "L5H3"``: block and head counted from 1, as the lesson does."""
-    return f"L{block + 1}H{head + 1}"
-
-
-def parse_head_label(label: str) -> tuple[int, int]:
-    """Inverse of :func:`head_label`: ``"L5H3" -> (4, 2)``."""
-    s = label.strip().upper()
-    if not s.startswith("L") or "H" not in s:
-        raise ValueError(f"not a head label: {label!r} (expected e.g. L5H3)")
-    b, h = s[1:].split("H", 1)
-    if not (b.isdigit() and h.isdigit()) or int(b) < 1 or int(h) < 1:
-        raise ValueError(f"not a head label: {label!r} (expected e.g. L5H3)")
-    return int(b) - 1, int(h) - 1
+from .heads import head_label, parse_head_label  # noqa: F401  (re-exported: the labels people read)
 
 
 @dataclass
@@ -208,9 +190,10 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(p_att)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = p_att
-        # Set to a HeadHook to read or replace each head's output (see storylens.analysis.ablation).
-        self.head_hook: HeadHook | None = None
-        self.hook_pattern = HookPoint()  # the attention probabilities, on the explicit path
+        # Named hook points (TransformerLens's names, torch's own forward hooks; a hook that returns a
+        # tensor replaces the value): blocks.{l}.attn.hook_pattern, blocks.{l}.attn.hook_z.
+        self.hook_pattern = HookPoint()  # [batch, head, query, key] probabilities, on the explicit path
+        self.hook_z = HookPoint()  # [batch, query, head, head_size]: each head's output, before c_proj
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # [batch, tokens, n_embd] -> [batch, head, tokens, head_size]
@@ -256,9 +239,8 @@ class CausalSelfAttention(nn.Module):
                 allowed = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(past)
                 y = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=drop)
 
-        if self.head_hook is not None:
-            y = self.head_hook(self.layer_idx, y)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        z = self.hook_z(y.transpose(1, 2))  # [batch, query, head, head_size]
+        y = z.contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y)), att
 
 
@@ -325,6 +307,13 @@ class GPT(nn.Module):
     @property
     def attentions(self) -> list[CausalSelfAttention]:
         return [block.attn for block in self.transformer.h]
+
+    def hook_points(self) -> dict[str, HookPoint]:
+        """TransformerLens's names for this model's hook points: ``blocks.{l}.attn.hook_pattern``
+        (``[batch, head, query, key]``, explicit path only) and ``blocks.{l}.attn.hook_z``
+        (``[batch, query, head, head_size]``), ``l`` from 0."""
+        return {f"blocks.{i}.attn.{name}": getattr(a, name)
+                for i, a in enumerate(self.attentions) for name in ("hook_pattern", "hook_z")}
 
     def forward(
         self,
@@ -434,9 +423,8 @@ class GPT(nn.Module):
             seq = torch.cat([seq, feed], dim=1)
 
     def _hooked(self) -> bool:
-        """Is anything hooked into the forward pass (torch hooks, or a head_hook for ablation)?"""
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules()) or any(
-            a.head_hook is not None for a in self.attentions)
+        """Is anything hooked into the forward pass (a torch hook on any module)?"""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules())
 
     def _decode_weights(self) -> list[tuple]:
         """Per block, the tensors one new token needs, query, key and value stacked into one matrix
@@ -482,7 +470,7 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
         """Return the prompt followed by the generated tokens, ``[1, tokens]``."""
         new = [s.token for s in self.generate_stream(idx, max_new_tokens, **kw)]
-        return torch.cat([idx, torch.tensor([new], dtype=idx.dtype)], dim=1)
+        return torch.cat([idx, torch.tensor([new], dtype=idx.dtype, device=idx.device)], dim=1)
 
 
 @dataclass

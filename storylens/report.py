@@ -1,7 +1,7 @@
 """The whole lesson in one call: ``storylens report``.
 
 :func:`build_report` loads the model and the stories, runs the leakage check, scores
-all 24 heads over the quiz (streaming), draws the figures and the widget, and writes
+every head over the quiz (streaming), draws the figures and the widget, and writes
 ``report.html`` (one self-contained file), ``heads.csv``, ``heads.json``,
 ``summary.json`` and the PNG figures into ``out``. Everything is first written to a
 temporary folder beside ``out`` and moved in only when complete, so a failure leaves
@@ -24,7 +24,7 @@ from .background import run_beside
 
 CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
 CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
-PREV_LIMIT = 100
+from .constants import FIRST_STORIES as PREV_LIMIT  # noqa: E402
 GRID_TOKENS = 24  # the 24-head grid shows the first 24 tokens, every one labelled ...
 GRID_LABEL_PT = 8.5  # ... in 8.5-point type at 100 dpi (about 12 pixels), shown unscaled in the page
 GRID_DPI = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
@@ -35,6 +35,8 @@ SCORE_TITLES = {
     "prev_argmax": "Share of queries whose top key is the previous token",
     "prev4": "Attention on the last four tokens",
     "marker": "Attention on the end-of-story marker",
+    "duplicate_token": "Attention on earlier copies of the query's token (duplicate-token)",
+    "induction": "Attention on the token after an earlier copy of the query's token (induction)",
 }
 
 
@@ -100,14 +102,18 @@ def build_report(
     prev_limit: int = PREV_LIMIT,
     batch_size: int = 16,
     beyond: bool = False,
+    detectors=(),
     progress: bool = True,
     check_stories: int = CHECK_STORIES,
     check_tokens: int = CHECK_TOKENS,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
-    from .analysis import score_heads
+    from .analysis.detectors import BUILTIN_DETECTORS
+    from .analysis.encode import encode_stories
+    from .analysis.names import name_vocabulary
+    from .analysis.scores import score_heads
     from .lesson import lesson_data
-    from .hub import load_model
+    from .lm import NativeLM, load_lm, wrap
     from .viz import AttentionWidget, toy_widget
 
     timings: dict = {}
@@ -117,11 +123,14 @@ def build_report(
     # refused at once, and a kill at any moment leaves the old report (see storylens.publish)
     with publish_folder(out, "report") as tmp:
         with _timer(timings, "load"):
-            model = model if model is not None else load_model(model_source)
-            data = lesson_data(getattr(model, "source_folder", None), stories, quiz)
+            lm = wrap(model) if model is not None else load_lm(model_source)
+            data = lesson_data(_quiz_folder(lm), stories, quiz)
             quiz_stories, quiz_source = data.quiz, data.quiz_source
-        with _timer(timings, "scoring"):
-            scores = score_heads(model, quiz_stories, batch_size=batch_size,
+        measures = _beyond_measures(lm) if beyond else ()
+        with _timer(timings, "scoring"):  # the one recording pass: head scores (and --beyond's measures)
+            encoded = encode_stories(lm, quiz_stories, name_vocabulary(quiz_stories))  # once, for every step
+            scores = score_heads(lm, encoded, batch_size=batch_size, measures=measures,
+                                 detectors=BUILTIN_DETECTORS + tuple(detectors),
                                  max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
         if scores.n_name_scored == 0:
             raise StorylensError(
@@ -129,7 +138,7 @@ def build_report(
                 "(a capitalised name mentioned at least twice): nothing to score name heads on"
             )
         with _timer(timings, "figure data"):
-            fig_data = _figure_data(model, quiz_stories, scores)
+            fig_data = _figure_data(lm, quiz_stories, encoded, scores)
             story_info = fig_data["info"]
         # the drawing and the leakage check (numpy, matplotlib and Python; no model) go to a child
         # process while this one runs the numerical checks and the widget: two cores, two jobs
@@ -138,7 +147,9 @@ def build_report(
                 run_beside(_beside_model_work, fig_data, scores, tmp, data if check_leakage else None,
                            word) as drawing:
             with _timer(timings, "check"), _one_thread_if(drawing.forked):  # one core each
-                checks = _numerics(model, quiz_stories, check_stories, check_tokens)
+                # the lesson's numerical checks are about storylens's own attention and KV cache
+                checks = _numerics(lm.module, quiz_stories, check_stories, check_tokens) \
+                    if isinstance(lm, NativeLM) else []
             with _timer(timings, "widget"):
                 widget = AttentionWidget.from_recording(fig_data["text"], fig_data["tokens"], fig_data["att"],
                                                         fig_data["enc"], block=story_info["block"],
@@ -151,12 +162,10 @@ def build_report(
         beyond_summary = None
         if beyond:
             with _timer(timings, "beyond"):
-                from .analysis.beyond import beyond_section
-
-                beyond_summary, beyond_html, beyond_figs = beyond_section(
-                    model, quiz_stories, scores, tmp, progress=progress)
+                beyond_summary, beyond_html, beyond_figs = _beyond_section(
+                    lm, quiz_stories, encoded, scores, measures, tmp, progress=progress)
                 figs.update(beyond_figs)
-        summary = _summary(model, scores, leakage, quiz_source, data, story_info)
+        summary = _summary(lm, scores, leakage, quiz_source, data, story_info)
         summary["numerics"] = [c.to_dict() for c in checks]
         if beyond_summary is not None:
             summary["beyond"] = beyond_summary
@@ -180,25 +189,46 @@ def _numerics(model, quiz, n_stories: int, n_tokens: int):
 
 
 def _numerics_html(checks: list[dict]) -> str:
+    if not checks:
+        return ("<p><i>Not run for this model: the checks measure storylens's own attention switch and KV "
+                "cache (run the report on a storylens model to see them).</i></p>")
     rows = [[c["name"], c["dtype"], f"{c['measured']:.2e}", f"{c['bound']:.2e}",
              "" if c["lesson"] is None else f"{c['lesson']:.0e}", "yes" if c["passed"] else "NO", c["detail"]]
             for c in checks]
     return _table(["check", "dtype", "measured here", "rounding bound", "lesson", "within", "detail"], rows)
 
 
-def _figure_data(model, quiz, scores) -> dict:
-    """Everything the figures need, computed with the model (the drawing itself never runs it)."""
-    from .analysis import find_main_characters
-    from .viz import story_attention
+def _quiz_folder(lm):
+    """Where the model's own quiz may lie: its folder (a transformers folder without one: the lesson's)."""
+    from .data import QUIZ_FILE
+    from .lm import NativeLM
 
-    mains = find_main_characters(model.tokenizer, quiz, window=model.config.block_size)
+    folder = lm.source_folder
+    if isinstance(lm, NativeLM) or (folder is not None and (folder / QUIZ_FILE).is_file()):
+        return folder
+    return None
+
+
+def _beyond_measures(lm):
+    """The measures ``--beyond`` feeds from the scoring pass: position control, pronouns."""
+    from .analysis.position import PositionControlAccumulator
+    from .analysis.pronouns import PronounAccumulator
+
+    return (PositionControlAccumulator(lm.n_layer, lm.n_head, lm.window), PronounAccumulator(lm.n_layer, lm.n_head))
+
+
+def _figure_data(lm, quiz, encoded, scores) -> dict:
+    """Everything the figures need, computed with the model (the drawing itself never runs it)."""
+    from .recording import story_attention
+
+    mains = [e.main for e in encoded]
     index = _pick_story(quiz, mains)
-    tokens, att, enc = story_attention(model, quiz[index])  # recorded once: figures and widget
+    tokens, att, enc = story_attention(lm, quiz[index])  # recorded once: figures and widget
     top = scores.best("name_mass")
     main = mains[index]
     info = {"index": index, "name": main.name, "block": top.block - 1, "head": top.head - 1, "tokens": len(tokens)}
     return {"tokens": tokens, "att": att, "enc": enc, "text": quiz[index], "main": main, "info": info,
-            "n_heads": model.config.n_layer * model.config.n_head}
+            "n_heads": lm.n_layer * lm.n_head}
 
 
 def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
@@ -268,7 +298,7 @@ def _leakage_summary(leakage, data) -> dict:
     return {"computed": True, "source": src, **leakage.summary()}
 
 
-def _summary(model, scores, leakage, quiz_source, data, story_info) -> dict:
+def _summary(lm, scores, leakage, quiz_source, data, story_info) -> dict:
     top6 = scores.top("name_mass", 6)
     prev = scores.best("prev_token")
     prev_first = scores.best("prev_token_first")
@@ -276,8 +306,8 @@ def _summary(model, scores, leakage, quiz_source, data, story_info) -> dict:
     argmax_all = scores.best("prev_argmax")
     marker = scores.best("marker")
     return {
-        "model": {"parameters": model.num_parameters(), "blocks": model.config.n_layer,
-                  "heads": model.config.n_head, "window": model.config.block_size},
+        "model": {"name": str(lm.name), "parameters": sum(p.numel() for p in lm.module.parameters()),
+                  "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window},
         "quiz": {"source": quiz_source, "stories": scores.n_stories, "cut_to_window": scores.n_cut,
                  "with_main_character": scores.n_main_character, "name_scored": scores.n_name_scored,
                  "skipped": scores.n_skipped_no_name,
@@ -316,7 +346,8 @@ def _heat(scores, col: str) -> str:
     """One score as a coloured block x head table (the best head boxed): HTML, not an image."""
     from .viz import head_heatmap_html
 
-    return f"<figure>{head_heatmap_html(scores.grid(col), title=SCORE_TITLES[col], highlight=scores.best(col).label)}</figure>"
+    title = SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
+    return f"<figure>{head_heatmap_html(scores.grid(col), title=title, highlight=scores.best(col).label)}</figure>"
 
 
 def _img(figs, name, alt, cls="", attrs="") -> str:
@@ -431,6 +462,11 @@ lesson: 0.369). End-of-story marker: the highest head is {mk['highest']['head']}
 {_heat(scores, "prev4")}
 {_heat(scores, "marker")}</div>
 
+<h3>More detectors</h3>
+<p>TransformerLens's two token patterns, as attention masses over the queries they apply to
+(<code>storylens.analysis.detectors</code>){", and the detectors given with --detector" if scores.extra_columns else ""}:</p>
+<div class="pair">{"".join(_heat(scores, c) for c in ("duplicate_token", "induction") + scores.extra_columns)}</div>
+
 <h2>7. The number to reproduce</h2>
 <p class="num">The most name-attending head is <b>{nr['head']}</b>, with mean name mass <b>{_f(nr['name_mass'])}</b>
 over {nr['stories']} of the {nr['of']} stories, against an even-spread baseline of {_f(nr['baseline'])}
@@ -476,68 +512,62 @@ def lesson_table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def print_summary(report: Report, file=None) -> None:
-    import sys
+def _beyond_section(lm, stories, encoded, scores, measures, tmp, *, progress: bool = True):
+    """(summary dict, HTML, {figure name: data URI}) for the report; PNGs written into ``tmp``."""
+    import base64
 
-    file = file or sys.stdout
-    s = report.summary
-    q, lk, nh, pt, mk = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"]
-    p = lambda *a: print(*a, file=file)  # noqa: E731
-    p(f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
-      f"{q['with_main_character']} with a main character, {q['name_scored']} scored")
-    if lk["computed"]:
-        p(f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
-          f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}")
-    else:
-        p(f"leakage: {lk['source']}")
-    p("")
-    p(f"{'head':6} {'name mass':>10} {'baseline':>9} {'ratio':>6}")
-    for h in nh["top"]:
-        p(f"{h['head']:6} {h['name_mass']:10.3f} {nh['baseline']:9.3f} {h['ratio']:5.1f}x")
-    p(f"{nh['below_baseline']} of 24 heads below the baseline")
-    p("")
-    p(f"previous-token heads above 0.5: {pt['above_half']}; highest {pt['highest']['head']} "
-      f"{_f(pt['highest']['prev_token'])}; first {pt['highest_first']['stories']} stories: "
-      f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
-      f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
-      f"{_f(pt['best_argmax_first']['share'])}")
-    p(f"end-of-story marker: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
-    nr = s["number_to_reproduce"]
-    p("")
-    p(f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
-      f"({nr['ratio']:.1f}x) over {nr['stories']} of {nr['of']} stories")
-    p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
+    from .viz.figures import figure_png_bytes, head_heatmap_figure
 
+    from .analysis.beyond import beyond_summary, run_beyond
 
-def add_report_parser(sub) -> None:
-    r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
-    r.add_argument("--model", default=None, help="model folder or hub id (default: the shipped model)")
-    r.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
-    r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz; default: the "
-                   "shared corpus if present, else the quiz and leakage check shipped with the model)")
-    r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz")
-    r.add_argument("--out", default="report", help="output folder (default: report)")
-    r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
-    r.add_argument("--prev-limit", type=int, default=PREV_LIMIT,
-                   help="previous-token figures also over the first N stories (lesson: 100)")
-    r.add_argument("--batch-size", type=int, default=16, help="stories per recorded forward pass (default 16)")
-    r.add_argument("--beyond", action="store_true",
-                   help="also switch heads off, control for position, and measure pronouns (slower)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
-    r.set_defaults(func=_cmd_report)
-
-
-def _cmd_report(args) -> int:
-    from .hub import load_model
-
-    if args.batch_size < 1:
-        raise StorylensError(f"--batch-size: must be at least 1 (got {args.batch_size})")
-    if args.prev_limit < 0:
-        raise StorylensError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
-    _check_writable(Path(args.out))
-    model = load_model(args.model, allow_download=args.allow_download)
-    report = build_report(args.out, model=model, stories=args.stories, quiz=args.quiz, word=args.word,
-                          prev_limit=args.prev_limit, batch_size=args.batch_size, beyond=args.beyond,
-                          progress=not args.no_progress)
-    print_summary(report)
-    return 0
+    position, pronouns = (m.result() for m in measures)  # fed by the scoring pass: no second recording
+    b = run_beyond(lm, stories, scores, position=position, pronouns=pronouns, encoded=encoded, progress=progress)
+    s = beyond_summary(b, scores)
+    figs = {}
+    fig = head_heatmap_figure({r["head"]: r["zero_name_increase"] for r in s["ablation"]["rows"]},
+                              title="Name-loss increase with each head zero-ablated (nats)",
+                              colorbar_label="loss increase on the name", fmt="{:+.3f}",
+                              highlight=s["ablation"]["top_name_loss_head"])
+    png = figure_png_bytes(fig)
+    (tmp / "ablation_name_loss.png").write_bytes(png)
+    figs["ablation_name_loss"] = "data:image/png;base64," + base64.b64encode(png).decode()
+    a, p, pr, d = s["ablation"], s["position_control"], s["pronouns"], s["divergence"]
+    f = lambda x: "n/a" if x is None else f"{x:+.4f}"  # noqa: E731
+    abl_rows = [[r["head"], f"{r['name_mass']:.3f}", f(r["zero_name_increase"]), f(r["zero_other_increase"]),
+                 f(r["mean_name_increase"]), f(r["mean_other_increase"])] for r in a["rows"][:10]]
+    grp = [[g["heads"], g["mode"], f(g["name_increase"]), f(g["other_increase"])] for g in a["groups"]]
+    pos_rows = [[r["head"], f"{r['name_mass']:.3f}", f"{r['control']:.3f}", f"{r['excess']:+.3f}"] for r in p["ranking_by_excess"]]
+    pron_rows = [[r["head"], f"{r['pronoun_mass']:.3f}", f"{r['other_mass']:.3f}"] for r in pr["ranking"]]
+    verdict = ("is also" if a["same_head"] else "is not") + " the head whose removal hurts the name most"
+    body = f"""
+<h2>8. Past the lesson</h2>
+<h3>Switching heads off</h3>
+<p>Each head's output is replaced (through the hook point <code>blocks.{{l}}.attn.hook_z</code>, weights untouched) by zero, or by
+its mean over the quiz; the change in next-token loss is measured where the next token is the first token of the
+main character's name ({a['name_positions']} positions in {a['stories']} stories; baseline loss
+{a['baseline_name_loss']:.3f} nats) and on all other positions ({a['other_positions']}; baseline
+{a['baseline_other_loss']:.3f}). The top name-mass head, {a['top_name_mass_head']}, {verdict}
+(that is {a['top_name_loss_head']}; {a['top_name_mass_head']} ranks {a['rank_of_top_name_mass_head_by_name_loss']}
+of {lm.n_layer * lm.n_head} by name-loss increase). Ten heads with the largest name-loss increase:</p>
+{_table(["head", "name mass", "name loss + (zero)", "other loss + (zero)", "name loss + (mean)", "other loss + (mean)"], abl_rows)}
+<p>The top name-mass heads switched off together:</p>
+{_table(["heads", "mode", "name loss +", "other loss +"], grp)}
+<figure><img src="{figs['ablation_name_loss']}" alt="name-loss increase per head"><figcaption>Name-loss increase per head (zero ablation)</figcaption></figure>
+<p>This shows which heads the model <i>needs</i> for the name on this quiz, not what they compute; a head can
+matter for the name while looking elsewhere, and zero or mean ablation pushes the model off its usual inputs.</p>
+<h3>Same prompt, same seed, {html.escape(d['head'])} switched off</h3>
+<p>First differing new token: {d['first_difference'] if d['first_difference'] is not None else 'none (identical)'}.</p>
+{_table(["", "text"], [["all heads", d["baseline"]], [f"{d['head']} off", d["ablated"]]])}
+<h3>Controlling for position</h3>
+<p>For every query, the attention on the name is set against the attention the same query puts on non-name tokens
+at the same distances (the name's distances; {100 * p['unmatched_share']:.1f}% of name weight had no matched control).
+Heads ranked by excess over the control:</p>
+{_table(["head", "name mass", "matched-distance control", "excess"], pos_rows)}
+<p>Top name-mass heads still in the top six after the control: {html.escape(', '.join(p['top_name_heads_still_top6']) or 'none')}.</p>
+<h3>Pronouns</h3>
+<p>Attention from he, she, him, her, his and they to the main character's name tokens ({pr['queries']} pronoun
+queries in {pr['stories']} stories), against the same head's name attention from other queries:</p>
+{_table(["head", "from pronouns", "from other tokens"], pron_rows)}
+<p>Heads in both the pronoun top six and the name-mass top six: {html.escape(', '.join(pr['overlap_with_name_mass_top6']) or 'none')}.</p>
+"""
+    return s, body, figs

@@ -8,7 +8,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path

@@ -47,9 +47,10 @@ def test_report_html_is_self_contained(report_dir):
     assert "<script src" not in page
     srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", page)
     assert len(srcs) >= 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
-    # the six score heatmaps are tables, every cell the head's score as heads.json has it
+    # the eight score heatmaps (six lesson scores, duplicate-token, induction) are tables, every
+    # cell the head's score as heads.json has it
     tables = re.findall(r'<table class="slh">(.*?)</table>', page, flags=re.S)
-    assert len(tables) == 6
+    assert len(tables) == 8
     heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
     cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', tables[0]))  # name mass
     assert list(cells) == list(heads) and all(float(v) == heads[k]["name_mass"] for k, v in cells.items())
@@ -102,3 +103,24 @@ def test_readme_lesson_table_is_the_reports(report_dir):
     shown = readme[readme.index(start) + len(start): readme.index(end)].strip()
     summary = json.loads((report_dir / "summary.json").read_text())
     assert shown == lesson_table(summary)
+
+
+def test_a_user_detector_from_a_file(tmp_path, capsys):
+    """--detector FILE: a pattern over token ids becomes a column of the head table. Attention on
+    the opening marker from every later query is exactly the lesson's marker score."""
+    det = tmp_path / "opening.py"
+    det.write_text("import torch\nNAME = 'opening'\n\ndef pattern(ids):\n"
+                   "    w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])\n"
+                   "    w[:, 1:, 0] = 1.0\n    return w\n")
+    out = tmp_path / "rep"
+    assert main(["report", "--detector", str(det), "--out", str(out), "--no-progress"]) == 0
+    heads = json.loads((out / "heads.json").read_text())["heads"]
+    assert all(abs(h["opening"] - h["marker"]) <= 1e-6 for h in heads)
+    assert "Detector opening" in (out / "report.html").read_text()
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('no')\n")
+    assert "--detector" in _err(capsys, ["report", "--detector", str(bad), "--out", str(tmp_path / "x")])
+    (tmp_path / "none.py").write_text("X = 1\n")
+    assert "defines no function pattern" in _err(capsys, ["report", "--detector", str(tmp_path / "none.py"),
+                                                          "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

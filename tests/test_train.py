@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from storylens.checkpoint import load_checkpoint
 from storylens.data import EOT

@@ -1,8 +1,13 @@
-"""Measure the heads: names and main characters, streaming head scores, quiz leakage,
-and past the lesson: ablation, position control, pronouns."""
+"""Measure the heads: stories encoded once, one recording pass feeding every measure, head
+detectors as pure functions, names and main characters, quiz leakage, and past the lesson:
+ablation, position control, pronouns. Computing only: no parsers, no HTML, no plotting, no loading."""
 
 from .ablation import ablate_heads, generation_divergence, head_output_means, name_ablation_table
 from .accumulate import MeanAccumulator
+from .detectors import BUILTIN_DETECTORS, LESSON_DETECTORS, Detector, pattern_detector
+from .encode import EncodedStory, encode_stories, iter_batches
+from .perplexity import perplexity
+from .record import record
 from .leakage import LeakageReport, check_leakage, exact_duplicates, stories_mentioning
 from .names import MainCharacter, find_main_characters, main_character, name_vocabulary
 from .position import position_control_scores
@@ -10,6 +15,15 @@ from .pronouns import pronoun_attention
 from .scores import SCORE_COLUMNS, HeadScore, HeadScoreAccumulator, HeadScores, score_heads
 
 __all__ = [
+    "BUILTIN_DETECTORS",
+    "LESSON_DETECTORS",
+    "Detector",
+    "EncodedStory",
+    "encode_stories",
+    "iter_batches",
+    "pattern_detector",
+    "perplexity",
+    "record",
     "SCORE_COLUMNS",
     "ablate_heads",
     "generation_divergence",

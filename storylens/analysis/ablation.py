@@ -1,12 +1,13 @@
 """Switch heads off and measure what changes: the experiment the lesson did not run.
 
-Everything here goes through the documented hook, ``CausalSelfAttention.head_hook``
-(called with the per-head outputs ``y [batch, head, tokens, head_size]`` before the
-heads are concatenated and projected by ``c_proj``): no weight is edited.
+Everything here goes through the named hook point ``blocks.{l}.attn.hook_z`` (each head's
+output ``[batch, query, head, head_size]`` before the output projection, see
+:mod:`storylens.lm`), with torch's own hooks: no weight is edited and no forward pass is
+re-implemented, so it works on storylens's GPT and on any transformers causal LM alike.
 
 * :func:`ablate_heads` - a context manager that replaces chosen heads' outputs by
   zeros (``mode="zero"``) or by each head's mean output vector (``mode="mean"``,
-  means from :func:`head_output_means`) and puts the previous hooks back on exit.
+  means from :func:`head_output_means`); hooks already there keep running.
 * :func:`head_output_means` - each head's mean output vector over stories.
 * :func:`ablation_loss_table` - next-token loss where the next token is the first
   token of a mention of the main character's name ("name positions") and at every
@@ -16,16 +17,10 @@ heads are concatenated and projected by ``c_proj``): no weight is edited.
 * :func:`generation_divergence` - the same seed, with and without heads: where do
   the generated stories part?
 
-Positions count the end-of-story marker as position 0 (see
-:func:`storylens.tokenizer.encode_story`). The prediction made at position ``t`` is
-scored against the token at ``t + 1``, so a story of ``T`` tokens has ``T - 1``
-scored positions; a name position is a ``t`` whose target ``t + 1`` is a mention's
-first token.
-
-Speed: ablating a head of block ``b`` cannot change anything before block ``b``, so
-for each batch the unablated run keeps the residual stream entering every block and
-each ablation re-runs only blocks ``b..`` (the fused attention path, no attention
-maps), the final layer norm and the output head, on the batch's real positions only.
+Positions count the end-of-story marker as position 0. The prediction made at position ``t``
+is scored against the token at ``t + 1``, so a story of ``T`` tokens has ``T - 1`` scored
+positions; a name position is a ``t`` whose target ``t + 1`` is a mention's first token.
+Every condition is one whole forward pass over the stories (the fused attention path).
 """
 
 from __future__ import annotations
@@ -40,10 +35,10 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import StorylensError
-from ..model import head_label, parse_head_label
-from .scores import length_batches
+from ..heads import Head, as_heads, head_label
+from ..lm import wrap
+from .encode import length_batches, mention_first_tokens  # noqa: F401  (mention_first_tokens: re-exported)
 
-Head = tuple[int, int]  # (block, head), 0-indexed
 MODES = ("zero", "mean")
 
 
@@ -51,17 +46,12 @@ MODES = ("zero", "mean")
 
 
 def normalise_heads(model, heads: Iterable[Head | str]) -> tuple[Head, ...]:
-    """``[(4, 2), "L1H1"] -> ((0, 0), (4, 2))``: checked against the model, sorted, unique."""
-    n_layer, n_head = model.config.n_layer, model.config.n_head
-    out = set()
-    for h in heads:
-        b, i = parse_head_label(h) if isinstance(h, str) else (int(h[0]), int(h[1]))
-        if not (0 <= b < n_layer and 0 <= i < n_head):
-            raise StorylensError(
-                f"head {h!r}: no such head (blocks 0..{n_layer - 1}, heads 0..{n_head - 1}, 0-indexed)"
-            )
-        out.add((b, i))
-    return tuple(sorted(out))
+    """``[(4, 2), "L1H1"] -> (Head(0, 0), Head(4, 2))``: checked against the model, sorted, unique."""
+    lm = wrap(model)
+    try:
+        return as_heads(heads, lm.n_layer, lm.n_head)
+    except ValueError as e:
+        raise StorylensError(str(e)) from None
 
 
 def group_label(heads: Sequence[Head]) -> str:
@@ -69,78 +59,59 @@ def group_label(heads: Sequence[Head]) -> str:
     return "+".join(head_label(b, h) for b, h in heads) if heads else "none"
 
 
-def _mean_vectors(model, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
+def _mean_vectors(lm, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
     if means is None:
-        raise StorylensError('mode="mean" needs means (see head_output_means)')
+        raise StorylensError("mode 'mean' needs means (from head_output_means)")
     out = {}
-    for b, h in heads:
-        if isinstance(means, Mapping):
-            if (b, h) not in means:
-                raise StorylensError(f"means: no mean for {head_label(b, h)}")
-            v = torch.as_tensor(means[(b, h)])
-        else:
-            v = torch.as_tensor(means)[b, h]
-        if v.shape != (model.config.head_size,):
-            raise StorylensError(
-                f"means: {head_label(b, h)} has shape {tuple(v.shape)}, expected ({model.config.head_size},)"
-            )
-        out[(b, h)] = v
+    for h in heads:
+        try:
+            v = torch.as_tensor(means[h] if isinstance(means, Mapping) else means[h.layer, h.head])
+        except (KeyError, IndexError):
+            raise StorylensError(f"means: no mean output vector for {h.label}") from None
+        if v.dim() != 1:
+            raise StorylensError(f"means: {h.label}'s mean is {tuple(v.shape)}, expected one vector")
+        out[h] = v
     return out
 
 
-class AblationHook:
-    """A ``head_hook`` that overwrites some heads' outputs, then calls the hook it replaced.
-
-    ``values`` is None (zeros) or ``[len(heads), head_size]`` (one vector per head,
-    the same at every batch row and token). The tensor it is given is not modified.
-    """
-
-    def __init__(self, heads: Sequence[int], values: torch.Tensor | None, previous=None):
-        self.heads = list(heads)
-        self.values = values
-        self.previous = previous
-
-    def __call__(self, layer_idx: int, y: torch.Tensor) -> torch.Tensor:
-        y = y.clone()
-        idx = torch.tensor(self.heads, device=y.device)
-        if self.values is None:
-            y[:, idx] = 0.0
+def _head_replacer(heads: Sequence[int], values: torch.Tensor | None):
+    """A ``hook_z`` hook: returns ``z [batch, query, head, head_size]`` with ``heads`` set to zero or to
+    ``values [len(heads), head_size]`` (the tensor it is given is not modified)."""
+    def hook(z: torch.Tensor) -> torch.Tensor:
+        z = z.clone()
+        idx = torch.tensor(heads, device=z.device)
+        if values is None:
+            z[:, :, idx] = 0.0
         else:
-            y[:, idx] = self.values.to(device=y.device, dtype=y.dtype)[None, :, None, :]
-        if self.previous is not None:
-            y = self.previous(layer_idx, y)
-        return y
+            z[:, :, idx] = values.to(device=z.device, dtype=z.dtype)[None, None]
+        return z
+    return hook
 
 
 @contextlib.contextmanager
 def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=None) -> Iterator[None]:
-    """Switch ``heads`` off inside the ``with`` block, through ``head_hook``.
+    """Switch ``heads`` off inside the ``with`` block, through ``blocks.{l}.attn.hook_z``.
 
-    ``heads``: ``(block, head)`` pairs, 0-indexed, or labels like ``"L5H3"``.
+    ``heads``: :class:`~storylens.heads.Head` (0-indexed) or labels like ``"L5H3"``.
     ``mode="zero"`` replaces each head's output by zeros; ``mode="mean"`` by its mean
-    output vector, ``means[block, head]`` (a ``[block, head, head_size]`` tensor from
-    :func:`head_output_means`, or a ``{(block, head): vector}`` mapping).
-    A hook already set on a block keeps running, after the ablation (so a reading hook
-    sees the ablated outputs); on exit, even by an exception, every block gets back
-    exactly the hook it had.
+    output vector, ``means[layer, head]`` (a ``[layer, head, head_size]`` tensor from
+    :func:`head_output_means`, or a ``{Head: vector}`` mapping). Other hooks keep running;
+    on exit, even by an exception, the ablation's hooks are removed.
     """
     if mode not in MODES:
         raise StorylensError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-    heads = normalise_heads(model, heads)
-    vectors = _mean_vectors(model, heads, means) if mode == "mean" else None
-    by_block: dict[int, list[int]] = {}
-    for b, h in heads:
-        by_block.setdefault(b, []).append(h)
-    modules = model.attentions
-    saved = {b: modules[b].head_hook for b in by_block}
-    try:
-        for b, hs in by_block.items():
-            values = None if vectors is None else torch.stack([vectors[(b, h)] for h in hs])
-            modules[b].head_hook = AblationHook(hs, values, previous=saved[b])
+    lm = wrap(model)
+    heads = normalise_heads(lm, heads)
+    vectors = _mean_vectors(lm, heads, means) if mode == "mean" else None
+    by_layer: dict[int, list[int]] = {}
+    for h in heads:
+        by_layer.setdefault(h.layer, []).append(h.head)
+    hooks = []
+    for layer, hs in by_layer.items():
+        values = None if vectors is None else torch.stack([vectors[Head(layer, h)] for h in hs])
+        hooks.append((f"blocks.{layer}.attn.hook_z", _head_replacer(hs, values)))
+    with lm.hooks(hooks):
         yield
-    finally:
-        for b, hook in saved.items():
-            modules[b].head_hook = hook
 
 
 # ---------------------------------------------------------------- batching
@@ -157,13 +128,13 @@ def _pad(stories: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.
     return ids.to(device), valid.to(device)
 
 
-def _check_stories(model, stories_ids: Sequence[Sequence[int]]) -> None:
+def _check_stories(lm, stories_ids: Sequence[Sequence[int]]) -> None:
     if not stories_ids:
         raise StorylensError("stories: nothing to run (empty list)")
     for i, s in enumerate(stories_ids):
-        if not 1 <= len(s) <= model.config.block_size:
+        if not 1 <= len(s) <= lm.window:
             raise StorylensError(
-                f"story {i}: {len(s)} tokens; each story needs 1..{model.config.block_size} (cut it to the window)"
+                f"story {i}: {len(s)} tokens; each story needs 1..{lm.window} (cut it to the window)"
             )
 
 
@@ -171,74 +142,46 @@ def _check_stories(model, stories_ids: Sequence[Sequence[int]]) -> None:
 def head_output_means(
     model, stories_ids: Sequence[Sequence[int]], *, batch_size: int = 16, include_marker: bool = True
 ) -> torch.Tensor:
-    """Each head's mean output vector, ``[block, head, head_size]`` (float32).
+    """Each head's mean output vector, ``[layer, head, head_size]`` (float32).
 
     The mean is over every real token position of every story (padding never counts),
     each position weighted equally; ``include_marker=False`` leaves out position 0 (the
-    end-of-story marker each story opens with). Outputs are the per-head ``y`` the hook
-    sees (before ``c_proj``), from the unablated model; sums are kept in float64.
+    end-of-story marker each story opens with). Outputs are what ``hook_z`` sees (before the
+    output projection), from the unablated model; sums are kept in float64.
     """
-    _check_stories(model, stories_ids)
-    cfg = model.config
-    device = next(model.parameters()).device
-    total = torch.zeros(cfg.n_layer, cfg.n_head, cfg.head_size, dtype=torch.float64)
-    count = 0
+    lm = wrap(model)
+    _check_stories(lm, stories_ids)
+    totals: list[torch.Tensor | None] = [None] * lm.n_layer
     current: dict[str, torch.Tensor] = {}
-    modules = model.attentions
-    saved = [m.head_hook for m in modules]
 
-    def reader(previous):
-        def hook(layer_idx, y):
-            if previous is not None:  # an existing hook runs first: we average what c_proj gets
-                y = previous(layer_idx, y)
+    def reader(layer):
+        def hook(z):
             w = current["mask"].to(torch.float64)
-            total[layer_idx] += torch.einsum("bhtd,bt->hd", y.to(torch.float64), w).cpu()
-            return y
-
+            add = torch.einsum("bthd,bt->hd", z.to(torch.float64), w).cpu()
+            totals[layer] = add if totals[layer] is None else totals[layer] + add
         return hook
 
-    was_training = model.training
-    model.eval()
+    count = 0
+    was_training = lm.module.training
+    lm.module.eval()
     try:
-        for b, m in enumerate(modules):
-            m.head_hook = reader(saved[b])
-        for idx in length_batches([len(s) for s in stories_ids], batch_size):
-            ids, valid = _pad([stories_ids[i] for i in idx], device)
-            if not include_marker:
-                valid = valid.clone()
-                valid[:, 0] = False
-            current["mask"] = valid
-            model(ids)
-            count += int(valid.sum())
+        with lm.hooks([(f"blocks.{i}.attn.hook_z", reader(i)) for i in range(lm.n_layer)]):
+            for idx in length_batches([len(s) for s in stories_ids], batch_size):
+                ids, valid = _pad([stories_ids[i] for i in idx], lm.device)
+                if not include_marker:
+                    valid = valid.clone()
+                    valid[:, 0] = False
+                current["mask"] = valid
+                lm.forward(ids, logits=False)
+                count += int(valid.sum())
     finally:
-        for b, m in enumerate(modules):
-            m.head_hook = saved[b]
-        model.train(was_training)
+        lm.module.train(was_training)
     if count == 0:
         raise StorylensError("stories: no token positions to average over")
-    return (total / count).to(torch.float32)
+    return (torch.stack(totals) / count).to(torch.float32)
 
 
 # ---------------------------------------------------------------- the loss table
-
-
-def mention_first_tokens(offsets: Sequence[tuple[int, int]], spans: Iterable[tuple[int, int]],
-                         window: int = 256) -> list[int]:
-    """Position (marker = 0, so token i is i + 1) of the first token of each mention, < window.
-
-    ``offsets``: the story's token character spans (``tok.encode(text).offsets``);
-    ``spans``: the mentions' character spans. A token belongs to a mention when their
-    character spans overlap (as in :mod:`storylens.analysis.names`), so the byte-level
-    token that carries the leading space (``ĠLily``) counts as the mention's first token.
-    """
-    out = set()
-    for s, e in spans:
-        for i, (a, b) in enumerate(offsets):
-            if a < e and b > s:
-                if i + 1 < window:
-                    out.add(i + 1)
-                break
-    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -246,10 +189,6 @@ class Condition:
     label: str  # "L5H3", "L5H3+L4H4+L6H2", "baseline"
     heads: tuple[Head, ...]
     mode: str  # "zero", "mean", or "none" for the baseline
-
-    @property
-    def start_block(self) -> int:
-        return min(b for b, _ in self.heads)
 
 
 @dataclass(frozen=True)
@@ -318,30 +257,16 @@ class AblationTable:
         return "\n".join(lines)
 
 
-def _embed(model, ids: torch.Tensor) -> torch.Tensor:
-    """What ``GPT.forward`` feeds the first block (no cache: positions from 0)."""
-    pos = torch.arange(ids.shape[1], device=ids.device)
-    return model.transformer.drop(model.transformer.wte(ids) + model.transformer.wpe(pos))
-
-
 LOSS_CHUNK = 512  # rows of logits at a time: [512, vocab] stays in cache (about 2x faster on CPU)
 
 
-def _losses(model, x: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy at the scored positions only: ``x [B, T, C]`` -> ``[n_scored]``."""
-    h = model.transformer.ln_f(x[:, :-1][scored])
-    t = targets[scored]
+def _losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy at the scored positions only: ``logits [B, T, V]`` -> ``[n_scored]`` float64."""
+    rows, t = logits[:, :-1][scored], targets[scored]
     return torch.cat([
-        F.cross_entropy(model.lm_head(h[i : i + LOSS_CHUNK]).float(), t[i : i + LOSS_CHUNK], reduction="none")
-        for i in range(0, h.shape[0], LOSS_CHUNK)
-    ])
-
-
-def run_suffix(model, x: torch.Tensor, start_block: int) -> torch.Tensor:
-    """Run blocks ``start_block..`` on ``x``, the residual stream entering that block."""
-    for block in model.transformer.h[start_block:]:
-        x, _ = block(x)
-    return x
+        F.cross_entropy(rows[i : i + LOSS_CHUNK].float(), t[i : i + LOSS_CHUNK], reduction="none")
+        for i in range(0, rows.shape[0], LOSS_CHUNK)
+    ]).to(torch.float64)
 
 
 @torch.inference_mode()
@@ -360,10 +285,11 @@ def ablation_losses(
     Returns ``({"baseline" | f"{label}/{mode}": tensor([name_sum, other_sum])}, n_name, n_other)``
     with float64 sums. ``name_starts[i]``: positions of story i's mention first tokens.
     """
-    _check_stories(model, stories_ids)
+    lm = wrap(model)
+    _check_stories(lm, stories_ids)
     if len(name_starts) != len(stories_ids):
         raise StorylensError(f"name_starts: {len(name_starts)} entries for {len(stories_ids)} stories")
-    device = next(model.parameters()).device
+    device = lm.device
     sums = {"baseline": torch.zeros(2, dtype=torch.float64)}
     for c in conditions:
         sums[f"{c.label}/{c.mode}"] = torch.zeros(2, dtype=torch.float64)
@@ -374,8 +300,8 @@ def ablation_losses(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(stories_ids), unit="story", desc="ablations", disable=None)  # None: terminals only
-    was_training = model.training
-    model.eval()
+    was_training = lm.module.training
+    lm.module.eval()
     try:
         for idx in batches:
             ids, valid = _pad([stories_ids[i] for i in idx], device)
@@ -392,23 +318,18 @@ def ablation_losses(
             n_other += int((~name_sel).sum())
             targets = ids[:, 1:]
 
-            def add(key: str, x: torch.Tensor) -> None:
-                ce = _losses(model, x, targets, scored).to(torch.float64)
+            def add(key: str) -> None:
+                ce = _losses(lm.forward(ids), targets, scored)
                 sums[key] += torch.stack([ce[name_sel].sum(), ce[~name_sel].sum()]).cpu()
 
-            x = _embed(model, ids)
-            entering = []
-            for block in model.transformer.h:
-                entering.append(x)
-                x, _ = block(x)
-            add("baseline", x)
+            add("baseline")
             for c in conditions:
-                with ablate_heads(model, c.heads, c.mode, means):
-                    add(f"{c.label}/{c.mode}", run_suffix(model, entering[c.start_block], c.start_block))
+                with ablate_heads(lm, c.heads, c.mode, means):
+                    add(f"{c.label}/{c.mode}")
             if bar is not None:
                 bar.update(len(idx))
     finally:
-        model.train(was_training)
+        lm.module.train(was_training)
         if bar is not None:
             bar.close()
     return sums, n_name, n_other
@@ -416,10 +337,9 @@ def ablation_losses(
 
 def single_head_conditions(model, modes: Sequence[str] = MODES, heads=None) -> list[Condition]:
     """One condition per head (all heads by default) and mode."""
-    heads = normalise_heads(model, heads) if heads is not None else tuple(
-        (b, h) for b in range(model.config.n_layer) for h in range(model.config.n_head)
-    )
-    return [Condition(head_label(b, h), ((b, h),), m) for (b, h) in heads for m in modes]
+    lm = wrap(model)
+    heads = normalise_heads(lm, heads) if heads is not None else tuple(Head.every(lm.n_layer, lm.n_head))
+    return [Condition(h.label, (h,), m) for h in heads for m in modes]
 
 
 def ablation_loss_table(
@@ -451,6 +371,7 @@ def ablation_loss_table(
     for m in modes:
         if m not in MODES:
             raise StorylensError(f"modes: {m!r} is not one of {', '.join(MODES)}")
+    model = wrap(model)
     conditions = single_head_conditions(model, modes, heads)
     for g in groups:
         g = tuple(dict.fromkeys(normalise_heads(model, [x])[0] for x in g))  # checked, order kept
@@ -499,6 +420,7 @@ def name_ablation_table(
     means: torch.Tensor | Mapping | None = None,
     batch_size: int = 16,
     progress: bool = False,
+    encoded=None,
 ) -> AblationTable:
     """:func:`ablation_loss_table` over story texts (e.g. the 200 quiz stories).
 
@@ -513,35 +435,27 @@ def name_ablation_table(
     default to :func:`head_output_means` over all of ``stories`` (those without a main
     character included).
     """
-    from ..tokenizer import encode_story
-    from .names import find_main_characters
+    from .encode import encode_stories
+    from .names import name_vocabulary
 
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        raise StorylensError("model: has no tokenizer (load it with storylens.hub.load_model)")
+    lm = wrap(model)
     stories = list(stories)
-    window = model.config.block_size
-    mains = find_main_characters(tok, stories, window=window)
-    encodings = tok.encode_batch(stories)
-    all_ids = [encode_story(tok, text, window).ids for text in stories]
-    ids, starts = [], []
-    for story_ids, enc, mc in zip(all_ids, encodings, mains):
-        s = [] if mc is None else mention_first_tokens(enc.offsets, mc.spans, window)
-        if only_main_character and not s:
-            continue
-        ids.append(story_ids)
-        starts.append(s)
+    if encoded is None:  # ``encoded``: the same stories already encoded (a report encodes them once)
+        encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    all_ids = [e.ids for e in encoded]
+    kept = [e for e in encoded if e.mention_starts or not only_main_character]
+    ids, starts = [e.ids for e in kept], [e.mention_starts for e in kept]
     if not ids:
         raise StorylensError("stories: none has a main character mentioned inside the window")
     if name_heads is None and k > 0:
         from .scores import score_heads
 
-        scores = score_heads(model, stories, batch_size=batch_size, progress=progress)
+        scores = score_heads(lm, stories, batch_size=batch_size, progress=progress)
         name_heads = [h.label for h in scores.top("name_mass", k)]
     groups = [list(name_heads)] if name_heads else []
     if "mean" in modes and means is None:
-        means = head_output_means(model, all_ids, batch_size=batch_size)
-    return ablation_loss_table(model, ids, starts, heads=heads, groups=groups, modes=modes, means=means,
+        means = head_output_means(lm, all_ids, batch_size=batch_size)
+    return ablation_loss_table(lm, ids, starts, heads=heads, groups=groups, modes=modes, means=means,
                                batch_size=batch_size, progress=progress)
 
 
@@ -604,28 +518,26 @@ def generation_divergence(
     sampled token; after that they go their own ways. ``stop_at_marker`` ends a run at
     the end-of-story marker (it is kept as the run's last token).
     """
-    from ..tokenizer import encode_story, eot_id
-
-    tok = model.tokenizer
-    heads = normalise_heads(model, heads)
+    lm = wrap(model)
+    heads = normalise_heads(lm, heads)
     if isinstance(prompt, str):
         prompt_text = prompt
-        ids = encode_story(tok, prompt, window=10**9).ids
+        ids = lm.encode(prompt)
     else:
         ids = [int(i) for i in prompt]
-        prompt_text = tok.decode(ids)
-    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    eos = eot_id(tok) if stop_at_marker else None
+        prompt_text = lm.decode(ids)
+    idx = torch.tensor([ids], dtype=torch.long, device=lm.device)
+    eos = lm.marker_id if stop_at_marker else None
 
     def run() -> list[int]:
         gen = torch.Generator(device=idx.device).manual_seed(seed)
-        steps = model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+        steps = lm.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                       generator=gen, eos_id=eos)
         return [s.token for s in steps]
 
     try:
         base = run()
-        with ablate_heads(model, heads, mode, means):
+        with ablate_heads(lm, heads, mode, means):
             abl = run()
     except ValueError as e:  # window overflow, bad temperature, ...
         raise StorylensError(str(e)) from None
@@ -637,6 +549,6 @@ def generation_divergence(
         first_difference=first_difference(base, abl),
         baseline_ids=tuple(base),
         ablated_ids=tuple(abl),
-        baseline_text=tok.decode(base),
-        ablated_text=tok.decode(abl),
+        baseline_text=lm.decode(base),
+        ablated_text=lm.decode(abl),
     )

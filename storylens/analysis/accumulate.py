@@ -28,3 +28,11 @@ class MeanAccumulator:
         if self.count == 0:
             return torch.full_like(self.total, float("nan"))
         return self.total / self.count
+
+    def merge(self, other: "MeanAccumulator") -> "MeanAccumulator":
+        """Add another accumulator's sum and count (the same shape): sums of float64, any order."""
+        if other.total.shape != self.total.shape:
+            raise ValueError(f"merge: shapes {tuple(self.total.shape)} and {tuple(other.total.shape)} differ")
+        self.total += other.total
+        self.count += other.count
+        return self

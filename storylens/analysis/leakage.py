@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-RUN_WORDS = 8
+from ..constants import LEAKAGE_RUN_WORDS as RUN_WORDS  # noqa: E402
 
 
 def words(text: str, lowercase: bool = False) -> list[str]:

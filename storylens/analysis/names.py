@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ..constants import MIN_MENTIONS
+
 WORD_RE = re.compile(r"[^\W\d_]+")
 
 Span = tuple[int, int]  # [start, end) in characters
@@ -64,7 +66,7 @@ def name_mentions(text: str, names: frozenset[str] | set[str]) -> dict[str, list
     return found
 
 
-def pick_main_character(mentions: dict[str, list[Span]], min_mentions: int = 2) -> str | None:
+def pick_main_character(mentions: dict[str, list[Span]], min_mentions: int = MIN_MENTIONS) -> str | None:
     """The most-mentioned name with at least ``min_mentions``; ties: earliest first mention."""
     best = None
     for name, spans in mentions.items():

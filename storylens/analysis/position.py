@@ -50,7 +50,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..model import head_label
+from ..heads import head_label
 
 
 def _as_blocks(attn: torch.Tensor) -> torch.Tensor:
@@ -295,36 +295,51 @@ class PositionControlAccumulator:
             n += self.add(stacked[i, :, :, :L, :L], names, first)
         return n
 
+    # --- a measure for storylens.analysis.record: fed block by block from the one recording
+    def begin(self, batch) -> None:
+        self._batch = batch
+
+    def block(self, layer: int, pattern: torch.Tensor) -> None:
+        sums = self.sums
+        for i, story in enumerate(self._batch.stories):
+            if not story.name_positions:
+                continue
+            T = len(story.ids)
+            s = distance_sums(pattern[i, :, :T, :T], story.name_positions, story.main.first_mention,
+                              skip_marker=self.skip_marker)
+            if s is None:
+                continue
+            D = s.name_weight.shape[0]
+            sums.name_sum[layer, :, :D] += s.name_sum[0]
+            sums.control_sum[layer, :, :D] += s.control_sum[0]
+            if layer == 0:  # what depends on no head is added once per story
+                sums.name_weight[:D] += s.name_weight
+                sums.control_weight[:D] += s.control_weight
+                sums.even_spread += s.even_spread
+                sums.n_stories += 1
+                sums.n_queries += s.n_queries
+
+    def end(self) -> None:
+        self._batch = None
+
     def result(self) -> PositionControl:
         if self.sums.n_stories == 0:
             raise ValueError("no story with a query has been added")
         return summarise(self.sums)
 
 
-@torch.inference_mode()
 def position_control_scores(model, stories: Sequence[str], *, batch_size: int = 16,
                             skip_marker: bool = True) -> PositionControl:
     """Name mass vs matched-distance control for every head of ``model`` over story texts.
 
     Main characters and their name tokens come from :mod:`storylens.analysis.names`
-    (the name vocabulary of ``stories`` themselves); one pass recording attention.
+    (the name vocabulary of ``stories`` themselves); one recording pass (to share it with other
+    measures, pass a :class:`PositionControlAccumulator` to :func:`storylens.analysis.record.record`).
     """
-    from ..tokenizer import encode_story
-    from .ablation import _pad
-    from .scores import length_batches
-    from .names import find_main_characters
+    from ..lm import wrap
+    from .record import record
 
-    tok = model.tokenizer
-    cfg = model.config
-    stories = list(stories)
-    mains = find_main_characters(tok, stories, window=cfg.block_size)
-    keep = [i for i, mc in enumerate(mains) if mc is not None and mc.positions]
-    ids = [encode_story(tok, stories[i], cfg.block_size).ids for i in keep]
-    acc = PositionControlAccumulator(cfg.n_layer, cfg.n_head, cfg.block_size, skip_marker=skip_marker)
-    device = next(model.parameters()).device
-    for idx in length_batches([len(x) for x in ids], batch_size):
-        x, _ = _pad([ids[i] for i in idx], device)
-        out = model(x, record_attention=True)
-        acc.add_batch([a.cpu() for a in out.attentions], [len(ids[i]) for i in idx],
-                      [mains[keep[i]].positions for i in idx], [mains[keep[i]].first_mention for i in idx])
+    lm = wrap(model)
+    acc = PositionControlAccumulator(lm.n_layer, lm.n_head, lm.window, skip_marker=skip_marker)
+    record(lm, stories, [acc], batch_size=batch_size, progress=False)
     return acc.result()

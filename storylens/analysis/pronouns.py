@@ -31,10 +31,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..model import head_label
+from ..heads import head_label
 from .position import _as_blocks
 
-PRONOUNS = frozenset({"he", "she", "him", "her", "his", "they"})
+from ..constants import PRONOUNS  # noqa: E402
 WORD_RE = re.compile(r"[^\W\d_]+")  # the words of storylens.analysis.names
 
 Span = tuple[int, int]
@@ -209,6 +209,30 @@ class PronounAccumulator:
             n += self.add(stacked[i, :, :, :L, :L], name_positions[i], pronoun_positions[i], first)
         return n
 
+    # --- a measure for storylens.analysis.record: fed block by block from the one recording
+    def begin(self, batch) -> None:
+        self._batch = batch
+
+    def block(self, layer: int, pattern: torch.Tensor) -> None:
+        for i, story in enumerate(self._batch.stories):
+            if not story.name_positions:
+                continue
+            T = len(story.ids)
+            s = story_pronoun_mass(pattern[i, :, :T, :T], story.name_positions, story.pronouns,
+                                   story.main.first_mention)
+            if s is None:
+                continue
+            self.pronoun_total[layer] += s.pronoun_mass[0]
+            self.other_total[layer] += s.other_mass[0]
+            if layer == 0:  # what depends on no head is added once per story
+                self.pronoun_even += s.pronoun_even
+                self.other_even += s.other_even
+                self.n_stories += 1
+                self.n_pronoun_queries += s.n_pronoun_queries
+
+    def end(self) -> None:
+        self._batch = None
+
     def result(self) -> PronounAttention:
         n = self.n_stories
         if n == 0:
@@ -223,31 +247,17 @@ class PronounAccumulator:
         )
 
 
-@torch.inference_mode()
 def pronoun_attention(model, stories: Sequence[str], *, batch_size: int = 16) -> PronounAttention:
-    """Pronoun-to-name attention of every head over story texts (one recording pass).
+    """Pronoun-to-name attention of every head over story texts (one recording pass; to share it,
+    pass a :class:`PronounAccumulator` to :func:`storylens.analysis.record.record`).
 
     Main characters come from :mod:`storylens.analysis.names` (name vocabulary of
     ``stories`` themselves).
     """
-    from ..tokenizer import encode_story
-    from .ablation import _pad
-    from .scores import length_batches
-    from .names import find_main_characters
+    from ..lm import wrap
+    from .record import record
 
-    tok = model.tokenizer
-    cfg = model.config
-    stories = list(stories)
-    mains = find_main_characters(tok, stories, window=cfg.block_size)
-    keep = [i for i, mc in enumerate(mains) if mc is not None and mc.positions]
-    ids = [encode_story(tok, stories[i], cfg.block_size).ids for i in keep]
-    prons = [story_pronoun_positions(tok, stories[i], cfg.block_size) for i in keep]
-    acc = PronounAccumulator(cfg.n_layer, cfg.n_head)
-    device = next(model.parameters()).device
-    for idx in length_batches([len(x) for x in ids], batch_size):
-        x, _ = _pad([ids[i] for i in idx], device)
-        out = model(x, record_attention=True)
-        acc.add_batch([a.cpu() for a in out.attentions], [len(ids[i]) for i in idx],
-                      [mains[keep[i]].positions for i in idx], [prons[i] for i in idx],
-                      [mains[keep[i]].first_mention for i in idx])
+    lm = wrap(model)
+    acc = PronounAccumulator(lm.n_layer, lm.n_head)
+    record(lm, stories, [acc], batch_size=batch_size, progress=False)
     return acc.result()

@@ -19,7 +19,7 @@ from .figures import (
     save_png,
 )
 from .tables import HEATMAP_CSS, head_heatmap_html
-from .tokens import story_attention, tick_label, to_numpy_attention, token_text, token_texts
+from .tokens import tick_label, to_numpy_attention, token_text, token_texts
 from .widget import AttentionWidget, ToyWidget, replay_widget, toy_widget
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "name_head_figure",
     "name_mass_bar_figure",
     "save_png",
-    "story_attention",
     "tick_label",
     "to_numpy_attention",
     "token_text",

@@ -26,7 +26,7 @@ from matplotlib.colors import Normalize, PowerNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
-from ..model import head_label, parse_head_label
+from ..heads import head_label, parse_head_label
 from .tokens import tick_label, to_numpy_attention
 
 MASK_COLOR = "#262626"  # the causal mask's (always-zero) upper triangle

@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from ..model import head_label, parse_head_label
+from ..heads import head_label, parse_head_label
 from .figures import _colour_range, _is_light, _score_grid
 
 HEATMAP_CSS = (

@@ -82,27 +82,3 @@ def _as_numpy(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def story_attention(model, text: str, window: int | None = None):
-    """Encode one story as the lesson does and record its attention.
-
-    Returns ``(tokens, attention, encoded)``: display texts, a ``[block, head, query,
-    key]`` numpy array and the :class:`~storylens.tokenizer.EncodedStory`.
-    """
-    import torch
-
-    from ..tokenizer import encode_story
-
-    tok = model.tokenizer
-    window = window or model.config.block_size
-    enc = encode_story(tok, text, window=window)
-    idx = torch.tensor([enc.ids], dtype=torch.long, device=_device(model))
-    with torch.no_grad():
-        out = model(idx, record_attention=True)
-    return token_texts(tok, enc.ids), to_numpy_attention(out.attentions), enc
-
-
-def _device(model):
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover - a model always has parameters
-        return "cpu"

@@ -2,7 +2,7 @@
 
 :class:`AttentionWidget` shows one story's tokens. Click a token (the query) and the
 earlier tokens are shaded by the attention that query gives them, for the selected
-block and head, or for all 24 heads at once as small multiples. :func:`toy_widget`
+block and head, or for every head at once as small multiples. :func:`toy_widget`
 is the lesson's toy: a few words with hand-set two-number queries and keys (not the
 model's), showing score = q·k, the softmax and the resulting shares.
 
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .tokens import story_attention, to_numpy_attention
+from .tokens import to_numpy_attention
 
 __all__ = ["AttentionWidget", "ToyWidget", "replay_widget", "toy_widget", "TOY_WORDS", "TOY_QUERIES", "TOY_KEYS"]
 
@@ -175,17 +175,8 @@ class AttentionWidget(_HtmlView):
         self.decimals = int(decimals)
 
     @classmethod
-    def from_model(
-        cls, model, text: str, title: str | None = None, *, window: int | None = None, **kw
-    ) -> "AttentionWidget":
-        """Encode ``text`` as the lesson does (``<eot>`` + story, cut to the window),
-        record the model's attention and build the widget."""
-        tokens, att, enc = story_attention(model, text, window=window)
-        return cls.from_recording(text, tokens, att, enc, title, **kw)
-
-    @classmethod
     def from_recording(cls, text: str, tokens, att, enc, title: str | None = None, **kw) -> "AttentionWidget":
-        """The widget for what :func:`~storylens.viz.story_attention` already recorded."""
+        """The widget for what :func:`storylens.recording.story_attention` recorded."""
         if title is None:
             words = text.split()
             title = " ".join(words[:8]) + (" …" if len(words) > 8 else "")

@@ -127,7 +127,7 @@ def test_patterns_and_prev_token_score_equal_storylens(bridge, shipped_model, co
             theirs.update(b, batch)
     assert worst <= TOL_F32, f"float32 attention patterns differ by {worst:.3g}"
     mine, tl = ours.columns(False), theirs.columns(False)
-    assert ours.prev["prev_token"].count == len(ids)
+    assert ours.means["prev_token"].count == len(ids)
     for col in ("prev_token", "prev4", "name_mass", "marker"):
         diff = (mine[col] - tl[col]).abs().max().item()
         assert diff <= TOL_F32, f"{col}: TransformerLens and storylens differ by {diff:.3g}"

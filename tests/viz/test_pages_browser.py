@@ -48,7 +48,7 @@ def test_report_page_loads_clean_with_legible_grid(page, report_dir):
     _assert_drawn(shot)
     # the score heatmaps sit side by side, not stacked one under another
     tops = page.eval_on_selector_all(".pair figure", "els => els.map(e => Math.round(e.getBoundingClientRect().top))")
-    assert len(tops) == 6 and len(set(tops)) == 3
+    assert len(tops) == 8 and len(set(tops)) == 4  # two to a row
 
 
 def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model):

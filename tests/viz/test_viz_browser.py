@@ -6,6 +6,8 @@ playwright or chromium is missing, unless STORYLENS_REQUIRE_BROWSER=1 (then it f
 
 from __future__ import annotations
 
+from storylens.recording import attention_widget
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def _shown_weights(pg, selector=".slw-tokens .slw-tok[data-weight]"):
 def test_clicked_token_shows_the_model_row(page, model, story, story_run, tmp_path):
     ids, tokens, att, _ = story_run
     T = len(ids)
-    path = AttentionWidget.from_model(model, story[0]).save(tmp_path / "story.html")
+    path = attention_widget(model, story[0]).save(tmp_path / "story.html")
     _open(page, path)
     assert page.locator(".slw-tokens .slw-tok").count() == T
 
@@ -73,7 +75,7 @@ HOSTILE = 'Tom had a box. <script>window.__pwned=1</script> Tom said <img src=x 
 
 
 def test_story_text_cannot_run_script(page, browser, model, tmp_path):
-    _open(page, AttentionWidget.from_model(model, HOSTILE).save(tmp_path / "hostile.html"))
+    _open(page, attention_widget(model, HOSTILE).save(tmp_path / "hostile.html"))
     page.click('.slw-tokens .slw-tok[data-pos="5"]')
     page.wait_for_timeout(300)  # an injected <img> would have fired onerror by now
     assert page.evaluate("typeof window.__pwned") == "undefined"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from storylens.recording import attention_widget
+
 import json
 import re
 
@@ -38,7 +40,7 @@ def _strip_data(page: str) -> str:
 
 
 def test_no_remote_resources(model, story):
-    w = AttentionWidget.from_model(model, story[0])
+    w = attention_widget(model, story[0])
     for page in (w.to_html(), w._repr_html_(), toy_widget().to_html()):
         code = _strip_data(page)
         assert not URL.search(code), "the page itself names a URL"

@@ -1,0 +1,146 @@
+"""Stories encoded once: ids, character offsets, main character, mentions and pronouns, then
+padded into batches. Every measure reads the same :class:`EncodedStory` and :class:`StoryBatch`.
+
+A story is fed as ``[marker] + its tokens``, cut to the model's window: the marker is position 0,
+so token ``i`` of the story sits at position ``i + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import StorylensError
+from .names import MainCharacter, main_character
+from .pronouns import pronoun_positions, pronoun_spans
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class EncodedStory:
+    index: int  # the story's place in the order given
+    ids: tuple[int, ...]  # [marker] + story tokens, at most `window` of them
+    cut: bool  # the story did not fit the window
+    main: MainCharacter | None  # its main character (positions inside the window)
+    mention_starts: tuple[int, ...]  # positions of the first token of each main-character mention
+    pronouns: tuple[int, ...]  # positions of the last token of each pronoun (he, she, ...)
+
+    @property
+    def name_positions(self) -> tuple[int, ...]:
+        return () if self.main is None else self.main.positions
+
+
+def mention_first_tokens(offsets: Sequence[Span], spans, window: int = 256) -> list[int]:
+    """Position (marker = 0, so token i is i + 1) of the first token of each mention, < window.
+
+    A token belongs to a mention when their character spans overlap (as in
+    :mod:`storylens.analysis.names`), so the byte-level token that carries the leading space
+    (``ĠLily``) counts as the mention's first token."""
+    out = set()
+    for s, e in spans:
+        for i, (a, b) in enumerate(offsets):
+            if a < e and b > s:
+                if i + 1 < window:
+                    out.add(i + 1)
+                break
+    return sorted(out)
+
+
+def encode_stories(lm, texts: Sequence[str], names, *, start: int = 0) -> list[EncodedStory]:
+    """Encode ``texts`` once (one ``encode_batch``) into :class:`EncodedStory` records; ``start`` is
+    the index of ``texts[0]`` in the whole run."""
+    window, marker = lm.window, lm.marker_id
+    out = []
+    for i, (text, enc) in enumerate(zip(texts, lm.encode_batch(list(texts)))):
+        ids = [marker] + enc.ids
+        main = main_character(text, enc.offsets, names, window)
+        starts = mention_first_tokens(enc.offsets, main.spans, window) if main is not None else []
+        prons = pronoun_positions(enc.offsets, [s for _, s in pronoun_spans(text)], window)
+        out.append(EncodedStory(start + i, tuple(ids[:window]), len(ids) > window, main, tuple(starts), tuple(prons)))
+    return out
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class StoryBatch:
+    """A batch of encoded stories, padded at the end, with the position masks measures need."""
+
+    ids: torch.Tensor  # [batch, tokens] long; padding (the marker id) after each story's end
+    lengths: torch.Tensor  # [batch] long: real tokens per story (marker included)
+    name_mask: torch.Tensor  # [batch, tokens] bool: the main character's name tokens
+    first_mention: torch.Tensor  # [batch] long: first name position; -1 = none in the window
+    marker_mask: torch.Tensor  # [batch, tokens] bool: end-of-story marker tokens
+    in_first: torch.Tensor  # [batch] bool: story is among the first N (the *_first columns)
+    stories: tuple[EncodedStory, ...] = field(default=())  # the records behind the rows, when known
+
+
+def make_batch(ids: Sequence[Sequence[int]], mains: Sequence[MainCharacter | None], in_first: Sequence[bool],
+               marker_id: int, device: torch.device | str = "cpu", stories: Sequence[EncodedStory] = ()) -> StoryBatch:
+    """Pad ``ids`` at the end (with the marker id) and build the position masks."""
+    B, T = len(ids), max(len(x) for x in ids)
+    grid = torch.full((B, T), marker_id, dtype=torch.long)
+    name_mask = torch.zeros(B, T, dtype=torch.bool)
+    first = torch.full((B,), -1, dtype=torch.long)
+    for b, (x, mc) in enumerate(zip(ids, mains)):
+        grid[b, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+        if mc is not None and mc.positions:
+            name_mask[b, list(mc.positions)] = True
+            first[b] = mc.first_mention
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    valid = torch.arange(T)[None, :] < lengths[:, None]
+    return StoryBatch(
+        ids=grid.to(device),
+        lengths=lengths.to(device),
+        name_mask=name_mask.to(device),
+        first_mention=first.to(device),
+        marker_mask=((grid == marker_id) & valid).to(device),
+        in_first=torch.tensor(list(in_first), dtype=torch.bool, device=device),
+        stories=tuple(stories),
+    )
+
+
+def batch_of(stories: Sequence[EncodedStory], marker_id: int, device, first_limit: int | None = None) -> StoryBatch:
+    limit = first_limit if first_limit is not None else float("inf")
+    return make_batch([s.ids for s in stories], [s.main for s in stories], [s.index < limit for s in stories],
+                      marker_id, device, stories)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Story indices, longest first (stable), in chunks of ``batch_size``: little padding."""
+    if batch_size < 1:
+        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+CHUNK_STORIES = 512  # stories encoded (and sorted by length into batches) at a time
+
+
+def is_encoded(stories) -> bool:
+    return len(stories) > 0 and isinstance(stories[0], EncodedStory)
+
+
+def iter_encoded(lm, stories: Sequence, names, *, chunk_stories: int = CHUNK_STORIES) -> Iterator[list[EncodedStory]]:
+    """The stories encoded ``chunk_stories`` at a time (memory does not grow with the corpus);
+    stories already encoded (:class:`EncodedStory`, e.g. shared by several steps of a report) are
+    passed on as they are."""
+    for start in range(0, len(stories), chunk_stories):
+        chunk = stories[start : start + chunk_stories]
+        yield list(chunk) if is_encoded(stories) else encode_stories(lm, chunk, names, start=start)
+
+
+def iter_batches(lm, stories: Sequence[str], *, batch_size: int = 16, names=None, first_limit: int | None = None,
+                 chunk_stories: int = CHUNK_STORIES) -> Iterator[StoryBatch]:
+    """Every story once, in batches: encoded a chunk at a time, longest first within a chunk."""
+    from .names import name_vocabulary
+
+    if names is None and not is_encoded(stories):
+        names = name_vocabulary(stories)
+    for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories):
+        for idx in length_batches([len(s.ids) for s in chunk], batch_size):
+            yield batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)

@@ -1,0 +1,106 @@
+"""Head detectors as pure functions, by hand; merging accumulators; one recording pass for many measures."""
+
+import pytest
+import torch
+
+from storylens.analysis.detectors import (BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, BatchMasks,
+                                          pattern_detector)
+from storylens.analysis.encode import make_batch
+from storylens.analysis.record import record
+from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
+from storylens.lm import NativeLM
+
+# one story, ids 0 5 6 5 6: the second 5 (q=3) repeats position 1, the second 6 (q=4) position 2
+IDS = [0, 5, 6, 5, 6]
+HEAD1 = torch.tensor([
+    [1.0, 0, 0, 0, 0],
+    [0.5, 0.5, 0, 0, 0],
+    [0.2, 0.3, 0.5, 0, 0],
+    [0.1, 0.2, 0.3, 0.4, 0],
+    [0.1, 0.1, 0.4, 0.2, 0.2],
+])
+PREV = torch.eye(5).roll(-1, 1).tril()  # q -> q - 1 (and q = 0 -> 0)
+PREV[0, 0] = 1
+
+
+def batch():
+    return make_batch([IDS], [None], [True], marker_id=0)
+
+
+def att():
+    return torch.stack([HEAD1, PREV])[None]  # [1, 2 heads, q, k]
+
+
+def test_duplicate_and_induction_by_hand():
+    m = BatchMasks(batch(), torch.float32)
+    # duplicate: q=3 -> key 1 (0.2), q=4 -> key 2 (0.4): mean 0.3; the previous-token head: 0
+    assert DUPLICATE_TOKEN.story_means(att(), m)[0].tolist() == pytest.approx([0.3, 0.0])
+    # induction: the token after the earlier copy: q=3 -> key 2 (0.3), q=4 -> key 3 (0.2): 0.25;
+    # here that is exactly the previous token, so the previous-token head scores 1
+    assert INDUCTION.story_means(att(), m)[0].tolist() == pytest.approx([0.25, 1.0])
+    assert DUPLICATE_TOKEN.queries(m).tolist() == [[False, False, False, True, True]]
+
+
+def test_a_user_pattern():
+    def first_key(ids):  # every query looks at the marker
+        w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])
+        w[:, 1:, 0] = 1
+        return w
+
+    d = pattern_detector("opening", first_key)
+    m = BatchMasks(batch(), torch.float32)
+    assert d.story_means(att(), m)[0].tolist() == pytest.approx([(0.5 + 0.2 + 0.1 + 0.1) / 4, 0.25])
+    with pytest.raises(ValueError):
+        pattern_detector("not a name", first_key)
+    bad = pattern_detector("bad", lambda ids: torch.zeros(3))
+    with pytest.raises(ValueError):
+        bad.story_means(att(), m)
+
+
+def test_merged_accumulators_equal_one(shipped_model, corpus_split):
+    lm = NativeLM(shipped_model)
+    stories = corpus_split.quiz[:24]
+    whole = HeadScoreAccumulator(lm.n_layer, lm.n_head)
+    record(lm, stories, [whole], batch_size=8, progress=False)
+    parts = []
+    from storylens.analysis.names import name_vocabulary
+
+    names = name_vocabulary(stories)  # the vocabulary of the whole run, as one pass would use
+    for chunk in (stories[:10], stories[10:17], stories[17:]):
+        acc = HeadScoreAccumulator(lm.n_layer, lm.n_head)
+        record(lm, chunk, [acc], batch_size=8, names=names, progress=False)
+        parts.append(acc)
+    merged = parts[2].merge(parts[0]).merge(parts[1])  # any order
+    a, b = build_table(whole, False), build_table(merged, False)
+    # other batches (other padding): float32 rounding of the maps, nothing more
+    from storylens.numerics import probability_bound
+
+    bound = probability_bound(shipped_model.config, torch.float32)
+    for x, y in zip(a, b):
+        for col in ("name_mass", "prev_token", "prev_argmax", "marker", "duplicate_token", "induction"):
+            assert abs(getattr(x, col) - getattr(y, col)) <= bound, (x.label, col)
+
+
+def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
+    from storylens.analysis.position import PositionControlAccumulator, position_control_scores
+    from storylens.analysis.pronouns import PronounAccumulator, pronoun_attention
+
+    stories = corpus_split.quiz[:12]
+    calls = []
+    handle = shipped_model.register_forward_pre_hook(lambda m, a, kw: calls.append(a[0].shape[0]), with_kwargs=True)
+    pos, pron = PositionControlAccumulator(6, 4), PronounAccumulator(6, 4)
+    try:
+        scores = score_heads(shipped_model, stories, batch_size=4, measures=[pos, pron], progress=False)
+    finally:
+        handle.remove()
+    assert calls == [4, 4, 4]  # one forward pass per batch, nothing else
+    alone_pos = position_control_scores(shipped_model, stories, batch_size=4)
+    alone_pron = pronoun_attention(shipped_model, stories, batch_size=4)
+    assert torch.allclose(pos.result().name_mass, alone_pos.name_mass, atol=1e-12)
+    assert torch.allclose(pos.result().control, alone_pos.control, atol=1e-12)
+    assert torch.allclose(pron.result().pronoun_mass, alone_pron.pronoun_mass, atol=1e-12)
+    # the position control's name mass is the lesson's name mass, from the same maps
+    got = torch.tensor(scores.column("name_mass")).view(6, 4)
+    assert torch.allclose(got.double(), pos.result().name_mass, atol=1e-6)
+    assert [d.name for d in BUILTIN_DETECTORS] == ["name_mass", "prev_token", "prev_argmax", "prev4", "marker",
+                                                   "duplicate_token", "induction"]

@@ -1,0 +1,200 @@
+"""Any causal LM: storylens's scores on real transformers classes (GPT-2, GPT-Neo with its local
+attention, Llama with rotary positions and grouped key/value heads), each equal to the same score
+computed directly from transformers' own ``output_attentions``, story by story, in float64."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from storylens.analysis import score_heads  # noqa: E402
+from storylens.analysis.ablation import ablate_heads  # noqa: E402
+from storylens.analysis.names import main_character, name_vocabulary  # noqa: E402
+from storylens.heads import Head  # noqa: E402
+from storylens.hub import export_hf, load_model  # noqa: E402
+from storylens.lesson import lesson_quiz  # noqa: E402
+from storylens.lm import NativeLM, TransformersLM, load_lm  # noqa: E402
+
+WINDOW = 96
+N_STORIES = 10
+
+
+def _config(kind: str, vocab: int):
+    from transformers import GPT2Config, GPTNeoConfig, LlamaConfig
+
+    if kind == "gpt2":
+        return GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=WINDOW, vocab_size=vocab,
+                          bos_token_id=0, eos_token_id=0)
+    if kind == "gpt_neo":  # one global and one local layer; the local window (8) is shorter than a story
+        return GPTNeoConfig(num_layers=2, num_heads=4, hidden_size=64, max_position_embeddings=WINDOW,
+                            attention_types=[[["global", "local"], 1]], window_size=8, vocab_size=vocab,
+                            bos_token_id=0, eos_token_id=0)
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=WINDOW, vocab_size=vocab,
+                       bos_token_id=0, eos_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def native():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def quiz(native):
+    return lesson_quiz(native)[0]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neo", "llama"])
+def tiny_folder(request, native, tmp_path_factory):
+    """A seeded random model of one architecture, saved with storylens's tokenizer."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token="<|endoftext|>",
+                                  eos_token="<|endoftext|>")
+    cfg = _config(request.param, native.tokenizer.get_vocab_size())
+    cfg.bos_token_id = cfg.eos_token_id = tok.bos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # larger weights than the default init, so heads differ from an even spread
+        for name, p in model.named_parameters():
+            if "proj" in name or "attn" in name or "attention" in name:
+                p.mul_(8.0)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------- the reference, written plainly
+
+
+def _reference(model, ids: list[int], marker: int, name_pos: list[int], first: int | None) -> dict:
+    """Per-story means ``[layer, head]`` of every built-in detector, from ``output_attentions``."""
+    with torch.no_grad():
+        atts = model(torch.tensor([ids]), output_attentions=True).attentions
+    T = len(ids)
+    out = {k: [] for k in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token",
+                           "induction")}
+    for att in atts:
+        a = att[0]  # [head, q, k], float64
+        H = a.shape[0]
+        rows = {k: [] for k in out}
+        for h in range(H):
+            def mean(vals):
+                return sum(vals) / len(vals) if vals else None
+            qs = range(1, T)
+            rows["prev_token"].append(mean([float(a[h, q, q - 1]) for q in qs]))
+            rows["prev_argmax"].append(mean([float(int(a[h, q].argmax()) == q - 1) for q in qs]))
+            rows["prev4"].append(mean([float(a[h, q, max(0, q - 4):q].sum()) for q in qs]))
+            rows["marker"].append(mean([sum(float(a[h, q, k]) for k in range(q + 1) if ids[k] == marker) for q in qs]))
+            nq = [q for q in range(T) if first is not None and q > first and q not in name_pos]
+            rows["name_mass"].append(mean([sum(float(a[h, q, k]) for k in name_pos if k <= q) for q in nq]))
+            dup = {q: [k for k in range(q) if ids[k] == ids[q]] for q in range(T)}
+            rows["duplicate_token"].append(mean([sum(float(a[h, q, k]) for k in ks) for q, ks in dup.items() if ks]))
+            ind = {q: [k + 1 for k in ks] for q, ks in dup.items()}
+            rows["induction"].append(mean([sum(float(a[h, q, k]) for k in ks) for q, ks in ind.items() if ks]))
+        for k in out:
+            out[k].append(rows[k])
+    return out
+
+
+def test_every_score_equals_transformers_output_attentions(tiny_folder, quiz):
+    lm = load_lm(tiny_folder, dtype=torch.float64)
+    assert isinstance(lm, TransformersLM) and lm.window == WINDOW and lm.n_layer == 2 and lm.n_head == 4
+    stories = quiz[:N_STORIES]
+    got = score_heads(lm, stories, batch_size=4, max_stories_prev=4, progress=False)
+
+    names = name_vocabulary(stories)
+    sums: dict[str, list] = {}
+    for i, text in enumerate(stories):
+        enc = lm.tokenizer.encode(text, add_special_tokens=False)
+        ids = ([lm.marker_id] + enc.ids)[:WINDOW]
+        mc = main_character(text, enc.offsets, names, WINDOW)
+        pos = list(mc.positions) if mc is not None else []
+        first = mc.first_mention if mc is not None and pos else None
+        ref = _reference(lm.module, ids, lm.marker_id, pos, first)
+        for k, grid in ref.items():
+            for layer, row in enumerate(grid):
+                for h, v in enumerate(row):
+                    if v is not None:
+                        sums.setdefault(k, {}).setdefault((layer, h), []).append(v)
+                        if k in ("prev_token", "prev_argmax", "prev4") and i < 4:
+                            sums.setdefault(k + "_first", {}).setdefault((layer, h), []).append(v)
+    checked = 0
+    for k, per_head in sums.items():
+        for (layer, h), vals in per_head.items():
+            want = sum(vals) / len(vals)
+            have = getattr(got.at(Head(layer, h)), k)
+            assert abs(have - want) <= 1e-9, (k, Head(layer, h).label, have, want)
+            checked += 1
+    assert checked == 10 * 2 * 4  # every column, every head
+    assert got.n_name_scored > 0 and len(sums["duplicate_token"]) == 8
+
+
+def test_hook_z_ablation_on_a_transformers_model(tiny_folder, quiz):
+    lm = load_lm(tiny_folder)
+    ids = torch.tensor([lm.encode(quiz[0])[:40]])
+    base = lm.forward(ids)
+    seen = {}
+    with lm.hooks([("blocks.1.attn.hook_z", lambda z: seen.setdefault("z", z.clone()))]):
+        with ablate_heads(lm, ["L2H3"]):
+            off = lm.forward(ids)
+    assert not torch.equal(base, off)
+    assert seen["z"].shape == (1, 40, 4, 16)  # [batch, query, head, head_size]
+    assert torch.equal(lm.forward(ids), base)  # every hook gone on exit
+
+
+def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
+    folder = export_hf(native, tmp_path / "hf")
+    hf = load_lm(folder)
+    assert isinstance(hf, TransformersLM) and (hf.n_layer, hf.n_head, hf.window) == (6, 4, 256)
+    a = score_heads(NativeLM(native), quiz[:24], max_stories_prev=10, progress=False)
+    b = score_heads(hf, quiz[:24], max_stories_prev=10, progress=False)
+    worst = max(abs(x - y) for ra, rb in zip(a.to_rows(), b.to_rows()) for k, x in ra.items()
+                if isinstance(x, float) for y in [rb[k]])
+    assert worst <= 1e-5, worst
+
+
+def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):
+    out = tmp_path / "report"
+    r = subprocess.run([sys.executable, "-m", "storylens", "report", "--model", str(tiny_folder), "--out", str(out),
+                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    heads = json.loads((out / "heads.json").read_text())["heads"]
+    assert [h["label"] for h in heads] == [f"L{b}H{h}" for b in (1, 2) for h in (1, 2, 3, 4)]
+    assert "of 8 heads below the baseline" in r.stdout
+    html = (out / "report.html").read_text()
+    assert "All 8 heads" in html and "Not run for this model" in html
+
+
+def test_report_on_the_export(native, tmp_path):
+    folder = export_hf(native, tmp_path / "hf")
+    out = tmp_path / "report"
+    r = subprocess.run([sys.executable, "-m", "storylens", "report", "--model", str(folder), "--out", str(out),
+                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "of 24 heads below the baseline" in r.stdout
+    assert len(json.loads((out / "heads.json").read_text())["heads"]) == 24
+
+
+def test_commands_on_a_transformers_folder(tiny_folder, tmp_path):
+    def run(*argv):
+        r = subprocess.run([sys.executable, "-m", "storylens", *argv, "--model", str(tiny_folder)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (argv, r.stderr)
+        return r.stdout
+
+    assert run("perplexity").startswith("quiz perplexity ")
+    assert run("generate", "Once upon a time", "--max-new-tokens", "5").startswith("Once upon a time")
+    page = tmp_path / "replay.html"
+    run("generate", "Once upon a time", "--max-new-tokens", "4", "--record", "--html", str(page))
+    assert page.stat().st_size > 1000
+    table = run("ablate", "--heads", "L1H2", "L2H4", "--mode", "zero")
+    assert "L1H2+L2H4" in table and "first difference" in table
+    r = subprocess.run([sys.executable, "-m", "storylens", "check", "--model", str(tiny_folder)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "storylens's own models" in r.stderr and len(r.stderr.strip().splitlines()) == 1
