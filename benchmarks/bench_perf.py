@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -169,18 +168,7 @@ def memory_child(n: int) -> None:
     print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before, "rss_peak_mb": peak_rss_mb()}))
 
 
-def peak_rss_mb() -> float:
-    """This process's resident-memory high-water mark, from the OS: ``VmHWM`` (Linux; it starts
-    afresh at exec, where ``ru_maxrss`` carries the parent's peak over), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 2**20 if sys.platform == "darwin" else r / 1024
+from storylens.ray_engine import peak_rss_mb  # noqa: E402  (the one definition)
 
 
 def bench_memory() -> dict:

@@ -349,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
     add_ablate_parser(sub)
+    add_score_parser(sub)
     return p
 
 
@@ -465,6 +466,57 @@ def _cmd_ablate(args) -> int:
     print()
     print(d.format())
     sys.stdout.flush()
+    return 0
+
+
+def add_score_parser(sub) -> None:
+    s = sub.add_parser("score", help="score every head over any corpus (streamed; checkpointed; on Ray if asked)")
+    s.add_argument("--stories", required=True, metavar="SRC",
+                   help="a .txt/.gz file with <|endoftext|> lines, .jsonl, .parquet, a saved Hugging Face dataset "
+                        "folder, or hf:OWNER/NAME (the local cache, or the hub with --allow-download)")
+    s.add_argument("--out", required=True, help="output folder: heads.csv, heads.json, summary.json")
+    s.add_argument("--text-field", default="text", help="the story's field in JSON lines, Parquet or a dataset")
+    s.add_argument("--split", default="train", help="a Hugging Face dataset's split (default train)")
+    s.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N stories")
+    s.add_argument("--batch-size", type=int, default=16, help="stories per forward pass (default 16)")
+    s.add_argument("--chunk-stories", type=int, default=512,
+                   help="stories encoded and batched together, the unit of checkpoints and of Ray work (default 512)")
+    s.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
+                   help="write a checkpoint after every N batches (at the end of a chunk; default 50)")
+    s.add_argument("--resume", action="store_true", help="go on from the checkpoint an interrupted run left")
+    s.add_argument("--engine", choices=["local", "ray"], default="local", help="this process, or Ray actors")
+    s.add_argument("--workers", type=int, default=2, help="with --engine ray: how many actors (default 2)")
+    s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
+    s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_model(s)
+    s.set_defaults(func=cmd_score)
+
+
+def cmd_score(args) -> int:
+    from .analysis.detectors import BUILTIN_DETECTORS
+    from .score import score_corpus
+    from .sources import open_source
+
+    if args.engine != "ray" and (args.address or args.workers != 2):
+        raise StorylensError("--workers and --address: only with --engine ray")
+    source = open_source(args.stories, text_field=args.text_field, limit=args.limit, split=args.split,
+                         allow_download=args.allow_download)
+    detectors = BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector)
+    lm = _load(args)
+    run = score_corpus(lm, source, args.out, batch_size=args.batch_size, chunk_stories=args.chunk_stories,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
+                       workers=args.workers, address=args.address, model_source=args.model,
+                       detectors=detectors, progress=not args.no_progress)
+    s = run.summary
+    st = s["stories"]
+    print(f"{st['scored']:,} stories from {st['source']}: {st['cut_to_window']:,} cut to the window, "
+          f"{st['with_main_character']:,} with a main character ({st['name_scored']:,} scored for names)")
+    for name, top in s["top"].items():
+        if top is not None:
+            print(f"  {name:16} highest {top['head']} {top['score']:.3f}")
+    print(f"written to {run.out} (scoring {s['seconds']['scoring']:.1f} s, first pass {s['seconds']['first_pass']:.1f} s, "
+          f"engine {s['engine']['name']})")
     return 0
 
 

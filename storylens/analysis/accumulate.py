@@ -36,3 +36,16 @@ class MeanAccumulator:
         self.total += other.total
         self.count += other.count
         return self
+
+    def state(self) -> dict:
+        """Sum and count as plain data (float64 sums written exactly by JSON's shortest repr)."""
+        return {"total": self.total.tolist(), "count": self.count}
+
+    @classmethod
+    def from_state(cls, state: dict, shape: tuple[int, ...]) -> "MeanAccumulator":
+        acc = cls(shape)
+        total = torch.tensor(state["total"], dtype=torch.float64)
+        if total.shape != acc.total.shape:
+            raise ValueError(f"state: shape {tuple(total.shape)}, expected {tuple(acc.total.shape)}")
+        acc.total, acc.count = total, int(state["count"])
+        return acc

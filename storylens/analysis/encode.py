@@ -8,7 +8,8 @@ so token ``i`` of the story sits at position ``i + 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from itertools import islice
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -122,16 +123,29 @@ CHUNK_STORIES = 512  # stories encoded (and sorted by length into batches) at a 
 
 
 def is_encoded(stories) -> bool:
-    return len(stories) > 0 and isinstance(stories[0], EncodedStory)
+    return isinstance(stories, Sequence) and len(stories) > 0 and isinstance(stories[0], EncodedStory)
 
 
-def iter_encoded(lm, stories: Sequence, names, *, chunk_stories: int = CHUNK_STORIES) -> Iterator[list[EncodedStory]]:
-    """The stories encoded ``chunk_stories`` at a time (memory does not grow with the corpus);
-    stories already encoded (:class:`EncodedStory`, e.g. shared by several steps of a report) are
-    passed on as they are."""
-    for start in range(0, len(stories), chunk_stories):
-        chunk = stories[start : start + chunk_stories]
-        yield list(chunk) if is_encoded(stories) else encode_stories(lm, chunk, names, start=start)
+def chunked(stories: Iterable, size: int, start: int = 0) -> Iterator[tuple[int, list]]:
+    """``(index of the first, items)`` for consecutive pieces of ``size`` items of any iterable,
+    indices counted from ``start``."""
+    it = iter(stories)
+    while True:
+        piece = list(islice(it, size))
+        if not piece:
+            return
+        yield start, piece
+        start += len(piece)
+
+
+def iter_encoded(lm, stories: Iterable, names, *, chunk_stories: int = CHUNK_STORIES,
+                 start: int = 0) -> Iterator[list[EncodedStory]]:
+    """The stories encoded ``chunk_stories`` at a time (memory does not grow with the corpus; a
+    stream is read as it goes); stories already encoded (:class:`EncodedStory`, e.g. shared by
+    several steps of a report) are passed on as they are. ``start``: the index of the first."""
+    encoded = is_encoded(stories)
+    for first, chunk in chunked(stories, chunk_stories, start):
+        yield chunk if encoded else encode_stories(lm, chunk, names, start=first)
 
 
 def iter_batches(lm, stories: Sequence[str], *, batch_size: int = 16, names=None, first_limit: int | None = None,

@@ -44,17 +44,38 @@ def is_capitalised(word: str) -> bool:
     return len(word) >= 2 and word[0].isupper() and word[1:].islower()
 
 
-def name_vocabulary(stories: Iterable[str]) -> frozenset[str]:
-    """Every capitalised word whose lower-case form is never written in ``stories``."""
-    lower: set[str] = set()
-    capitalised: set[str] = set()
-    for text in stories:
+class NameVocabulary:
+    """The first pass the name definition needs: the lower-case words written anywhere in the
+    stories and the capitalised words. A name is a capitalised word whose lower-case form is never
+    written. Two vocabularies :meth:`merge` by set union (in any order, on any machine), so the
+    first pass can be split like the scoring itself; :meth:`names` is then the same as one pass."""
+
+    def __init__(self, lower=(), capitalised=()):
+        self.lower: set[str] = set(lower)
+        self.capitalised: set[str] = set(capitalised)
+
+    def add(self, text: str) -> None:
         for word in WORD_RE.findall(text):
             if word.islower():
-                lower.add(word)
+                self.lower.add(word)
             elif is_capitalised(word):
-                capitalised.add(word)
-    return frozenset(w for w in capitalised if w.lower() not in lower)
+                self.capitalised.add(word)
+
+    def merge(self, other: "NameVocabulary") -> "NameVocabulary":
+        self.lower |= other.lower
+        self.capitalised |= other.capitalised
+        return self
+
+    def names(self) -> frozenset[str]:
+        return frozenset(w for w in self.capitalised if w.lower() not in self.lower)
+
+
+def name_vocabulary(stories: Iterable[str]) -> frozenset[str]:
+    """Every capitalised word whose lower-case form is never written in ``stories``."""
+    vocab = NameVocabulary()
+    for text in stories:
+        vocab.add(text)
+    return vocab.names()
 
 
 def name_mentions(text: str, names: frozenset[str] | set[str]) -> dict[str, list[Span]]:

@@ -17,7 +17,7 @@ control and the pronoun measure from the same maps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -39,26 +39,38 @@ class RecordStats:
     n_cut: int  # stories cut to the window
     n_main_character: int  # stories with a main character
 
+    def __add__(self, other: "RecordStats") -> "RecordStats":
+        return RecordStats(self.n_stories + other.n_stories, self.n_cut + other.n_cut,
+                           self.n_main_character + other.n_main_character)
 
-def record(lm, stories: Sequence[str], measures: Sequence[Measure], *, batch_size: int = 16, names=None,
-           first_limit: int | None = None, progress: bool = True, chunk_stories: int = CHUNK_STORIES) -> RecordStats:
+
+def record(lm, stories: Iterable, measures: Sequence[Measure], *, batch_size: int = 16, names=None,
+           first_limit: int | None = None, progress: bool = True, chunk_stories: int = CHUNK_STORIES,
+           start: int = 0, total: int | None = None,
+           on_chunk: Callable[[RecordStats], None] | None = None) -> RecordStats:
     """Run ``stories`` (texts, or :class:`~storylens.analysis.encode.EncodedStory` records already
     encoded) through ``lm`` once, feeding every measure (see the module docstring).
 
     ``names``: the name vocabulary (default: that of ``stories`` themselves, a first pass over the
-    texts, as the lesson defines names). ``first_limit``: batches mark the stories among the first
-    that many (for the lesson's first-100 columns)."""
+    texts, as the lesson defines names; a one-pass stream must bring its own). ``first_limit``:
+    batches mark the stories among the first that many (for the lesson's first-100 columns).
+    Stories are encoded and batched ``chunk_stories`` at a time, chunk by chunk in order, so the
+    same stories always make the same batches; ``start`` is the index of the first story (a run
+    resumed after ``start`` stories), ``total`` the count for the progress bar, and
+    ``on_chunk(stats so far)`` is called after every chunk (where a long run checkpoints)."""
     from tqdm.auto import tqdm
 
     from .names import name_vocabulary
 
-    if not isinstance(stories, Sequence) or isinstance(stories, str):
-        stories = list(stories)
-    if len(stories) == 0:
+    if isinstance(stories, str):
+        raise StorylensError("stories: a list of stories, not one string")
+    if isinstance(stories, Sequence) and len(stories) == 0:
         raise StorylensError("stories: nothing to score (empty list)")
     if batch_size < 1:
         raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
     if names is None and not is_encoded(stories):
+        if not isinstance(stories, Sequence):
+            raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")
         names = name_vocabulary(stories)
 
     def feed(layer):
@@ -67,15 +79,18 @@ def record(lm, stories: Sequence[str], measures: Sequence[Measure], *, batch_siz
                 m.block(layer, pattern)
         return fn
 
-    n_cut = n_main = 0
+    n = n_cut = n_main = 0
     module = lm.module
     was_training = module.training
     module.eval()
+    if total is None and isinstance(stories, Sequence):
+        total = start + len(stories)
     try:
         with torch.inference_mode(), lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed(i)) for i in range(lm.n_layer)]), \
-                tqdm(total=len(stories), unit="story", desc="recording attention",
+                tqdm(total=total, initial=start, unit="story", desc="recording attention",
                      disable=None if progress else True) as bar:  # None: terminals only
-            for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories):
+            for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
+                n += len(chunk)
                 n_cut += sum(s.cut for s in chunk)
                 n_main += sum(s.main is not None for s in chunk)
                 for idx in length_batches([len(s.ids) for s in chunk], batch_size):
@@ -86,6 +101,10 @@ def record(lm, stories: Sequence[str], measures: Sequence[Measure], *, batch_siz
                     for m in measures:
                         m.end()
                     bar.update(len(idx))
+                if on_chunk is not None:
+                    on_chunk(RecordStats(n, n_cut, n_main))
     finally:
         module.train(was_training)
-    return RecordStats(len(stories), n_cut, n_main)
+    if n == 0:
+        raise StorylensError("stories: nothing to score (no story)")
+    return RecordStats(n, n_cut, n_main)

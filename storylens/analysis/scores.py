@@ -158,6 +158,23 @@ class HeadScoreAccumulator:
         self.name_baseline.merge(other.name_baseline)
         return self
 
+    def state(self) -> dict:
+        """Every sum and count as plain data (a checkpoint, or what a worker sends to be merged)."""
+        return {"shape": [self.n_layer, self.n_head], "detectors": [d.name for d in self.detectors],
+                "means": {k: a.state() for k, a in self.means.items()},
+                "first": {k: a.state() for k, a in self.first.items()},
+                "name_baseline": self.name_baseline.state()}
+
+    def load_state(self, state: dict) -> "HeadScoreAccumulator":
+        """Take the sums and counts of :meth:`state` (the same heads and detectors)."""
+        if state["shape"] != [self.n_layer, self.n_head] or state["detectors"] != [d.name for d in self.detectors]:
+            raise ValueError("state: other heads or detectors than this accumulator's")
+        shape = (self.n_layer, self.n_head)
+        self.means = {k: MeanAccumulator.from_state(v, shape) for k, v in state["means"].items()}
+        self.first = {k: MeanAccumulator.from_state(v, shape) for k, v in state["first"].items()}
+        self.name_baseline = MeanAccumulator.from_state(state["name_baseline"], ())
+        return self
+
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:
         """Every score as a ``[layer, head]`` float64 tensor (None: not computed)."""
         cols: dict[str, torch.Tensor | None] = {k: a.mean() for k, a in self.means.items()}

@@ -1,0 +1,155 @@
+"""Corpus scale, measured: memory flat in the number of stories, and one process against Ray.
+
+    python benchmarks/bench_corpus.py [--json benchmarks/corpus.json] [--memory 200 8000 100000] [--time 2000 20000]
+
+Stories: the shared TinyStories corpus (``../shared``), repeated in file order until there are
+enough, written once to a temporary text file; every run reads it with ``storylens.sources``
+(streamed) and scores every head with every built-in detector (``storylens.score.score_corpus``),
+each run in a fresh process so that its peak resident memory (``VmHWM``) is its own.
+
+* ``memory``: one process (the local engine) at each size: peak RSS, and the ratio to the smallest.
+* ``time``: at each size, one process (2 torch threads) against Ray with 2 actors (one thread each)
+  started on this machine: wall time of the scoring pass (the first pass over the text is timed
+  apart), and peak memory (driver, and each actor's own peak).
+
+Then an estimate, from the measured cost per story, of the whole TinyStories training split
+(2.1 M stories) on the shipped model, and of 1 M documents on GPT-2 small (from
+``benchmarks/detectors.json``, the measured cost per token of the 124M model), on this machine and
+on a 32-node cluster of such machines (no scaling loss assumed: the work is independent chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINYSTORIES_TRAIN = 2_119_719  # stories in TinyStories-train.txt (the lesson's corpus)
+
+
+def write_corpus(path: Path, n: int) -> None:
+    from storylens.data import EOT, load_split
+
+    split = load_split()
+    stories = split.train + split.quiz
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(f"{stories[i % len(stories)]}\n{EOT}\n")
+
+
+def child(corpus: str, n: int, engine: str, workers: int) -> None:
+    import torch
+
+    from storylens.lm import load_lm
+    from storylens.ray_engine import peak_rss_mb
+    from storylens.score import score_corpus
+    from storylens.sources import open_source
+
+    out = tempfile.mkdtemp(prefix="bench_corpus_") + "/out"
+    details: dict = {}
+    lm = load_lm()
+    t = time.perf_counter()
+    if engine == "ray":
+        from storylens import ray_engine
+
+        original = ray_engine.score_with_ray
+
+        def with_details(*a, **kw):
+            return original(*a, details=details, **kw)
+
+        ray_engine.score_with_ray = with_details
+    run = score_corpus(lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False)
+    wall = time.perf_counter() - t
+    print(json.dumps({"n": n, "engine": engine, "workers": workers if engine == "ray" else 1,
+                      "threads": torch.get_num_threads(), "wall_s": wall,
+                      "first_pass_s": run.summary["seconds"]["first_pass"],
+                      "scoring_s": run.summary["seconds"]["scoring"], "driver_peak_mb": peak_rss_mb(),
+                      "actor_peak_mb": sorted(details.get("actor_peak_mb", {}).values())}))
+
+
+def run_child(corpus: Path, n: int, engine: str, workers: int = 2) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(corpus), str(n), engine, str(workers)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"  {engine:5} {n:>7,} stories: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
+          f"driver peak {r['driver_peak_mb']:6.0f} MB" + (f", actors {', '.join(f'{x:.0f}' for x in r['actor_peak_mb'])} MB"
+                                                          if r["actor_peak_mb"] else ""), flush=True)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", type=int, nargs="*", default=[200, 8000, 100_000])
+    ap.add_argument("--time", type=int, nargs="*", default=[2000, 20_000])
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        corpus, n, engine, workers = args.child
+        return child(corpus, int(n), engine, int(workers))
+
+    biggest = max(args.memory + args.time)
+    res: dict = {"machine": {"cpu": _cpu(), "cores": os.cpu_count()}, "memory": [], "time": []}
+    with tempfile.TemporaryDirectory() as d:
+        corpus = Path(d) / "stories.txt"
+        write_corpus(corpus, biggest)
+        print("memory (one process, fresh each):", flush=True)
+        for n in args.memory:
+            res["memory"].append(run_child(corpus, n, "local"))
+        if res["memory"]:
+            base = res["memory"][0]["driver_peak_mb"]
+            for r in res["memory"]:
+                r["ratio_to_smallest"] = r["driver_peak_mb"] / base
+        print("time (one process vs Ray with 2 actors):", flush=True)
+        for n in args.time:
+            res["time"].append({"n": n, "local": run_child(corpus, n, "local"), "ray": run_child(corpus, n, "ray", 2)})
+    res["estimate"] = estimate(res)
+    for line in res["estimate"]["lines"]:
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+def estimate(res: dict) -> dict:
+    """Whole-corpus estimates from the largest measured runs (per-story cost x stories)."""
+    t = res["time"][-1]
+    per_story = {k: t[k]["scoring_s"] / t["n"] for k in ("local", "ray")}
+    day = 86400.0
+    lines = [f"estimate: {TINYSTORIES_TRAIN:,} TinyStories on the shipped model: "
+             f"{per_story['local'] * TINYSTORIES_TRAIN / 3600:.1f} h on this machine (one process), "
+             f"{per_story['ray'] * TINYSTORIES_TRAIN / 3600 / 32:.2f} h on 32 such machines with Ray"]
+    out = {"per_story_s": per_story, "tinystories_hours_one_machine": per_story["local"] * TINYSTORIES_TRAIN / 3600,
+           "tinystories_hours_32_nodes": per_story["ray"] * TINYSTORIES_TRAIN / 3600 / 32}
+    det = ROOT / "benchmarks" / "detectors.json"
+    if det.exists():
+        g = json.loads(det.read_text())["models"].get("gpt2-124m")
+        if g:
+            per_token = g["seconds"]["storylens"] / g["inputs"]["tokens"]
+            doc_tokens = 1024  # a GPT-2 document filling its window
+            one = per_token * doc_tokens * 1e6
+            out.update(gpt2_per_token_s=per_token, gpt2_days_one_machine=one / day, gpt2_days_32_nodes=one / day / 32)
+            lines.append(f"estimate: 1 M documents of {doc_tokens} tokens on GPT-2 small: {one / day:.0f} days on this "
+                         f"machine, {one / day / 32:.1f} days on 32 (from {per_token * 1000:.2f} ms/token measured on "
+                         f"{g['inputs']['tokens']:,} tokens of TinyStories-length text; attention grows with length, so "
+                         "full 1,024-token documents cost more per token)")
+    out["lines"] = lines
+    return out
+
+
+def _cpu() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_perf import _cpu as cpu
+
+    return cpu()
+
+
+if __name__ == "__main__":
+    main()

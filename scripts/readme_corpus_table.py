@@ -1,0 +1,43 @@
+"""Regenerate the README's corpus-scale table from a benchmark run (never typed in):
+
+    python benchmarks/bench_corpus.py --json benchmarks/corpus.json
+    python scripts/readme_corpus_table.py benchmarks/corpus.json
+
+Replaces the text between <!-- corpus:start --> and <!-- corpus:end -->.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.readme_tables import README, replace_between  # noqa: E402
+
+
+def table(r: dict) -> str:
+    m = r["machine"]
+    rows = [f"Measured by `python benchmarks/bench_corpus.py` on {m['cpu']} ({m['cores']} cores), each run a fresh "
+            "process, every built-in detector, the shipped model:", "",
+            "| stories | engine | scoring | peak memory |", "|---|---|---|---|"]
+    for x in r["memory"]:
+        rows.append(f"| {x['n']:,} | one process | {x['scoring_s']:.1f} s | {x['driver_peak_mb']:.0f} MB "
+                    f"({x['ratio_to_smallest']:.3f}x the smallest run) |")
+    for t in r["time"]:
+        lo, ra = t["local"], t["ray"]
+        rows.append(f"| {t['n']:,} | one process (2 threads) | {lo['scoring_s']:.1f} s | {lo['driver_peak_mb']:.0f} MB |")
+        actors = " + ".join(f"{a:.0f}" for a in ra["actor_peak_mb"])
+        rows.append(f"| {t['n']:,} | Ray, 2 actors (1 thread each) | {ra['scoring_s']:.1f} s "
+                    f"({lo['scoring_s'] / ra['scoring_s']:.2f}x the speed) | driver {ra['driver_peak_mb']:.0f} MB, "
+                    f"actors {actors} MB |")
+    rows += ["", *(f"- {line.removeprefix('estimate: ')}" for line in r["estimate"]["lines"])]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    r = json.loads(Path(sys.argv[1]).read_text())
+    README.write_text(replace_between(README.read_text(), "corpus", table(r)))
+
+
+if __name__ == "__main__":
+    main()

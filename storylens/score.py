@@ -1,0 +1,175 @@
+"""``storylens score``: every head over any corpus, streamed in flat memory, checkpointed, on one
+machine or on a Ray cluster. Writes the head table (heads.csv, heads.json) and summary.json.
+
+Two passes over the source (:mod:`storylens.sources`), both streamed:
+
+1. **names**: the lesson's name definition needs the whole set scored (a name is a capitalised
+   word whose lower-case form appears nowhere in it), so a first pass builds the
+   :class:`~storylens.analysis.names.NameVocabulary`, a mergeable pair of word sets;
+2. **recording**: stories are encoded and batched ``chunk_stories`` at a time, in order (the same
+   stories always make the same batches); each batch is run once and every detector streamed
+   into one :class:`~storylens.analysis.scores.HeadScoreAccumulator` (float64 sums and counts).
+
+Every ``checkpoint_every`` batches (at the end of a chunk) the merged sums, counts and the number of
+stories done are written atomically beside ``out``; ``resume=True`` skips those stories and goes on,
+so an interrupted run ends with the same numbers as an uninterrupted one. With ``engine="ray"``
+the chunks go to a pool of Ray actors instead (:mod:`storylens.ray_engine`) and their sums are merged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import StorylensError
+from .publish import publish_folder, write_text_atomic
+
+CHECKPOINT_SUFFIX = ".checkpoint.json"
+
+
+@dataclass
+class ScoreRun:
+    out: Path
+    scores: object  # HeadScores
+    summary: dict
+
+
+def checkpoint_path(out: Path) -> Path:
+    return out.with_name(out.name + CHECKPOINT_SUFFIX)
+
+
+def first_pass(source, *, progress: bool = True):
+    """The name vocabulary of every story in ``source`` and how many there are (streamed)."""
+    from tqdm.auto import tqdm
+
+    from .analysis.names import NameVocabulary
+
+    vocab, n = NameVocabulary(), 0
+    for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
+        vocab.add(text)
+        n += 1
+    if n == 0:
+        raise StorylensError(f"{source.describe()}: no stories")
+    return vocab, n
+
+
+def _fingerprint(lm, source, names, settings: dict) -> dict:
+    digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).hexdigest()[:16]
+    return {"model": str(lm.name), "model_sizes": [lm.n_layer, lm.n_head, lm.window],
+            "source": source.fingerprint(), "names_sha256": digest, **settings}
+
+
+def score_corpus(lm, source, out, *, batch_size: int = 16, chunk_stories: int = 512, checkpoint_every: int = 50,
+                 resume: bool = False, engine: str = "local", workers: int = 2, address: str | None = None,
+                 model_source: str | None = None, detectors=None, progress: bool = True) -> ScoreRun:
+    """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
+    docstring). ``model_source`` is what each Ray actor loads (a folder or hub id; None: the shipped
+    model)."""
+    from .analysis.detectors import BUILTIN_DETECTORS
+    from .analysis.record import RecordStats, record
+    from .analysis.scores import HeadScoreAccumulator, score_table
+
+    detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
+    if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
+        raise StorylensError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
+    if engine not in ("local", "ray"):
+        raise StorylensError(f"--engine: local or ray (got {engine!r})")
+    out = Path(out)
+    ckpt = checkpoint_path(out)
+    t0 = time.perf_counter()
+    vocab, n_total = first_pass(source, progress=progress)
+    names = vocab.names()
+    t_names = time.perf_counter() - t0
+    settings = {"batch_size": batch_size, "chunk_stories": chunk_stories, "detectors": [d.name for d in detectors]}
+    fingerprint = _fingerprint(lm, source, names, settings)
+
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors)
+    done = RecordStats(0, 0, 0)
+    if ckpt.exists():
+        if not resume:
+            raise StorylensError(f"{ckpt}: an earlier run's checkpoint is there; pass --resume to go on from it "
+                                 "(or delete it to start again)")
+        try:
+            saved = json.loads(ckpt.read_text())
+            if saved["fingerprint"] != fingerprint:
+                raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
+            acc.load_state(saved["state"])
+            done = RecordStats(*saved["stats"])
+        except StorylensError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StorylensError(f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again") from None
+
+    t1 = time.perf_counter()
+    batches_since = [0]
+    last = [done]
+
+    def progress_made(stats_here: RecordStats) -> None:
+        """After a chunk (or, on Ray, a window of chunks): a checkpoint every ``checkpoint_every`` batches."""
+        now = done + stats_here
+        batches_since[0] += -(-(now.n_stories - last[0].n_stories) // batch_size)
+        last[0] = now
+        if batches_since[0] >= checkpoint_every and now.n_stories < n_total:
+            write_text_atomic(ckpt, json.dumps({"fingerprint": fingerprint, "stats": list(_astuple(now)),
+                                                "state": acc.state()}))
+            batches_since[0] = 0
+
+    rest = _skip(source, done.n_stories)
+    if engine == "ray":
+        from .ray_engine import score_with_ray
+
+        stats = done + score_with_ray(model_source, rest, names, acc, workers=workers, address=address,
+                                      batch_size=batch_size, chunk_stories=chunk_stories, total=n_total,
+                                      progress=progress, detectors=detectors, start=done.n_stories,
+                                      on_window=progress_made)
+    else:
+        stats = done + record(lm, rest, [acc], batch_size=batch_size, names=names, progress=progress,
+                              chunk_stories=chunk_stories, start=done.n_stories, total=n_total,
+                              on_chunk=progress_made)
+    seconds = time.perf_counter() - t1
+    scores = score_table(acc, stats, None, lm.window)
+    summary = {
+        "model": {"name": str(lm.name), "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window},
+        "stories": {"source": source.describe(), "scored": stats.n_stories, "cut_to_window": stats.n_cut,
+                    "with_main_character": stats.n_main_character, "name_scored": scores.n_name_scored},
+        "names": {"definition": "a capitalised word whose lower-case form appears nowhere in the stories scored",
+                  "names": len(names), "lower_case_words": len(vocab.lower), "capitalised_words": len(vocab.capitalised)},
+        "engine": {"name": engine, "workers": workers if engine == "ray" else 1, "resumed_from": done.n_stories},
+        "seconds": {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
+        "detectors": [d.name for d in detectors],
+        "top": {d.name: _top(scores, d.name) for d in detectors},
+    }
+    with publish_folder(out, "score") as tmp:
+        scores.to_csv(tmp / "heads.csv")
+        scores.to_json(tmp / "heads.json")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if ckpt.exists():
+        ckpt.unlink()
+    return ScoreRun(out, scores, summary)
+
+
+def _top(scores, column: str) -> dict | None:
+    try:
+        h = scores.best(column)
+    except ValueError:
+        return None
+    return {"head": h.label, "score": scores.column(column)[scores.heads.index(h)]}
+
+
+def _astuple(stats) -> tuple[int, int, int]:
+    return stats.n_stories, stats.n_cut, stats.n_main_character
+
+
+def _skip(source, n: int):
+    """The stories after the first ``n`` (a resumed run reads the source again from the start)."""
+    from itertools import islice
+
+    return islice(iter(source), n, None)
+
+
+def default_workers() -> int:
+    return max(1, (os.cpu_count() or 2))

@@ -1,0 +1,96 @@
+"""storylens score on Ray: a real local Ray (no mocks). Whatever the number of actors the result equals
+the single-process one within 1e-9, and an actor killed mid-run loses and double-counts nothing."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from storylens.analysis.names import name_vocabulary  # noqa: E402
+from storylens.analysis.record import record  # noqa: E402
+from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
+from storylens.lm import NativeLM  # noqa: E402
+from storylens.ray_engine import score_with_ray  # noqa: E402
+
+BATCH, CHUNK = 4, 8
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def single(model, stories):
+    acc = HeadScoreAccumulator(6, 4)
+    stats = record(NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False)
+    return acc, stats
+
+
+def on_ray(stories, workers):
+    acc = HeadScoreAccumulator(6, 4)
+    stats = score_with_ray(None, stories, name_vocabulary(stories), acc, workers=workers, batch_size=BATCH,
+                           chunk_stories=CHUNK, progress=False)
+    return acc, stats
+
+
+def assert_same(a, b):
+    for k, x in a.columns(True).items():
+        y = b.columns(True)[k]
+        assert (x - y).abs().nan_to_num(0.0).max().item() <= 1e-9, k
+    assert {k: v.count for k, v in a.means.items()} == {k: v.count for k, v in b.means.items()}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_any_number_of_workers_equals_one_process(local_ray, shipped_model, corpus_split, workers):
+    stories = corpus_split.quiz[:40]
+    ref, ref_stats = single(shipped_model, stories)
+    got, stats = on_ray(stories, workers)
+    assert stats == ref_stats
+    assert_same(got, ref)
+
+
+def _scorer_pids() -> set[int]:
+    pids = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if "ray::" in cmd and ("ChunkScorer" in cmd or "MapWorker" in cmd):
+                pids.add(int(p))
+    return pids
+
+
+def test_a_killed_actor_loses_and_doubles_nothing(local_ray, shipped_model, corpus_split):
+    stories = corpus_split.quiz[:96]
+    ref, ref_stats = single(shipped_model, stories)
+    result = {}
+
+    def run():
+        result["value"] = on_ray(stories, 2)
+
+    t = threading.Thread(target=run)
+    t.start()
+    killed = None
+    deadline = time.time() + 120
+    while killed is None and time.time() < deadline and t.is_alive():
+        pids = _scorer_pids()
+        if pids:
+            time.sleep(3)  # let it get into its chunks
+            victim = min(_scorer_pids() or pids)
+            os.kill(victim, signal.SIGKILL)
+            killed = victim
+        time.sleep(0.2)
+    t.join(timeout=600)
+    assert killed is not None, "no scoring actor process was found to kill"
+    got, stats = result["value"]
+    assert stats == ref_stats  # every story once
+    assert_same(got, ref)
