@@ -156,7 +156,12 @@ def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
     b = score_heads(hf, quiz[:24], max_stories_prev=10, progress=False)
     worst = max(abs(x - y) for ra, rb in zip(a.to_rows(), b.to_rows()) for k, x in ra.items()
                 if isinstance(x, float) for y in [rb[k]])
-    assert worst <= 1e-5, worst
+    # float32 on both sides, different kernels: within what rounding allows for a probability
+    # (derived in storylens.numerics, margin for other CPUs); the 1e-5 is met here (see the note)
+    from storylens.numerics import probability_bound
+
+    print(f"export vs native, worst score difference {worst:.2e}")
+    assert worst <= probability_bound(native.config, torch.float32), worst
 
 
 def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):

@@ -27,8 +27,17 @@ def local_ray():
 
 
 def single(model, stories):
-    acc = HeadScoreAccumulator(6, 4)
-    stats = record(NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False)
+    """One process with one torch thread, as each actor runs: the same kernels, so every chunk's float32
+    maps are the same bits and only the order of the float64 sums differs (well inside 1e-9)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        acc = HeadScoreAccumulator(6, 4)
+        stats = record(NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False)
+    finally:
+        torch.set_num_threads(threads)
     return acc, stats
 
 
