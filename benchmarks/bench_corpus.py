@@ -1,13 +1,17 @@
 """Corpus scale, measured: memory flat in the number of stories, and one process against Ray.
 
     python benchmarks/bench_corpus.py [--json benchmarks/corpus.json] [--memory 200 8000 100000] [--time 2000 20000]
+                                      [--batch 200 8000]
 
 Stories: the shared TinyStories corpus (``../shared``), repeated in file order until there are
 enough, written once to a temporary text file; every run reads it with ``storylens.sources``
 (streamed) and scores every head with every built-in detector (``storylens.score.score_corpus``),
 each run in a fresh process so that its peak resident memory (``VmHWM``) is its own.
 
-* ``memory``: one process (the local engine) at each size: peak RSS, and the ratio to the smallest.
+* ``memory``: one process (the local engine, ``storylens score``'s default batch of 4 stories) at
+  each size: peak RSS, and the ratio to the smallest.
+* ``batch``: the same with 16 stories a batch (the earlier default), to show what the batch size
+  costs in memory and buys in time.
 * ``time``: at each size, one process (2 torch threads) against Ray with 2 actors (one thread each)
   started on this machine: wall time of the scoring pass (the first pass over the text is timed
   apart), and peak memory (driver, and each actor's own peak).
@@ -29,8 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from storylens.score import BATCH_STORIES
+
 ROOT = Path(__file__).resolve().parents[1]
 TINYSTORIES_TRAIN = 2_119_719  # stories in TinyStories-train.txt (the lesson's corpus)
+BIG_BATCH = 16  # the batch compared with the default
 
 
 def write_corpus(path: Path, n: int) -> None:
@@ -43,7 +50,7 @@ def write_corpus(path: Path, n: int) -> None:
             f.write(f"{stories[i % len(stories)]}\n{EOT}\n")
 
 
-def child(corpus: str, n: int, engine: str, workers: int) -> None:
+def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> None:
     import torch
 
     from storylens.lm import load_lm
@@ -64,22 +71,23 @@ def child(corpus: str, n: int, engine: str, workers: int) -> None:
             return original(*a, details=details, **kw)
 
         ray_engine.score_with_ray = with_details
-    run = score_corpus(lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False)
+    run = score_corpus(lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False,
+                       batch_size=batch_size)
     wall = time.perf_counter() - t
-    print(json.dumps({"n": n, "engine": engine, "workers": workers if engine == "ray" else 1,
+    print(json.dumps({"n": n, "engine": engine, "workers": workers if engine == "ray" else 1, "batch_size": batch_size,
                       "threads": torch.get_num_threads(), "wall_s": wall,
                       "first_pass_s": run.summary["seconds"]["first_pass"],
                       "scoring_s": run.summary["seconds"]["scoring"], "driver_peak_mb": peak_rss_mb(),
                       "actor_peak_mb": sorted(details.get("actor_peak_mb", {}).values())}))
 
 
-def run_child(corpus: Path, n: int, engine: str, workers: int = 2) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(corpus), str(n), engine, str(workers)]
+def run_child(corpus: Path, n: int, engine: str, workers: int = 2, batch_size: int = BATCH_STORIES) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(corpus), str(n), engine, str(workers), str(batch_size)]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    print(f"  {engine:5} {n:>7,} stories: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
+    print(f"  {engine:5} {n:>7,} stories, batch {batch_size:2}: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
           f"driver peak {r['driver_peak_mb']:6.0f} MB" + (f", actors {', '.join(f'{x:.0f}' for x in r['actor_peak_mb'])} MB"
                                                           if r["actor_peak_mb"] else ""), flush=True)
     return r
@@ -90,14 +98,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", type=int, nargs="*", default=[200, 8000, 100_000])
     ap.add_argument("--time", type=int, nargs="*", default=[2000, 20_000])
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, nargs="*", default=[200, 8000])
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        corpus, n, engine, workers = args.child
-        return child(corpus, int(n), engine, int(workers))
+        corpus, n, engine, workers, batch_size = args.child
+        return child(corpus, int(n), engine, int(workers), int(batch_size))
 
-    biggest = max(args.memory + args.time)
-    res: dict = {"machine": {"cpu": _cpu(), "cores": os.cpu_count()}, "memory": [], "time": []}
+    biggest = max(args.memory + args.time + args.batch)
+    res: dict = {"machine": {"cpu": _cpu(), "cores": os.cpu_count()}, "batch_size": BATCH_STORIES,
+                 "memory": [], "batch": [], "time": []}
     with tempfile.TemporaryDirectory() as d:
         corpus = Path(d) / "stories.txt"
         write_corpus(corpus, biggest)
@@ -107,6 +117,13 @@ def main() -> None:
         if res["memory"]:
             base = res["memory"][0]["driver_peak_mb"]
             for r in res["memory"]:
+                r["ratio_to_smallest"] = r["driver_peak_mb"] / base
+        print(f"batch of {BIG_BATCH} stories (one process, fresh each):", flush=True)
+        for n in args.batch:
+            res["batch"].append(run_child(corpus, n, "local", batch_size=BIG_BATCH))
+        if res["batch"]:
+            base = res["batch"][0]["driver_peak_mb"]
+            for r in res["batch"]:
                 r["ratio_to_smallest"] = r["driver_peak_mb"] / base
         print("time (one process vs Ray with 2 actors):", flush=True)
         for n in args.time:

@@ -22,6 +22,7 @@ import os
 from typing import Iterable
 
 from .errors import StorylensError
+from .score import BATCH_STORIES
 
 WINDOW_CHUNKS_PER_WORKER = 8  # chunks given to Ray Data at a time, per worker (bounds the driver's memory)
 
@@ -95,7 +96,7 @@ def _init_ray(address: str | None, workers: int):
 
 
 def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: int = 2, address: str | None = None,
-                   batch_size: int = 16, chunk_stories: int = 512, total: int | None = None, progress: bool = True,
+                   batch_size: int = BATCH_STORIES, chunk_stories: int = 512, total: int | None = None, progress: bool = True,
                    detectors=None, details: dict | None = None, start: int = 0, on_window=None):
     """Score every chunk of ``source`` on Ray and merge the chunks' states into ``acc``; returns the
     :class:`~storylens.analysis.record.RecordStats` of the stories it scored (see the module docstring).
@@ -142,9 +143,9 @@ def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: 
                 stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
                 pid = int(row["pid"])
                 actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
+                bar.update(int(row["n"]))
             if on_window is not None:
                 on_window(stats)
-                bar.update(int(row["n"]))
     if stats.n_stories == 0:
         raise StorylensError("stories: nothing to score (no story)")
     if details is not None:

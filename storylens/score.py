@@ -29,6 +29,11 @@ from .errors import StorylensError
 from .publish import publish_folder, write_text_atomic
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
+# Stories per forward pass. Peak memory follows the largest batch's maps (batch x heads x window x
+# window floats per block, and the allocator's fragments of them), while on a CPU 4 stories a pass
+# score within a few percent of 16's speed (the "batch" rows of benchmarks/corpus.json); on a GPU
+# pass a larger one.
+BATCH_STORIES = 4
 
 
 @dataclass
@@ -63,7 +68,7 @@ def _fingerprint(lm, source, names, settings: dict) -> dict:
             "source": source.fingerprint(), "names_sha256": digest, **settings}
 
 
-def score_corpus(lm, source, out, *, batch_size: int = 16, chunk_stories: int = 512, checkpoint_every: int = 50,
+def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stories: int = 512, checkpoint_every: int = 50,
                  resume: bool = False, engine: str = "local", workers: int = 2, address: str | None = None,
                  model_source: str | None = None, detectors=None, progress: bool = True) -> ScoreRun:
     """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
