@@ -43,6 +43,8 @@ B_HEAD1 = [
 from storylens.model import GPTConfig as _Cfg
 from storylens.numerics import probability_bound, row_sum_bound
 
+from argmax_ties import argmax_allowance  # noqa: E402  (tests/analysis)
+
 F32_TOL = probability_bound(_Cfg(), torch.float32)  # derived in storylens.numerics
 
 
@@ -265,11 +267,13 @@ def test_streaming_equals_stored_maps_reference(shipped_model, five_stories):
     hs = score_heads(shipped_model, stories, batch_size=2, names=names, progress=False)
     assert hs.n_stories == 5 and hs.n_cut >= 1 and hs.n_name_scored == n_named >= 4
     grid = lambda c: np.array(hs.grid(c))
-    for col, key in (("name_mass", "name"), ("prev_token", "prev"), ("prev4", "prev4"),
-                     ("prev_argmax", "argmax"), ("marker", "marker")):
-        # float32 rounding of two equal computations (storylens.numerics); an argmax may flip on a near-tie
-        tol = 1e-3 if col == "prev_argmax" else F32_TOL
-        np.testing.assert_allclose(grid(col), ref[key], atol=tol, rtol=0, err_msg=col)
+    for col, key in (("name_mass", "name"), ("prev_token", "prev"), ("prev4", "prev4"), ("marker", "marker")):
+        # float32 rounding of two equal computations (storylens.numerics)
+        np.testing.assert_allclose(grid(col), ref[key], atol=F32_TOL, rtol=0, err_msg=col)
+    # an argmax may flip only on a near-tie (within the same rounding): at most that share of queries
+    ids = [encode_story(shipped_model.tokenizer, s, shipped_model.config.block_size).ids for s in stories]
+    allowed = argmax_allowance(shipped_model, ids, F32_TOL)
+    assert (np.abs(grid("prev_argmax") - ref["argmax"]) <= allowed).all()
     assert hs.name_baseline == pytest.approx(ref["base"], abs=1e-12)
 
 
@@ -301,9 +305,11 @@ def test_real_model_sanity(shipped_model, corpus_split):
             assert h.name_ratio == pytest.approx(h.name_mass / h.name_baseline)
     # the first-4 columns are the same scores on the first 4 stories alone
     first = score_heads(shipped_model, stories[:4], batch_size=4, progress=False)
-    for col in ("prev_token", "prev_argmax", "prev4"):
-        np.testing.assert_allclose(hs.column(col + "_first"), first.column(col),
-                                   atol=1e-3 if col == "prev_argmax" else F32_TOL)
+    for col in ("prev_token", "prev4"):
+        np.testing.assert_allclose(hs.column(col + "_first"), first.column(col), atol=F32_TOL)
+    first_ids = [encode_story(tok, s, W).ids for s in stories[:4]]
+    allowed = argmax_allowance(shipped_model, first_ids, F32_TOL).reshape(-1)  # heads in L1H1 .. L6H4 order
+    assert (np.abs(np.array(hs.column("prev_argmax_first")) - first.column("prev_argmax")) <= allowed).all()
 
 
 def test_batch_size_does_not_change_scores(shipped_model, corpus_split):

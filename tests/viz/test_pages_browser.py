@@ -74,6 +74,7 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
         b, h = int(page.get_attribute(root, "data-block")), int(page.get_attribute(root, "data-head"))
         shown = page.eval_on_selector_all(".slw-tokens .slw-tok[data-weight]",
                                           "els => els.map(e => parseFloat(e.dataset.weight))")
+        # the page embeds 5 decimals: within 5e-6 of the model's weights
         np.testing.assert_allclose(shown, run.attention[b, h, q, : q + 1].numpy(), atol=1e-5, rtol=0)
     _assert_drawn(page.screenshot())
     page.click(".slw-rp-last")
