@@ -114,17 +114,11 @@ def main() -> None:
         print("memory (one process, fresh each):", flush=True)
         for n in args.memory:
             res["memory"].append(run_child(corpus, n, "local"))
-        if res["memory"]:
-            base = res["memory"][0]["driver_peak_mb"]
-            for r in res["memory"]:
-                r["ratio_to_smallest"] = r["driver_peak_mb"] / base
+        _ratios(res["memory"])
         print(f"batch of {BIG_BATCH} stories (one process, fresh each):", flush=True)
         for n in args.batch:
             res["batch"].append(run_child(corpus, n, "local", batch_size=BIG_BATCH))
-        if res["batch"]:
-            base = res["batch"][0]["driver_peak_mb"]
-            for r in res["batch"]:
-                r["ratio_to_smallest"] = r["driver_peak_mb"] / base
+        _ratios(res["batch"])
         print("time (one process vs Ray with 2 actors):", flush=True)
         for n in args.time:
             res["time"].append({"n": n, "local": run_child(corpus, n, "local"), "ray": run_child(corpus, n, "ray", 2)})
@@ -133,6 +127,12 @@ def main() -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Each run's peak as a multiple of the first (smallest) run's."""
+    for r in rows:
+        r["ratio_to_smallest"] = r["driver_peak_mb"] / rows[0]["driver_peak_mb"]
 
 
 def estimate(res: dict) -> dict:

@@ -470,7 +470,7 @@ def _cmd_ablate(args) -> int:
 
 
 def add_score_parser(sub) -> None:
-    from .score import BATCH_STORIES
+    from .score import BATCH_STORIES, CHUNK_STORIES
 
     s = sub.add_parser("score", help="score every head over any corpus (streamed; checkpointed; on Ray if asked)")
     s.add_argument("--stories", required=True, metavar="SRC",
@@ -483,8 +483,9 @@ def add_score_parser(sub) -> None:
     s.add_argument("--batch-size", type=int, default=BATCH_STORIES,
                    help=f"stories per forward pass (default {BATCH_STORIES}: on a CPU nearly as fast as more, with "
                         "less peak memory; raise it on a GPU)")
-    s.add_argument("--chunk-stories", type=int, default=512,
-                   help="stories encoded and batched together, the unit of checkpoints and of Ray work (default 512)")
+    s.add_argument("--chunk-stories", type=int, default=CHUNK_STORIES,
+                   help="stories encoded and batched together, the unit of checkpoints and of Ray work "
+                        f"(default {CHUNK_STORIES})")
     s.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
                    help="write a checkpoint after every N batches (at the end of a chunk; default 50)")
     s.add_argument("--resume", action="store_true", help="go on from the checkpoint an interrupted run left")

@@ -22,7 +22,7 @@ import os
 from typing import Iterable
 
 from .errors import StorylensError
-from .score import BATCH_STORIES
+from .score import BATCH_STORIES, CHUNK_STORIES
 
 WINDOW_CHUNKS_PER_WORKER = 8  # chunks given to Ray Data at a time, per worker (bounds the driver's memory)
 
@@ -96,7 +96,7 @@ def _init_ray(address: str | None, workers: int):
 
 
 def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: int = 2, address: str | None = None,
-                   batch_size: int = BATCH_STORIES, chunk_stories: int = 512, total: int | None = None, progress: bool = True,
+                   batch_size: int = BATCH_STORIES, chunk_stories: int = CHUNK_STORIES, total: int | None = None, progress: bool = True,
                    detectors=None, details: dict | None = None, start: int = 0, on_window=None):
     """Score every chunk of ``source`` on Ray and merge the chunks' states into ``acc``; returns the
     :class:`~storylens.analysis.record.RecordStats` of the stories it scored (see the module docstring).

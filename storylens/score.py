@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .analysis.encode import CHUNK_STORIES
 from .errors import StorylensError
 from .publish import publish_folder, write_text_atomic
 
@@ -68,7 +69,7 @@ def _fingerprint(lm, source, names, settings: dict) -> dict:
             "source": source.fingerprint(), "names_sha256": digest, **settings}
 
 
-def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stories: int = 512, checkpoint_every: int = 50,
+def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stories: int = CHUNK_STORIES, checkpoint_every: int = 50,
                  resume: bool = False, engine: str = "local", workers: int = 2, address: str | None = None,
                  model_source: str | None = None, detectors=None, progress: bool = True) -> ScoreRun:
     """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
