@@ -42,13 +42,21 @@ figures for a model trained elsewhere; where ours differ, ours are what this mod
 text says so rather than bending a definition.
 
 **To run it**: on Colab, *Runtime → Run all* (the first cell installs storylens if it is
-missing); on your own computer, `pip install storylens` and open this file in Jupyter. No GPU and
-no corpus download are needed; everything takes well under a minute on a laptop CPU.
+missing); on your own computer, install it from its repository,
+`pip install "git+https://github.com/storylens/storylens"` (storylens is not on PyPI), and open
+this file in Jupyter. No GPU and no corpus download are needed; everything takes well under a
+minute on a laptop CPU.
 """),
     code("""
-import importlib.util
+import importlib.util, shlex, subprocess, sys
+REPOSITORY = "https://github.com/storylens/storylens"  # the one address: pyproject.toml's [project.urls]
 if importlib.util.find_spec("storylens") is None:  # Colab or a fresh environment: install once
-    %pip install -q storylens
+    install = f'{shlex.quote(sys.executable)} -m pip install -q "git+{REPOSITORY}"'
+    print(install)
+    done = subprocess.run(shlex.split(install))
+    if done.returncode != 0:  # stop here: every later cell needs storylens
+        raise RuntimeError(f"pip could not install storylens from {REPOSITORY} (exit {done.returncode}; "
+                           "its message is above): check the address and the network, then run this cell again")
 """),
     code("""
 %matplotlib inline
@@ -85,6 +93,9 @@ The widget below is a toy with two numbers per query and key, set by hand so tha
 looking for a name. Click a word to make it the one that looks back, and edit the numbers to watch
 the shares move. These are not the model's numbers; the model's queries are 64 numbers produced
 by a matrix multiply, and any "looking for a name" story we tell about them is our reading.
+
+The toy sentence stars Momo the monkey, the lesson's own character: in the lesson's telling, Momo
+*is* the model (his dials are its weights). He comes back in section 7, as the leakage check word.
 """),
     code("""
 from storylens.viz import toy_widget
@@ -103,6 +114,25 @@ The cell measures that on your CPU, in single precision (float32, how the model 
 and in double precision (float64). Each number sits next to the largest difference rounding alone
 could explain (the *bound*; see `storylens.numerics` for the derivation). In float64 the gaps
 shrink to around 1e-14: the two paths really compute the same thing.
+
+First the flag itself, on one quiz story: the same model called twice, once as it normally runs
+(the fused routine) and once with `record_attention=True`, which hands back one map per block.
+"""),
+    code("""
+from storylens.tokenizer import encode_story
+
+ids = torch.tensor([encode_story(tok, quiz[0]).ids])
+with torch.no_grad():
+    fused = model(ids)                             # the fast path: no attention kept
+    recorded = model(ids, record_attention=True)   # the long way: every block's probabilities kept
+print(f"fused path keeps attentions: {fused.attentions is not None}")
+print(f"attentions: {len(recorded.attentions)} blocks, each {list(recorded.attentions[0].shape)} "
+      "[batch, head, query, key]")
+print(f"largest logit difference, fused vs recorded: {(fused.logits - recorded.logits).abs().max().item():.1e}")
+print(f"every row sums to 1 within {(recorded.attentions[4].sum(-1) - 1).abs().max().item():.0e}")
+"""),
+    md("""
+Now the same comparison measured properly, over twelve stories and in two precisions:
 """),
     code("""
 from storylens.numerics import run_checks
@@ -149,7 +179,9 @@ print(counter.detail)
 
 Here is the first quiz story through all six blocks and four heads, the first tokens of it. Each
 small square is one head's attention map: row = the word looking back, column = the word looked
-at, darker = a larger share. Some heads spread their attention thinly; some fix on the very first
+at. The colour map is viridis on a power scale: brighter (towards yellow) = a larger share, dark
+purple = almost none, and every map uses the same scale, 0 to 1; the flat dark grey upper-right
+triangle is the causal mask. Some heads spread their attention thinly; some fix on the very first
 token (the end-of-story marker that opens every story); a few pick out particular words.
 """),
     code("""
@@ -191,11 +223,20 @@ story, how many mention the word "Momo", and what share of each quiz story's eig
 occur somewhere in training. TinyStories are written from a small vocabulary and repeat many
 phrases, so some overlap is expected; identical stories would be a problem. (Without the training
 corpus at hand, storylens shows the check it ran when the model was trained.)
+
+"Momo" is the lesson's leakage check word. The lesson tells its story with two characters: Momo
+the monkey is the model (his dials, already set in Lesson 01, are its weights), and Ella the
+elephant is the teacher who reads him the story and keeps the shelf of keys and values. The
+check counts the quiz stories that mention Momo; the lesson found none.
 """),
     code("""
 from storylens.lesson import lesson_leakage
-leakage = lesson_leakage(model)
-leakage
+leakage = lesson_leakage(model)   # a LeakageReport; leakage.shares holds every story's share
+print(f"{leakage.n_quiz} quiz stories against {leakage.n_train:,} training stories")
+print(f"identical to a training story: {leakage.n_duplicates}")
+print(f'mentioning "{leakage.word}": {leakage.n_mentioning}')
+print(f"share of a story's {leakage.run_words}-word runs also found in training: mean {leakage.run_share_mean:.1%}, "
+      f"largest {leakage.run_share_max:.1%} (quiz story {leakage.run_share_argmax + 1})")
 """),
     md("""
 ## 8. Looking for the name-tracking head
@@ -221,6 +262,12 @@ for h in scores.top("name_mass", 6):
     print(f"{h.label}  name mass {h.name_mass:.3f}  ({h.name_ratio:.1f} x the baseline)")
 below = scores.count("name_mass", below=scores.name_baseline)
 print(f"{below} of {len(scores.heads)} heads put less on the name than an even spread would")
+"""),
+    md("""
+Below, the same scores as a bar chart against the baseline and as a block x head table. Each
+table in this notebook is coloured over its own range (shown on its colour bar: black for its
+smallest value, light yellow for its largest), so compare tables by their numbers, not their
+colours.
 """),
     code("""
 from storylens.viz import name_mass_bar_figure, head_heatmap_figure
@@ -252,7 +299,8 @@ Small transformers often grow a **previous-token head**: one that sends most of 
 the word just before. Here we count heads with more than half their attention on the previous
 token, and also how often the previous token is the single most-attended one. A last score asks
 whether any head leans mostly on the end-of-story marker, the token that closes one story and
-opens the next.
+opens the next. The two tables after the numbers have their own colour ranges again (see their
+colour bars), not the name-mass table's.
 """),
     code("""
 prev = scores.best("prev_token")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .constants import DIVERGENCE_PROMPT, FIRST_STORIES
-from .errors import StorylensError
+from .errors import StorylensError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,25 +21,41 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
+def _add_model(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """``--model``, ``--allow-download``, ``--device`` and (unless the command has a ``--dtype`` of
+    its own: ``check``) ``--dtype``."""
     p.add_argument("--model", default=None, help="model folder or hub id (default: the shipped Tiny Storyteller)")
     p.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    p.add_argument("--device", default=None, help="run the model on cpu, cuda, cuda:N or mps (default cpu)")
+    if dtype:
+        p.add_argument("--dtype", dest="model_dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                       default=None, help="run the model in this precision (default: as stored)")
 
 
 def _load(args):
-    """The ``--model``: a storylens folder, a transformers folder or a hub id, as an AttentionLM."""
-    from .lm import load_lm
+    """The ``--model``: a storylens folder, a transformers folder or a hub id, as an AttentionLM,
+    in ``--dtype`` on ``--device``."""
+    from .lm import load_lm, resolve_device, resolve_dtype
 
-    return load_lm(args.model, allow_download=args.allow_download)
+    device = resolve_device(getattr(args, "device", None), "--device")
+    dtype = resolve_dtype(getattr(args, "model_dtype", None), "--dtype")
+    if getattr(args, "engine", None) == "ray" and (device is not None or dtype is not None):
+        # each Ray actor loads --model itself, as stored on its CPU: refused rather than ignored
+        raise UsageError("--device and --dtype: only with --engine local (Ray actors load the model as stored)")
+    return load_lm(args.model, allow_download=args.allow_download, dtype=dtype, device=device)
 
 
 def _load_native(args, what: str):
-    """A storylens model (the commands about storylens's own attention paths, KV cache and export)."""
-    from .lm import NativeLM
+    """A storylens model (the commands about storylens's own attention paths, KV cache and export);
+    a transformers folder is refused before it is loaded."""
+    from .lm import NativeLM, is_transformers_folder
 
+    wrong = f"{what}: works on storylens's own models; {args.model} is a transformers model"
+    if args.model is not None and is_transformers_folder(Path(args.model)):
+        raise StorylensError(wrong)
     lm = _load(args)
     if not isinstance(lm, NativeLM):
-        raise StorylensError(f"{what}: works on storylens's own models; {args.model} is a transformers model")
+        raise StorylensError(wrong)
     return lm.module
 
 
@@ -60,13 +76,22 @@ def load_detector(path: str):
         spec.loader.exec_module(module)
     except Exception as e:  # the user's code: any error becomes one line
         raise StorylensError(f"--detector {path}: {type(e).__name__}: {_one_line(e)}") from None
+    except SystemExit as e:
+        raise StorylensError(f"--detector {path}: called sys.exit({e.code!r}) while loading") from None
     fn = getattr(module, "pattern", None)
     if not callable(fn):
         raise StorylensError(f"--detector {path}: defines no function pattern(ids) -> [batch, query, key] weights")
     try:
-        return pattern_detector(str(getattr(module, "NAME", file.stem)), fn)
+        return pattern_detector(getattr(module, "NAME", file.stem), fn)
     except ValueError as e:
         raise StorylensError(f"--detector {path}: {e}") from None
+
+
+def _out_path(value: str, option: str = "--out") -> Path:
+    """An output folder option as a path; an empty one is refused (it would mean the current folder)."""
+    if not value.strip():
+        raise UsageError(f"{option}: empty; give the output folder a name")
+    return Path(value)
 
 
 def _validate_generate(args) -> None:
@@ -75,17 +100,17 @@ def _validate_generate(args) -> None:
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
-        raise StorylensError("prompt: not valid text (it holds bytes that are not UTF-8)") from None
+        raise UsageError("prompt: not valid text (it holds bytes that are not UTF-8)") from None
     if not args.prompt.strip():
-        raise StorylensError("prompt: empty; give the story's first words, e.g. storylens generate \"Once upon a time\"")
+        raise UsageError("prompt: empty; give the story's first words, e.g. storylens generate \"Once upon a time\"")
     if args.max_new_tokens < 0:
-        raise StorylensError(f"--max-new-tokens: must be 0 or more (got {args.max_new_tokens})")
+        raise UsageError(f"--max-new-tokens: must be 0 or more (got {args.max_new_tokens})")
     if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise StorylensError(f"--temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
+        raise UsageError(f"--temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
     if args.top_k < 0:
-        raise StorylensError(f"--top-k: must be 0 (off) or more (got {args.top_k})")
+        raise UsageError(f"--top-k: must be 0 (off) or more (got {args.top_k})")
     if not 0 <= args.seed < 2**64:
-        raise StorylensError(f"--seed: must be between 0 and 2^64 - 1 (got {args.seed})")
+        raise UsageError(f"--seed: must be between 0 and 2^64 - 1 (got {args.seed})")
 
 
 def cmd_generate(args) -> int:
@@ -132,7 +157,7 @@ def _generate_recorded(args) -> int:
     from .viz import replay_widget
 
     if args.no_cache:
-        raise StorylensError("--record: records the KV-cached generation; drop --no-cache")
+        raise UsageError("--record: records the KV-cached generation; drop --no-cache")
     out = Path(args.html)
     if out.is_dir():
         raise StorylensError(f"{out}: is a folder; give an .html file name")
@@ -157,10 +182,10 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(**overrides)
     validate_config(cfg)
     if args.first is not None and args.first < 201:
-        raise StorylensError(f"--first: at least 201 stories (200 for the quiz and one to train on), got {args.first}")
+        raise UsageError(f"--first: at least 201 stories (200 for the quiz and one to train on), got {args.first}")
     split = load_split(args.stories, first=args.first)
     try:
-        result = train(split, Path(args.out), cfg, resume=args.resume)
+        result = train(split, _out_path(args.out), cfg, resume=args.resume)
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; continue with --resume", file=sys.stderr)
         return 130
@@ -168,7 +193,7 @@ def cmd_train(args) -> int:
     if evals:
         print(f"quiz perplexity {evals[-1]['quiz_perplexity']:.3f} after {result['state']['step']} steps")
     if args.export:
-        folder = export_checkpoint(Path(args.out), Path(args.export), lesson_files(split))
+        folder = export_checkpoint(Path(args.out), _out_path(args.export, "--export"), lesson_files(split))
         print(f"model folder written to {folder}")
     return 0
 
@@ -177,7 +202,7 @@ def cmd_export_hf(args) -> int:
     from .hub import export_hf
 
     model = _load_native(args, "export-hf")
-    folder = export_hf(model, Path(args.dir))
+    folder = export_hf(model, _out_path(args.dir, "dir"))
     print(f"transformers GPT2LMHeadModel written to {folder}")
     return 0
 
@@ -238,9 +263,9 @@ def cmd_check(args) -> int:
     from .numerics import run_checks
 
     if args.n_stories is not None and args.n_stories < 1:
-        raise StorylensError("--n-stories: must be at least 1")
+        raise UsageError("--n-stories: must be at least 1")
     if not 1 <= args.gen_tokens:
-        raise StorylensError("--gen-tokens: must be at least 1")
+        raise UsageError("--gen-tokens: must be at least 1")
     model = _load_native(args, "check")
     ids, source = _check_stories(model, args)
     dtypes = {"both": (torch.float32, torch.float64), "float32": (torch.float32,), "float64": (torch.float64,)}
@@ -337,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["both", "float32", "float64"], default="both",
                    help="precision(s) to measure in (default both)")
     c.add_argument("--json", default=None, help="also write the measurements to this JSON file")
-    _add_model(c)
+    _add_model(c, dtype=False)  # its own --dtype: the precision(s) measured in
     c.set_defaults(func=cmd_check)
 
     dd = sub.add_parser("data", help="the TinyStories corpus: storylens data download")
@@ -381,7 +406,8 @@ def print_summary(report, file=None) -> None:
       f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
       f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
       f"{_f(pt['best_argmax_first']['share'])}")
-    p(f"end-of-story marker: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
+    called = mk.get("called", "the end-of-story marker").removeprefix("the ")
+    p(f"{called}: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
     nr = s["number_to_reproduce"]
     p("")
     p(f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
@@ -391,11 +417,13 @@ def print_summary(report, file=None) -> None:
 
 def add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
-    r.add_argument("--model", default=None, help="model folder or hub id (default: the shipped model)")
-    r.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    _add_model(r)
     r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz; default: the "
                    "shared corpus if present, else the quiz and leakage check shipped with the model)")
-    r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz")
+    r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz "
+                   "(text with <|endoftext|> lines, .jsonl, .parquet or a saved dataset folder)")
+    r.add_argument("--text-field", default="text", help="with --quiz: the story's field in JSON lines, Parquet "
+                   "or a dataset (default text)")
     r.add_argument("--out", default="report", help="output folder (default: report)")
     r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
     r.add_argument("--detector", action="append", default=[], metavar="FILE",
@@ -414,13 +442,16 @@ def _cmd_report(args) -> int:
     from .report import _check_writable, build_report
 
     if args.batch_size < 1:
-        raise StorylensError(f"--batch-size: must be at least 1 (got {args.batch_size})")
+        raise UsageError(f"--batch-size: must be at least 1 (got {args.batch_size})")
     if args.prev_limit < 0:
-        raise StorylensError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
-    _check_writable(Path(args.out))
+        raise UsageError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
+    if not args.word.strip() or len(args.word.split()) != 1:
+        raise UsageError(f"--word: give one word for the leakage check to count (the lesson's: Momo), not {args.word!r}")
+    _check_writable(_out_path(args.out))
     detectors = [load_detector(f) for f in args.detector]
     lm = _load(args)
-    report = build_report(args.out, model=lm, stories=args.stories, quiz=args.quiz, word=args.word,
+    report = build_report(args.out, model=lm, stories=args.stories, quiz=args.quiz, text_field=args.text_field,
+                          word=args.word,
                           prev_limit=args.prev_limit, batch_size=args.batch_size, beyond=args.beyond,
                           progress=not args.no_progress, detectors=detectors)
     print_summary(report)
@@ -429,12 +460,11 @@ def _cmd_report(args) -> int:
 
 def add_ablate_parser(sub) -> None:
     a = sub.add_parser("ablate", help="switch heads off and measure the loss on the main character's name")
-    a.add_argument("--heads", nargs="*", default=None, help="heads to switch off together, e.g. L4H2 L5H1 "
-                   "(default: every head alone, plus the top three name heads together)")
+    a.add_argument("--heads", nargs="*", default=None, help="only these heads, e.g. L4H2 L5H1: each alone, then "
+                   "all together (default: every head alone, plus the top three name heads together)")
     a.add_argument("--mode", choices=["zero", "mean"], default=None,
                    help="replace a head's output by zeros or by its mean output (default: both)")
-    a.add_argument("--model", default=None, help="model folder or hub id (default: the shipped Tiny Storyteller)")
-    a.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
+    _add_model(a)
     a.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
                    "(default: the shared corpus, else the quiz shipped with the model)")
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
@@ -446,19 +476,23 @@ def add_ablate_parser(sub) -> None:
 def _cmd_ablate(args) -> int:
     from .analysis.ablation import generation_divergence, name_ablation_table
     from .heads import head_label, parse_head_label
-    from .lesson import lesson_data
+    from .lesson import lesson_data, progress_command
     from .report import _quiz_folder
 
-    model = _load(args)
-    stories = lesson_data(_quiz_folder(model), args.stories, args.quiz).quiz
     modes = (args.mode,) if args.mode else ("zero", "mean")
     heads = None
-    if args.heads:
+    if args.heads:  # wrong on its face: refused before the model loads
         try:
             heads = [head_label(*parse_head_label(h)) for h in args.heads]
         except ValueError as e:
-            raise StorylensError(f"--heads: {e}") from None
-    table = name_ablation_table(model, stories, name_heads=heads, modes=modes, progress=True)
+            raise UsageError(f"--heads: {e}") from None
+    model = _load(args)
+    stories = lesson_data(_quiz_folder(model), args.stories, args.quiz, quiz_option="--quiz").quiz
+    # --heads: those heads alone (one row each) and, two or more, together; none: every head
+    # alone plus the top three name heads together
+    group = heads if heads is None or len(heads) > 1 else []
+    with progress_command("ablate"):  # off a terminal: a progress line every few seconds
+        table = name_ablation_table(model, stories, name_heads=group, heads=heads, modes=modes, progress=True)
     print(table.format())
     first = heads[0] if heads else table.rows[-1].label.split("+")[0]
     d = generation_divergence(model, args.prompt, heads or [first], seed=args.seed, max_new_tokens=80,
@@ -478,7 +512,7 @@ def add_score_parser(sub) -> None:
                         "folder, or hf:OWNER/NAME (the local cache, or the hub with --allow-download)")
     s.add_argument("--out", required=True, help="output folder: heads.csv, heads.json, summary.json")
     s.add_argument("--text-field", default="text", help="the story's field in JSON lines, Parquet or a dataset")
-    s.add_argument("--split", default="train", help="a Hugging Face dataset's split (default train)")
+    s.add_argument("--split", default=None, help="a Hugging Face dataset's split (default train; refused for a source without splits)")
     s.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N stories")
     s.add_argument("--batch-size", type=int, default=BATCH_STORIES,
                    help=f"stories per forward pass (default {BATCH_STORIES}: on a CPU nearly as fast as more, with "
@@ -500,11 +534,19 @@ def add_score_parser(sub) -> None:
 
 def cmd_score(args) -> int:
     from .analysis.detectors import BUILTIN_DETECTORS
+    from .publish import check_target_folder
     from .score import score_corpus
     from .sources import open_source
 
     if args.engine != "ray" and (args.address or args.workers != 2):
-        raise StorylensError("--workers and --address: only with --engine ray")
+        raise UsageError("--workers and --address: only with --engine ray")
+    if args.workers < 1:
+        raise UsageError(f"--workers: must be at least 1 (got {args.workers})")
+    if args.engine == "ray" and args.address:
+        from .ray_engine import _check_address
+
+        _check_address(args.address)  # in seconds, before the first pass reads the corpus
+    check_target_folder(_out_path(args.out))  # before the model or any story: a bad --out costs nothing
     source = open_source(args.stories, text_field=args.text_field, limit=args.limit, split=args.split,
                          allow_download=args.allow_download)
     detectors = BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector)
@@ -565,15 +607,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe(e: BaseException) -> tuple[str, int]:
-    """One line and an exit code for a problem the user can act on."""
+    """One line and an exit code for a problem the user can act on: 2 for a usage error (as
+    argparse's own), 1 for a problem found while running, 130 when interrupted."""
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", 130
     if isinstance(e, MemoryError):
-        return "error: out of memory", 2
+        return "error: out of memory", 1
     if isinstance(e, OSError):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        return f"error: {where}{e.strerror or _one_line(e)}", 2
-    return f"error: {_one_line(e)}", 2
+        return f"error: {where}{e.strerror or _one_line(e)}", 1
+    return f"error: {_one_line(e)}", 2 if isinstance(e, UsageError) else 1
 
 
 def _one_line(e: BaseException) -> str:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import gzip
 import os
+import sys
 import zlib
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-
-from .errors import StorylensError
+from typing import Iterator
 
 from .constants import EOT, N_QUIZ  # noqa: F401  (the lesson's numbers live in constants)
+from .errors import StorylensError, UsageError
 QUIZ_FILE = "quiz.txt.gz"  # the 200 quiz stories, shipped in the model folder
 LEAKAGE_FILE = "leakage.json"  # the leakage check computed when the model was trained
 # TinyStories on the Hugging Face Hub (fetched only by `storylens data download`)
@@ -47,16 +49,79 @@ def default_corpus_path() -> Path:
 
 
 MAX_CORPUS_MB_ENV = "STORYLENS_MAX_CORPUS_MB"
-DEFAULT_MAX_CORPUS_MB = 1024  # a corpus read whole is held in memory: refuse more than this, unless raised
+DEFAULT_MAX_CORPUS_MB = 1024  # text read from one corpus (after unzipping): refuse more than this, unless raised
+MAX_STORY_MB_ENV = "STORYLENS_MAX_STORY_MB"
+DEFAULT_MAX_STORY_MB = 4  # one line, one story: a story of 4 MB is about a million tokens
+
+
+def _megabytes(env: str, default: float) -> int:
+    raw = os.environ.get(env)
+    try:
+        mb = float(raw) if raw else default
+    except ValueError:
+        raise UsageError(f"${env}={raw!r}: not a number of megabytes") from None
+    if not mb > 0 or mb == float("inf"):
+        raise UsageError(f"${env}={raw!r}: must be a positive number of megabytes")
+    return int(mb * 2**20)
 
 
 def max_corpus_bytes() -> int:
-    raw = os.environ.get(MAX_CORPUS_MB_ENV)
+    return _megabytes(MAX_CORPUS_MB_ENV, DEFAULT_MAX_CORPUS_MB)
+
+
+def max_story_bytes() -> int:
+    return _megabytes(MAX_STORY_MB_ENV, DEFAULT_MAX_STORY_MB)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f}" if n >= 2**20 else f"{n / 2**20:,.2f}"
+
+
+def text_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The lines of a UTF-8 text file, plain or gzip, streamed, without their line endings.
+
+    Universal newlines (``\n``, ``\r\n`` and a lone ``\r`` all end a line; U+2028, U+0085 or a
+    form feed do not), a UTF-8 byte-order mark at the start dropped. Every byte is counted: more
+    than ``$STORYLENS_MAX_CORPUS_MB`` of text, or one line longer than ``$STORYLENS_MAX_STORY_MB``,
+    is refused while streaming, so a gzip bomb or a file with no line breaks never fills the
+    memory. Every problem is one :class:`StorylensError` naming the file (and the line)."""
+    corpus_limit, line_limit = max_corpus_bytes(), max_story_bytes()
+    number, total = 0, 0
     try:
-        mb = float(raw) if raw else DEFAULT_MAX_CORPUS_MB
-    except ValueError:
-        raise StorylensError(f"${MAX_CORPUS_MB_ENV}={raw!r}: not a number of megabytes") from None
-    return int(mb * 2**20)
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+            f.seek(0)
+            stream = gzip.GzipFile(fileobj=f) if gz else f
+            while True:
+                raw = stream.readline(line_limit + 2)  # a line, its \r\n, and one byte more to know
+                if not raw:
+                    return
+                number += 1
+                total += len(raw)
+                if total > corpus_limit:
+                    raise StorylensError(
+                        f"{path}: more than {_mb(corpus_limit)} MB of text{' once unzipped' if gz else ''}; "
+                        f"refusing to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+                body = raw.rstrip(b"\n").rstrip(b"\r") if raw.endswith(b"\n") else raw
+                if len(body) > line_limit:
+                    raise StorylensError(
+                        f"{path}: line {number:,} is longer than {_mb(line_limit)} MB; a line or a story "
+                        f"is at most that (raise ${MAX_STORY_MB_ENV} for longer ones)")
+                try:
+                    line = body.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise StorylensError(f"{path}: not UTF-8 text (line {number:,}, byte {e.start + 1}: "
+                                         f"{body[e.start:e.start + 1]!r})") from None
+                if number == 1:
+                    line = line.removeprefix("\ufeff")
+                if "\r" in line:  # a lone carriage return ends a line too (old Mac files)
+                    yield from line.split("\r")
+                else:
+                    yield line
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise StorylensError(f"{path}: corrupt gzip file ({e})") from None
+    except OSError as e:
+        raise StorylensError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def describe_non_file(path: Path) -> str | None:
@@ -82,33 +147,6 @@ def describe_non_file(path: Path) -> str | None:
     return "is not a regular file"
 
 
-def read_corpus_bytes(path: Path, limit: int | None = None) -> bytes:
-    """The file's bytes, gunzipped if it is gzip, streamed so that at most ``limit`` bytes are
-    ever held (a gzip bomb is refused after ``limit`` bytes, not after it fills the memory)."""
-    limit = max_corpus_bytes() if limit is None else limit
-    chunks, size = [], 0
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-            f.seek(0)
-            stream = gzip.GzipFile(fileobj=f) if gz else f
-            while True:
-                chunk = stream.read(1 << 20)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > limit:
-                    raise StorylensError(
-                        f"{path}: more than {limit / 2**20:,.0f} MB of text{' once unzipped' if gz else ''}; "
-                        f"refusing to hold it in memory (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
-                chunks.append(chunk)
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise StorylensError(f"{path}: corrupt gzip file ({e})") from None
-    except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror or e})") from None
-    return b"".join(chunks)
-
-
 def resolve_corpus(path: str | os.PathLike) -> Path:
     """A file path as given, or a TinyStories name (``tinystories``, ``tinystories-valid``) looked
     up in the local Hugging Face cache, where ``storylens data download`` puts it (never fetched here)."""
@@ -132,7 +170,7 @@ def download_tinystories(split: str = "train") -> Path:
     from huggingface_hub.utils import logging as hub_logging
 
     if split not in HUB_FILES:
-        raise StorylensError(f"--split: one of {', '.join(HUB_FILES)} (got {split!r})")
+        raise UsageError(f"--split: one of {', '.join(HUB_FILES)} (got {split!r})")
     level = hub_logging.get_verbosity()
     hub_logging.set_verbosity_error()  # its retry warnings would bury the one line that matters
     try:
@@ -157,41 +195,9 @@ def read_stories(path: str | os.PathLike | None = None, limit: int | None = None
         raise StorylensError(f"{path}: {why}; pass --stories FILE, set ${ENV_STORIES}, or {GET_DATA}")
     if why:
         raise StorylensError(f"{path}: {why}")
-    if limit is not None:
-        return _first_stories(path, limit)
-    raw = read_corpus_bytes(path)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StorylensError(
-            f"{path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})"
-        ) from None
-    return split_stories(text)
-
-
-def _first_stories(path: Path, limit: int) -> list[str]:
-    """The first ``limit`` stories, read line by line (a 2 GB file costs only what it holds)."""
-    from itertools import islice
-
-    if limit < 1:
-        raise StorylensError(f"--first: must be at least 1 (got {limit})")
-
-    def lines(stream):
-        for number, raw in enumerate(stream, 1):
-            try:
-                yield raw.decode("utf-8").rstrip("\n")
-            except UnicodeDecodeError:
-                raise StorylensError(f"{path}: not UTF-8 text (line {number})") from None
-
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-            f.seek(0)
-            return list(islice(iter_stories(lines(gzip.GzipFile(fileobj=f) if gz else f)), limit))
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise StorylensError(f"{path}: corrupt gzip file ({e})") from None
-    except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror or e})") from None
+    if limit is not None and not 1 <= limit <= sys.maxsize:
+        raise UsageError(f"--first: must be between 1 and {sys.maxsize:,} (got {limit:,})")
+    return list(islice(iter_stories(text_lines(path), source=str(path)), limit))
 
 
 def format_stories(stories) -> str:
@@ -207,18 +213,28 @@ def quiz_file_bytes(stories) -> bytes:
 _EDGE = " \t\r\n"  # what is trimmed around a story or a marker line: ASCII whitespace only
 
 
-def iter_stories(lines):
-    """Stories from lines (without their ``\n``): a line holding only the end-of-story marker ends
-    a story; each story is trimmed of ASCII whitespace at both ends; empty pieces are dropped."""
+def iter_stories(lines, source: str = "stories"):
+    """Stories from lines (without their line endings): a line holding only the end-of-story
+    marker (and spaces) ends a story; each story is trimmed of ASCII whitespace at both ends; empty
+    pieces are dropped. A marker written inside a line is the story's text, not a separator (and
+    never becomes the marker token: :func:`storylens.tokenizer.text_only`). A story longer than
+    ``$STORYLENS_MAX_STORY_MB`` (a file with no marker lines, say) is refused, naming ``source``."""
+    limit = max_story_bytes()
     current: list[str] = []
+    size = 0
     for line in lines:
         if line.strip(_EDGE) == EOT:
             story = "\n".join(current).strip(_EDGE)
-            current = []
+            current, size = [], 0
             if story:
                 yield story
         else:
             current.append(line)
+            size += len(line) + 1
+            if size > limit:
+                raise StorylensError(
+                    f"{source}: a story longer than {_mb(limit)} MB (no line holding only {EOT} ends it; "
+                    f"raise ${MAX_STORY_MB_ENV} for longer stories)")
     story = "\n".join(current).strip(_EDGE)
     if story:
         yield story
@@ -227,9 +243,11 @@ def iter_stories(lines):
 def split_stories(text: str) -> list[str]:
     """Split on lines holding only the end-of-story marker; drop empty pieces.
 
-    Lines end at ``\n`` only (``\r\n`` too): unlike ``str.splitlines``, U+2028, U+0085 or a form
-    feed inside a story stay part of it, so a story is kept exactly as stored.
+    Lines end at ``\n``, ``\r\n`` or a lone ``\r`` (universal newlines); unlike ``str.splitlines``,
+    U+2028, U+0085 or a form feed inside a story stay part of it, so a story is kept as written.
+    A leading byte-order mark is dropped.
     """
+    text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     return list(iter_stories(text.split("\n")))
 
 

@@ -21,7 +21,7 @@ from huggingface_hub import ModelHubMixin
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_model, save_model
 
-from .errors import StorylensError
+from .errors import StorylensError, install_hint
 from .publish import publish_folder
 from .model import GPT, GPTConfig
 from .tokenizer import load_tokenizer
@@ -246,7 +246,7 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     except ImportError:
-        raise StorylensError("export-hf needs transformers: pip install 'storylens[hf]'") from None
+        raise StorylensError(f"export-hf needs transformers: {install_hint('hf')}") from None
     from .data import EOT
 
     c = model.config

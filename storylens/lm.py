@@ -23,16 +23,20 @@ named hook points in TransformerLens's spirit, through torch's own hooks:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .errors import StorylensError
+from .errors import StorylensError, UsageError, install_hint
 from .model import GPT, GenerationStep, sample_next
+from .tokenizer import text_only
 
 HookFn = Callable[[torch.Tensor], "torch.Tensor | None"]
 _HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(hook_pattern|hook_z)$")
@@ -60,12 +64,13 @@ class AttentionLM:
         return next(self.module.parameters()).dtype
 
     def encode_batch(self, texts: list[str]):
-        """``tokenizers.Encoding`` per text (ids and character offsets), no special tokens."""
-        return self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        """``tokenizers.Encoding`` per text (ids and character offsets), no special tokens: a
+        special token's text inside a story stays text (:func:`storylens.tokenizer.text_only`)."""
+        return text_only(self.tokenizer).encode_batch(list(texts), add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """``[marker] + text's tokens``: how storylens feeds every story and prompt."""
-        return [self.marker_id] + self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.marker_id] + text_only(self.tokenizer).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
@@ -241,12 +246,30 @@ class TransformersLM(AttentionLM):
             return None
         return self.module(input_ids=ids, use_cache=False).logits
 
+    def _new_cache(self) -> dict:
+        """The keyword argument that hands the model an explicit, empty ``DynamicCache`` (filled in
+        place): ``cache`` from transformers 5.24 (``past_key_values`` is deprecated there), else
+        ``past_key_values``."""
+        from transformers import DynamicCache
+
+        try:
+            params = inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        name = "cache" if "cache" in params else "past_key_values"
+        try:
+            cache = DynamicCache(config=self.module.config)  # per-layer kinds (sliding windows) from the config
+        except TypeError:  # transformers before DynamicCache(config=)
+            cache = DynamicCache()
+        return {name: cache}
+
     def generate_stream(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, generator=None,
                         use_kv_cache=True, record_attention=False, eos_id=None):
-        """Sample token by token with transformers' own KV cache (``past_key_values``)."""
+        """Sample token by token with transformers' own KV cache (a ``DynamicCache``, passed explicitly)."""
         if idx.shape[1] + max_new_tokens > self.window:
             raise ValueError(f"{idx.shape[1] + max_new_tokens} tokens do not fit the {self.window}-token window")
-        cache, feed, seq, done = None, idx.to(self.device), idx.to(self.device), 0
+        cache = self._new_cache() if use_kv_cache else {}
+        feed, seq, done = idx.to(self.device), idx.to(self.device), 0
         with torch.inference_mode():
             for _ in range(max_new_tokens):
                 rows: list[torch.Tensor] = []
@@ -254,8 +277,7 @@ class TransformersLM(AttentionLM):
                            for i in range(self.n_layer)] if record_attention else []
                 try:
                     if use_kv_cache:
-                        out = self.module(input_ids=feed, past_key_values=cache, use_cache=True)
-                        cache = out.past_key_values
+                        out = self.module(input_ids=feed, use_cache=True, **cache)  # the cache fills in place
                     else:
                         out = self.module(input_ids=seq, use_cache=False)
                 finally:
@@ -290,53 +312,265 @@ def wrap(model, tokenizer=None, name: str | None = None) -> AttentionLM:
 
 def is_transformers_folder(path: Path) -> bool:
     """A transformers model folder: a config.json with ``model_type`` (storylens's own has none)."""
-    import json
-
     try:
         return "model_type" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return False
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE = re.compile(r"^(cpu|mps|cuda(?::\d+)?)$")
+
+
+def resolve_dtype(dtype, option: str = "dtype") -> torch.dtype | None:
+    """``dtype`` as a torch dtype: a torch floating dtype or one of :data:`DTYPES`' names."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise UsageError(f"{option} {dtype}: not a dtype storylens runs in ({', '.join(DTYPES)})")
+
+
+def resolve_device(device, option: str = "device") -> torch.device | None:
+    """``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``) as a torch device, refused in one line when
+    it is not a device at all (:class:`UsageError`) or not one this machine has."""
+    if device is None:
+        return None
+    text = str(device)
+    if not _DEVICE.match(text):
+        raise UsageError(f"{option} {text}: not a device (cpu, cuda, cuda:N, mps)")
+    if text.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise StorylensError(f"{option} {text}: not available on this machine "
+                                 f"(torch {torch.__version__} sees no CUDA device)")
+        index = int(text.split(":")[1]) if ":" in text else 0
+        if index >= n:
+            seen = "cuda:0" if n == 1 else f"cuda:0 .. cuda:{n - 1}"
+            raise StorylensError(f"{option} {text}: not available on this machine (torch sees {n} CUDA "
+                                 f"device{'s' if n > 1 else ''}: {seen})")
+    if text == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise StorylensError(f"{option} mps: not available on this machine "
+                                 f"(torch {torch.__version__} has no usable MPS backend here)")
+    return torch.device(text)
+
+
+class _NotFound(StorylensError):
+    """Not a transformers model that can be found here: :func:`load_lm` then tries storylens's own loader."""
+
+
 def load_lm(source: str | os.PathLike | None = None, *, allow_download: bool = False,
-            dtype: torch.dtype | None = None) -> AttentionLM:
+            dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> AttentionLM:
     """Open ``source``: a storylens model folder (default: the shipped Tiny Storyteller), a
-    transformers model folder, or a hub id (only with ``allow_download``, unless cached)."""
+    transformers model folder, or a hub id (only with ``allow_download``, unless cached), in
+    ``dtype`` (default: as stored) on ``device`` (default: the CPU).
+
+    Refused in one line (:class:`StorylensError`): a model whose weights do not all match its
+    config, hold NaN or infinite numbers, are pickled (only safetensors is read) or that is not
+    a causal language model."""
     from .hub import hub_offline, load_model
 
+    dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
     if source is not None and (Path(source) / "config.json").is_file() and is_transformers_folder(Path(source)):
-        return _load_transformers(str(source), allow_download=False, dtype=dtype)
+        return _load_transformers(str(source), allow_download=False, dtype=dtype, device=device)
     if source is not None and not Path(source).exists():
         try:
             with hub_offline(not allow_download):
-                return _load_transformers(str(source), allow_download=allow_download, dtype=dtype)
-        except StorylensError:
+                return _load_transformers(str(source), allow_download=allow_download, dtype=dtype, device=device)
+        except _NotFound:
             pass  # not a transformers model on the hub: try storylens's own loader (and its message)
-    model = load_model(source, allow_download=allow_download)
+    model = load_model(source, allow_download=allow_download)  # refuses NaN or infinite weights itself
+    where = (model.source_folder or Path(str(source))) / "model.safetensors"
+    model = _move(model, str(source or "the shipped model"), dtype, device)
     if dtype is not None:
-        model = model.to(dtype)
+        _check_finite(model, lambda k: str(where), cast=dtype)
     return NativeLM(model)
 
 
-def _load_transformers(source: str, *, allow_download: bool, dtype) -> TransformersLM:
+def _move(model: nn.Module, source: str, dtype, device) -> nn.Module:
+    if dtype is None and device is None:
+        return model
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        return model.to(**{k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
+    except (RuntimeError, TypeError) as e:  # float64 on MPS, out of device memory, ...
+        what = " as ".join(str(x).replace("torch.", "") for x in (device, dtype) if x is not None)
+        raise StorylensError(f"{source}: cannot run on {what} ({_one_line(e)[:200]})") from None
+
+
+def _check_finite(model: nn.Module, where: Callable[[str], str], cast: torch.dtype | None = None) -> None:
+    """Refuse a parameter holding NaN or infinite numbers (``cast``: the dtype it was just cast to,
+    whose range it may have overflowed)."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():  # a tied weight once
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                if cast is not None:
+                    name = str(cast).replace("torch.", "")
+                    raise StorylensError(f"{where(k)}: {k} holds numbers beyond {name}'s range (infinite once "
+                                         "cast); run it in float32 or bfloat16")
+                raise StorylensError(f"{where(k)}: {k} holds NaN or infinite numbers")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' loader chatter (its load report, progress bars, warnings) kept off stderr:
+    storylens says what is wrong in its own single line."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+_OTHER_WEIGHTS = ("*.h5", "*.msgpack", "*.gguf", "*.onnx")
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Only safetensors is read: a folder with pickled (or other) weights and none in safetensors is
+    refused before transformers sees it (unpickling a file runs code it holds)."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for pattern in _PICKLES for f in folder.glob(pattern))
+    if pickles:
+        raise StorylensError(
+            f"{folder}: holds pickled weights ({', '.join(pickles[:3])}), which storylens never opens (unpickling "
+            "runs code the file holds); storylens reads only safetensors weights: convert them where you trust "
+            "the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)")
+    other = sorted(f.name for pattern in _OTHER_WEIGHTS for f in folder.glob(pattern))
+    raise StorylensError(f"{folder}: no model.safetensors"
+                         + (f" (only {', '.join(other[:3])})" if other else "")
+                         + "; storylens reads only safetensors weights")
+
+
+def _check_causal(source: str, config) -> None:
+    """A causal language model (decoder-only) by its config, before any weight is read."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+    import transformers
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise StorylensError(f"{source}: is a `{kind}` model, not a causal language model (transformers "
+                             f"{transformers.__version__} has no causal-LM class for `{kind}`)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise StorylensError(f"{source}: is a `{kind}` model (sequence-to-sequence), not a causal language model; "
+                             "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)")
+    if (kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+            and not getattr(config, "causal", False)):
+        raise StorylensError(f"{source}: is a `{kind}` model (encoder-only), not a causal language model; "
+                             "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)")
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """The weights that are another weight (``lm_head.weight`` as the embedding): legitimately
+    absent from the file."""
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: the ties in force, target -> source
+    if tied is None:  # transformers 4: the class's tieable names, tied when the config says so
+        if not getattr(getattr(model, "config", None), "tie_word_embeddings", True):
+            return set()
+        tied = getattr(model, "_tied_weights_keys", None) or ()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def _check_loading_info(source: str, model: nn.Module, info: dict) -> None:
+    """Every weight of the model from the file, nothing else, each the shape the config implies."""
+    def matching(keys, patterns):
+        return [k for k in keys if not any(re.search(p, k) for p in patterns or ())]
+
+    missing = set(info.get("missing_keys") or ()) - _tied_names(model)
+    missing = matching(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
+    unexpected = matching(set(info.get("unexpected_keys") or ()),
+                          getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: _natural(m[0]))
+    if not (missing or unexpected or mismatched):
+        return
+
+    def few(names):
+        names = sorted(names, key=_natural)
+        return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing ({few(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected ({few(unexpected)})")
+    if mismatched:
+        k, got, want = mismatched[0]
+        parts.append(f"{len(mismatched)} of the wrong shape ({k}: {list(got)} in the file, "
+                     f"{list(want)} by config.json{', ...' if len(mismatched) > 1 else ''})")
+    raise StorylensError(f"{source}: weights do not match config.json: {'; '.join(parts)}")
+
+
+def _weights_file(source: str) -> Callable[[str], str]:
+    """The file a weight was read from (a sharded checkpoint's index names it), for messages."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return lambda k: source
+    index = {}
+    try:
+        index = json.loads((folder / "model.safetensors.index.json").read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        pass
+    return lambda k: str(folder / index.get(k, "model.safetensors"))
+
+
+def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> TransformersLM:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise StorylensError(f"{source}: a transformers model needs the transformers package: "
-                             "pip install 'storylens[hf]'") from None
-    hf_logging.disable_progress_bar()
+                             f"{install_hint('hf')}") from None
     kw = {"local_files_only": not allow_download}
-    try:
-        tok = AutoTokenizer.from_pretrained(source, **kw)
-        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **kw)
-    except (OSError, ValueError, KeyError) as e:
-        raise StorylensError(f"{source}: cannot load as a transformers causal LM "
-                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if Path(source).is_dir():
+        _check_weight_files(Path(source))
+    with _quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(source, **kw)
+        except (OSError, ValueError, KeyError) as e:
+            raise _NotFound(f"{source}: cannot load as a transformers causal LM "
+                            f"({type(e).__name__}: {_one_line(e)[:200]})") from None
+        _check_causal(source, config)
+        try:
+            tok = AutoTokenizer.from_pretrained(source, **kw)
+            # safetensors only (nothing is unpickled); a wrong shape is reported below, not raised
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, config=config, attn_implementation="eager", use_safetensors=True,
+                ignore_mismatched_sizes=True, output_loading_info=True, **kw)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise StorylensError(f"{source}: cannot load as a transformers causal LM "
+                                 f"({type(e).__name__}: {_one_line(e)[:200]})") from None
+    _check_loading_info(source, model, info)
+    _check_finite(model, _weights_file(source))
     model.eval()
+    model = _move(model, source, dtype, device)
     if dtype is not None:
-        model = model.to(dtype)
-    lm = TransformersLM(model, tok, name=source)
+        _check_finite(model, _weights_file(source), cast=dtype)
+    try:
+        lm = TransformersLM(model, tok, name=source)
+    except StorylensError as e:
+        raise StorylensError(f"{source}: {e}") from None
     if Path(source).is_dir():
         lm.source_folder = Path(source)
     return lm

@@ -102,18 +102,30 @@ def _unlink_quietly(p: Path) -> None:
 
 
 @contextmanager
-def file_lock(lock_path: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_path`` (created if needed) or refuse with one line."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        raise os_error(lock_path, e, "create the lock file") from None
-    try:
+def file_lock(lock_path: Path, what: str, remove: bool = False) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (created if needed) or refuse with one line.
+
+    ``remove=True`` deletes the lock file when done (so a user's folder is not littered with
+    ``.NAME.lock`` files). That is safe because the file is unlinked while still locked, and a
+    run that locks a file only keeps the lock if the path still names that very file (else it
+    tries again on the new one): two runs can never both hold "the" lock."""
+    for _ in range(100):
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise os_error(lock_path, e, "create the lock file") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise StorylensError(f"{what}: another storylens run is writing it right now; "
                                  "try again when that one has finished") from None
+        if _same_file(fd, lock_path):
+            break
+        os.close(fd)  # the holder removed it as we opened it: lock the one now there
+    else:
+        raise StorylensError(f"{lock_path}: the lock file keeps changing; another run is starting and ending")
+    try:
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
@@ -121,7 +133,17 @@ def file_lock(lock_path: Path, what: str) -> Iterator[None]:
             pass  # the lock is what matters, not its note of who holds it
         yield
     finally:
+        if remove:
+            _unlink_quietly(lock_path)
         os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
@@ -225,7 +247,7 @@ def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozense
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(out.parent, e, "create") from None
-    with file_lock(lock_path_for(out), str(out)):
+    with file_lock(lock_path_for(out), str(out), remove=True):
         try:
             _clean_leftovers(out)
         except OSError as e:

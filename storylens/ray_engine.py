@@ -2,29 +2,37 @@
 
 The driver streams the source (:mod:`storylens.sources`) in chunks of ``chunk_stories`` stories,
 numbered by the index of their first story, and gives Ray Data a window of chunks at a time
-(``ray.data.from_items``). ``map_batches`` runs :class:`ChunkScorer` actors (``concurrency``
-actors, one CPU and one torch thread each) that load the model once; each call scores one whole
-chunk, exactly as the single-process run batches it, and returns that chunk's accumulator state
-(float64 sums and counts), never a running total. The driver merges the states as they come (sums
-of float64, in any order). A chunk is therefore counted once however the chunks are spread over
-the actors; an actor killed mid-chunk is restarted by Ray Data (its actors have
-``max_restarts=-1``, ``max_task_retries=-1``) and the chunk is scored again from the start, so
-nothing is lost or counted twice.
+(``ray.data.from_items``). ``map_batches`` runs a pool of :class:`ChunkScorer` actors (``workers``
+of them, but no more than the cluster has CPUs: one CPU and one torch thread each) that load the
+model once; each call scores one whole chunk, exactly as the single-process run batches it, and
+returns that chunk's accumulator state (float64 sums and counts), never a running total. The
+driver merges the states as they come (sums of float64, in any order). A chunk is therefore counted
+once however the chunks are spread over the actors; an actor killed mid-chunk is restarted by Ray
+Data (its actors have ``max_restarts=-1``, ``max_task_retries=-1``) and the chunk is scored again
+from the start, so nothing is lost or counted twice.
 
-Without ``address`` a local Ray is started on this machine; with one, the driver joins that
-cluster (every node needs storylens, torch and the model: see the README).
+Without ``address`` a local Ray is started on this machine, listening on 127.0.0.1 only; with one,
+the driver joins that cluster (every node needs storylens, torch and the model: see the README),
+failing within seconds where nothing answers. Ray's own log lines stay in its session logs, and an
+error in an actor (a user detector's, say) comes back as one :class:`StorylensError` line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
+import sys
+from contextlib import contextmanager
 from typing import Iterable
 
-from .errors import StorylensError
+from .errors import StorylensError, UsageError, install_hint
 from .score import BATCH_STORIES, CHUNK_STORIES
 
 WINDOW_CHUNKS_PER_WORKER = 8  # chunks given to Ray Data at a time, per worker (bounds the driver's memory)
+ADDRESS_TIMEOUT_S = 5  # how long --address may take to accept a connection
+GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second apart) ray.init makes at a GCS
 
 
 class ChunkScorer:
@@ -43,6 +51,12 @@ class ChunkScorer:
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
 
     def __call__(self, batch: dict) -> dict:
+        try:
+            return self._score(batch)
+        except Exception as e:  # one line, naming a user detector, for the driver to show
+            raise StorylensError(_actor_failure(e)) from None
+
+    def _score(self, batch: dict) -> dict:
         from .analysis.record import record
         from .analysis.scores import HeadScoreAccumulator
 
@@ -79,20 +93,144 @@ def peak_rss_mb() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
-def _init_ray(address: str | None, workers: int):
+def _actor_failure(e: BaseException) -> str:
+    """One line for an exception raised while an actor scored a chunk. A user pattern (called from
+    :meth:`BatchMasks.pattern_keys <storylens.analysis.detectors.BatchMasks.pattern_keys>`) is named
+    by its file, as ``--detector FILE`` gave it."""
+    from .analysis import detectors
+
+    what = f"{type(e).__name__}: {_one_line(e)}"
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "pattern_keys" and frame.f_code.co_filename == detectors.__file__:
+            fn = frame.f_locals.get("fn")
+            code = getattr(fn, "__code__", None)
+            where = f"--detector {code.co_filename}" if code is not None else "--detector"
+            if tb.tb_next is None:  # pattern_keys itself: the weights were not what a pattern must give
+                return f"{where}: {_one_line(e)} (in a Ray actor)"
+            return f"{where}: {getattr(fn, '__name__', 'pattern')}() raised {what} (in a Ray actor)"
+        tb = tb.tb_next
+    return f"ray: an actor failed scoring a chunk: {what}"
+
+
+def _ray_failure(e: BaseException) -> str:
+    """One line for an error Ray raised in the driver: an actor's own :class:`StorylensError` line
+    where there is one, else the last line of Ray's text (a remote traceback ends with the error)."""
+    x = e
+    for _ in range(20):  # the chain of causes, as Ray wraps them
+        if x is None:
+            break
+        if type(x) is StorylensError:  # the actor's line (Ray Data appends its retry advice below it)
+            return (str(x).splitlines() or [""])[0]
+        x = getattr(x, "cause", None) or x.__cause__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(e).__name__
+    for prefix in ("storylens.errors.StorylensError: ", "storylens.errors.UsageError: "):
+        if last.startswith(prefix):  # e.g. an actor that could not load the model on its node
+            return f"{last[len(prefix):]} (in a Ray actor)"
+    return f"ray: {type(e).__name__}: {last[:300]}"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _check_address(address: str) -> None:
+    """Fail within seconds where nothing listens at ``address`` (``ray.init`` retries for minutes).
+    Only a ``[ray://]HOST:PORT`` is checked; ``auto`` and the like are left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not (sep and host and port.isdigit()):
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        raise StorylensError(f"--address {address}: no Ray cluster answers there ({why})") from None
+
+
+@contextmanager
+def _quiet_ray():
+    """Keep Ray's own log lines off the console while storylens drives it (Ray's session logs keep
+    them): the ``ray`` loggers shown from ERROR, Ray Data's console handler only for CRITICAL, and Ray's
+    C++ side (which writes to file descriptor 2 itself) at its ``fatal`` level, unless
+    ``RAY_BACKEND_LOG_LEVEL`` says otherwise."""
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # read when ray.init starts this process's core worker
+    ray_logger = logging.getLogger("ray")
+    consoles = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
+    saved = ray_logger.level, [h.level for h in consoles]
+    ray_logger.setLevel(logging.ERROR)
+    for h in consoles:
+        h.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ray_logger.setLevel(saved[0])
+        for h, level in zip(consoles, saved[1]):
+            h.setLevel(level)
+
+
+@contextmanager
+def _stderr_fd_silenced():
+    """File descriptor 2 to /dev/null for a moment: Ray's C++ logging, as it starts, announces the
+    level it was given there, whatever the level."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _import_ray():
     try:
         import ray
+        import ray.data  # noqa: F401  (sets up Ray Data's loggers, which _quiet_ray turns down)
     except ImportError:
-        raise StorylensError("--engine ray needs Ray: pip install 'storylens[ray]'") from None
-    if not ray.is_initialized():
-        kw = {"address": address} if address else {"num_cpus": workers}
-        try:
+        raise StorylensError(f"--engine ray needs Ray: {install_hint('ray')}") from None
+    return ray
+
+
+def _init_ray(ray, address: str | None) -> None:
+    """Join the cluster at ``address``, or start a Ray on this machine whose servers listen on the
+    loopback address only (Ray 2.60 binds every interface unless its node address is 127.0.0.1, which
+    on Linux it only takes when told there is no cluster: its ``ENABLE_RAY_CLUSTER``)."""
+    if address:
+        _check_address(address)
+    if ray.is_initialized():
+        return
+    from ray._private import ray_constants
+
+    kw = {"address": address} if address else {}
+    clustered, wait = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(GCS_WAIT)
+    if address:  # something answers, but maybe not Ray: one try at its GCS (~40 s), not Ray's 20
+        os.environ.setdefault(GCS_WAIT, "1")
+    else:
+        ray_constants.ENABLE_RAY_CLUSTER = False  # this machine's Ray: node address 127.0.0.1
+    try:
+        with _stderr_fd_silenced():
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                      ignore_reinit_error=True, **kw)
-        except Exception as e:  # connection refused, bad address, ...
-            raise StorylensError(f"ray: cannot {'join ' + address if address else 'start a local Ray'} "
-                                 f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
-    return ray
+    except Exception as e:  # connection refused, bad address, ...
+        where = f"--address {address}: cannot join that Ray cluster" if address else "ray: cannot start a local Ray"
+        raise StorylensError(f"{where} ({type(e).__name__}: {_one_line(e)[:160]})") from None
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clustered
+        if wait is None:
+            os.environ.pop(GCS_WAIT, None)
+
+
+def _actors(ray, workers: int) -> int:
+    """``workers``, but no more actors than the cluster has CPUs (each takes one), saying so on stderr."""
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if 0 < cpus < workers:
+        print(f"storylens: --workers {workers}: this Ray cluster has {cpus} CPU{'s' * (cpus != 1)}; "
+              f"using {cpus} actor{'s' * (cpus != 1)}", file=sys.stderr)
+        return cpus
+    return workers
 
 
 def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: int = 2, address: str | None = None,
@@ -109,43 +247,43 @@ def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: 
     from .analysis.scores import HeadScoreAccumulator
 
     if workers < 1:
-        raise StorylensError(f"--workers: must be at least 1 (got {workers})")
-    ray = _init_ray(address, workers)
-    import ray.data
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.execution_options.preserve_order = False
+        raise UsageError(f"--workers: must be at least 1 (got {workers})")
+    ray = _import_ray()
     stats = RecordStats(0, 0, 0)
     names = sorted(names)
     actor_peaks: dict[int, float] = {}
-    window = WINDOW_CHUNKS_PER_WORKER * workers
     seen: set[int] = set()
-    with tqdm(total=total, initial=start, unit="story", desc=f"recording attention on Ray ({workers} workers)",
-              disable=None if progress else True) as bar:
-        items: list[dict] = []
+    with _quiet_ray():
+        _init_ray(ray, address)
+        workers = _actors(ray, workers)
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.execution_options.preserve_order = False
+        ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
         pieces = chunked(source, chunk_stories, start)
-        while True:
-            items = [{"start": s, "texts": t} for s, t in _take(pieces, window)]
-            if not items:
-                break
-            ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.map_batches(ChunkScorer, batch_size=1, concurrency=workers, num_cpus=1,
-                                fn_constructor_kwargs={"model_source": model_source, "names": names,
-                                                       "batch_size": batch_size, "detectors": detectors})
-            for row in ds.iter_rows():
-                start = int(row["start"])
-                if start in seen:  # Ray Data returns each chunk once; a repeat would be a bug, not a sum
-                    raise StorylensError(f"ray: chunk at story {start} came back twice")
-                seen.add(start)
-                part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors).load_state(json.loads(row["state"]))
-                acc.merge(part)
-                stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
-                pid = int(row["pid"])
-                actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
-                bar.update(int(row["n"]))
-            if on_window is not None:
-                on_window(stats)
+        kwargs = {"model_source": model_source, "names": names, "batch_size": batch_size, "detectors": detectors}
+        with tqdm(total=total, initial=start, unit="story", desc=f"recording attention on Ray ({workers} workers)",
+                  disable=None if progress else True) as bar:
+            while items := [{"start": i, "texts": t} for i, t in _take(pieces, WINDOW_CHUNKS_PER_WORKER * workers)]:
+                ds = ray.data.from_items(items, override_num_blocks=len(items))
+                ds = ds.map_batches(ChunkScorer, batch_size=1, num_cpus=1, fn_constructor_kwargs=kwargs,
+                                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(items))))
+                try:
+                    for row in ds.iter_rows():
+                        start = int(row["start"])
+                        if start in seen:  # Ray Data returns each chunk once; a repeat would be a bug, not a sum
+                            raise StorylensError(f"ray: chunk at story {start} came back twice")
+                        seen.add(start)
+                        part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors)
+                        acc.merge(part.load_state(json.loads(row["state"])))
+                        stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
+                        pid = int(row["pid"])
+                        actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
+                        bar.update(int(row["n"]))
+                except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
+                    raise StorylensError(_ray_failure(e)) from None
+                if on_window is not None:
+                    on_window(stats)
     if stats.n_stories == 0:
         raise StorylensError("stories: nothing to score (no story)")
     if details is not None:

@@ -5,21 +5,39 @@ from __future__ import annotations
 
 import torch
 
+from .errors import StorylensError
 from .lm import wrap
 from .tokenizer import EncodedStory
 
+# What one story's recording for the figures and the widget may hold: every head's [query, key]
+# map, in float32 (torch) and float64 (numpy), 12 bytes an entry. A story longer than fits is cut.
+FIGURE_BUDGET_BYTES = 256 * 2**20
+MIN_FIGURE_TOKENS = 16
 
-def story_attention(model, text: str, window: int | None = None, tokenizer=None):
+
+def figure_tokens(n_layer: int, n_head: int, budget: int = FIGURE_BUDGET_BYTES) -> int:
+    """The longest story (tokens, marker included) whose every map fits ``budget`` bytes."""
+    return int((budget / (12 * n_layer * n_head)) ** 0.5)
+
+
+def story_attention(model, text: str, window: int | None = None, tokenizer=None, *,
+                    budget: int = FIGURE_BUDGET_BYTES):
     """Encode one story as the lesson does (``[marker] + story``, cut to the window) and record its
     attention. ``model``: storylens's GPT, an :class:`~storylens.lm.AttentionLM`, or a transformers
-    causal LM with its ``tokenizer``.
+    causal LM with its ``tokenizer``. The story is also cut to the tokens whose maps fit ``budget``
+    bytes (:func:`figure_tokens`: all 256 on Tiny Storyteller; about 340 on a 270-head model), so
+    drawing one story never holds gigabytes; a model too large to draw 16 tokens is refused.
 
     Returns ``(tokens, attention, encoded)``: display texts, a ``[block, head, query, key]`` numpy
     array (float64) and the :class:`~storylens.tokenizer.EncodedStory`."""
     from .viz.tokens import to_numpy_attention, token_texts
 
     lm = wrap(model, tokenizer)
-    window = window or lm.window
+    fits = figure_tokens(lm.n_layer, lm.n_head, budget)
+    if fits < MIN_FIGURE_TOKENS:
+        raise StorylensError(f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's maps "
+                             f"within {budget / 2**20:,.0f} MB (only {fits} tokens would fit)")
+    window = min(window or lm.window, fits)
     ids = lm.encode(text)
     enc = EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
     with torch.inference_mode():

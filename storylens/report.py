@@ -98,6 +98,7 @@ def build_report(
     model_source=None,
     stories=None,
     quiz=None,
+    text_field: str = "text",
     word: str = "Momo",
     prev_limit: int = PREV_LIMIT,
     batch_size: int = 16,
@@ -107,12 +108,26 @@ def build_report(
     check_stories: int = CHECK_STORIES,
     check_tokens: int = CHECK_TOKENS,
 ) -> Report:
-    """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``."""
+    """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``.
+
+    With ``progress`` and stderr not a terminal (no tqdm bar), the long loops print a line every
+    ``$STORYLENS_PROGRESS_SECONDS`` (default 10) seconds: ``storylens: report: scoring 120/200
+    stories, about 30 s left`` (:class:`storylens.lesson.ProgressLines`)."""
+    from .lesson import progress_command
+
+    with progress_command("report"):  # progress lines off a terminal say whose they are
+        return _build_report(out, model=model, model_source=model_source, stories=stories, quiz=quiz, text_field=text_field,
+                             word=word, prev_limit=prev_limit, batch_size=batch_size, beyond=beyond, detectors=detectors,
+                             progress=progress, check_stories=check_stories, check_tokens=check_tokens)
+
+
+def _build_report(out, *, model, model_source, stories, quiz, text_field, word, prev_limit, batch_size, beyond, detectors,
+                  progress, check_stories, check_tokens) -> Report:
     from .analysis.detectors import BUILTIN_DETECTORS
     from .analysis.encode import encode_stories
     from .analysis.names import name_vocabulary
     from .analysis.scores import score_heads
-    from .lesson import lesson_data
+    from .lesson import ProgressLines, lesson_data
     from .lm import NativeLM, load_lm, wrap
     from .viz import AttentionWidget, toy_widget
 
@@ -124,12 +139,13 @@ def build_report(
     with publish_folder(out, "report") as tmp:
         with _timer(timings, "load"):
             lm = wrap(model) if model is not None else load_lm(model_source)
-            data = lesson_data(_quiz_folder(lm), stories, quiz)
+            data = lesson_data(_quiz_folder(lm), stories, quiz, quiz_option="--quiz", text_field=text_field)
             quiz_stories, quiz_source = data.quiz, data.quiz_source
         measures = _beyond_measures(lm) if beyond else ()
         with _timer(timings, "scoring"):  # the one recording pass: head scores (and --beyond's measures)
             encoded = encode_stories(lm, quiz_stories, name_vocabulary(quiz_stories))  # once, for every step
-            scores = score_heads(lm, encoded, batch_size=batch_size, measures=measures,
+            lines = ProgressLines("scoring", len(encoded), enabled=progress)  # a measure that only counts
+            scores = score_heads(lm, encoded, batch_size=batch_size, measures=(*measures, lines),
                                  detectors=BUILTIN_DETECTORS + tuple(detectors),
                                  max_stories_prev=min(prev_limit, len(quiz_stories)), progress=progress)
         if scores.n_name_scored == 0:
@@ -199,7 +215,8 @@ def _numerics_html(checks: list[dict]) -> str:
 
 
 def _quiz_folder(lm):
-    """Where the model's own quiz may lie: its folder (a transformers folder without one: the lesson's)."""
+    """Where the model's own quiz may lie: its folder, or None for a transformers folder without one
+    (:func:`storylens.lesson.lesson_data` then uses the lesson's quiz, shipped with storylens)."""
     from .data import QUIZ_FILE
     from .lm import NativeLM
 
@@ -291,14 +308,20 @@ def _f(x, nd=3):
 
 def _leakage_summary(leakage, data) -> dict:
     if leakage is None:
+        if getattr(data, "shipped_with_storylens", False):
+            return {"computed": False, "source": "not computed: the quiz is the lesson's, shipped with storylens, "
+                                                 "and no training stories are here to check it against (get "
+                                                 "TinyStories with storylens data download, or pass --stories)"}
         return {"computed": False, "source": "not computed: no training stories here (get them with "
                                              "storylens data download, or pass --stories)"}
     src = (f"recomputed against the {leakage.n_train:,} training stories" if data.train is not None else
            f"stored with the model (computed against its {leakage.n_train:,} training stories when it was trained)")
-    return {"computed": True, "source": src, **leakage.summary()}
+    return {"computed": True, "recomputed": data.train is not None, "source": src, **leakage.summary()}
 
 
 def _summary(lm, scores, leakage, quiz_source, data, story_info) -> dict:
+    from .lm import NativeLM
+
     top6 = scores.top("name_mass", 6)
     prev = scores.best("prev_token")
     prev_first = scores.best("prev_token_first")
@@ -307,10 +330,14 @@ def _summary(lm, scores, leakage, quiz_source, data, story_info) -> dict:
     marker = scores.best("marker")
     return {
         "model": {"name": str(lm.name), "parameters": sum(p.numel() for p in lm.module.parameters()),
-                  "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window},
+                  "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window,
+                  "display_name": _display_name(lm),
+                  # the lesson's figures are about Tiny Storyteller: compared only for storylens's own models
+                  "lesson_comparison": isinstance(lm, NativeLM)},
         "quiz": {"source": quiz_source, "stories": scores.n_stories, "cut_to_window": scores.n_cut,
                  "with_main_character": scores.n_main_character, "name_scored": scores.n_name_scored,
                  "skipped": scores.n_skipped_no_name,
+                 "shipped_with_storylens": bool(getattr(data, "shipped_with_storylens", False)),
                  "train_stories": leakage.n_train if leakage is not None else None},
         "leakage": _leakage_summary(leakage, data),
         "name_heads": {
@@ -328,12 +355,35 @@ def _summary(lm, scores, leakage, quiz_source, data, story_info) -> dict:
             "best_argmax_all": {"head": argmax_all.label, "share": argmax_all.prev_argmax},
         },
         "marker": {"highest": {"head": marker.label, "marker": marker.marker},
-                   "above_half": scores.count("marker", above=0.5)},
+                   "above_half": scores.count("marker", above=0.5), "called": _marker_words(lm)},
         "story_shown": {"quiz_index": story_info["index"] + 1, "main_character": story_info["name"]},
         "number_to_reproduce": {"head": top6[0].label, "name_mass": top6[0].name_mass,
                                 "baseline": scores.name_baseline, "ratio": top6[0].name_ratio,
                                 "stories": scores.n_name_scored, "of": scores.n_stories},
     }
+
+
+def _display_name(lm) -> str:
+    """The model's name for people: a folder's own name (never the path to it), else the hub id."""
+    if lm.source_folder is not None and Path(str(lm.name)) == Path(lm.source_folder):
+        return Path(lm.source_folder).resolve().name or str(lm.name)
+    name = str(lm.name)
+    return Path(name).name if os.path.isabs(name) else name
+
+
+def _marker_words(lm) -> str:
+    """What the token that opens every sequence is, in this model's terms: Tiny Storyteller's
+    end-of-story marker, or a transformers model's BOS token (its EOS where it has no BOS)."""
+    from .lm import NativeLM
+
+    if isinstance(lm, NativeLM):
+        return "the end-of-story marker"
+    cfg = getattr(lm.module, "config", None)
+    bos, eos = getattr(cfg, "bos_token_id", None), getattr(cfg, "eos_token_id", None)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    if bos is None and lm.marker_id in eos:
+        return "the opening token (EOS, put before each story)"
+    return "the opening token (BOS)"
 
 
 def _table(header, rows) -> str:
@@ -342,12 +392,17 @@ def _table(header, rows) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
-def _heat(scores, col: str) -> str:
-    """One score as a coloured block x head table (the best head boxed): HTML, not an image."""
+def _heat(scores, col: str, marker: str = "the end-of-story marker") -> str:
+    """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
+    table is coloured over its own range, and its caption says so."""
     from .viz import head_heatmap_html
 
-    title = SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
-    return f"<figure>{head_heatmap_html(scores.grid(col), title=title, highlight=scores.best(col).label)}</figure>"
+    title = f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
+    values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
+    note = (f"Colours: this table's own range, {min(values):.3f} (black) to {max(values):.3f} (light yellow); "
+            "compare tables by their numbers, not their colours." if values else "No values.")
+    return (f"<figure>{head_heatmap_html(scores.grid(col), title=title, highlight=scores.best(col).label)}"
+            f"<figcaption>{html.escape(note)}</figcaption></figure>")
 
 
 def _img(figs, name, alt, cls="", attrs="") -> str:
@@ -357,6 +412,7 @@ def _img(figs, name, alt, cls="", attrs="") -> str:
 
 
 def _html(s, scores, figs, widget_html, toy_html, beyond_html) -> str:
+    from .heads import parse_head_label
     from .viz import HEATMAP_CSS
 
     q, lk, nh, pt, mk, nr = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"], s["number_to_reproduce"]
@@ -381,16 +437,38 @@ figure.wide{overflow-x:auto}figure.wide img{max-width:none}
 .pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:0 1.5em;align-items:start}
 .num{font-size:1.25em;background:#f7f7ff;border-left:4px solid #66c;padding:.6em 1em}""" + HEATMAP_CSS
     n_heads = s["model"]["blocks"] * s["model"]["heads"]
+    name = e(s["model"]["display_name"])
+    lesson = s["model"]["lesson_comparison"]  # the lesson's figures are Tiny Storyteller's: only beside its kind
+
+    def vs(text: str) -> str:
+        """A comparison with the lesson's figure, shown for storylens's own models only."""
+        return text if lesson else ""
+
+    example = "L5H3" if lesson else top["head"]  # a head this model has
+    ex_block, ex_head = parse_head_label(example)  # 0-based
+    called = mk.get("called", "the end-of-story marker")
+    Called = called[0].upper() + called[1:]
+    heat = lambda col: _heat(scores, col, called)  # noqa: E731
+    if lk["computed"] and lk["word"] == "Momo":
+        momo = ("“Momo” is the lesson's leakage check word. In the lesson's story Momo the monkey is the model "
+                "(his dials are its weights) and Ella the elephant the teacher; the check counts the quiz stories "
+                "that mention him.")
+    else:
+        momo = ""
+    lesson_leak = vs(" (the lesson: none identical, none mentioning Momo, 8-word runs 8.7% on average, 30% at most)") + "."
+    if not lesson and lk["computed"] and lk["recomputed"]:
+        lesson_leak += (" These are the lesson corpus's training stories, not necessarily the ones this model was "
+                        "trained on.")
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>storylens: Tiny Storyteller's attention</title>
+<html lang="en"><head><meta charset="utf-8"><title>storylens: {name}'s attention</title>
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:; connect-src 'none'; base-uri 'none'; form-action 'none'">
 <style>{css}</style></head><body>
-<h1>Reading Tiny Storyteller's attention</h1>
-<p>Every number on this page was computed by storylens on this machine, with the model
+<h1>Reading {name}'s attention</h1>
+<p>Every number on this page was computed by storylens on this machine, with {name}
 ({s['model']['parameters']:,} parameters, {s['model']['blocks']} blocks x {s['model']['heads']} heads,
 {s['model']['window']}-token window) and {q['stories']} quiz stories ({e(q['source'])}).
-{q['cut_to_window']} of them were cut to the {s['model']['window']}-token window (the lesson had 5 of 200).
-Heads are labelled as the lesson does: <b>L5H3</b> is block 5, head 3, counting from 1.</p>
+{q['cut_to_window']} of them were cut to the {s['model']['window']}-token window{vs(" (the lesson had 5 of 200)")}.
+Heads are labelled as the lesson does: <b>{example}</b> is block {ex_block + 1}, head {ex_head + 1}, counting from 1.</p>
 
 <h2>1. How attention works</h2>
 <p>Each word of a story gets, from each head, three short lists of numbers: a <b>query</b> (what it is
@@ -416,7 +494,9 @@ rounding alone allows, in float32 and float64 (derived in <code>storylens.numeri
 {_numerics_html(s["numerics"])}
 
 <h2>2. All {n_heads} heads on one story</h2>
-<p>Row: the token looking back (query); column: the token looked at (key); darker: a larger share.</p>
+<p>Row: the token looking back (query); column: the token looked at (key); brighter (towards yellow): a larger
+share, dark purple: almost none (viridis on a power scale, so small shares still show; every map uses the same
+scale, 0 to 1). The flat dark grey upper right of each map is the causal mask.</p>
 {_img(figs, "all_heads", f"All {n_heads} heads, one quiz story", cls="wide",
       attrs=f' data-label-px="{label_px:.1f}"')}
 <h3>Click a token</h3>
@@ -424,20 +504,20 @@ rounding alone allows, in float32 and float64 (derived in <code>storylens.numeri
 {widget_html}
 
 <h2>3. Leakage check</h2>
-<p>Quiz stories against the training stories: {e(lk['source'])}
-(the lesson: none identical, none mentioning Momo, 8-word runs 8.7% on average, 30% at most).</p>
+<p>Quiz stories against the training stories: {e(lk['source'])}{e(lesson_leak)}</p>
+{"<p>" + e(momo) + "</p>" if momo else ""}
 {_table(["check", "ours"], leak_rows)}
 
 <h2>4. The name-tracking head</h2>
 <p>A name is a capitalised word whose lowercase form appears nowhere in the {q['stories']} quiz stories; the
 main character is a story's most frequent name with at least two mentions. {q['with_main_character']} of
-{q['stories']} stories have one; {q['name_scored']} are scored, {q['skipped']} skipped
-(the lesson: 159 of 200). Even-spread baseline: <b>{_f(nh['baseline'])}</b> (lesson: 0.052).</p>
+{q['stories']} stories have one; {q['name_scored']} are scored, {q['skipped']} skipped{vs(" (the lesson: 159 of 200)")}.
+Even-spread baseline: <b>{_f(nh['baseline'])}</b>{vs(" (lesson: 0.052)")}.</p>
 {_table(["head", "name mass", "baseline", "ratio"], name_rows)}
-<p>{nh['below_baseline']} of {n_heads} heads put less on the name than an even spread would (lesson: 17).</p>
+<p>{nh['below_baseline']} of {n_heads} heads put less on the name than an even spread would{vs(" (lesson: 17)")}.</p>
 {_img(figs, "name_mass", "Name mass per head against the baseline")}
-<div class="pair">{_heat(scores, "name_mass")}
-{_heat(scores, "name_ratio")}</div>
+<div class="pair">{heat("name_mass")}
+{heat("name_ratio")}</div>
 {_img(figs, "top_name_head", f"{top['head']} on one story: where it looks after the first mention")}
 
 <h2>5. Three honest limits</h2>
@@ -447,33 +527,32 @@ a tendency, not a switch.</li>
 (section 8, when run with <code>--beyond</code>, does).</li>
 <li>Name position is not controlled: a name early in a story may draw attention partly for being early.</li></ol>
 
-<h2>6. Previous-token and end-of-story heads</h2>
-<p>Heads with more than half their attention on the word just before: <b>{pt['above_half']} of {n_heads}</b>
-(lesson: 0). Highest: {pt['highest']['head']} at {_f(pt['highest']['prev_token'])} over all stories;
+<h2>6. Previous-token heads, and heads on {e(called)}</h2>
+<p>Heads with more than half their attention on the word just before: <b>{pt['above_half']} of {n_heads}</b>{vs(" (lesson: 0)")}.
+Highest: {pt['highest']['head']} at {_f(pt['highest']['prev_token'])} over all stories;
 on the first {pt['highest_first']['stories']} stories {pt['highest_first']['head']} puts
-{_f(pt['highest_first']['prev_token'])} on the previous word and {_f(pt['highest_first']['prev4'])} on the last four
-(lesson: L1H1, 0.140 and 0.389). The previous word is the single most-attended one for
+{_f(pt['highest_first']['prev_token'])} on the previous word and {_f(pt['highest_first']['prev4'])} on the last four{vs(" (lesson: L1H1, 0.140 and 0.389)")}.
+The previous word is the single most-attended one for
 {_f(pt['best_argmax_first']['share'])} of queries at best ({pt['best_argmax_first']['head']}, first
-{pt['best_argmax_first']['stories']} stories; {_f(pt['best_argmax_all']['share'])} over all, {pt['best_argmax_all']['head']};
-lesson: 0.369). End-of-story marker: the highest head is {mk['highest']['head']} at {_f(mk['highest']['marker'])}
-(lesson: 0.065); {mk['above_half']} heads lean mostly on it.</p>
-<div class="pair">{_heat(scores, "prev_token")}
-{_heat(scores, "prev_argmax")}
-{_heat(scores, "prev4")}
-{_heat(scores, "marker")}</div>
+{pt['best_argmax_first']['stories']} stories; {_f(pt['best_argmax_all']['share'])} over all, {pt['best_argmax_all']['head']}{vs("; lesson: 0.369")}).
+{e(Called)}: the highest head is {mk['highest']['head']} at {_f(mk['highest']['marker'])}{vs(" (lesson: 0.065)")}; {mk['above_half']} heads lean mostly on it.</p>
+<div class="pair">{heat("prev_token")}
+{heat("prev_argmax")}
+{heat("prev4")}
+{heat("marker")}</div>
 
 <h3>More detectors</h3>
 <p>TransformerLens's two token patterns, as attention masses over the queries they apply to
 (<code>storylens.analysis.detectors</code>){", and the detectors given with --detector" if scores.extra_columns else ""}:</p>
-<div class="pair">{"".join(_heat(scores, c) for c in ("duplicate_token", "induction") + scores.extra_columns)}</div>
+<div class="pair">{"".join(heat(c) for c in ("duplicate_token", "induction") + scores.extra_columns)}</div>
 
 <h2>7. The number to reproduce</h2>
 <p class="num">The most name-attending head is <b>{nr['head']}</b>, with mean name mass <b>{_f(nr['name_mass'])}</b>
 over {nr['stories']} of the {nr['of']} stories, against an even-spread baseline of {_f(nr['baseline'])}
-({nr['ratio']:.1f} times). The lesson's model: L5H3, 0.221 over 159 of 200, baseline 0.052 (4.3 times).</p>
+({nr['ratio']:.1f} times).{vs(" The lesson's model: L5H3, 0.221 over 159 of 200, baseline 0.052 (4.3 times).")}</p>
 
 <h2>Every head</h2>
-{_table(["head", "name mass", "ratio", "prev token", "prev = top key", "last four", "marker"], all_rows)}
+{_table(["head", "name mass", "ratio", "prev token", "prev = top key", "last four", "marker" if lesson else "opening token"], all_rows)}
 {beyond_html}
 <p style="color:#888">Made by storylens. TinyStories (Eldan &amp; Li 2023), CDLA-Sharing-1.0.</p>
 </body></html>
@@ -552,7 +631,7 @@ of {lm.n_layer * lm.n_head} by name-loss increase). Ten heads with the largest n
 {_table(["head", "name mass", "name loss + (zero)", "other loss + (zero)", "name loss + (mean)", "other loss + (mean)"], abl_rows)}
 <p>The top name-mass heads switched off together:</p>
 {_table(["heads", "mode", "name loss +", "other loss +"], grp)}
-<figure><img src="{figs['ablation_name_loss']}" alt="name-loss increase per head"><figcaption>Name-loss increase per head (zero ablation)</figcaption></figure>
+<figure><img src="{figs['ablation_name_loss']}" alt="name-loss increase per head"><figcaption>Name-loss increase per head (zero ablation); the colours span this figure's own range, shown on its bar</figcaption></figure>
 <p>This shows which heads the model <i>needs</i> for the name on this quiz, not what they compute; a head can
 matter for the name while looking elsewhere, and zero or mean ablation pushes the model off its usual inputs.</p>
 <h3>Same prompt, same seed, {html.escape(d['head'])} switched off</h3>

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .analysis.encode import CHUNK_STORIES
-from .errors import StorylensError
-from .publish import publish_folder, write_text_atomic
+from .errors import StorylensError, UsageError
+from .publish import check_target_folder, publish_folder, write_text_atomic
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
 # Stories per forward pass. Peak memory follows the largest batch's maps (batch x heads x window x
@@ -65,7 +65,7 @@ def first_pass(source, *, progress: bool = True):
 
 def _fingerprint(lm, source, names, settings: dict) -> dict:
     digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).hexdigest()[:16]
-    return {"model": str(lm.name), "model_sizes": [lm.n_layer, lm.n_head, lm.window],
+    return {"model": str(lm.name), "model_sizes": [lm.n_layer, lm.n_head, lm.window], "weights_sha256": weights_sha256(lm),
             "source": source.fingerprint(), "names_sha256": digest, **settings}
 
 
@@ -76,15 +76,30 @@ def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stor
     docstring). ``model_source`` is what each Ray actor loads (a folder or hub id; None: the shipped
     model)."""
     from .analysis.detectors import BUILTIN_DETECTORS
-    from .analysis.record import RecordStats, record
-    from .analysis.scores import HeadScoreAccumulator, score_table
 
     detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
     if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
-        raise StorylensError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
+        raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
     if engine not in ("local", "ray"):
-        raise StorylensError(f"--engine: local or ray (got {engine!r})")
+        raise UsageError(f"--engine: local or ray (got {engine!r})")
     out = Path(out)
+    check_target_folder(out)  # before the first story: a bad --out costs nothing
+    with publish_folder(out, "score") as tmp:  # the lock is held for the whole run, checkpoints included
+        summary, scores = _score_into(tmp, lm, source, out, batch_size=batch_size, chunk_stories=chunk_stories,
+                                      checkpoint_every=checkpoint_every, resume=resume, engine=engine,
+                                      workers=workers, address=address, model_source=model_source,
+                                      detectors=detectors, progress=progress)
+    ckpt = checkpoint_path(out)
+    if ckpt.exists():
+        ckpt.unlink()
+    return ScoreRun(out, scores, summary)
+
+
+def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, checkpoint_every, resume, engine,
+                workers, address, model_source, detectors, progress):
+    from .analysis.record import RecordStats, record
+    from .analysis.scores import HeadScoreAccumulator, score_table
+
     ckpt = checkpoint_path(out)
     t0 = time.perf_counter()
     vocab, n_total = first_pass(source, progress=progress)
@@ -101,14 +116,15 @@ def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stor
                                  "(or delete it to start again)")
         try:
             saved = json.loads(ckpt.read_text())
-            if saved["fingerprint"] != fingerprint:
-                raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
-            acc.load_state(saved["state"])
-            done = RecordStats(*saved["stats"])
-        except StorylensError:
-            raise
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             raise StorylensError(f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again") from None
+        if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
+            raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
+        try:
+            done = _checked_stats(saved.get("stats"), n_total)
+            acc.load_state(saved.get("state"), max_stories=done.n_stories)
+        except ValueError as e:
+            raise StorylensError(f"{ckpt}: not a valid checkpoint ({e}); delete it to start again") from None
 
     t1 = time.perf_counter()
     batches_since = [0]
@@ -149,13 +165,10 @@ def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stor
         "detectors": [d.name for d in detectors],
         "top": {d.name: _top(scores, d.name) for d in detectors},
     }
-    with publish_folder(out, "score") as tmp:
-        scores.to_csv(tmp / "heads.csv")
-        scores.to_json(tmp / "heads.json")
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    if ckpt.exists():
-        ckpt.unlink()
-    return ScoreRun(out, scores, summary)
+    scores.to_csv(tmp / "heads.csv")
+    scores.to_json(tmp / "heads.json")
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary, scores
 
 
 def _top(scores, column: str) -> dict | None:
@@ -164,6 +177,35 @@ def _top(scores, column: str) -> dict | None:
     except ValueError:
         return None
     return {"head": h.label, "score": scores.column(column)[scores.heads.index(h)]}
+
+
+def _checked_stats(stats, n_total: int):
+    """The stories counted in a checkpoint, checked: whole numbers, cut and main-character counts
+    no more than the stories, the stories no more than the source holds."""
+    from .analysis.record import RecordStats
+
+    if not isinstance(stats, list) or len(stats) != 3 or \
+            any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in stats):
+        raise ValueError(f"stats {stats!r} are not three whole numbers of 0 or more")
+    n, cut, main = stats
+    if n > n_total or cut > n or main > n:
+        raise ValueError(f"stats {stats!r}: {n} stories done of {n_total}, {cut} cut and {main} with a main "
+                         "character cannot all hold")
+    return RecordStats(n, cut, main)
+
+
+def weights_sha256(lm) -> str:
+    """A hash of every weight's bytes, in order (with its name, shape and dtype): a checkpoint made
+    with other weights of the same shapes is never resumed. About a second per 500 MB of weights."""
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in lm.module.state_dict().items():
+            t = p.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
 
 
 def _astuple(stats) -> tuple[int, int, int]:

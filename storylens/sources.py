@@ -16,17 +16,17 @@ one-line :class:`~storylens.errors.StorylensError` naming the source.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import zlib
+import sys
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
-from .data import iter_stories, resolve_corpus
-from .errors import StorylensError
+from .data import (MAX_CORPUS_MB_ENV, MAX_STORY_MB_ENV, iter_stories, max_corpus_bytes, max_story_bytes,
+                   resolve_corpus, text_lines)
+from .errors import StorylensError, UsageError, install_hint
 
 KINDS = ("text", "jsonl", "parquet", "hf")
 
@@ -39,6 +39,7 @@ class StorySource:
     limit: int | None = None
     split: str = "train"
     allow_download: bool = False
+    split_given: bool = False  # --split was asked for (a saved dataset without splits refuses it)
 
     def __iter__(self) -> Iterator[str]:
         stories = (s for s in _READERS[self.kind](self) if s.strip())
@@ -46,14 +47,18 @@ class StorySource:
 
     def describe(self) -> str:
         extra = f", field {self.text_field!r}" if self.kind != "text" else ""
-        extra += f", split {self.split!r}" if self.kind == "hf" else ""
+        extra += f", split {self.split!r}" if self.kind == "hf" and (self.split_given or self.has_splits()) else ""
         extra += f", first {self.limit:,}" if self.limit is not None else ""
         return f"{self.location} ({self.kind}{extra})"
+
+    def has_splits(self) -> bool:
+        """A hub dataset or a saved ``DatasetDict`` has splits; a saved single dataset has none."""
+        return self.kind == "hf" and not (Path(self.location) / "dataset_info.json").is_file()
 
     def fingerprint(self) -> dict:
         """What identifies the stories: checked when a run resumes from a checkpoint."""
         out = {"kind": self.kind, "location": self.location, "text_field": self.text_field, "limit": self.limit,
-               "split": self.split}
+               "split": self.split if self.has_splits() else None}
         p = Path(self.location)
         if p.exists():
             st = p.stat()
@@ -62,58 +67,48 @@ class StorySource:
 
 
 def open_source(source: str | os.PathLike, *, text_field: str = "text", limit: int | None = None,
-                split: str = "train", allow_download: bool = False) -> StorySource:
-    """A :class:`StorySource` for ``source`` (see the module docstring), checked to exist."""
-    if limit is not None and limit < 1:
-        raise StorylensError(f"--limit: must be at least 1 (got {limit})")
+                split: str | None = None, allow_download: bool = False) -> StorySource:
+    """A :class:`StorySource` for ``source`` (see the module docstring), checked to exist.
+    ``split`` (default ``train``) is for Hugging Face datasets only; asked of any other source it
+    is refused rather than ignored."""
+    if limit is not None and not 1 <= limit <= sys.maxsize:
+        raise UsageError(f"--limit: must be between 1 and {sys.maxsize:,} (got {limit:,})")
+    if not str(source):
+        raise UsageError("--stories: empty; give a stories file, a dataset folder or hf:OWNER/NAME")
+    given, split = split is not None, split or "train"
     s = str(source)
     if s.startswith("hf:"):
-        return StorySource("hf", s[3:], text_field, limit, split, allow_download)
+        return StorySource("hf", s[3:], text_field, limit, split, allow_download, given)
     path = resolve_corpus(Path(s))
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
-            return StorySource("hf", str(path), text_field, limit, split, allow_download)
+            return StorySource("hf", str(path), text_field, limit, split, allow_download, given)
         raise StorylensError(f"{path}: a folder, not a stories file (nor a saved Hugging Face dataset)")
     if not path.exists():
         raise StorylensError(f"{path}: no such file (a hub dataset is named hf:OWNER/NAME)")
     if not path.is_file():
         raise StorylensError(f"{path}: not a regular file")
-    name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json", ".json.gz")):
-        kind = "jsonl"
-    elif name.endswith(".parquet"):
-        kind = "parquet"
-    else:
-        kind = "text"
+    kind = file_kind(path)
+    if given:
+        raise UsageError(f"--split: only for a Hugging Face dataset; {path} is a {kind} file with no splits")
     return StorySource(kind, str(path), text_field, limit, split, allow_download)
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """``jsonl``, ``parquet`` or ``text``, by the file's name."""
+    name = Path(path).name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json", ".json.gz")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
 
 
 # ---------------------------------------------------------------- readers
 
 
-def _binary_lines(path: str):
-    """Lines of a plain or gzip file, as bytes, streamed; one-line errors for a bad gzip or read."""
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-            f.seek(0)
-            yield from (gzip.GzipFile(fileobj=f) if gz else f)
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise StorylensError(f"{path}: corrupt gzip file ({e})") from None
-    except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def _text_lines(path: str):
-    for number, raw in enumerate(_binary_lines(path), 1):
-        try:
-            yield raw.decode("utf-8").rstrip("\n")
-        except UnicodeDecodeError:
-            raise StorylensError(f"{path}: not UTF-8 text (line {number})") from None
-
-
 def _read_text(src: StorySource) -> Iterator[str]:
-    return iter_stories(_text_lines(src.location))
+    return iter_stories(text_lines(src.location), source=src.location)
 
 
 def _field(row, src: StorySource, where: str) -> str:
@@ -125,14 +120,36 @@ def _field(row, src: StorySource, where: str) -> str:
     return text
 
 
+class _Budget:
+    """The bytes a source has given so far, against ``$STORYLENS_MAX_CORPUS_MB`` (the whole corpus)
+    and ``$STORYLENS_MAX_STORY_MB`` (one story): the same limits as the text reader's."""
+
+    def __init__(self, src: StorySource):
+        self.src, self.total = src, 0
+        self.corpus, self.story = max_corpus_bytes(), max_story_bytes()
+
+    def take(self, text: str, where: str) -> str:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        self.total += size
+        if size > self.story:
+            raise StorylensError(f"{self.src.location}: {where}: a story of {size / 2**20:,.1f} MB, longer than "
+                                 f"{self.story / 2**20:,.0f} MB (raise ${MAX_STORY_MB_ENV} for longer stories)")
+        if self.total > self.corpus:
+            raise StorylensError(f"{self.src.location}: more than {self.corpus / 2**20:,.0f} MB of text; refusing "
+                                 f"to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+        return text
+
+
 def _read_jsonl(src: StorySource) -> Iterator[str]:
-    for number, line in enumerate(_text_lines(src.location), 1):
+    for number, line in enumerate(text_lines(src.location), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as e:
             raise StorylensError(f"{src.location}: line {number} is not JSON ({e})") from None
+        except RecursionError:
+            raise StorylensError(f"{src.location}: line {number} is JSON nested too deeply to read") from None
         yield _field(row, src, f"line {number}")
 
 
@@ -146,12 +163,14 @@ def _read_parquet(src: StorySource) -> Iterator[str]:
         if src.text_field not in f.schema_arrow.names:
             raise StorylensError(f"{src.location}: no column {src.text_field!r} (columns: "
                                  f"{', '.join(f.schema_arrow.names)}; choose one with --text-field)")
-        for batch in f.iter_batches(batch_size=1024, columns=[src.text_field]):
+        budget, number = _Budget(src), 0
+        for batch in f.iter_batches(batch_size=64, columns=[src.text_field]):
             for text in batch.column(0).to_pylist():
+                number += 1
                 if text is not None and not isinstance(text, str):
                     raise StorylensError(f"{src.location}: column {src.text_field!r} holds "
                                          f"{type(text).__name__}, not text")
-                yield text or ""
+                yield budget.take(text or "", f"row {number}")
     except StorylensError:
         raise
     except Exception as e:  # pyarrow's errors for a damaged file
@@ -164,7 +183,7 @@ def _read_hf(src: StorySource) -> Iterator[str]:
         import datasets
     except ImportError:
         raise StorylensError(f"{src.location}: a Hugging Face dataset needs the datasets package: "
-                             "pip install 'storylens[hf]'") from None
+                             f"{install_hint('hf')}") from None
     from .hub import hub_offline
 
     datasets.disable_progress_bars()
@@ -175,6 +194,9 @@ def _read_hf(src: StorySource) -> Iterator[str]:
                 if src.split not in ds:
                     raise StorylensError(f"{src.location}: no split {src.split!r} (splits: {', '.join(ds)})")
                 ds = ds[src.split]
+            elif src.split_given:
+                raise StorylensError(f"{src.location}: a single saved dataset with no splits; drop --split "
+                                     f"{src.split}")
         else:
             with hub_offline(not src.allow_download):
                 # streamed from the hub when downloads are allowed; else the local cache (memory-mapped)
@@ -185,8 +207,9 @@ def _read_hf(src: StorySource) -> Iterator[str]:
         hint = "" if src.allow_download else " (not in the local cache; storylens stays offline unless asked: --allow-download)"
         raise StorylensError(f"{src.location}: cannot open the dataset{hint} ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:160]})") from None
+    budget = _Budget(src)
     for number, row in enumerate(ds, 1):
-        yield _field(row, src, f"row {number}")
+        yield budget.take(_field(row, src, f"row {number}"), f"row {number}")
 
 
 _READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf}

@@ -3,6 +3,11 @@
 The end-of-story marker ``<|endoftext|>`` is token 0. In the training stream it follows
 every story, so it also opens the next; a single story fed to the model is
 ``[marker] + story``, cut to the window (:func:`encode_story`).
+
+Story text is text: the characters ``<|endoftext|>`` written inside a story, a JSON field or a
+prompt are encoded as the bytes they are, never as the marker token (:func:`text_only`). Only
+storylens itself puts the marker in, between stories; so the marker detector counts real
+markers only, and a story cannot forge one.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ def train_tokenizer(stories: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> 
         show_progress=False,
     )
     tok.train_from_iterator(stories, trainer=trainer)
+    return text_only(tok)
+
+
+def text_only(tok: Tokenizer) -> Tokenizer:
+    """``tok``, set to encode special tokens' text as plain text (``encode_special_tokens``)."""
+    if not tok.encode_special_tokens:
+        tok.encode_special_tokens = True
     return tok
 
 
@@ -44,7 +56,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise StorylensError(f"{path}: not a valid tokenizer.json ({e})") from None
     if tok.token_to_id(EOT) is None:
         raise StorylensError(f"{path}: tokenizer has no {EOT} token")
-    return tok
+    return text_only(tok)
 
 
 def eot_id(tok: Tokenizer) -> int:
@@ -59,7 +71,7 @@ class EncodedStory:
 
 
 def encode_story(tok: Tokenizer, text: str, window: int = 256) -> EncodedStory:
-    ids = [eot_id(tok)] + tok.encode(text).ids
+    ids = [eot_id(tok)] + text_only(tok).encode(text).ids
     return EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
 
 
@@ -67,7 +79,7 @@ def encode_stream(tok: Tokenizer, stories: Iterable[str]) -> list[int]:
     """The training stream: ``<eot> s1 <eot> s2 ... <eot> sN <eot>``."""
     e = eot_id(tok)
     out = [e]
-    for enc in tok.encode_batch(list(stories)):
+    for enc in text_only(tok).encode_batch(list(stories)):
         out.extend(enc.ids)
         out.append(e)
     return out

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Split
-from .errors import StorylensError
+from .errors import StorylensError, UsageError
 from .model import GPT, GPTConfig
 from .tokenizer import encode_story, encode_stream, load_tokenizer, train_tokenizer
 
@@ -141,7 +141,7 @@ class _StopRequested(Exception):
 def validate_config(cfg: TrainConfig) -> None:
     """One line for a setting no training can use (before anything is read or written)."""
     def bad(name, why):
-        raise StorylensError(f"--{name.replace('_', '-')}: {why}")
+        raise UsageError(f"--{name.replace('_', '-')}: {why}")
 
     for name in ("max_steps", "batch_size", "eval_every", "vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
         v = getattr(cfg, name)

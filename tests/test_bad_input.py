@@ -19,16 +19,7 @@ from safetensors.torch import load_file, save_file
 from storylens.cli import main
 from storylens.data import EOT
 from storylens.hub import SHIPPED_MODEL
-
-
-def one_line(capsys, argv, code=2) -> str:
-    """Run the CLI in-process; return its single stderr line (without the 'storylens: error: ')."""
-    got = main(argv)
-    err = capsys.readouterr().err
-    assert got == code, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+from cli_lines import one_line
 
 
 def model_copy(tmp_path, name="m") -> Path:
@@ -113,11 +104,13 @@ def test_config_that_is_not_an_object(capsys, tmp_path):
 
 def test_a_folder_or_a_fifo_is_named_for_what_it_is(capsys, tmp_path):
     line = one_line(capsys, ["perplexity", "--stories", str(tmp_path)])
-    assert line == f"storylens: error: {tmp_path}: is a folder, not a stories file"
+    assert line == (f"storylens: error: {tmp_path}: is a folder, not a stories file; or leave out --stories "
+                    "to use the quiz shipped with storylens")
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     line = one_line(capsys, ["perplexity", "--stories", str(fifo)])  # must not block on open
-    assert line == f"storylens: error: {fifo}: is a named pipe (FIFO), not a stories file"
+    assert line == (f"storylens: error: {fifo}: is a named pipe (FIFO), not a stories file; or leave out --stories "
+                    "to use the quiz shipped with storylens")
 
 
 def test_gzip_bomb_is_streamed_and_refused(capsys, tmp_path, monkeypatch):
@@ -125,7 +118,7 @@ def test_gzip_bomb_is_streamed_and_refused(capsys, tmp_path, monkeypatch):
     # smaller limit: 64 MiB of text gzipped to ~64 KB, against a limit of 8 MB.
     bomb = tmp_path / "bomb.txt.gz"
     with gzip.open(bomb, "wb", compresslevel=9) as f:
-        block = b"a" * (1 << 20)
+        block = (b"a" * 1009 + f"\n{EOT}\n".encode()) * 1024  # 1 MiB in stories of 1 KiB
         for _ in range(64):
             f.write(block)
     assert bomb.stat().st_size < 200_000
@@ -136,8 +129,9 @@ def test_gzip_bomb_is_streamed_and_refused(capsys, tmp_path, monkeypatch):
     line = one_line(capsys, ["perplexity", "--stories", str(bomb)])
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert line == (f"storylens: error: {bomb}: more than 8 MB of text once unzipped; refusing to hold it in "
-                    "memory (raise $STORYLENS_MAX_CORPUS_MB if it is really a corpus)")
+    assert line == (f"storylens: error: {bomb}: more than 8 MB of text once unzipped; refusing to read more "
+                    "(raise $STORYLENS_MAX_CORPUS_MB if it is really a corpus); or leave out --stories to use the "
+                    "quiz shipped with storylens")
     assert peak < 32 * 2**20  # stopped near the limit, never holding the 64 MiB
 
 
@@ -159,12 +153,12 @@ def test_stories_are_split_on_newlines_only():
     (["--top-k", "-1"], "--top-k: must be 0 (off) or more (got -1)"),
 ])
 def test_generate_options(capsys, argv, expect):
-    assert one_line(capsys, ["generate", "Once", *argv]) == f"storylens: error: {expect}"
+    assert one_line(capsys, ["generate", "Once", *argv], code=2) == f"storylens: error: {expect}"
 
 
 def test_prompt_that_is_not_valid_text(capsys):
     bad = b"Once \xff\xfe".decode("utf-8", "surrogateescape")  # what Python makes of non-UTF-8 argv bytes
-    assert one_line(capsys, ["generate", bad]) == ("storylens: error: prompt: not valid text "
+    assert one_line(capsys, ["generate", bad], code=2) == ("storylens: error: prompt: not valid text "
                                                    "(it holds bytes that are not UTF-8)")
 
 
@@ -229,7 +223,7 @@ def test_report_story_picker_when_the_first_story_has_no_main_character(tmp_path
 ])
 def test_train_options(capsys, tmp_path, argv, expect):
     out = tmp_path / "run"
-    assert one_line(capsys, ["train", "--out", str(out), *argv]) == f"storylens: error: {expect}"
+    assert one_line(capsys, ["train", "--out", str(out), *argv], code=2) == f"storylens: error: {expect}"
     assert not out.exists()
 
 
@@ -279,7 +273,7 @@ def test_command_line_errors_in_a_real_process(tmp_path):
     (tmp_path / "f").write_text("")
     r = subprocess.run([sys.executable, "-m", "storylens", "report", "--out", str(tmp_path / "f" / "x")],
                        capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr == f"storylens: error: {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a folder\n"
+    assert r.returncode == 1 and r.stderr == f"storylens: error: {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a folder\n"
 
 
 @pytest.mark.parametrize("target", [".", ".."])

@@ -18,7 +18,7 @@ def test_download_offline_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    assert main(["data", "download", "--split", "valid"]) == 2
+    assert main(["data", "download", "--split", "valid"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert err.startswith(f"storylens: error: {HUB_DATASET}: could not download {HUB_FILES['valid']} (")
@@ -28,9 +28,10 @@ def test_missing_split_names_the_command(tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
     r = subprocess.run([sys.executable, "-m", "storylens", "perplexity", "--stories", "tinystories-valid"],
                        capture_output=True, text=True, env=env)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr == ("storylens: error: tinystories-valid: the TinyStories valid split is not downloaded here; "
-                        "get it with: storylens data download --split valid\n")
+                        "get it with: storylens data download --split valid; or leave out --stories to use the "
+                        "quiz shipped with storylens\n")
 
 
 @pytest.fixture

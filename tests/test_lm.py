@@ -202,4 +202,4 @@ def test_commands_on_a_transformers_folder(tiny_folder, tmp_path):
     assert "L1H2+L2H4" in table and "first difference" in table
     r = subprocess.run([sys.executable, "-m", "storylens", "check", "--model", str(tiny_folder)],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "storylens's own models" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 1 and "storylens's own models" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -28,7 +28,7 @@ def test_report_files_and_labels(report_dir):
     assert [r["label"] for r in rows] == [f"L{b}H{h}" for b in range(1, 7) for h in range(1, 5)]
     assert all(r["label"] == f"L{r['block']}H{r['head']}" for r in rows)
     assert [p.name for p in report_dir.glob(".*")] == [".storylens.json"]  # the manifest; nothing temporary
-    assert [p.name for p in report_dir.parent.glob(f".{report_dir.name}.*")] == [f".{report_dir.name}.lock"]
+    assert [p.name for p in report_dir.parent.glob(f".{report_dir.name}.*")] == []  # no lock file left
 
 
 def test_summary_agrees_with_the_table(report_dir):

@@ -61,8 +61,8 @@ def test_every_format_gives_the_same_table(files, tmp_path):
 
 
 def test_bad_sources_are_one_line(files, tmp_path, capsys):
-    def err(*argv):
-        assert main(["score", "--out", str(tmp_path / "x"), "--no-progress", *argv]) == 2
+    def err(*argv, code=1):
+        assert main(["score", "--out", str(tmp_path / "x"), "--no-progress", *argv]) == code
         e = capsys.readouterr().err.strip()
         assert len(e.splitlines()) == 1 and "Traceback" not in e
         return e
@@ -74,8 +74,8 @@ def test_bad_sources_are_one_line(files, tmp_path, capsys):
     assert "line 2 is not JSON" in err("--stories", str(bad))
     assert "no such file" in err("--stories", str(tmp_path / "missing.txt"))
     assert "--allow-download" in err("--stories", "hf:no-such-owner/no-such-dataset")  # offline, not fetched
-    assert "--limit" in err("--stories", str(files / "s.txt"), "--limit", "0")
-    assert "only with --engine ray" in err("--stories", str(files / "s.txt"), "--workers", "3")
+    assert "--limit" in err("--stories", str(files / "s.txt"), "--limit", "0", code=2)
+    assert "only with --engine ray" in err("--stories", str(files / "s.txt"), "--workers", "3", code=2)
     assert not (tmp_path / "x").exists()
 
 
@@ -115,10 +115,10 @@ def test_a_killed_run_resumes_to_the_same_numbers(files, tmp_path):
     assert 0 < done < N
     # a checkpoint is not overwritten by a fresh run, nor used with other settings
     r = subprocess.run(_cli(*common, "--out", str(out)), capture_output=True, text=True)
-    assert r.returncode == 2 and "--resume" in r.stderr
+    assert r.returncode == 1 and "--resume" in r.stderr
     other = ["--stories", str(files / "s.txt"), "--batch-size", "8", "--chunk-stories", "8", "--checkpoint-every", "1"]
     r = subprocess.run(_cli(*other, "--out", str(out), "--resume"), capture_output=True, text=True)
-    assert r.returncode == 2 and "other settings" in r.stderr
+    assert r.returncode == 1 and "other settings" in r.stderr
     r = subprocess.run(_cli(*common, "--out", str(out), "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "heads.json").read_text()) == json.loads((whole / "heads.json").read_text())
@@ -142,4 +142,7 @@ def test_ray_missing_is_one_line(files, tmp_path):
             f"sys.exit(main(['score', '--stories', {str(files / 's.txt')!r}, '--out', {str(tmp_path / 'r')!r}, "
             "'--engine', 'ray', '--no-progress']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "storylens: error: --engine ray needs Ray: pip install 'storylens[ray]'"
+    from storylens.errors import install_hint
+
+    assert install_hint("ray").startswith("pip install 'storylens[ray] @ git+https://")
+    assert r.returncode == 1 and r.stderr.strip() == f"storylens: error: --engine ray needs Ray: {install_hint('ray')}"

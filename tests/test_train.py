@@ -73,7 +73,7 @@ def test_corrupt_or_truncated_checkpoint_is_refused(tmp_path, slice_file):
     ckpt.write_bytes(b"\x00" * 100)
     with pytest.raises(StorylensError, match="corrupt or truncated checkpoint"):
         load_checkpoint(ckpt)
-    assert main(["train", "--stories", str(slice_file), "--out", str(tmp_path), "--resume"]) == 2
+    assert main(["train", "--stories", str(slice_file), "--out", str(tmp_path), "--resume"]) == 1
 
 
 def test_resume_with_other_settings_is_refused(tmp_path, slice_file):
@@ -88,7 +88,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, slice_file):
     with pytest.raises(StorylensError, match="corrupt or truncated"):
         load_checkpoint(out / "truncated")
     r = subprocess.run(_train_cmd(slice_file, out, "--resume"), env=env, capture_output=True, text=True)
-    assert r.returncode == 2 and "other settings" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "other settings" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_learning_rate_warms_up_then_decays():

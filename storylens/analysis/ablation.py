@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from ..errors import StorylensError
 from ..heads import Head, as_heads, head_label
+from ..lesson import ProgressLines
 from ..lm import wrap
 from .encode import length_batches, mention_first_tokens  # noqa: F401  (mention_first_tokens: re-exported)
 
@@ -300,6 +301,7 @@ def ablation_losses(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(stories_ids), unit="story", desc="ablations", disable=None)  # None: terminals only
+    lines = ProgressLines("ablating heads", len(stories_ids), enabled=progress)  # off a terminal, instead
     was_training = lm.module.training
     lm.module.eval()
     try:
@@ -328,6 +330,7 @@ def ablation_losses(
                     add(f"{c.label}/{c.mode}")
             if bar is not None:
                 bar.update(len(idx))
+            lines.update(len(idx))
     finally:
         lm.module.train(was_training)
         if bar is not None:
@@ -450,7 +453,8 @@ def name_ablation_table(
     if name_heads is None and k > 0:
         from .scores import score_heads
 
-        scores = score_heads(lm, stories, batch_size=batch_size, progress=progress)
+        scores = score_heads(lm, stories, batch_size=batch_size, progress=progress,
+                             measures=(ProgressLines("scoring", len(stories), enabled=progress),))
         name_heads = [h.label for h in scores.top("name_mass", k)]
     groups = [list(name_heads)] if name_heads else []
     if "mean" in modes and means is None:

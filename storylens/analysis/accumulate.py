@@ -42,10 +42,27 @@ class MeanAccumulator:
         return {"total": self.total.tolist(), "count": self.count}
 
     @classmethod
-    def from_state(cls, state: dict, shape: tuple[int, ...]) -> "MeanAccumulator":
+    def from_state(cls, state: dict, shape: tuple[int, ...], *, max_count: int | None = None) -> "MeanAccumulator":
+        """The accumulator :meth:`state` wrote, every number checked: a whole count from 0 to
+        ``max_count``, finite sums of per-story values in [0, 1] (every score storylens keeps is a
+        share of attention), so each sum lies in [0, count] up to float64 rounding (a sum of n
+        terms is off by at most n^2 u for terms of magnitude up to 1, u = 2^-53: allowed twice)."""
         acc = cls(shape)
-        total = torch.tensor(state["total"], dtype=torch.float64)
+        if not isinstance(state, dict) or set(state) != {"total", "count"}:
+            raise ValueError("not a {total, count} object")
+        count = state["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or \
+                (max_count is not None and count > max_count):
+            raise ValueError(f"count {count!r} is not a whole number from 0 to {max_count}")
+        try:
+            total = torch.tensor(state["total"], dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError("sums are not numbers") from None
         if total.shape != acc.total.shape:
-            raise ValueError(f"state: shape {tuple(total.shape)}, expected {tuple(acc.total.shape)}")
-        acc.total, acc.count = total, int(state["count"])
+            raise ValueError(f"shape {tuple(total.shape)}, expected {tuple(acc.total.shape)}")
+        slack = 2 * count * count * 2.0**-53
+        bad = ~torch.isfinite(total) | (total < -slack) | (total > count + slack)
+        if bad.any():
+            raise ValueError(f"a sum of {total[bad].flatten()[0].item():g} over {count} stories is outside 0..{count}")
+        acc.total, acc.count = total, count
         return acc

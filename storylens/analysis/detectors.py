@@ -35,6 +35,13 @@ import torch
 from torch.nn import functional as F
 
 from ..constants import PREV_SPAN
+from ..errors import StorylensError
+
+# every column the head table already has: a user detector may not take one of these names
+RESERVED_COLUMNS = frozenset((
+    "label", "block", "head", "layer", "extra", "name_mass", "name_baseline", "name_ratio", "prev_token",
+    "prev_argmax", "prev4", "prev_token_first", "prev_argmax_first", "prev4_first", "marker", "duplicate_token",
+    "induction"))
 
 
 # ---------------------------------------------------------------- what a batch offers
@@ -94,15 +101,37 @@ class BatchMasks:
             self.__dict__[key] = (ranked.clamp(min=0)[:, None], (ranked >= 0)[:, None].to(self.dtype))
         return self.__dict__[key]
 
-    def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """A user pattern's key weights, ``[B, q, k]``, kept inside each story and causal."""
+    def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
+        """A user pattern's key weights, ``[B, q, k]``, kept inside each story and causal. Anything
+        but finite weights from 0 to 1 of the right shape is refused in one line naming the detector
+        (a weight is how much a key counts: 1 fully, 0 not at all)."""
         ids = self.batch.ids
-        T = ids.shape[1]
-        w = torch.as_tensor(fn(ids)).to(device=ids.device, dtype=self.dtype)
-        if w.shape != (ids.shape[0], T, T):
-            raise ValueError(f"pattern: expected weights of shape {(ids.shape[0], T, T)}, got {tuple(w.shape)}")
+        B, T = ids.shape
+        where = f"detector {name}: pattern(ids)"
+        try:
+            raw = fn(ids.clone())
+        except Exception as e:  # the user's code: any error becomes one line
+            raise StorylensError(f"{where} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        except SystemExit as e:
+            raise StorylensError(f"{where} called sys.exit({e.code!r})") from None
+        if isinstance(raw, (str, bytes)) or not hasattr(raw, "shape"):
+            raise StorylensError(f"{where} returned {type(raw).__name__}; expected a [batch, query, key] "
+                                 f"tensor of shape {(B, T, T)}")
+        try:
+            w = torch.as_tensor(raw).to(device=ids.device, dtype=self.dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise StorylensError(f"{where} returned weights that are not numbers ({' '.join(str(e).split())[:120]})") from None
+        if tuple(w.shape) != (B, T, T):
+            raise StorylensError(f"{where} returned weights of shape {tuple(w.shape)}; expected {(B, T, T)} "
+                                 "([batch, query, key])")
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        return w * (causal & self.inside[:, :, None] & self.inside[:, None, :])
+        w = torch.where(causal & self.inside[:, :, None] & self.inside[:, None, :], w, torch.zeros((), dtype=w.dtype))
+        if not torch.isfinite(w).all():
+            raise StorylensError(f"{where} returned NaN or infinite weights; a weight is a number from 0 to 1")
+        if (w < 0).any() or (w > 1).any():
+            raise StorylensError(f"{where} returned weights from {w.min().item():g} to {w.max().item():g}; "
+                                 "a weight is a number from 0 to 1 (how much that key counts)")
+        return w
 
 
 # ---------------------------------------------------------------- the pure functions
@@ -212,13 +241,15 @@ BUILTIN_DETECTORS = LESSON_DETECTORS + (DUPLICATE_TOKEN, INDUCTION)
 def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Detector:
     """A detector from a user pattern: ``fn(ids [B, T]) -> key weights [B, q, k]`` (see the module
     docstring). The weights are kept causal and inside each story."""
-    if not name.isidentifier():
+    if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"detector name {name!r}: use letters, digits and _ (it becomes a column)")
+    if name in RESERVED_COLUMNS:
+        raise ValueError(f"detector name {name!r} is already a column of the head table; choose another NAME")
     cache_key = f"_pattern_{name}"
 
     def keys(m: BatchMasks) -> torch.Tensor:
         if cache_key not in m.__dict__:
-            m.__dict__[cache_key] = m.pattern_keys(fn)
+            m.__dict__[cache_key] = m.pattern_keys(fn, name)
         return m.__dict__[cache_key]
 
     return Detector(name, lambda p, m: keys_mass(p, keys(m)), lambda m: (keys(m) != 0).any(-1))

@@ -7,6 +7,7 @@ so token ``i`` of the story sits at position ``i + 1``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Iterable, Iterator, Sequence
@@ -39,14 +40,15 @@ def mention_first_tokens(offsets: Sequence[Span], spans, window: int = 256) -> l
 
     A token belongs to a mention when their character spans overlap (as in
     :mod:`storylens.analysis.names`), so the byte-level token that carries the leading space
-    (``ĠLily``) counts as the mention's first token."""
+    (``ĠLily``) counts as the mention's first token. Linear in the window, whatever the story's
+    length: only the tokens inside the window are searched, by bisection."""
+    offsets = offsets[: max(window - 1, 0)]
+    ends = [b for _, b in offsets]
     out = set()
     for s, e in spans:
-        for i, (a, b) in enumerate(offsets):
-            if a < e and b > s:
-                if i + 1 < window:
-                    out.add(i + 1)
-                break
+        i = bisect_right(ends, s)  # the first token ending after the mention starts
+        if i < len(offsets) and offsets[i][0] < e:
+            out.add(i + 1)
     return sorted(out)
 
 
@@ -57,9 +59,10 @@ def encode_stories(lm, texts: Sequence[str], names, *, start: int = 0) -> list[E
     out = []
     for i, (text, enc) in enumerate(zip(texts, lm.encode_batch(list(texts)))):
         ids = [marker] + enc.ids
-        main = main_character(text, enc.offsets, names, window)
-        starts = mention_first_tokens(enc.offsets, main.spans, window) if main is not None else []
-        prons = pronoun_positions(enc.offsets, [s for _, s in pronoun_spans(text)], window)
+        offsets = enc.offsets[:window]  # the window's tokens and one more: nothing past it is used
+        main = main_character(text, offsets, names, window)
+        starts = mention_first_tokens(offsets, main.spans, window) if main is not None else []
+        prons = pronoun_positions(offsets, [s for _, s in pronoun_spans(text)], window)
         out.append(EncodedStory(start + i, tuple(ids[:window]), len(ids) > window, main, tuple(starts), tuple(prons)))
     return out
 

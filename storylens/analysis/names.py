@@ -29,6 +29,7 @@ with no space, and a token that merges the name with ``'s``; a token holding onl
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -101,17 +102,17 @@ def pick_main_character(mentions: dict[str, list[Span]], min_mentions: int = MIN
 
 def token_positions(offsets: Sequence[Span], spans: Iterable[Span], window: int) -> list[int]:
     """Positions (marker = 0, so token i is i + 1) of tokens overlapping any span, < window.
-
     ``offsets`` are the story's token character spans, as ``tok.encode(text).offsets``.
+    Only the window's tokens are looked at; each is checked against the spans by bisection.
     """
     spans = sorted(spans)
+    starts = [s for s, _ in spans]
     out = []
-    for i, (a, b) in enumerate(offsets):
-        pos = i + 1
-        if pos >= window:
-            break
-        if any(a < e and b > s for s, e in spans):
-            out.append(pos)
+    for i, (a, b) in enumerate(offsets[: max(window - 1, 0)]):
+        j = bisect_left(starts, b) - 1  # the last span starting before the token ends
+        # spans are words: they never overlap, so their ends grow with their starts
+        if j >= 0 and spans[j][1] > a:
+            out.append(i + 1)
     return out
 
 

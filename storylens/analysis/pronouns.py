@@ -25,7 +25,9 @@ position ``i + 1``):
 
 from __future__ import annotations
 
+
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -50,18 +52,16 @@ def pronoun_positions(offsets: Sequence[Span], spans: Iterable[Span], window: in
     """For each span, the position of the last token overlapping it (marker = 0), < window.
 
     ``offsets``: the story's token character spans, ``tok.encode(text).offsets``.
-    A word whose last token falls outside the window is left out.
+    A word whose last token falls outside the window is left out. Only the window's tokens (and
+    the one after, to know whether a word runs past it) are searched, by bisection.
     """
+    offsets = offsets[:window]
+    starts = [a for a, _ in offsets]
     out = set()
     for s, e in spans:
-        last = None
-        for i, (a, b) in enumerate(offsets):
-            if a >= e:
-                break
-            if b > s:  # a < e and b > s: overlaps
-                last = i + 1
-        if last is not None and last < window:
-            out.add(last)
+        i = bisect_left(starts, e) - 1  # the last token starting before the word ends
+        if i >= 0 and offsets[i][1] > s and i + 1 < window:
+            out.add(i + 1)
     return sorted(out)
 
 

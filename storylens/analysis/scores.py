@@ -165,14 +165,31 @@ class HeadScoreAccumulator:
                 "first": {k: a.state() for k, a in self.first.items()},
                 "name_baseline": self.name_baseline.state()}
 
-    def load_state(self, state: dict) -> "HeadScoreAccumulator":
-        """Take the sums and counts of :meth:`state` (the same heads and detectors)."""
+    def load_state(self, state: dict, max_stories: int | None = None) -> "HeadScoreAccumulator":
+        """Take the sums and counts of :meth:`state` (the same heads and detectors), every number
+        checked (:meth:`MeanAccumulator.from_state`; counts at most ``max_stories``). A state
+        that is not what :meth:`state` writes raises ValueError saying which part is wrong."""
+        if not isinstance(state, dict) or set(state) != {"shape", "detectors", "means", "first", "name_baseline"}:
+            raise ValueError("state: not an accumulator's state")
         if state["shape"] != [self.n_layer, self.n_head] or state["detectors"] != [d.name for d in self.detectors]:
             raise ValueError("state: other heads or detectors than this accumulator's")
         shape = (self.n_layer, self.n_head)
-        self.means = {k: MeanAccumulator.from_state(v, shape) for k, v in state["means"].items()}
-        self.first = {k: MeanAccumulator.from_state(v, shape) for k, v in state["first"].items()}
-        self.name_baseline = MeanAccumulator.from_state(state["name_baseline"], ())
+        parts = {"means": (state["means"], self.means), "first": (state["first"], self.first)}
+        loaded: dict[str, dict] = {}
+        for part, (given, mine) in parts.items():
+            if not isinstance(given, dict) or set(given) != set(mine):
+                raise ValueError(f"state: {part} are for other scores ({', '.join(map(str, given)) or 'none'})")
+            loaded[part] = {}
+            for k, v in given.items():
+                try:
+                    loaded[part][k] = MeanAccumulator.from_state(v, shape, max_count=max_stories)
+                except ValueError as e:
+                    raise ValueError(f"state: {part}.{k}: {e}") from None
+        try:
+            baseline = MeanAccumulator.from_state(state["name_baseline"], (), max_count=max_stories)
+        except ValueError as e:
+            raise ValueError(f"state: name_baseline: {e}") from None
+        self.means, self.first, self.name_baseline = loaded["means"], loaded["first"], baseline
         return self
 
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:

@@ -262,7 +262,7 @@ def toy_widget(
     keys=None,
     *,
     query: int | None = None,
-    title: str = "Toy attention: hand-set queries and keys (not Momo's weights)",
+    title: str = "Toy attention: hand-set queries and keys (not the model's weights)",
 ) -> ToyWidget:
     """The toy view. Default: "Momo the monkey found a banana. He ate it", query "He".
 

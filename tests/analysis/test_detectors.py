@@ -8,6 +8,7 @@ from storylens.analysis.detectors import (BUILTIN_DETECTORS, DUPLICATE_TOKEN, IN
 from storylens.analysis.encode import make_batch
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
+from storylens.errors import StorylensError
 from storylens.lm import NativeLM
 from storylens.numerics import unit_roundoff
 
@@ -54,7 +55,8 @@ def test_a_user_pattern():
     with pytest.raises(ValueError):
         pattern_detector("not a name", first_key)
     bad = pattern_detector("bad", lambda ids: torch.zeros(3))
-    with pytest.raises(ValueError):
+    with pytest.raises(StorylensError, match=r"^detector bad: pattern\(ids\) returned weights of shape \(3,\); "
+                                             r"expected \(1, 5, 5\) \(\[batch, query, key\]\)$"):
         bad.story_means(att(), m)
 
 

@@ -34,9 +34,9 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def leftovers(out: Path) -> list[str]:
-    """Temporary folders or files beside ``out`` (the lock file is not one: it stays, by design)."""
+    """Temporary folders or files beside ``out``, the lock file included (a finished run removes it)."""
     return sorted(p.name for p in out.parent.iterdir()
-                  if p.name.startswith(f".{out.name}.") and p.name != f".{out.name}.lock")
+                  if p.name.startswith(f".{out.name}."))
 
 
 def wait_until(condition, seconds=60):
@@ -48,7 +48,7 @@ def wait_until(condition, seconds=60):
 def assert_refused_by_lock(first, second, out):
     """The first run finishes; the second, started while the first held the lock, is refused in one line."""
     assert first.wait() == 0, first.stderr.read()
-    assert second.returncode == 2
+    assert second.returncode == 1
     assert second.stderr == (f"storylens: error: {out}: another storylens run is writing it right now; "
                              "try again when that one has finished\n")
 
@@ -181,7 +181,7 @@ def test_export_never_touches_what_it_did_not_write(tmp_path, old_export):
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": true}')
     r = storylens("export-hf", mine)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr == (f"storylens: error: {mine}: holds files storylens did not write (config.json); "
                         "give an empty or new folder\n")
     assert (mine / "config.json").read_text() == '{"mine": true}'
@@ -190,18 +190,18 @@ def test_export_never_touches_what_it_did_not_write(tmp_path, old_export):
     shutil.copytree(ref, out)
     (out / "notes.md").write_text("notes")
     r = storylens("export-hf", out)
-    assert r.returncode == 2 and "holds files storylens did not write (notes.md)" in r.stderr
+    assert r.returncode == 1 and "holds files storylens did not write (notes.md)" in r.stderr
     assert (out / "notes.md").read_text() == "notes" and {**snapshot(out)} == {**ref_files, "notes.md": snapshot(out)["notes.md"]}
     # a symlink to a folder, and a file
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     r = storylens("export-hf", link)
-    assert r.returncode == 2 and r.stderr == f"storylens: error: {link}: is a symbolic link; give a real folder\n"
+    assert r.returncode == 1 and r.stderr == f"storylens: error: {link}: is a symbolic link; give a real folder\n"
     assert not (tmp_path / "elsewhere").exists()
     f = tmp_path / "file"
     f.write_text("x")
     r = storylens("export-hf", f)
-    assert r.returncode == 2 and r.stderr == f"storylens: error: {f}: exists and is not a folder\n"
+    assert r.returncode == 1 and r.stderr == f"storylens: error: {f}: exists and is not a folder\n"
     assert f.read_text() == "x"
 
 
@@ -252,7 +252,7 @@ def test_resume_refuses_a_changed_corpus_or_tokenizer(tmp_path, slice_file, corp
     other = tmp_path / "other.txt"
     other.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.train[1:61] + corpus_split.quiz))
     r = train(out, other, "--max-steps", "2", "--resume")
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr == (f"storylens: error: {ckpt}: the training stories changed since this run started; "
                         "restore them or train into a new --out\n")
     tok = out / "tokenizer.json"
@@ -260,7 +260,7 @@ def test_resume_refuses_a_changed_corpus_or_tokenizer(tmp_path, slice_file, corp
     data["model"]["vocab"]["zzzz"] = data["model"]["vocab"].pop(next(iter(data["model"]["vocab"])))
     tok.write_text(json.dumps(data))
     r = train(out, slice_file, "--max-steps", "2", "--resume")
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr == (f"storylens: error: {ckpt}: tokenizer.json changed since this run started; "
                         "restore them or train into a new --out\n")
 
@@ -287,7 +287,7 @@ def test_resume_validates_the_checkpoint_tensors(tmp_path, slice_file):
         bad[key] = change(good[key]).contiguous()
         save_file(bad, str(ckpt), metadata=meta)
         r = train(out, slice_file, "--max-steps", "2", "--resume")
-        assert r.returncode == 2 and r.stderr == f"storylens: error: {ckpt}: {why}\n", (name, r.stderr)
+        assert r.returncode == 1 and r.stderr == f"storylens: error: {ckpt}: {why}\n", (name, r.stderr)
 
 
 # ---------------------------------------------------------------- a full disk
@@ -308,11 +308,11 @@ def test_disk_full_report_and_export(tiny_disk, quizzes):
     a, _ = quizzes
     out = tiny_disk / "report"
     r = report(out, a)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.startswith(f"storylens: error: {out}: cannot write (No space left on device)"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not out.exists() and leftovers(out) == []
     hf = tiny_disk / "hf"
     r = storylens("export-hf", hf)
-    assert r.returncode == 2 and "No space left on device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 1 and "No space left on device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not hf.exists() and leftovers(hf) == []

@@ -1,0 +1,342 @@
+"""Models that are not what they claim: a transformers folder with missing, extra or wrongly shaped
+weights, NaN or infinite weights, pickled weights, an encoder or a sequence-to-sequence model, each
+refused in one line naming the folder; generation on transformers' cache API that stays; and
+``--device`` / ``--dtype`` on every command that runs a model."""
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from storylens.cli import build_parser, main  # noqa: E402
+from storylens.data import EOT  # noqa: E402
+from storylens.errors import StorylensError, UsageError  # noqa: E402
+from storylens.hub import load_model  # noqa: E402
+from storylens.lm import TransformersLM, load_lm  # noqa: E402
+from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
+
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def native():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def fast_tokenizer(native):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token=EOT, eos_token=EOT)
+
+
+def _save(model, tok, folder):
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _causal(kind, vocab, marker, **extra):
+    from transformers import GPT2Config, GPTNeoConfig, LlamaConfig
+
+    common = dict(vocab_size=vocab, bos_token_id=marker, eos_token_id=marker)
+    if kind == "gpt2":
+        cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=WINDOW, **common)
+    elif kind == "gpt_neo":  # a local layer whose window (8) is shorter than the generation
+        cfg = GPTNeoConfig(num_layers=2, num_heads=4, hidden_size=32, max_position_embeddings=WINDOW,
+                           attention_types=[[["global", "local"], 1]], window_size=8, **common)
+    else:
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=WINDOW, **common, **extra)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def folders(native, fast_tokenizer, tmp_path_factory):
+    """A seeded random model per architecture, saved with storylens's tokenizer (and an untied Llama)."""
+    vocab, marker = native.tokenizer.get_vocab_size(), fast_tokenizer.bos_token_id
+    root = tmp_path_factory.mktemp("models")
+    out = {kind: _save(_causal(kind, vocab, marker), fast_tokenizer, root / kind)
+           for kind in ("gpt2", "gpt_neo", "llama")}
+    out["llama_untied"] = _save(_causal("llama", vocab, marker, tie_word_embeddings=False), fast_tokenizer,
+                                root / "llama_untied")
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(native, tmp_path_factory):
+    from storylens.lesson import lesson_quiz
+
+    stories = lesson_quiz(native)[0][:12]
+    path = tmp_path_factory.mktemp("corpus") / "stories.txt"
+    path.write_text("".join(f"{s}\n{EOT}\n" for s in stories))
+    return path
+
+
+def _edit(src, dst, change):
+    """A copy of folder ``src`` whose model.safetensors is ``change(state_dict)``."""
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    change(sd)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+# ---------------------------------------------------------------- 1. missing or unexpected weights
+
+
+def test_missing_weights_are_refused_not_initialised(folders, corpus, tmp_path, capfd):
+    def drop_block(sd):
+        for k in [k for k in sd if k.startswith("transformer.h.1.")]:
+            del sd[k]
+
+    bad = _edit(folders["gpt2"], tmp_path / "missing", drop_block)
+    for argv in (["perplexity"], ["score", "--stories", str(corpus), "--out", str(tmp_path / "o")],
+                 ["generate", "Once upon a time"]):
+        assert one_line(capfd, [*argv, "--model", str(bad)], 1) == (
+            f"storylens: error: {bad}: weights do not match config.json: 12 missing (transformer.h.1.attn.c_attn.bias, "
+            "transformer.h.1.attn.c_attn.weight, transformer.h.1.attn.c_proj.bias, ...)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_unexpected_and_misshapen_weights_are_refused(folders, tmp_path, capfd):
+    def change(sd):
+        sd["transformer.h.0.extra.weight"] = torch.zeros(3)
+        sd["transformer.ln_f.bias"] = torch.zeros(5)
+
+    bad = _edit(folders["gpt2"], tmp_path / "odd", change)
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        f"storylens: error: {bad}: weights do not match config.json: 1 unexpected (transformer.h.0.extra.weight); "
+        "1 of the wrong shape (transformer.ln_f.bias: [5] in the file, [32] by config.json)")
+
+
+def test_a_tied_head_may_be_absent_an_untied_one_may_not(folders, tmp_path, capfd):
+    assert "lm_head.weight" not in load_file(folders["gpt2"] / "model.safetensors")  # tied: stored once
+    lm = load_lm(folders["gpt2"])
+    assert lm.module.lm_head.weight.data_ptr() == lm.module.transformer.wte.weight.data_ptr()
+    assert "lm_head.weight" in load_file(folders["llama_untied"] / "model.safetensors")
+    load_lm(folders["llama_untied"])
+    bad = _edit(folders["llama_untied"], tmp_path / "headless", lambda sd: sd.pop("lm_head.weight"))
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        f"storylens: error: {bad}: weights do not match config.json: 1 missing (lm_head.weight)")
+
+
+# ---------------------------------------------------------------- 2. NaN or infinite weights
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_by_every_command(folders, corpus, tmp_path, capfd, value):
+    def poison(sd):
+        sd["transformer.h.0.attn.c_attn.weight"][3, 5] = value
+
+    bad = _edit(folders["gpt2"], tmp_path / "poisoned", poison)
+    want = (f"storylens: error: {bad / 'model.safetensors'}: transformer.h.0.attn.c_attn.weight "
+            "holds NaN or infinite numbers")
+    assert one_line(capfd, ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress",
+                            "--model", str(bad)], 1) == want
+    assert not (tmp_path / "o").exists()
+    assert one_line(capfd, ["generate", "Once upon a time", "--model", str(bad)], 1) == want
+    assert one_line(capfd, ["report", "--out", str(tmp_path / "r"), "--model", str(bad)], 1) == want
+    with pytest.raises(StorylensError, match="holds NaN or infinite numbers"):
+        load_lm(bad)
+
+
+def test_weights_beyond_the_asked_dtype_are_refused(folders, tmp_path, capfd):
+    def big(sd):
+        sd["transformer.h.1.mlp.c_fc.weight"][0, 0] = 1e6  # fine in float32, infinite in float16
+
+    bad = _edit(folders["gpt2"], tmp_path / "big", big)
+    load_lm(bad)
+    assert one_line(capfd, ["perplexity", "--model", str(bad), "--dtype", "float16"], 1) == (
+        f"storylens: error: {bad / 'model.safetensors'}: transformer.h.1.mlp.c_fc.weight holds numbers beyond "
+        "float16's range (infinite once cast); run it in float32 or bfloat16")
+
+
+# ---------------------------------------------------------------- 3. pickled weights
+
+
+def test_pickled_weights_are_refused_unopened(folders, tmp_path, capfd):
+    bad = tmp_path / "pickled"
+    shutil.copytree(folders["gpt2"], bad)
+    sd = load_file(bad / "model.safetensors")
+    (bad / "model.safetensors").unlink()
+    tripwire = tmp_path / "unpickled"
+
+    class Payload:  # unpickling this would make the tripwire folder
+        def __reduce__(self):
+            return os.makedirs, (str(tripwire),)
+
+    torch.save({**sd, "payload": Payload()}, bad / "pytorch_model.bin")
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        f"storylens: error: {bad}: holds pickled weights (pytorch_model.bin), which storylens never opens "
+        "(unpickling runs code the file holds); storylens reads only safetensors weights: convert them where you "
+        "trust the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)")
+    assert not tripwire.exists()
+    (bad / "pytorch_model.bin").unlink()
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        f"storylens: error: {bad}: no model.safetensors; storylens reads only safetensors weights")
+
+
+# ---------------------------------------------------------------- 4. not a causal language model
+
+
+def _encoder_and_seq2seq(kind):
+    from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, BertModel, T5Config,
+                              T5ForConditionalGeneration)
+
+    torch.manual_seed(0)
+    if kind == "bert":
+        return BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=64, vocab_size=100))
+    if kind == "t5":
+        return T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
+                                                   vocab_size=100))
+    return BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                                   encoder_attention_heads=2, decoder_attention_heads=2,
+                                                   encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100))
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("bert", " (encoder-only), not a causal language model; storylens reads decoder-only models "
+             "(GPT-2, GPT-Neo, Llama, ...)"),
+    ("bart", " (sequence-to-sequence), not a causal language model; storylens reads decoder-only models "
+             "(GPT-2, GPT-Neo, Llama, ...)"),
+    ("t5", f", not a causal language model (transformers {transformers.__version__} has no causal-LM class "
+           "for `t5`)"),
+])
+def test_encoders_and_seq2seq_models_are_refused(kind, why, fast_tokenizer, tmp_path, capfd):
+    folder = _save(_encoder_and_seq2seq(kind), fast_tokenizer, tmp_path / kind)
+    capfd.readouterr()
+    for argv in (["perplexity"], ["generate", "Once upon a time"]):
+        assert one_line(capfd, [*argv, "--model", str(folder)], 1) == (
+            f"storylens: error: {folder}: is a `{kind}` model{why}")
+
+
+# ---------------------------------------------------------------- 5. generation on the cache API that stays
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neo", "llama"])
+def test_cached_generation_warns_nothing_and_equals_uncached(folders, kind):
+    from transformers.utils import logging as hf_logging
+
+    lm = load_lm(folders[kind], dtype=torch.float64)
+    idx = torch.tensor([lm.encode("Once upon a time")])
+    n = WINDOW - idx.shape[1]  # past GPT-Neo's 8-token local window many times over
+
+    def tokens(cache):
+        gen = torch.Generator().manual_seed(7)
+        return [s.token for s in lm.generate_stream(idx, n, temperature=1.0, generator=gen, use_kv_cache=cache)]
+
+    hf_logging.warning_once.cache_clear()  # transformers says a deprecation once per process: say it again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cached = tokens(True)
+    assert not [str(w.message) for w in caught]
+    assert cached == tokens(False) and len(cached) == n
+
+
+def test_generate_command_on_a_transformers_model_is_quiet(folders, capfd):
+    from transformers.utils import logging as hf_logging
+
+    def run(*extra):
+        hf_logging.warning_once.cache_clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["generate", "Once upon a time", "--model", str(folders["gpt2"]), "--max-new-tokens", "30",
+                         "--no-stop", "--seed", "3", *extra]) == 0
+        out, err = capfd.readouterr()
+        assert err == "" and not caught, (err, [str(w.message) for w in caught])
+        return out
+
+    text = run("--dtype", "float64")
+    assert text.startswith("Once upon a time") and text == run("--dtype", "float64", "--no-cache")
+    assert run().startswith("Once upon a time")
+
+
+# ---------------------------------------------------------------- 6. --device and --dtype
+
+
+MODEL_COMMANDS = ["generate", "report", "ablate", "perplexity", "score", "check", "export-hf"]
+
+
+def test_every_command_that_runs_a_model_has_device_and_dtype():
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in MODEL_COMMANDS:
+        opts = {o: a for a in sub.choices[name]._actions for o in a.option_strings}
+        assert {"--model", "--allow-download", "--device", "--dtype"} <= set(opts), name
+        want = ["both", "float32", "float64"] if name == "check" else ["float32", "float64", "bfloat16", "float16"]
+        assert opts["--dtype"].choices == want, name  # check's --dtype: the precisions it measures in
+    assert sub.choices["train"]._option_string_actions["--dtype"].choices == ["fp32", "bf16"]  # its own, untouched
+    assert "--device" not in sub.choices["train"]._option_string_actions
+
+
+@pytest.mark.parametrize("argv", [["perplexity"], ["generate", "hi"], ["score", "--stories", "x.txt", "--out", "y"],
+                                  ["check"], ["export-hf", "z"], ["ablate"], ["report"]])
+def test_a_device_that_is_no_device_is_a_usage_error(argv, capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.txt").write_text(f"Tom ran.\n{EOT}\n")
+    assert one_line(capfd, [*argv, "--device", "gpu"], 2) == (
+        "storylens: error: --device gpu: not a device (cpu, cuda, cuda:N, mps)")
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_a_device_this_machine_lacks_is_refused(capfd):
+    if not torch.cuda.is_available():
+        for d in ("cuda", "cuda:1"):
+            assert one_line(capfd, ["perplexity", "--device", d], 1) == (
+                f"storylens: error: --device {d}: not available on this machine "
+                f"(torch {torch.__version__} sees no CUDA device)")
+    else:
+        n = torch.cuda.device_count()
+        assert "not available on this machine" in one_line(capfd, ["perplexity", "--device", f"cuda:{n}"], 1)
+    if not torch.backends.mps.is_available():
+        assert one_line(capfd, ["perplexity", "--device", "mps"], 1) == (
+            "storylens: error: --device mps: not available on this machine "
+            f"(torch {torch.__version__} has no usable MPS backend here)")
+    with pytest.raises(SystemExit) as e:  # argparse's own usage error
+        main(["perplexity", "--dtype", "float128"])
+    assert e.value.code == 2
+    err = capfd.readouterr().err
+    assert err.startswith("storylens perplexity: error: argument --dtype: invalid choice: 'float128'"), err
+
+
+def test_load_lm_takes_device_and_dtype(folders, native):
+    for source in (folders["llama"], None):
+        lm = load_lm(source, device="cpu", dtype="float64")
+        assert lm.device == torch.device("cpu") and lm.dtype == torch.float64
+        assert load_lm(source, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(UsageError, match=r"^device cuda:x: not a device \(cpu, cuda, cuda:N, mps\)$"):
+        load_lm(None, device="cuda:x")
+    with pytest.raises(UsageError, match=r"^dtype int8: not a dtype storylens runs in"):
+        load_lm(None, dtype="int8")
+
+
+def test_commands_run_in_float64(folders, corpus, tmp_path, capfd):
+    """Analysis follows the model's dtype and device: perplexity and score in float64, storylens's own
+    model and a transformers one."""
+    for name, model in (("native", []), ("gpt2", ["--model", str(folders["gpt2"])])):
+        assert main(["perplexity", "--dtype", "float64", "--device", "cpu", *model]) == 0
+        assert capfd.readouterr().out.startswith("quiz perplexity ")
+        out = tmp_path / name
+        assert main(["score", "--stories", str(corpus), "--out", str(out), "--no-progress", "--dtype", "float64",
+                     "--device", "cpu", *model]) == 0
+        capfd.readouterr()
+        heads = json.loads((out / "heads.json").read_text())["heads"]
+        assert heads and all(isinstance(h["prev_token"], float) and 0 <= h["prev_token"] <= 1 for h in heads)
+
+
+def test_ray_actors_would_ignore_device_and_dtype_so_they_are_refused(corpus, tmp_path, capfd):
+    assert one_line(capfd, ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--engine", "ray",
+                            "--dtype", "float64"], 2) == (
+        "storylens: error: --device and --dtype: only with --engine local (Ray actors load the model as stored)")
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,286 @@
+"""What a newcomer trips on: installing the notebook's package, a report on another model with no
+corpus, a long run that looks dead off a terminal, ``ablate --heads``, and wording that misleads."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from storylens.cli import main
+from storylens.data import ENV_STORIES
+from storylens.lesson import PROGRESS_EVERY_ENV, ProgressLines, progress_command
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "lesson_02.ipynb"
+WINDOW = 96
+
+
+def _repository() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+
+
+def _cells():
+    return json.loads(NOTEBOOK.read_text())["cells"]
+
+
+def _src(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+# ---------------------------------------------------------------- 1. installing from the one address
+
+
+# "pip install storylens", "pip install -q 'storylens[hf]'": a name, not "storylens[ray] @ git+..."
+BARE_INSTALL = re.compile(r"pip install\s+(-\S+\s+)*['\"]?storylens(\[[^\]]*\])?(?!\s*@)['\"]?(\s|$|`)")
+
+
+def test_the_notebook_installs_from_the_repository_address_in_pyproject():
+    url = _repository()
+    assert url.startswith("https://github.com/")
+    install = next(c for c in _cells() if c["cell_type"] == "code")
+    src = _src(install)
+    assert f'REPOSITORY = "{url}"' in src and 'pip install -q "git+{REPOSITORY}"' in src
+    assert "raise" in src and "returncode" in src  # stops loudly when pip fails
+    for c in _cells():  # no cell tells anyone to install an unpublished package by name
+        assert not BARE_INSTALL.search(_src(c)), _src(c)[:200]
+
+
+def test_the_readme_shows_the_same_address_and_no_bare_install():
+    readme = (ROOT / "README.md").read_text()
+    assert f'pip install "git+{_repository()}"' in readme
+    assert not BARE_INSTALL.search(readme)
+
+
+# ---------------------------------------------------------------- 3. progress lines off a terminal
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_lines_off_a_terminal_only():
+    out = io.StringIO()
+    with progress_command("report"):
+        lines = ProgressLines("scoring", 4, every=0, stream=out)
+        lines.update(1)
+        lines.update(3)
+    text = out.getvalue().splitlines()
+    assert re.fullmatch(r"storylens: report: scoring 1/4 stories, about \d+ s left", text[0]), text
+    assert text[1] == "storylens: report: scoring 4/4 stories"  # done: nothing left to estimate
+    tty = _Tty()
+    ProgressLines("scoring", 4, every=0, stream=tty).update(2)  # a terminal has tqdm's bar instead
+    quiet = io.StringIO()
+    ProgressLines("scoring", 4, every=0, stream=quiet, enabled=False).update(2)  # --no-progress
+    slow = io.StringIO()
+    ProgressLines("scoring", 4, every=3600, stream=slow).update(2)  # nothing before the first interval
+    assert tty.getvalue() == quiet.getvalue() == slow.getvalue() == ""
+
+
+def test_progress_interval_from_the_environment(monkeypatch):
+    monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")
+    assert ProgressLines("scoring", 4).every == 0
+    monkeypatch.setenv(PROGRESS_EVERY_ENV, "soon")
+    from storylens.errors import StorylensError
+
+    with pytest.raises(StorylensError, match=r"^\$STORYLENS_PROGRESS_SECONDS: seconds between progress lines, "
+                                             r"a number \(got 'soon'\)$"):
+        ProgressLines("scoring", 4)
+
+
+# ---------------------------------------------------------------- 2 and 5. another model, no corpus
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A seeded random GPT-2 with storylens's tokenizer (as tests/test_lm.py builds them)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from storylens.hub import load_model
+
+    native = load_model()
+    tok = PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token="<|endoftext|>",
+                                  eos_token="<|endoftext|>")
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=WINDOW,
+                     vocab_size=native.tokenizer.get_vocab_size(), bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    folder = tmp_path_factory.mktemp("models") / "tiny-gpt2"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _run(args, env_extra, tmp_path):
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-m", "storylens", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=tmp_path)  # stderr is a pipe: not a terminal
+
+
+@pytest.fixture(scope="module")
+def no_corpus_report(tiny_gpt2, tmp_path_factory):
+    """``storylens report --model X`` where no corpus is at hand, stderr not a terminal."""
+    tmp = tmp_path_factory.mktemp("nocorpus")
+    out = tmp / "report"
+    r = _run(["report", "--model", str(tiny_gpt2), "--out", str(out)],
+             {ENV_STORIES: str(tmp / "no-such-corpus.txt.gz"), PROGRESS_EVERY_ENV: "0"}, tmp)
+    return r, out
+
+
+def test_a_transformers_model_with_no_corpus_gets_the_shipped_quiz(no_corpus_report):
+    r, out = no_corpus_report
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    q = summary["quiz"]
+    assert q["stories"] == 200 and q["shipped_with_storylens"] is True
+    assert q["source"] == ("the lesson's 200 quiz stories, shipped with storylens: no corpus here, "
+                           "and the model ships no quiz of its own")
+    assert summary["leakage"]["computed"] is False
+    page = (out / "report.html").read_text()
+    assert "the lesson&#x27;s 200 quiz stories, shipped with storylens" in page
+    assert "leakage: not computed: the quiz is the lesson's, shipped with storylens" in r.stdout
+
+
+def test_a_long_report_off_a_terminal_says_how_far_it_is(no_corpus_report):
+    r, _ = no_corpus_report
+    lines = [x for x in r.stderr.splitlines() if x.startswith("storylens: report: scoring")]
+    assert lines, r.stderr
+    assert all(re.fullmatch(r"storylens: report: scoring \d+/200 stories(, about \d+ (s|min) left)?", x)
+               for x in lines), lines
+    assert re.fullmatch(r"storylens: report: scoring \d+/200 stories, about \d+ (s|min) left", lines[0])
+    assert lines[-1] == "storylens: report: scoring 200/200 stories"
+
+
+def test_the_report_on_another_model_is_titled_and_worded_from_it(no_corpus_report):
+    _, out = no_corpus_report
+    page = (out / "report.html").read_text()
+    assert "<title>storylens: tiny-gpt2's attention</title>" in page
+    assert "<h1>Reading tiny-gpt2's attention</h1>" in page
+    assert "Tiny Storyteller" not in page and "end-of-story marker" not in page
+    assert "the opening token (BOS)" in page
+    assert "(lesson:" not in page and "the lesson had 5 of 200" not in page  # no lesson column here
+    assert json.loads((out / "summary.json").read_text())["marker"]["called"] == "the opening token (BOS)"
+
+
+def test_colours_are_described_as_drawn_and_each_table_names_its_range(no_corpus_report):
+    _, out = no_corpus_report
+    page = (out / "report.html").read_text()
+    assert "darker" not in page
+    assert "brighter (towards yellow): a larger" in page  # viridis: bright is large
+    tables = page.count('<table class="slh">')
+    assert tables >= 8
+    assert len(re.findall(r"Colours: this table&#x27;s own range, -?\d\.\d{3} \(black\) to -?\d\.\d{3} "
+                          r"\(light yellow\)", page)) == tables
+
+
+def test_a_stories_file_that_is_missing_still_fails_and_names_quiz(tiny_gpt2, tmp_path):
+    missing = tmp_path / "missing.txt.gz"
+    r = _run(["report", "--model", str(tiny_gpt2), "--stories", str(missing), "--out", str(tmp_path / "r")],
+             {}, tmp_path)
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, r.stderr
+    assert err[0].startswith(f"storylens: error: {missing}: stories file not found; ")
+    assert err[0].endswith("; or pass --quiz FILE to measure stories of your own, or leave out --stories to use "
+                           "the quiz shipped with storylens")
+    assert not (tmp_path / "r").exists()
+
+
+def test_commands_offer_quiz_only_where_they_have_it(capsys, tmp_path):
+    missing = tmp_path / "missing.txt.gz"
+    assert main(["ablate", "--stories", str(missing)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"storylens: error: {missing}: stories file not found; ") and "\n" not in err
+    assert err.endswith("; or pass --quiz FILE to measure stories of your own, or leave out --stories to use the "
+                        "quiz shipped with storylens")
+    assert main(["perplexity", "--stories", str(missing)]) == 1  # perplexity has no --quiz
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("; or leave out --stories to use the quiz shipped with storylens") and "--quiz" not in err
+
+
+def test_the_shipped_report_keeps_the_lesson_wording(tmp_path):
+    """The shipped model still reads as the lesson's: its name, its marker and the lesson column."""
+    from storylens.report import _display_name, _marker_words
+    from storylens.lm import load_lm
+
+    lm = load_lm()
+    assert _display_name(lm) == "Tiny Storyteller" and _marker_words(lm) == "the end-of-story marker"
+
+
+# ---------------------------------------------------------------- 4. ablate --heads
+
+
+def _rows(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("heads "))
+    rows = []
+    for x in lines[start + 1:]:
+        if not x.strip():
+            break
+        rows.append(x.split()[0])
+    return rows
+
+
+def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch):
+    monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")
+    assert main(["ablate", "--heads", "L4H2", "--mode", "zero"]) == 0
+    out, err = capsys.readouterr()
+    assert _rows(out) == ["L4H2"]  # one head: its own row, no group of one
+    assert re.search(r"^storylens: ablate: ablating heads \d+/\d+ stories", err, re.M), err
+    assert main(["ablate", "--heads", "L5H4", "L4H2", "--mode", "zero"]) == 0
+    out, _ = capsys.readouterr()
+    assert _rows(out) == ["L4H2", "L5H4", "L5H4+L4H2"]  # each alone, then together (in the order given)
+
+
+# ---------------------------------------------------------------- 5. the notebook's wording and cells
+
+
+def _notebook_namespace():
+    """Run the notebook's setup cell here (no kernel): ``model``, ``tok``, ``quiz``."""
+    setup = next(_src(c) for c in _cells() if c["cell_type"] == "code" and "load_model()" in _src(c))
+    ns: dict = {}
+    exec("\n".join(x for x in setup.splitlines() if not x.lstrip().startswith("%")), ns)  # noqa: S102
+    return ns
+
+
+def test_the_notebook_describes_its_colours_truly_and_introduces_momo():
+    md = [_src(c) for c in _cells() if c["cell_type"] == "markdown"]
+    text = "\n".join(md)
+    assert "darker = a larger share" not in text and "darker: a larger share" not in text
+    assert "brighter" in text and "viridis" in text
+    assert "own colour range" in text
+    leak = next(i for i, c in enumerate(_cells()) if "lesson_leakage" in _src(c))
+    before = " ".join(" ".join(_src(c) for c in _cells()[:leak]).split())
+    assert "Momo the monkey" in before and "leakage check word" in before  # introduced before the check
+
+
+def test_the_notebook_leakage_cell_prints_a_short_summary(capsys):
+    ns = _notebook_namespace()
+    cell = next(_src(c) for c in _cells() if c["cell_type"] == "code" and "lesson_leakage" in _src(c))
+    capsys.readouterr()
+    exec(cell, ns)  # noqa: S102
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) <= 6 and len(out) < 600, out
+    assert "identical to a training story: 0" in out and 'mentioning "Momo": 0' in out
+
+
+def test_the_notebook_shows_the_record_attention_flag(capsys):
+    cell = next(c for c in _cells() if c["cell_type"] == "code" and "record_attention=True" in _src(c))
+    src = _src(cell)
+    assert "model(ids, record_attention=True)" in src
+    ns = _notebook_namespace()
+    capsys.readouterr()
+    exec(src, ns)  # noqa: S102
+    out = capsys.readouterr().out
+    m = re.search(r"largest logit difference, fused vs recorded: (\S+)", out)
+    assert m and float(m.group(1)) < 1e-3, out
+    assert re.search(r"attentions: 6 blocks, each \[1, 4, \d+, \d+\]", out), out
