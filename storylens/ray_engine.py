@@ -288,6 +288,7 @@ def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: 
         raise StorylensError("stories: nothing to score (no story)")
     if details is not None:
         details["actor_peak_mb"] = actor_peaks  # each actor process's peak memory (benchmarks)
+        details["workers"] = workers  # as used: --workers capped at the cluster's CPUs
     return stats
 
 

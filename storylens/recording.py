@@ -21,11 +21,11 @@ def figure_tokens(n_layer: int, n_head: int, budget: int = FIGURE_BUDGET_BYTES) 
 
 
 def story_attention(model, text: str, window: int | None = None, tokenizer=None, *,
-                    budget: int = FIGURE_BUDGET_BYTES):
+                    budget: int | None = None):
     """Encode one story as the lesson does (``[marker] + story``, cut to the window) and record its
     attention. ``model``: storylens's GPT, an :class:`~storylens.lm.AttentionLM`, or a transformers
     causal LM with its ``tokenizer``. The story is also cut to the tokens whose maps fit ``budget``
-    bytes (:func:`figure_tokens`: all 256 on Tiny Storyteller; about 340 on a 270-head model), so
+    bytes (:func:`figure_tokens`: all 256 on Tiny Storyteller; 287 on a 270-head model), so
     drawing one story never holds gigabytes; a model too large to draw 16 tokens is refused.
 
     Returns ``(tokens, attention, encoded)``: display texts, a ``[block, head, query, key]`` numpy
@@ -33,6 +33,7 @@ def story_attention(model, text: str, window: int | None = None, tokenizer=None,
     from .viz.tokens import to_numpy_attention, token_texts
 
     lm = wrap(model, tokenizer)
+    budget = FIGURE_BUDGET_BYTES if budget is None else budget
     fits = figure_tokens(lm.n_layer, lm.n_head, budget)
     if fits < MIN_FIGURE_TOKENS:
         raise StorylensError(f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's maps "

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import StorylensError
@@ -243,6 +243,9 @@ def _figure_data(lm, quiz, encoded, scores) -> dict:
     tokens, att, enc = story_attention(lm, quiz[index])  # recorded once: figures and widget
     top = scores.best("name_mass")
     main = mains[index]
+    if main.positions and max(main.positions) >= len(tokens):  # the story shown is cut to fit the figures' budget
+        kept = tuple(p for p in main.positions if p < len(tokens))
+        main = replace(main, positions=kept, first_mention=kept[0] if kept else None)
     info = {"index": index, "name": main.name, "block": top.block - 1, "head": top.head - 1, "tokens": len(tokens)}
     return {"tokens": tokens, "att": att, "enc": enc, "text": quiz[index], "main": main, "info": info,
             "n_heads": lm.n_layer * lm.n_head}
@@ -356,7 +359,8 @@ def _summary(lm, scores, leakage, quiz_source, data, story_info) -> dict:
         },
         "marker": {"highest": {"head": marker.label, "marker": marker.marker},
                    "above_half": scores.count("marker", above=0.5), "called": _marker_words(lm)},
-        "story_shown": {"quiz_index": story_info["index"] + 1, "main_character": story_info["name"]},
+        "story_shown": {"quiz_index": story_info["index"] + 1, "main_character": story_info["name"],
+                        "tokens": story_info["tokens"]},
         "number_to_reproduce": {"head": top6[0].label, "name_mass": top6[0].name_mass,
                                 "baseline": scores.name_baseline, "ratio": top6[0].name_ratio,
                                 "stories": scores.n_name_scored, "of": scores.n_stories},

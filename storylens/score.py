@@ -141,10 +141,11 @@ def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, 
             batches_since[0] = 0
 
     rest = _skip(source, done.n_stories)
+    used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
     if engine == "ray":
         from .ray_engine import score_with_ray
 
-        stats = done + score_with_ray(model_source, rest, names, acc, workers=workers, address=address,
+        stats = done + score_with_ray(model_source, rest, names, acc, workers=workers, address=address, details=used,
                                       batch_size=batch_size, chunk_stories=chunk_stories, total=n_total,
                                       progress=progress, detectors=detectors, start=done.n_stories,
                                       on_window=progress_made)
@@ -160,7 +161,8 @@ def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, 
                     "with_main_character": stats.n_main_character, "name_scored": scores.n_name_scored},
         "names": {"definition": "a capitalised word whose lower-case form appears nowhere in the stories scored",
                   "names": len(names), "lower_case_words": len(vocab.lower), "capitalised_words": len(vocab.capitalised)},
-        "engine": {"name": engine, "workers": workers if engine == "ray" else 1, "resumed_from": done.n_stories},
+        "engine": {"name": engine, "workers": used.get("workers", workers) if engine == "ray" else 1,
+                   "resumed_from": done.n_stories},
         "seconds": {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
         "detectors": [d.name for d in detectors],
         "top": {d.name: _top(scores, d.name) for d in detectors},

@@ -103,6 +103,7 @@ def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopba
     else:
         assert err == ""
     assert 1 <= len(details["actor_peak_mb"]) <= min(cpus, 64)  # one pid per actor that scored
+    assert details["workers"] == min(cpus, 64)  # what summary.json records as the engine's workers
     assert stats == ref_stats
     for k, x in acc.columns(True).items():
         assert (x - ref.columns(True)[k]).abs().nan_to_num(0.0).max().item() <= 1e-9, k

@@ -491,3 +491,19 @@ def test_report_quiz_reads_json_lines_parquet_and_datasets_with_their_readers(fe
     bad.write_text('{"story": "x"}\n')
     assert one_line(capsys, ["report", "--out", str(tmp_path / "r"), "--quiz", str(bad)]) == (
         f"storylens: error: {bad}: line 1 has no field 'text' (choose one with --text-field)")
+
+
+def test_the_report_draws_a_story_cut_to_the_figures_budget(tmp_path, few, monkeypatch):
+    """A story longer than the figures' budget is drawn cut, its name positions with it (they were
+    positions past the cut: an IndexError, as a 3,000-token story on a 30 x 9 model showed)."""
+    import storylens.recording as recording
+    from storylens.report import build_report
+
+    monkeypatch.setattr(recording, "FIGURE_BUDGET_BYTES", 12 * 24 * 60 * 60)  # 60 tokens for 24 heads
+    quiz = tmp_path / "q.txt"
+    quiz.write_text("".join(f"{s}\n{EOT}\n" for s in few[:8]))
+    report = build_report(tmp_path / "r", quiz=str(quiz), progress=False, check_stories=2, check_tokens=8)
+    assert report.summary["story_shown"]["main_character"]
+    figures = json.loads((tmp_path / "r" / ".storylens.json").read_text())["files"]
+    assert {"all_heads.png", "top_name_head.png", "widget.html"} <= set(figures)
+    assert report.summary["story_shown"]["tokens"] == 60  # cut from the story's full window
