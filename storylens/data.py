@@ -77,6 +77,12 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.0f}" if n >= 2**20 else f"{n / 2**20:,.2f}"
 
 
+def too_much_text(where, limit: int, unzipped: bool = False) -> StorylensError:
+    """The one line for a corpus past ``$STORYLENS_MAX_CORPUS_MB`` (every reader raises it)."""
+    return StorylensError(f"{where}: more than {_mb(limit)} MB of text{' once unzipped' if unzipped else ''}; "
+                          f"refusing to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+
+
 def text_lines(path: str | os.PathLike) -> Iterator[str]:
     """The lines of a UTF-8 text file, plain or gzip, streamed, without their line endings.
 
@@ -99,9 +105,7 @@ def text_lines(path: str | os.PathLike) -> Iterator[str]:
                 number += 1
                 total += len(raw)
                 if total > corpus_limit:
-                    raise StorylensError(
-                        f"{path}: more than {_mb(corpus_limit)} MB of text{' once unzipped' if gz else ''}; "
-                        f"refusing to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+                    raise too_much_text(path, corpus_limit, unzipped=gz)
                 body = raw.rstrip(b"\n").rstrip(b"\r") if raw.endswith(b"\n") else raw
                 if len(body) > line_limit:
                     raise StorylensError(

@@ -24,8 +24,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
-from .data import (MAX_CORPUS_MB_ENV, MAX_STORY_MB_ENV, iter_stories, max_corpus_bytes, max_story_bytes,
-                   resolve_corpus, text_lines)
+from .data import (MAX_STORY_MB_ENV, iter_stories, max_corpus_bytes, max_story_bytes, resolve_corpus, text_lines,
+                   too_much_text)
 from .errors import StorylensError, UsageError, install_hint
 
 KINDS = ("text", "jsonl", "parquet", "hf")
@@ -135,8 +135,7 @@ class _Budget:
             raise StorylensError(f"{self.src.location}: {where}: a story of {size / 2**20:,.1f} MB, longer than "
                                  f"{self.story / 2**20:,.0f} MB (raise ${MAX_STORY_MB_ENV} for longer stories)")
         if self.total > self.corpus:
-            raise StorylensError(f"{self.src.location}: more than {self.corpus / 2**20:,.0f} MB of text; refusing "
-                                 f"to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+            raise too_much_text(self.src.location, self.corpus)
         return text
 
 
