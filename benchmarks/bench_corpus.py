@@ -4,8 +4,8 @@
                                       [--batch 200 8000]
 
 Stories: the shared TinyStories corpus (``../shared``), repeated in file order until there are
-enough, written once to a temporary text file; every run reads it with ``storylens.sources``
-(streamed) and scores every head with every built-in detector (``storylens.score.score_corpus``),
+enough, written once to a temporary text file; every run reads it with ``storylens.data.sources``
+(streamed) and scores every head with every built-in detector (``storylens.corpus.score.score_corpus``),
 each run in a fresh process so that its peak resident memory (``VmHWM``) is its own.
 
 * ``memory``: one process (the local engine, ``storylens score``'s default batch of 4 stories) at
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from storylens.score import BATCH_STORIES
+from storylens.corpus.score import BATCH_STORIES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINYSTORIES_TRAIN = 2_119_719  # stories in TinyStories-train.txt (the lesson's corpus)
@@ -41,7 +41,7 @@ BIG_BATCH = 16  # the batch compared with the default
 
 
 def write_corpus(path: Path, n: int) -> None:
-    from storylens.data import EOT, load_split
+    from storylens.data.stories import EOT, load_split
 
     split = load_split()
     stories = split.train + split.quiz
@@ -53,17 +53,17 @@ def write_corpus(path: Path, n: int) -> None:
 def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> None:
     import torch
 
+    from storylens.corpus.ray_engine import peak_rss_mb
+    from storylens.corpus.score import score_corpus
+    from storylens.data.sources import open_source
     from storylens.lm import load_lm
-    from storylens.ray_engine import peak_rss_mb
-    from storylens.score import score_corpus
-    from storylens.sources import open_source
 
     out = tempfile.mkdtemp(prefix="bench_corpus_") + "/out"
     details: dict = {}
     lm = load_lm()
     t = time.perf_counter()
     if engine == "ray":
-        from storylens import ray_engine
+        from storylens.corpus import ray_engine
 
         original = ray_engine.score_with_ray
 
@@ -71,14 +71,26 @@ def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> No
             return original(*a, details=details, **kw)
 
         ray_engine.score_with_ray = with_details
-    run = score_corpus(lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False,
-                       batch_size=batch_size)
+    run = score_corpus(
+        lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False, batch_size=batch_size
+    )
     wall = time.perf_counter() - t
-    print(json.dumps({"n": n, "engine": engine, "workers": workers if engine == "ray" else 1, "batch_size": batch_size,
-                      "threads": torch.get_num_threads(), "wall_s": wall,
-                      "first_pass_s": run.summary["seconds"]["first_pass"],
-                      "scoring_s": run.summary["seconds"]["scoring"], "driver_peak_mb": peak_rss_mb(),
-                      "actor_peak_mb": sorted(details.get("actor_peak_mb", {}).values())}))
+    print(
+        json.dumps(
+            {
+                "n": n,
+                "engine": engine,
+                "workers": workers if engine == "ray" else 1,
+                "batch_size": batch_size,
+                "threads": torch.get_num_threads(),
+                "wall_s": wall,
+                "first_pass_s": run.summary["seconds"]["first_pass"],
+                "scoring_s": run.summary["seconds"]["scoring"],
+                "driver_peak_mb": peak_rss_mb(),
+                "actor_peak_mb": sorted(details.get("actor_peak_mb", {}).values()),
+            }
+        )
+    )
 
 
 def run_child(corpus: Path, n: int, engine: str, workers: int = 2, batch_size: int = BATCH_STORIES) -> dict:
@@ -87,9 +99,12 @@ def run_child(corpus: Path, n: int, engine: str, workers: int = 2, batch_size: i
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    print(f"  {engine:5} {n:>7,} stories, batch {batch_size:2}: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
-          f"driver peak {r['driver_peak_mb']:6.0f} MB" + (f", actors {', '.join(f'{x:.0f}' for x in r['actor_peak_mb'])} MB"
-                                                          if r["actor_peak_mb"] else ""), flush=True)
+    print(
+        f"  {engine:5} {n:>7,} stories, batch {batch_size:2}: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
+        f"driver peak {r['driver_peak_mb']:6.0f} MB"
+        + (f", actors {', '.join(f'{x:.0f}' for x in r['actor_peak_mb'])} MB" if r["actor_peak_mb"] else ""),
+        flush=True,
+    )
     return r
 
 
@@ -106,8 +121,13 @@ def main() -> None:
         return child(corpus, int(n), engine, int(workers), int(batch_size))
 
     biggest = max(args.memory + args.time + args.batch)
-    res: dict = {"machine": {"cpu": _cpu(), "cores": os.cpu_count()}, "batch_size": BATCH_STORIES,
-                 "memory": [], "batch": [], "time": []}
+    res: dict = {
+        "machine": {"cpu": _cpu(), "cores": os.cpu_count()},
+        "batch_size": BATCH_STORIES,
+        "memory": [],
+        "batch": [],
+        "time": [],
+    }
     with tempfile.TemporaryDirectory() as d:
         corpus = Path(d) / "stories.txt"
         write_corpus(corpus, biggest)
@@ -140,11 +160,16 @@ def estimate(res: dict) -> dict:
     t = res["time"][-1]
     per_story = {k: t[k]["scoring_s"] / t["n"] for k in ("local", "ray")}
     day = 86400.0
-    lines = [f"estimate: {TINYSTORIES_TRAIN:,} TinyStories on the shipped model: "
-             f"{per_story['local'] * TINYSTORIES_TRAIN / 3600:.1f} h on this machine (one process), "
-             f"{per_story['ray'] * TINYSTORIES_TRAIN / 3600 / 32:.2f} h on 32 such machines with Ray"]
-    out = {"per_story_s": per_story, "tinystories_hours_one_machine": per_story["local"] * TINYSTORIES_TRAIN / 3600,
-           "tinystories_hours_32_nodes": per_story["ray"] * TINYSTORIES_TRAIN / 3600 / 32}
+    lines = [
+        f"estimate: {TINYSTORIES_TRAIN:,} TinyStories on the shipped model: "
+        f"{per_story['local'] * TINYSTORIES_TRAIN / 3600:.1f} h on this machine (one process), "
+        f"{per_story['ray'] * TINYSTORIES_TRAIN / 3600 / 32:.2f} h on 32 such machines with Ray"
+    ]
+    out = {
+        "per_story_s": per_story,
+        "tinystories_hours_one_machine": per_story["local"] * TINYSTORIES_TRAIN / 3600,
+        "tinystories_hours_32_nodes": per_story["ray"] * TINYSTORIES_TRAIN / 3600 / 32,
+    }
     det = ROOT / "benchmarks" / "detectors.json"
     if det.exists():
         g = json.loads(det.read_text())["models"].get("gpt2-124m")
@@ -153,10 +178,12 @@ def estimate(res: dict) -> dict:
             doc_tokens = 1024  # a GPT-2 document filling its window
             one = per_token * doc_tokens * 1e6
             out.update(gpt2_per_token_s=per_token, gpt2_days_one_machine=one / day, gpt2_days_32_nodes=one / day / 32)
-            lines.append(f"estimate: 1 M documents of {doc_tokens} tokens on GPT-2 small: {one / day:.0f} days on this "
-                         f"machine, {one / day / 32:.1f} days on 32 (from {per_token * 1000:.2f} ms/token measured on "
-                         f"{g['inputs']['tokens']:,} tokens of TinyStories-length text; attention grows with length, so "
-                         "full 1,024-token documents cost more per token)")
+            lines.append(
+                f"estimate: 1 M documents of {doc_tokens} tokens on GPT-2 small: {one / day:.0f} days on this "
+                f"machine, {one / day / 32:.1f} days on 32 (from {per_token * 1000:.2f} ms/token measured on "
+                f"{g['inputs']['tokens']:,} tokens of TinyStories-length text; attention grows with length, so "
+                "full 1,024-token documents cost more per token)"
+            )
     out["lines"] = lines
     return out
 

@@ -8,9 +8,9 @@ Run it in an environment that has storylens and TransformerLens 4.x (a separate 
 tests/analysis/TL_SETUP.md). Everything runs offline.
 
 Models
-    ``tiny``: the shipped Tiny Storyteller (``storylens.hub.load_model()``, 6 layers x 4 heads)
+    ``tiny``: the shipped Tiny Storyteller (``storylens.model.hub.load_model()``, 6 layers x 4 heads)
     scored natively by storylens; TransformerLens boots its transformers export
-    (``storylens.hub.export_hf``) with ``TransformerBridge.boot_transformers``. All 200 quiz
+    (``storylens.model.hub.export_hf``) with ``TransformerBridge.boot_transformers``. All 200 quiz
     stories (``storylens.lesson.lesson_data().quiz``).
     ``gpt2-124m``: a GPT-2-small-shaped transformers ``GPT2LMHeadModel`` with seeded random
     weights (``GPT2Config()`` defaults: 12 layers x 12 heads, d_model 768, 1,024 positions,
@@ -77,8 +77,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TL_PATTERNS = ("previous_token_head", "duplicate_token_head", "induction_head")
-SAME_KEYS = {"prev_token": "previous_token_head", "duplicate_token": "duplicate_token_head",
-             "induction": "induction_head"}  # storylens column ~ TL pattern (same keys, other mean)
+SAME_KEYS = {
+    "prev_token": "previous_token_head",
+    "duplicate_token": "duplicate_token_head",
+    "induction": "induction_head",
+}  # storylens column ~ TL pattern (same keys, other mean)
 MODELS = ("tiny", "gpt2-124m")
 STORIES = {"tiny": None, "gpt2-124m": 16}  # how many quiz stories (None: all 200)
 SEED = 0
@@ -93,6 +96,7 @@ def storylens_batch_ids(lm, stories, batch_size: int) -> list:
     """storylens's own batches as ``(ids, lengths)``: ids ``[batch, tokens]`` padded at the end,
     and each story's length (marker included). The TL side runs exactly these ids."""
     from storylens.analysis.encode import iter_batches
+
     return [(b.ids, b.lengths.tolist()) for b in iter_batches(lm, stories, batch_size=batch_size)]
 
 
@@ -115,8 +119,9 @@ def tl_side(bridge, batches: list, full_cache: bool = False):
     names = [f"blocks.{i}.attn.hook_pattern" for i in range(cfg.n_layers)]
     keep = None if full_cache else (lambda n: n in names)
     # What detect_head reads of a model when it is handed a cache: cfg and to_tokens.
-    story_cfg = SimpleNamespace(n_layers=cfg.n_layers, n_heads=cfg.n_heads, dtype=cfg.dtype, device=cfg.device,
-                                n_ctx=cfg.n_ctx + 1)  # + 1: see the module docstring
+    story_cfg = SimpleNamespace(
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, dtype=cfg.dtype, device=cfg.device, n_ctx=cfg.n_ctx + 1
+    )  # + 1: see the module docstring
     sums = {p: torch.zeros(cfg.n_layers, cfg.n_heads, dtype=cfg.dtype) for p in TL_PATTERNS}
     n = 0
     with torch.inference_mode():
@@ -125,8 +130,9 @@ def tl_side(bridge, batches: list, full_cache: bool = False):
             for row, length in enumerate(lengths):
                 story_ids = ids[row, :length]
                 story = SimpleNamespace(cfg=story_cfg, to_tokens=lambda _seq, t=story_ids: t[None])
-                story_cache = ActivationCache({k: cache[k][row, :, :length, :length] for k in names}, bridge,
-                                              has_batch_dim=False)
+                story_cache = ActivationCache(
+                    {k: cache[k][row, :, :length, :length] for k in names}, bridge, has_batch_dim=False
+                )
                 for p in TL_PATTERNS:
                     sums[p] += detect_head(story, "", p, cache=story_cache)
                 n += 1
@@ -142,12 +148,12 @@ def prepare(model: str, work: str, batch_size: int) -> dict:
     stories, and storylens's batches of ids. Returns a description of the model and the inputs."""
     import torch
 
-    from storylens.lesson import lesson_data
+    from storylens.lesson.inputs import lesson_data
 
     stories = lesson_data(None, None, None).quiz[: STORIES[model]]
     hf = os.path.join(work, "hf")
     if model == "tiny":
-        from storylens.hub import export_hf, load_model
+        from storylens.model.hub import export_hf, load_model
 
         export_hf(load_model(), hf)
     else:
@@ -158,11 +164,18 @@ def prepare(model: str, work: str, batch_size: int) -> dict:
         json.dump(stories, f)
     torch.save(batches, os.path.join(work, "ids.pt"))
     lengths = [n for _, ls in batches for n in ls]
-    return {"layers": lm.n_layer, "heads": lm.n_head, "window": lm.window,
-            "parameters": sum(p.numel() for p in lm.module.parameters()),
-            "stories": len(stories), "batches": len(batches), "batch_size": batch_size,
-            "tokens": sum(lengths), "padded_tokens": sum(ids.numel() for ids, _ in batches),
-            "stories_filling_window": sum(n >= lm.window for n in lengths)}
+    return {
+        "layers": lm.n_layer,
+        "heads": lm.n_head,
+        "window": lm.window,
+        "parameters": sum(p.numel() for p in lm.module.parameters()),
+        "stories": len(stories),
+        "batches": len(batches),
+        "batch_size": batch_size,
+        "tokens": sum(lengths),
+        "padded_tokens": sum(ids.numel() for ids, _ in batches),
+        "stories_filling_window": sum(n >= lm.window for n in lengths),
+    }
 
 
 def save_random_gpt2(folder: str) -> None:
@@ -170,14 +183,15 @@ def save_random_gpt2(folder: str) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-    from storylens.hub import load_model
+    from storylens.model.hub import load_model
 
     eot = "<|endoftext|>"
     tok = PreTrainedTokenizerFast(tokenizer_object=load_model().tokenizer, bos_token=eot, eos_token=eot)
     # GPT-2's own 50,257-row embedding and output head (124M parameters); storylens's tokenizer
     # uses the first 4,096 rows
-    config = GPT2Config(vocab_size=50257, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        attn_implementation="eager")
+    config = GPT2Config(
+        vocab_size=50257, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, attn_implementation="eager"
+    )
     torch.manual_seed(SEED)
     GPT2LMHeadModel(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -188,19 +202,21 @@ def load_storylens(model: str, work: str):
     from storylens.lm import wrap
 
     if model == "tiny":
-        from storylens.hub import load_model
+        from storylens.model.hub import load_model
 
         return wrap(load_model().eval())
     from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
     hf = os.path.join(work, "hf")
-    return wrap(GPT2LMHeadModel.from_pretrained(hf, attn_implementation="eager").eval(),
-                PreTrainedTokenizerFast.from_pretrained(hf))
+    return wrap(
+        GPT2LMHeadModel.from_pretrained(hf, attn_implementation="eager").eval(),
+        PreTrainedTokenizerFast.from_pretrained(hf),
+    )
 
 
 def load_tl(work: str):
-    from transformers.utils import logging as hf_logging
     from transformer_lens.model_bridge import TransformerBridge
+    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     bridge = TransformerBridge.boot_transformers(os.path.join(work, "hf"), device="cpu")
@@ -235,15 +251,21 @@ def best_of_rounds(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, 
 def bench_time(model: str, work: str, rounds: int, batch_size: int, full_cache: bool) -> dict:
     stories, batches = load_inputs(work)
     lm, bridge = load_storylens(model, work), load_tl(work)
-    best, every, results = best_of_rounds({
-        "storylens": lambda: storylens_side(lm, stories, batch_size),
-        "TL": lambda: tl_side(bridge, batches, full_cache),
-        "encode": lambda: storylens_batch_ids(lm, stories, batch_size),
-    }, rounds)
-    return {"seconds": {k: best[k] for k in ("storylens", "TL")}, "rounds_s": every,
-            "storylens_encoding_s": best["encode"],
-            "max_pattern_difference": pattern_difference(lm, bridge, *batches[-1]),
-            "score_correlation": score_correlation(results["storylens"], results["TL"])}
+    best, every, results = best_of_rounds(
+        {
+            "storylens": lambda: storylens_side(lm, stories, batch_size),
+            "TL": lambda: tl_side(bridge, batches, full_cache),
+            "encode": lambda: storylens_batch_ids(lm, stories, batch_size),
+        },
+        rounds,
+    )
+    return {
+        "seconds": {k: best[k] for k in ("storylens", "TL")},
+        "rounds_s": every,
+        "storylens_encoding_s": best["encode"],
+        "max_pattern_difference": pattern_difference(lm, bridge, *batches[-1]),
+        "score_correlation": score_correlation(results["storylens"], results["TL"]),
+    }
 
 
 def pattern_difference(lm, bridge, ids, lengths) -> float:
@@ -297,13 +319,26 @@ def memory_child(side: str, model: str, work: str, batch_size: int, full_cache: 
     run()
     seconds = time.perf_counter() - t
     peak = status_mb("VmHWM")
-    print(json.dumps({"rss_loaded_mb": loaded, "rss_peak_mb": peak, "peak_above_loaded_mb": peak - loaded,
-                      "seconds": seconds}))
+    print(
+        json.dumps(
+            {"rss_loaded_mb": loaded, "rss_peak_mb": peak, "peak_above_loaded_mb": peak - loaded, "seconds": seconds}
+        )
+    )
 
 
 def bench_memory(side: str, model: str, work: str, batch_size: int, full_cache: bool) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--child-model", model, "--child-work", work,
-           "--batch-size", str(batch_size)] + (["--tl-cache", "all"] if full_cache else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        side,
+        "--child-model",
+        model,
+        "--child-work",
+        work,
+        "--batch-size",
+        str(batch_size),
+    ] + (["--tl-cache", "all"] if full_cache else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
@@ -323,7 +358,8 @@ def bench_model(model: str, rounds: int, batch_size: int, full_cache: bool) -> d
     s, m = res["seconds"], res["memory"]
     res["tl_over_storylens"] = {
         "time": s["TL"] / s["storylens"],
-        "memory": m["TL"]["peak_above_loaded_mb"] / max(m["storylens"]["peak_above_loaded_mb"], 1e-9)}
+        "memory": m["TL"]["peak_above_loaded_mb"] / max(m["storylens"]["peak_above_loaded_mb"], 1e-9),
+    }
     return res
 
 
@@ -336,14 +372,20 @@ def print_table(results: dict, rounds: int) -> None:
         print(f"{model:<10} {'TL/sl':<10} {q['time']:7.2f}x {q['memory']:7.2f}x")
     for model, r in results.items():
         i = r["inputs"]
-        print(f"\n{model}: {i['layers']} layers x {i['heads']} heads, {i['parameters'] / 1e6:.1f}M parameters; "
-              f"{i['stories']} stories, {i['tokens']:,} tokens ({i['padded_tokens']:,} padded) in {i['batches']} "
-              f"batches of {i['batch_size']}; {i['stories_filling_window']} fill the {i['window']}-token window")
+        print(
+            f"\n{model}: {i['layers']} layers x {i['heads']} heads, {i['parameters'] / 1e6:.1f}M parameters; "
+            f"{i['stories']} stories, {i['tokens']:,} tokens ({i['padded_tokens']:,} padded) in {i['batches']} "
+            f"batches of {i['batch_size']}; {i['stories_filling_window']} fill the {i['window']}-token window"
+        )
         loaded = {side: r["memory"][side]["rss_loaded_mb"] for side in ("storylens", "TL")}
-        print(f"  storylens encoding alone {r['storylens_encoding_s']:.2f} s (in its time); loaded RSS "
-              f"storylens {loaded['storylens']:.0f} MB, TL {loaded['TL']:.0f} MB")
-        print(f"  same network: largest attention difference {r['max_pattern_difference']:.1e}; score correlation "
-              + ", ".join(f"{k} {v:.3f}" for k, v in r["score_correlation"].items()))
+        print(
+            f"  storylens encoding alone {r['storylens_encoding_s']:.2f} s (in its time); loaded RSS "
+            f"storylens {loaded['storylens']:.0f} MB, TL {loaded['TL']:.0f} MB"
+        )
+        print(
+            f"  same network: largest attention difference {r['max_pattern_difference']:.1e}; score correlation "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["score_correlation"].items())
+        )
 
 
 def main() -> None:
@@ -352,8 +394,12 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--skip-124m", action="store_true", help="only the shipped model")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--tl-cache", choices=("patterns", "all"), default="patterns",
-                    help="what run_with_cache keeps: the attention patterns only (default) or every hook")
+    ap.add_argument(
+        "--tl-cache",
+        choices=("patterns", "all"),
+        default="patterns",
+        help="what run_with_cache keeps: the attention patterns only (default) or every hook",
+    )
     ap.add_argument("--child", choices=("storylens", "TL"), help=argparse.SUPPRESS)
     ap.add_argument("--child-model", choices=MODELS, help=argparse.SUPPRESS)
     ap.add_argument("--child-work", help=argparse.SUPPRESS)
@@ -376,10 +422,20 @@ def main() -> None:
 
         from bench_perf import _cpu  # the same machine description as the other benchmark
 
-        out = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                           "python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": version("transformers"), "transformer_lens": version("transformer-lens")},
-               "rounds": args.rounds, "tl_cache": args.tl_cache, "models": results}
+        out = {
+            "machine": {
+                "cpu": _cpu(),
+                "cores": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": version("transformers"),
+                "transformer_lens": version("transformer-lens"),
+            },
+            "rounds": args.rounds,
+            "tl_cache": args.tl_cache,
+            "models": results,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
             f.write("\n")

@@ -58,8 +58,11 @@ def bench_report(rounds: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "report")
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "storylens", "report", "--out", out, "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "storylens", "report", "--out", out, "--no-progress"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             walls.append(time.perf_counter() - t)
             with open(os.path.join(out, "summary.json")) as f:
                 phases.append(json.load(f)["timings_s"])
@@ -72,7 +75,7 @@ def bench_report(rounds: int) -> dict:
 
 def _quiz_batches(model, batch_size=16):
     from storylens.analysis.encode import iter_batches
-    from storylens.data import load_split
+    from storylens.data.stories import load_split
     from storylens.lm import NativeLM
 
     quiz = load_split().quiz
@@ -84,8 +87,8 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
     from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
     from storylens.analysis.scores import HeadScoreAccumulator, score_heads
-    from storylens.hub import export_hf, load_model
     from storylens.lm import NativeLM
+    from storylens.model.hub import export_hf, load_model
 
     model = load_model().eval()
     quiz, batches = _quiz_batches(model)
@@ -112,14 +115,17 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
                 acc.end()
         return acc
 
-    fns = {"bare fused forward": bare, "storylens record + score": record_and_score,
-           "storylens record + score, every detector": lambda: record_and_score(BUILTIN_DETECTORS),
-           "storylens score_heads (all)": lambda: score_heads(model, quiz, max_stories_prev=100, progress=False)}
+    fns = {
+        "bare fused forward": bare,
+        "storylens record + score": record_and_score,
+        "storylens record + score, every detector": lambda: record_and_score(BUILTIN_DETECTORS),
+        "storylens score_heads (all)": lambda: score_heads(model, quiz, max_stories_prev=100, progress=False),
+    }
     agree = None
     if with_tl:
         os.environ["HF_HUB_OFFLINE"] = "1"
-        from transformers.utils import logging as hf_logging
         from transformer_lens.model_bridge import TransformerBridge
+        from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         tmp = tempfile.mkdtemp()
@@ -139,15 +145,22 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
         fns["TransformerLens run_with_cache + same measures"] = tl
         ours, theirs = record_and_score().columns(False), tl().columns(False)
-        agree = max(float((ours[k] - theirs[k]).abs().max()) for k in ("name_mass", "prev_token", "prev_argmax",
-                                                                      "prev4", "marker"))
+        agree = max(
+            float((ours[k] - theirs[k]).abs().max())
+            for k in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker")
+        )
     t = best_of_rounds(fns, rounds)
     base = t["bare fused forward"]
-    return {"seconds": t, "ratio_to_bare": {k: v / base for k, v in t.items()},
-            "tokens": int(sum(b.ids.numel() for b in batches)), "batches": len(batches),
-            "tl_vs_storylens": (t["TransformerLens run_with_cache + same measures"] / t["storylens record + score"]
-                                if with_tl else None),
-            "tl_max_score_difference": agree}
+    return {
+        "seconds": t,
+        "ratio_to_bare": {k: v / base for k, v in t.items()},
+        "tokens": int(sum(b.ids.numel() for b in batches)),
+        "batches": len(batches),
+        "tl_vs_storylens": (
+            t["TransformerLens run_with_cache + same measures"] / t["storylens record + score"] if with_tl else None
+        ),
+        "tl_max_score_difference": agree,
+    }
 
 
 # ------------------------------------------------------------------ 3. memory
@@ -155,8 +168,8 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
 def memory_child(n: int) -> None:
     from storylens.analysis import score_heads
-    from storylens.data import load_split
-    from storylens.hub import load_model
+    from storylens.data.stories import load_split
+    from storylens.model.hub import load_model
 
     model = load_model()
     split = load_split()
@@ -168,14 +181,18 @@ def memory_child(n: int) -> None:
     print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before, "rss_peak_mb": peak_rss_mb()}))
 
 
-from storylens.ray_engine import peak_rss_mb  # noqa: E402  (the one definition)
+from storylens.corpus.ray_engine import peak_rss_mb  # noqa: E402  (the one definition)
 
 
 def bench_memory() -> dict:
     rows = []
     for n in MEMORY_SIZES:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", str(n)],
-                           check=True, capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--memory-child", str(n)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     return {"runs": rows, "peak_ratio": rows[-1]["rss_peak_mb"] / rows[0]["rss_peak_mb"]}
 
@@ -186,8 +203,8 @@ def bench_memory() -> dict:
 def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
     import torch
 
-    from storylens.hub import load_model
-    from storylens.tokenizer import eot_id
+    from storylens.model.hub import load_model
+    from storylens.model.tokenizer import eot_id
 
     model = load_model().eval()
     prompt = torch.tensor([[eot_id(model.tokenizer)]])
@@ -197,14 +214,21 @@ def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
         g = torch.Generator().manual_seed(0)
         tokens[name] = [s.token for s in model.generate_stream(prompt, n_tokens, temperature=1.0, generator=g, **kw)]
 
-    t = best_of_rounds({"kv cache": lambda: run("kv cache"),
-                        "recompute": lambda: run("recompute", use_kv_cache=False),
-                        "kv cache + recording": lambda: run("kv cache + recording", record_attention=True)}, rounds)
-    return {"ms_per_token": {k: 1000 * v / n_tokens for k, v in t.items()},
-            "recompute_over_cache": t["recompute"] / t["kv cache"],
-            "recording_over_cache": t["kv cache + recording"] / t["kv cache"],
-            "same_tokens": tokens["kv cache"] == tokens["recompute"] == tokens["kv cache + recording"],
-            "n_tokens": n_tokens}
+    t = best_of_rounds(
+        {
+            "kv cache": lambda: run("kv cache"),
+            "recompute": lambda: run("recompute", use_kv_cache=False),
+            "kv cache + recording": lambda: run("kv cache + recording", record_attention=True),
+        },
+        rounds,
+    )
+    return {
+        "ms_per_token": {k: 1000 * v / n_tokens for k, v in t.items()},
+        "recompute_over_cache": t["recompute"] / t["kv cache"],
+        "recording_over_cache": t["kv cache + recording"] / t["kv cache"],
+        "same_tokens": tokens["kv cache"] == tokens["recompute"] == tokens["kv cache + recording"],
+        "n_tokens": n_tokens,
+    }
 
 
 # ------------------------------------------------------------------ 5. training
@@ -213,12 +237,16 @@ def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
 def bench_training(rounds: int, steps: int = 3) -> dict:
     import torch
 
-    from storylens.model import GPT, GPTConfig
+    from storylens.model.gpt import GPT, GPTConfig
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 4096, (16, 256), generator=g)
-    setups = {"fp32, no dropout": (0.0, 0.0, False), "fp32, residual dropout 0.1": (0.1, 0.0, False),
-              "fp32, residual + attention dropout 0.1": (0.1, 0.1, False), "bf16 autocast, no dropout": (0.0, 0.0, True)}
+    setups = {
+        "fp32, no dropout": (0.0, 0.0, False),
+        "fp32, residual dropout 0.1": (0.1, 0.0, False),
+        "fp32, residual + attention dropout 0.1": (0.1, 0.1, False),
+        "bf16 autocast, no dropout": (0.0, 0.0, True),
+    }
 
     def make(drop, attn, bf16):
         torch.manual_seed(0)
@@ -232,6 +260,7 @@ def bench_training(rounds: int, steps: int = 3) -> dict:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+
         step()  # warm-up
         return step
 
@@ -257,17 +286,27 @@ def main() -> None:
     import torch
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "python": platform.python_version()},
-           "rounds": args.rounds}
+    res = {
+        "machine": {
+            "cpu": _cpu(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        },
+        "rounds": args.rounds,
+    }
     if args.json and args.merge and os.path.exists(args.json):  # keep the sections not run now
         with open(args.json) as f:
             res = {**json.load(f), **{k: res[k] for k in ("machine",)}}
     if "report" not in skip:
         res["report"] = bench_report(args.rounds)
         r = res["report"]
-        print(f"report: {r['best_wall_s']:.2f} s as a process (best of {args.rounds}: "
-              + ", ".join(f"{w:.2f}" for w in r["wall_s"]) + ")")
+        print(
+            f"report: {r['best_wall_s']:.2f} s as a process (best of {args.rounds}: "
+            + ", ".join(f"{w:.2f}" for w in r["wall_s"])
+            + ")"
+        )
         print("  phases: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items()))
     if "scoring" not in skip:
         res["scoring"] = s = bench_scoring(args.rounds, with_tl="tl" not in skip)
@@ -275,20 +314,28 @@ def main() -> None:
         for k, v in s["seconds"].items():
             print(f"  {k:48} {v:6.2f} s  {s['ratio_to_bare'][k]:5.2f}x bare")
         if s["tl_vs_storylens"]:
-            print(f"  TransformerLens / storylens: {s['tl_vs_storylens']:.2f}x; largest score difference "
-                  f"{s['tl_max_score_difference']:.1e}")
+            print(
+                f"  TransformerLens / storylens: {s['tl_vs_storylens']:.2f}x; largest score difference "
+                f"{s['tl_max_score_difference']:.1e}"
+            )
     if "memory" not in skip:
         res["memory"] = m = bench_memory()
         for r in m["runs"]:
-            print(f"memory: scoring {r['n']:>5} stories: {r['seconds']:6.1f} s, peak RSS {r['rss_peak_mb']:.0f} MB "
-                  f"(loaded {r['rss_loaded_mb']:.0f} MB)")
+            print(
+                f"memory: scoring {r['n']:>5} stories: {r['seconds']:6.1f} s, peak RSS {r['rss_peak_mb']:.0f} MB "
+                f"(loaded {r['rss_loaded_mb']:.0f} MB)"
+            )
         print(f"  peak at {MEMORY_SIZES[-1]:,} / peak at {MEMORY_SIZES[0]}: {m['peak_ratio']:.3f}x")
     if "generation" not in skip:
         res["generation"] = g = bench_generation(args.rounds)
-        print(f"generation ({g['n_tokens']} tokens): " + ", ".join(f"{k} {v:.2f} ms/token" for k, v in
-                                                                 g["ms_per_token"].items()))
-        print(f"  recompute / cache {g['recompute_over_cache']:.1f}x, recording / cache "
-              f"{g['recording_over_cache']:.2f}x, same tokens: {g['same_tokens']}")
+        print(
+            f"generation ({g['n_tokens']} tokens): "
+            + ", ".join(f"{k} {v:.2f} ms/token" for k, v in g["ms_per_token"].items())
+        )
+        print(
+            f"  recompute / cache {g['recompute_over_cache']:.1f}x, recording / cache "
+            f"{g['recording_over_cache']:.2f}x, same tokens: {g['same_tokens']}"
+        )
     if "training" not in skip:
         res["training"] = tr = bench_training(args.rounds)
         for k, v in tr["tokens_per_s"].items():

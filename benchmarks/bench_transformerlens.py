@@ -31,8 +31,11 @@ import threading
 import time
 
 SIDES = ("storylens", "tl-full", "tl-patterns")
-LABELS = {"storylens": "storylens score_heads", "tl-full": "TL run_with_cache (full cache)",
-          "tl-patterns": "TL run_with_cache (patterns only)"}
+LABELS = {
+    "storylens": "storylens score_heads",
+    "tl-full": "TL run_with_cache (full cache)",
+    "tl-patterns": "TL run_with_cache (patterns only)",
+}
 
 
 def rss_mb() -> float:
@@ -79,9 +82,9 @@ def child(side: str, hf_dir: str, n_stories: int, batch_size: int, repeats: int)
 
     from storylens.analysis.names import find_main_characters
     from storylens.analysis.scores import HeadScoreAccumulator, length_batches, make_batch, score_heads
-    from storylens.data import load_split
-    from storylens.hub import SHIPPED_MODEL, TOKENIZER, load_model
-    from storylens.tokenizer import encode_story, eot_id, load_tokenizer
+    from storylens.data.stories import load_split
+    from storylens.model.hub import SHIPPED_MODEL, TOKENIZER, load_model
+    from storylens.model.tokenizer import encode_story, eot_id, load_tokenizer
 
     stories = load_split().quiz[:n_stories]
     if side == "storylens":
@@ -128,9 +131,16 @@ def child(side: str, hf_dir: str, n_stories: int, batch_size: int, repeats: int)
             result = fn()
             best = min(best, time.perf_counter() - t)
         peak = max(peak, s.peak)
-    return {"side": side, "load_s": load_s, "score_s": best, "rss_loaded_mb": rss_loaded,
-            "peak_mb": peak, "ru_maxrss_mb": peak_rss_mb(), "threads": torch.get_num_threads(),
-            "result": result}
+    return {
+        "side": side,
+        "load_s": load_s,
+        "score_s": best,
+        "rss_loaded_mb": rss_loaded,
+        "peak_mb": peak,
+        "ru_maxrss_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+        "result": result,
+    }
 
 
 def main() -> None:
@@ -150,7 +160,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from storylens.hub import export_hf, load_model
+    from storylens.model.hub import export_hf, load_model
 
     hf_logging.disable_progress_bar()
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -159,25 +169,41 @@ def main() -> None:
         export_hf(load_model(), hf_dir)
         runs = []
         for side in sides:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--hf-dir", hf_dir,
-                   "--stories", str(args.stories), "--batch-size", str(args.batch_size),
-                   "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                side,
+                "--hf-dir",
+                hf_dir,
+                "--stories",
+                str(args.stories),
+                "--batch-size",
+                str(args.batch_size),
+                "--repeats",
+                str(args.repeats),
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode != 0 or not line:
                 sys.exit(f"{side}: failed (exit {p.returncode})\n{p.stderr[-3000:]}")
-            runs.append(json.loads(line[-1][len("RESULT "):]))
+            runs.append(json.loads(line[-1][len("RESULT ") :]))
 
     import torch
 
-    print(f"{args.stories} quiz stories, batch {args.batch_size}, torch {torch.__version__}, "
-          f"{runs[0]['threads']} threads, each side in its own process")
+    print(
+        f"{args.stories} quiz stories, batch {args.batch_size}, torch {torch.__version__}, "
+        f"{runs[0]['threads']} threads, each side in its own process"
+    )
     w = max(len(LABELS[r["side"]]) for r in runs)
-    print(f"{'side':<{w}}  {'load s':>7}  {'score s':>8}  {'RSS loaded MB':>13}  {'peak MB':>8}  "
-          f"{'peak-loaded MB':>14}")
+    print(
+        f"{'side':<{w}}  {'load s':>7}  {'score s':>8}  {'RSS loaded MB':>13}  {'peak MB':>8}  {'peak-loaded MB':>14}"
+    )
     for r in runs:
-        print(f"{LABELS[r['side']]:<{w}}  {r['load_s']:>7.2f}  {r['score_s']:>8.2f}  {r['rss_loaded_mb']:>13.0f}  "
-              f"{r['peak_mb']:>8.0f}  {r['peak_mb'] - r['rss_loaded_mb']:>14.0f}")
+        print(
+            f"{LABELS[r['side']]:<{w}}  {r['load_s']:>7.2f}  {r['score_s']:>8.2f}  {r['rss_loaded_mb']:>13.0f}  "
+            f"{r['peak_mb']:>8.0f}  {r['peak_mb'] - r['rss_loaded_mb']:>14.0f}"
+        )
     ref = runs[0]["result"]
     for r in runs[1:]:
         diffs = {k: max(abs(a - b) for a, b in zip(ref[k], r["result"][k])) for k in ref}

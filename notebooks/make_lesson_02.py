@@ -62,7 +62,7 @@ if importlib.util.find_spec("storylens") is None:  # Colab or a fresh environmen
 %matplotlib inline
 import torch
 from IPython.display import display
-from storylens.hub import load_model
+from storylens.model.hub import load_model
 from storylens.lesson import lesson_quiz
 
 model = load_model()                 # the shipped Tiny Storyteller; no network
@@ -97,10 +97,13 @@ by a matrix multiply, and any "looking for a name" story we tell about them is o
 The toy sentence stars Momo the monkey, the lesson's own character: in the lesson's telling, Momo
 *is* the model (his dials are its weights). He comes back in section 7, as the leakage check word.
 """),
-    code("""
+    code(
+        """
 from storylens.viz import toy_widget
 toy_widget()
-""", "widget"),
+""",
+        "widget",
+    ),
     md("""
 ## 2. A switch that keeps the shares
 
@@ -112,14 +115,14 @@ in which the computer rounds its sums.
 
 The cell measures that on your CPU, in single precision (float32, how the model normally runs)
 and in double precision (float64). Each number sits next to the largest difference rounding alone
-could explain (the *bound*; see `storylens.numerics` for the derivation). In float64 the gaps
+could explain (the *bound*; see `storylens.lesson.checks` for the derivation). In float64 the gaps
 shrink to around 1e-14: the two paths really compute the same thing.
 
 First the flag itself, on one quiz story: the same model called twice, once as it normally runs
 (the fused routine) and once with `record_attention=True`, which hands back one map per block.
 """),
     code("""
-from storylens.tokenizer import encode_story
+from storylens.model.tokenizer import encode_story
 
 ids = torch.tensor([encode_story(tok, quiz[0]).ids])
 with torch.no_grad():
@@ -135,8 +138,8 @@ print(f"every row sums to 1 within {(recorded.attentions[4].sum(-1) - 1).abs().m
 Now the same comparison measured properly, over twelve stories and in two precisions:
 """),
     code("""
-from storylens.numerics import run_checks
-from storylens.tokenizer import encode_story
+from storylens.lesson.checks import run_checks
+from storylens.model.tokenizer import encode_story
 
 ids = [encode_story(tok, s).ids for s in quiz[:12]]
 checks = run_checks(model, ids, gen_tokens=200)
@@ -151,12 +154,15 @@ While guessing the next word the model must not peek ahead. The rule that enforc
 *e* to the minus infinity is exactly zero. So every attention map is a lower triangle, and the
 blank upper-right half of every picture below is that rule, not a choice a head made.
 """),
-    code("""
+    code(
+        """
 from storylens.recording import story_attention  # runs the model; storylens.viz only draws
 from storylens.viz import causal_mask_figure
 tokens, att, enc = story_attention(model, quiz[0])
 display(causal_mask_figure(tokens[:8]))
-""", "figure"),
+""",
+        "figure",
+    ),
     md("""
 ## 4. The shelf: why generation can be cheap
 
@@ -184,10 +190,13 @@ purple = almost none, and every map uses the same scale, 0 to 1; the flat dark g
 triangle is the causal mask. Some heads spread their attention thinly; some fix on the very first
 token (the end-of-story marker that opens every story); a few pick out particular words.
 """),
-    code("""
+    code(
+        """
 from storylens.viz import all_heads_figure
 display(all_heads_figure(att, tokens, max_tokens=32))
-""", "figure"),
+""",
+        "figure",
+    ),
     md("""
 ## 6. Click a token
 
@@ -196,10 +205,13 @@ tokens light up by the share it gives them; pick a block and head, or show all 2
 token for its exact share. (In an untrusted notebook, Jupyter may refuse to run the view's script:
 trust the notebook, or open the report's HTML file instead.)
 """),
-    code("""
+    code(
+        """
 from storylens.recording import attention_widget
 attention_widget(model, quiz[0])
-""", "widget"),
+""",
+        "widget",
+    ),
     md("""
 ### Watch it write
 
@@ -207,13 +219,16 @@ The same view can replay generation. storylens records, at every step of KV-cach
 the new token's row of attention; press **Play** (or step through) and each token appears
 together with where the model looked while choosing it.
 """),
-    code("""
-from storylens.generation import record_generation
+    code(
+        """
+from storylens.lm.generate import record_generation
 from storylens.viz import replay_widget
 run = record_generation(model, "Once upon a time, there was a girl named Mia.", max_new_tokens=60,
                         temperature=0.8, top_k=40, seed=0)
 replay_widget(run, tok)
-""", "widget"),
+""",
+        "widget",
+    ),
     md("""
 ## 7. Are the quiz stories really unseen?
 
@@ -269,18 +284,22 @@ table in this notebook is coloured over its own range (shown on its colour bar: 
 smallest value, light yellow for its largest), so compare tables by their numbers, not their
 colours.
 """),
-    code("""
+    code(
+        """
 from storylens.viz import name_mass_bar_figure, head_heatmap_figure
 display(name_mass_bar_figure([(h.label, h.name_mass) for h in scores.heads], scores.name_baseline))
 display(head_heatmap_figure(scores.grid("name_mass"), title="Name mass, block x head",
                             highlight=scores.best("name_mass").label))
-""", "figure"),
+""",
+        "figure",
+    ),
     md("""
 Here is the winning head on one story, after the name's first mention: each bar is the share of
 attention that lands on a token, averaged over the positions that look back at it, with the
 name's tokens marked.
 """),
-    code("""
+    code(
+        """
 from storylens.analysis import find_main_characters
 from storylens.viz import name_attention_profile, name_head_figure
 top = scores.best("name_mass")
@@ -291,7 +310,9 @@ weights, _ = name_attention_profile(att_i[top.block - 1, top.head - 1], list(mai
                                     mains[i].first_mention)
 display(name_head_figure(tokens_i, weights, list(mains[i].positions), label=top.label,
                          first_mention=mains[i].first_mention, baseline=scores.name_baseline, max_tokens=120))
-""", "figure"),
+""",
+        "figure",
+    ),
     md("""
 ## 9. The heads that are not there
 
@@ -311,12 +332,15 @@ print(f"the previous token is the top key for {arg.prev_argmax:.3f} of queries a
 mk = scores.best("marker")
 print(f"most attention on the end-of-story marker: {mk.label} at {mk.marker:.3f}")
 """),
-    code("""
+    code(
+        """
 display(head_heatmap_figure(scores.grid("prev_token"), title="Attention on the previous token",
                             highlight=prev.label))
 display(head_heatmap_figure(scores.grid("marker"), title="Attention on the end-of-story marker",
                             highlight=mk.label))
-""", "figure"),
+""",
+        "figure",
+    ),
     md("""
 ## 10. What this does and does not show
 
@@ -349,26 +373,35 @@ to the name is not always the one whose loss hurts most.
 The number to reproduce with this notebook: the top name-mass head, its mass, the baseline and
 their ratio (printed in section 8).
 """),
-    answer("1. Why is the upper-right half of every attention map exactly zero, not just small?",
-           """Before the softmax the score of every later word is set to minus infinity, and the
+    answer(
+        "1. Why is the upper-right half of every attention map exactly zero, not just small?",
+        """Before the softmax the score of every later word is set to minus infinity, and the
 exponential of minus infinity is exactly 0. It is the causal mask, applied on purpose, so no share
-can go to a word that has not been written yet."""),
-    answer("2. Why can the KV cache keep keys and values without ever updating them?",
-           """A token's key and value are computed only from itself and the tokens before it (the
+can go to a word that has not been written yet.""",
+    ),
+    answer(
+        "2. Why can the KV cache keep keys and values without ever updating them?",
+        """A token's key and value are computed only from itself and the tokens before it (the
 mask again), so tokens that arrive later cannot change them. Each new token adds its own key and
-value and reads the rest."""),
-    answer("3. A head puts a large share of its attention on the main character's name. Does that "
-           "prove the model uses the name to write the next word? What would?",
-           """No: it shows where the head looks, not what the output depends on. Switch the head off
+value and reads the rest.""",
+    ),
+    answer(
+        "3. A head puts a large share of its attention on the main character's name. Does that "
+        "prove the model uses the name to write the next word? What would?",
+        """No: it shows where the head looks, not what the output depends on. Switch the head off
 (zero or mean ablation) and compare the loss on predicting the name against the loss elsewhere;
-control for position too, since early tokens draw attention for being early."""),
+control for position too, since early tokens draw attention for being early.""",
+    ),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-    "colab": {"provenance": []},
-})
+nb = new_notebook(
+    cells=cells,
+    metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+        "colab": {"provenance": []},
+    },
+)
 out = Path(__file__).with_name("lesson_02.ipynb")
 nbformat.write(nb, out)
 print(f"wrote {out}")

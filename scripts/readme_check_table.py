@@ -13,11 +13,17 @@ START, END = "<!-- check:start -->", "<!-- check:end -->"
 
 
 def table(data: dict) -> str:
-    rows = [f"Measured by `storylens check` on {data['cpu']} (torch {data['torch']}), {data['stories']}:", "",
-            "| check | dtype | measured | rounding bound | lesson | detail |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"Measured by `storylens check` on {data['cpu']} (torch {data['torch']}), {data['stories']}:",
+        "",
+        "| check | dtype | measured | rounding bound | lesson | detail |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in data["checks"]:
         lesson = "" if c["lesson"] is None else f"{c['lesson']:.0e}"
-        rows.append(f"| {c['name']} | {c['dtype']} | {c['measured']:.2e} | {c['bound']:.2e} | {lesson} | {c['detail']} |")
+        rows.append(
+            f"| {c['name']} | {c['dtype']} | {c['measured']:.2e} | {c['bound']:.2e} | {lesson} | {c['detail']} |"
+        )
     return "\n".join(rows)
 
 

@@ -17,23 +17,35 @@ from scripts.readme_tables import README, replace_between  # noqa: E402
 
 def table(r: dict) -> str:
     m = r["machine"]
-    rows = [f"Measured by `python benchmarks/bench_corpus.py` on {m['cpu']} ({m['cores']} cores), each run a fresh "
-            f"process, every built-in detector, the shipped model, {r['batch_size']} stories a batch (the default) "
-            "unless the row says otherwise:", "",
-            "| stories | engine | scoring | peak memory |", "|---|---|---|---|"]
+    rows = [
+        f"Measured by `python benchmarks/bench_corpus.py` on {m['cpu']} ({m['cores']} cores), each run a fresh "
+        f"process, every built-in detector, the shipped model, {r['batch_size']} stories a batch (the default) "
+        "unless the row says otherwise:",
+        "",
+        "| stories | engine | scoring | peak memory |",
+        "|---|---|---|---|",
+    ]
     for x in r["memory"]:
-        rows.append(f"| {x['n']:,} | one process | {x['scoring_s']:.1f} s | {x['driver_peak_mb']:.0f} MB "
-                    f"({x['ratio_to_smallest']:.3f}x the smallest run) |")
+        rows.append(
+            f"| {x['n']:,} | one process | {x['scoring_s']:.1f} s | {x['driver_peak_mb']:.0f} MB "
+            f"({x['ratio_to_smallest']:.3f}x the smallest run) |"
+        )
     for x in r.get("batch", []):
-        rows.append(f"| {x['n']:,} | one process, {x['batch_size']} stories a batch | {x['scoring_s']:.1f} s | "
-                    f"{x['driver_peak_mb']:.0f} MB ({x['ratio_to_smallest']:.3f}x its smallest run) |")
+        rows.append(
+            f"| {x['n']:,} | one process, {x['batch_size']} stories a batch | {x['scoring_s']:.1f} s | "
+            f"{x['driver_peak_mb']:.0f} MB ({x['ratio_to_smallest']:.3f}x its smallest run) |"
+        )
     for t in r["time"]:
         lo, ra = t["local"], t["ray"]
-        rows.append(f"| {t['n']:,} | one process (2 threads) | {lo['scoring_s']:.1f} s | {lo['driver_peak_mb']:.0f} MB |")
+        rows.append(
+            f"| {t['n']:,} | one process (2 threads) | {lo['scoring_s']:.1f} s | {lo['driver_peak_mb']:.0f} MB |"
+        )
         actors = " + ".join(f"{a:.0f}" for a in ra["actor_peak_mb"])
-        rows.append(f"| {t['n']:,} | Ray, 2 actors (1 thread each) | {ra['scoring_s']:.1f} s "
-                    f"({lo['scoring_s'] / ra['scoring_s']:.2f}x the speed) | driver {ra['driver_peak_mb']:.0f} MB, "
-                    f"actors {actors} MB |")
+        rows.append(
+            f"| {t['n']:,} | Ray, 2 actors (1 thread each) | {ra['scoring_s']:.1f} s "
+            f"({lo['scoring_s'] / ra['scoring_s']:.2f}x the speed) | driver {ra['driver_peak_mb']:.0f} MB, "
+            f"actors {actors} MB |"
+        )
     rows += ["", *(f"- {line.removeprefix('estimate: ')}" for line in r["estimate"]["lines"])]
     return "\n".join(rows)
 

@@ -19,18 +19,23 @@ NAMES = {"tiny": "Tiny Storyteller (shipped)", "gpt2-124m": "GPT-2 small shape, 
 
 def table(r: dict) -> str:
     m = r["machine"]
-    rows = [f"Measured by `python benchmarks/bench_detectors.py` on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
-            f"transformers {m['transformers']}, TransformerLens {m['transformer_lens']}), best of {r['rounds']} "
-            f"interleaved rounds; peak memory above the loaded model, each side in its own process:", "",
-            "| model | stories (tokens) | storylens: every detector, one pass | TransformerLens `run_with_cache` + `detect_head` x3 | TL / storylens |",
-            "|---|---|---|---|---|"]
+    rows = [
+        f"Measured by `python benchmarks/bench_detectors.py` on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
+        f"transformers {m['transformers']}, TransformerLens {m['transformer_lens']}), best of {r['rounds']} "
+        f"interleaved rounds; peak memory above the loaded model, each side in its own process:",
+        "",
+        "| model | stories (tokens) | storylens: every detector, one pass | TransformerLens `run_with_cache` + `detect_head` x3 | TL / storylens |",
+        "|---|---|---|---|---|",
+    ]
     for name, x in r["models"].items():
         i, s, mem, q = x["inputs"], x["seconds"], x["memory"], x["tl_over_storylens"]
-        rows.append(f"| {NAMES.get(name, name)}: {i['layers']} x {i['heads']} heads, {i['parameters'] / 1e6:.0f}M "
-                    f"| {i['stories']} ({i['tokens']:,}) "
-                    f"| {s['storylens']:.2f} s, {mem['storylens']['peak_above_loaded_mb']:,.0f} MB "
-                    f"| {s['TL']:.2f} s, {mem['TL']['peak_above_loaded_mb']:,.0f} MB "
-                    f"| {q['time']:.2f}x time, {q['memory']:.2f}x memory |")
+        rows.append(
+            f"| {NAMES.get(name, name)}: {i['layers']} x {i['heads']} heads, {i['parameters'] / 1e6:.0f}M "
+            f"| {i['stories']} ({i['tokens']:,}) "
+            f"| {s['storylens']:.2f} s, {mem['storylens']['peak_above_loaded_mb']:,.0f} MB "
+            f"| {s['TL']:.2f} s, {mem['TL']['peak_above_loaded_mb']:,.0f} MB "
+            f"| {q['time']:.2f}x time, {q['memory']:.2f}x memory |"
+        )
     return "\n".join(rows)
 
 

@@ -17,46 +17,66 @@ from scripts.readme_tables import README, replace_between  # noqa: E402
 
 def table(r: dict) -> str:
     m = r["machine"]
-    rows = [f"Measured by `python benchmarks/bench_perf.py` on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
-            f"{m['threads']} threads), best of {r['rounds']} interleaved rounds:", "",
-            "| what | measured | beside | ratio | target |", "|---|---|---|---|---|"]
+    rows = [
+        f"Measured by `python benchmarks/bench_perf.py` on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
+        f"{m['threads']} threads), best of {r['rounds']} interleaved rounds:",
+        "",
+        "| what | measured | beside | ratio | target |",
+        "|---|---|---|---|---|",
+    ]
     if "report" in r:
         p = r["report"]
-        rows.append(f"| `storylens report`, whole process | {p['best_wall_s']:.2f} s | figures "
-                    f"{p['phases_s']['figures']:.2f} s (drawn beside the checks) | | ≤ 7 s; figures ≤ 1.5 s |")
+        rows.append(
+            f"| `storylens report`, whole process | {p['best_wall_s']:.2f} s | figures "
+            f"{p['phases_s']['figures']:.2f} s (drawn beside the checks) | | ≤ 7 s; figures ≤ 1.5 s |"
+        )
     if "scoring" in r:
         s = r["scoring"]
         sec, rat = s["seconds"], s["ratio_to_bare"]
         bare = sec["bare fused forward"]
-        rows.append(f"| scoring the quiz: record + all lesson measures | {sec['storylens record + score']:.2f} s | "
-                    f"bare fused forward, no output head {bare:.2f} s | {rat['storylens record + score']:.2f}x | ≤ 1.25x |")
-        rows.append(f"| `score_heads` (encoding and names too) | {sec['storylens score_heads (all)']:.2f} s | "
-                    f"bare fused forward {bare:.2f} s | {rat['storylens score_heads (all)']:.2f}x | |")
+        rows.append(
+            f"| scoring the quiz: record + all lesson measures | {sec['storylens record + score']:.2f} s | "
+            f"bare fused forward, no output head {bare:.2f} s | {rat['storylens record + score']:.2f}x | ≤ 1.25x |"
+        )
+        rows.append(
+            f"| `score_heads` (encoding and names too) | {sec['storylens score_heads (all)']:.2f} s | "
+            f"bare fused forward {bare:.2f} s | {rat['storylens score_heads (all)']:.2f}x | |"
+        )
         if s.get("tl_vs_storylens"):
             tl = sec["TransformerLens run_with_cache + same measures"]
-            rows.append(f"| TransformerLens `run_with_cache` (patterns) + the same measures | {tl:.2f} s | "
-                        f"storylens record + score {sec['storylens record + score']:.2f} s | "
-                        f"{s['tl_vs_storylens']:.2f}x slower | ≥ 2x |")
+            rows.append(
+                f"| TransformerLens `run_with_cache` (patterns) + the same measures | {tl:.2f} s | "
+                f"storylens record + score {sec['storylens record + score']:.2f} s | "
+                f"{s['tl_vs_storylens']:.2f}x slower | ≥ 2x |"
+            )
     if "memory" in r:
         runs = r["memory"]["runs"]
         a, b = runs[0], runs[-1]
-        rows.append(f"| peak memory scoring {b['n']:,} stories | {b['rss_peak_mb']:.0f} MB | {a['n']:,} stories "
-                    f"{a['rss_peak_mb']:.0f} MB | {r['memory']['peak_ratio']:.3f}x | ≤ 1.1x |")
+        rows.append(
+            f"| peak memory scoring {b['n']:,} stories | {b['rss_peak_mb']:.0f} MB | {a['n']:,} stories "
+            f"{a['rss_peak_mb']:.0f} MB | {r['memory']['peak_ratio']:.3f}x | ≤ 1.1x |"
+        )
     if "generation" in r:
         g = r["generation"]
         ms = g["ms_per_token"]
-        rows.append(f"| generating {g['n_tokens']} tokens with the KV cache | {ms['kv cache']:.2f} ms/token | "
-                    f"recomputing every step {ms['recompute']:.2f} ms/token | {g['recompute_over_cache']:.1f}x faster"
-                    f" | ≤ 0.8 ms; ≥ 10x |")
-        rows.append(f"| ... recording every step's attention | {ms['kv cache + recording']:.2f} ms/token | "
-                    f"KV cache {ms['kv cache']:.2f} ms/token | {g['recording_over_cache']:.2f}x | ≤ 1.3x |")
+        rows.append(
+            f"| generating {g['n_tokens']} tokens with the KV cache | {ms['kv cache']:.2f} ms/token | "
+            f"recomputing every step {ms['recompute']:.2f} ms/token | {g['recompute_over_cache']:.1f}x faster"
+            f" | ≤ 0.8 ms; ≥ 10x |"
+        )
+        rows.append(
+            f"| ... recording every step's attention | {ms['kv cache + recording']:.2f} ms/token | "
+            f"KV cache {ms['kv cache']:.2f} ms/token | {g['recording_over_cache']:.2f}x | ≤ 1.3x |"
+        )
     if "training" in r:
         t = r["training"]
         tps, slow = t["tokens_per_s"], t["slowdown"]
         for k in tps:
             if k != "fp32, no dropout":
-                rows.append(f"| training, {k} | {tps[k]:,.0f} tokens/s | fp32, no dropout "
-                            f"{tps['fp32, no dropout']:,.0f} tokens/s | {slow[k]:.2f}x the time | |")
+                rows.append(
+                    f"| training, {k} | {tps[k]:,.0f} tokens/s | fp32, no dropout "
+                    f"{tps['fp32, no dropout']:,.0f} tokens/s | {slow[k]:.2f}x the time | |"
+                )
     return "\n".join(rows)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from storylens.data import load_split
-from storylens.train import CHECKPOINT, TrainConfig, train
+from storylens.data.stories import load_split
+from storylens.model.train import CHECKPOINT, TrainConfig, train
 
 # name -> changes against the base (the shipped model's recipe, scaled to the short budget)
 RUNS = {
@@ -51,8 +51,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     split = load_split(args.stories)
     # the base row is the earlier shipped recipe (dropout 0.1 everywhere), whatever TrainConfig's defaults
-    base = TrainConfig(max_steps=args.steps, eval_every=args.steps // 4, ema_decay=args.ema, attn_dropout=None,
-                       warmup_steps=max(1, args.steps // 20), checkpoint_minutes=2.0)
+    base = TrainConfig(
+        max_steps=args.steps,
+        eval_every=args.steps // 4,
+        ema_decay=args.ema,
+        attn_dropout=None,
+        warmup_steps=max(1, args.steps // 20),
+        checkpoint_minutes=2.0,
+    )
     results = []
     for name, change in RUNS.items():
         if args.only and slug(name) not in args.only:
@@ -60,8 +66,12 @@ def main() -> None:
         cfg = replace(base, **change)
         if "batch_size" in change:  # same tokens, fewer steps
             steps = args.steps * base.batch_size // cfg.batch_size
-            cfg = replace(cfg, max_steps=steps, eval_every=steps // 4,
-                          warmup_steps=change.get("warmup_steps", max(1, steps // 20)))
+            cfg = replace(
+                cfg,
+                max_steps=steps,
+                eval_every=steps // 4,
+                warmup_steps=change.get("warmup_steps", max(1, steps // 20)),
+            )
         run = out / slug(name)
         state_file = run / "train_state.json"
         if not state_file.exists():
@@ -69,19 +79,30 @@ def main() -> None:
             train(split, run, cfg, resume=(run / CHECKPOINT).exists(), progress=True)
         state = json.loads(state_file.read_text())
         last = state["evals"][-1]
-        results.append({"run": name, "changes": change, "config": asdict(cfg),
-                        "quiz_perplexity": last["quiz_perplexity"],
-                        "quiz_perplexity_ema": last.get("quiz_perplexity_ema"),
-                        "evals": state["evals"], "train_seconds": state["train_seconds"],
-                        "tokens": state["step"] * cfg.batch_size * cfg.block_size})
+        results.append(
+            {
+                "run": name,
+                "changes": change,
+                "config": asdict(cfg),
+                "quiz_perplexity": last["quiz_perplexity"],
+                "quiz_perplexity_ema": last.get("quiz_perplexity_ema"),
+                "evals": state["evals"],
+                "train_seconds": state["train_seconds"],
+                "tokens": state["step"] * cfg.batch_size * cfg.block_size,
+            }
+        )
         write_table(out, results, args)
 
 
 def write_table(out: Path, results: list[dict], args) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    lines = [f"Short runs: {args.steps} steps x 16 x 256 tokens each (same tokens for every row), "
-             f"EMA decay {args.ema}; torch {torch.__version__}, {torch.get_num_threads()} threads.", "",
-             "| run | quiz perplexity | with EMA weights | compute minutes |", "|---|---|---|---|"]
+    lines = [
+        f"Short runs: {args.steps} steps x 16 x 256 tokens each (same tokens for every row), "
+        f"EMA decay {args.ema}; torch {torch.__version__}, {torch.get_num_threads()} threads.",
+        "",
+        "| run | quiz perplexity | with EMA weights | compute minutes |",
+        "|---|---|---|---|",
+    ]
     for r in results:
         ema = f"{r['quiz_perplexity_ema']:.2f}" if r["quiz_perplexity_ema"] is not None else "-"
         lines.append(f"| {r['run']} | {r['quiz_perplexity']:.2f} | {ema} | {r['train_seconds'] / 60:.1f} |")

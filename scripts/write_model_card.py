@@ -17,12 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from storylens.checkpoint import load_checkpoint  # noqa: E402
-from storylens.data import load_split  # noqa: E402
-from storylens.hub import load_model  # noqa: E402
-from storylens.publish import write_text_atomic  # noqa: E402
-from storylens.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
 from scripts.readme_tables import README, replace_between  # noqa: E402
+from storylens.core.publish import write_text_atomic  # noqa: E402
+from storylens.data.stories import load_split  # noqa: E402
+from storylens.model.checkpoint import load_checkpoint  # noqa: E402
+from storylens.model.hub import load_model  # noqa: E402
+from storylens.model.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
 
 
 def cpu() -> str:
@@ -38,12 +38,26 @@ def cpu() -> str:
 def sweep_table() -> str:
     lines = (ROOT / "benchmarks" / "train_sweep.md").read_text().splitlines()
     table = [x for x in lines if x.startswith("|")]
-    return ("\nChosen from short runs of the same budget (600 steps; `benchmarks/train_sweep.md` in the "
-            "repository):\n\n" + "\n".join(table) + "\n") if table else ""
+    return (
+        (
+            "\nChosen from short runs of the same budget (600 steps; `benchmarks/train_sweep.md` in the "
+            "repository):\n\n" + "\n".join(table) + "\n"
+        )
+        if table
+        else ""
+    )
 
 
-def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, quiz_stories: int, train_stories: int,
-                     quiz_perplexity: float, choices: str = "") -> Path:
+def write_model_card(
+    folder: Path,
+    state: dict,
+    n_params: int,
+    hardware: str,
+    quiz_stories: int,
+    train_stories: int,
+    quiz_perplexity: float,
+    choices: str = "",
+) -> Path:
     """The shipped model's README: data and licence, recipe and how it was chosen, size, cost, the
     quiz perplexity curve, how to reproduce. ``quiz_perplexity`` is the shipped folder's own
     (``storylens perplexity``); ``choices`` a markdown table of the short runs behind the recipe."""
@@ -54,12 +68,18 @@ def write_model_card(folder: Path, state: dict, n_params: int, hardware: str, qu
     rule = "|---|---|---|" + ("---|" if with_ema else "")
     evals = "\n".join(
         f"| {e['step']} | {e['step'] * cfg.batch_size * cfg.block_size / 1e6:.1f} | {e['quiz_perplexity']:.2f} |"
-        + (f" {e['quiz_perplexity_ema']:.2f} |" if with_ema else "") for e in state["evals"])
+        + (f" {e['quiz_perplexity_ema']:.2f} |" if with_ema else "")
+        for e in state["evals"]
+    )
     tokens = state["step"] * cfg.batch_size * cfg.block_size
     recipe = "\n".join(f"| `{k}` | {v} |" for k, v in asdict(cfg).items())
     passes = tokens / (train_stories * 205)  # about 205 tokens per training story (1.7 M / 8,204)
-    weights = (f"the exponential moving average of the weights (decay {cfg.ema_decay}), which the last evaluation "
-               "found no worse than the raw weights" if which == "ema" else "the raw weights of the last step")
+    weights = (
+        f"the exponential moving average of the weights (decay {cfg.ema_decay}), which the last evaluation "
+        "found no worse than the raw weights"
+        if which == "ema"
+        else "the raw weights of the last step"
+    )
     text = f"""---
 license: cdla-sharing-1.0
 library_name: storylens
@@ -86,7 +106,7 @@ training story.
 ## Recipe
 AdamW (betas 0.9, 0.95; weight decay on matrices only), linear warm-up then cosine decay,
 gradient clipping, random 256-token windows from the training stream,
-{state['step']:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens
+{state["step"]:,} steps x {cfg.batch_size} x {cfg.block_size} tokens = {tokens / 1e6:.1f} M tokens
 (about {passes:.0f} passes over the training stories). Dropout on the residual stream and embeddings
 only: dropout on the attention probabilities doubled the time of a step here and lost to
 residual-only dropout in the short runs below. fp32: bf16 autocast was measured slower on this CPU
@@ -102,7 +122,7 @@ Quiz perplexity during training (the weights as they were at that step, and thei
 {rule}
 {evals}
 
-Training time: {state['train_seconds'] / 60:.1f} minutes (the training process's wall clock, checkpoints and
+Training time: {state["train_seconds"] / 60:.1f} minutes (the training process's wall clock, checkpoints and
 evaluations included) on {hardware}.
 
 ## Reproduce
@@ -119,11 +139,18 @@ so the model sees each training token many times; training had to fit a 2-core C
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Write the shipped model's card (README.md) from the training run "
-                                            "that made it, and the model line of the repository's README.")
+    p = argparse.ArgumentParser(
+        description="Write the shipped model's card (README.md) from the training run "
+        "that made it, and the model line of the repository's README."
+    )
     p.add_argument("run", type=Path, help="the training run's folder (holds checkpoint.safetensors)")
-    p.add_argument("folder", type=Path, nargs="?", default=ROOT / "storylens" / "pretrained" / "tiny-storyteller",
-                   help="the shipped model folder (default: storylens/pretrained/tiny-storyteller)")
+    p.add_argument(
+        "folder",
+        type=Path,
+        nargs="?",
+        default=ROOT / "storylens" / "pretrained" / "tiny-storyteller",
+        help="the shipped model folder (default: storylens/pretrained/tiny-storyteller)",
+    )
     args = p.parse_args()
     run, folder = args.run, args.folder
     _, _, state, _, _ = load_checkpoint(run / CHECKPOINT)
@@ -131,15 +158,18 @@ def main() -> None:
     split = load_split()
     ppl = quiz_perplexity(model, model.tokenizer, split.quiz)
     hardware = f"{cpu()}, {os.cpu_count()} cores (torch CPU build)"
-    path = write_model_card(folder, state, model.num_parameters(), hardware, len(split.quiz), len(split.train),
-                            ppl, sweep_table())
+    path = write_model_card(
+        folder, state, model.num_parameters(), hardware, len(split.quiz), len(split.train), ppl, sweep_table()
+    )
     print(f"{path}: quiz perplexity {ppl:.2f}")
     cfg = state["train_config"]
-    line = (f"The shipped model was trained here ({len(split.train):,} training stories, {state['step']:,} steps of "
-            f"{cfg['batch_size']} x {cfg['block_size']} tokens, {state['train_seconds'] / 60:.0f} minutes of training "
-            f"time on {os.cpu_count()} CPU cores): **quiz perplexity {ppl:.2f}** (`storylens perplexity`; the lesson's model: 9). "
-            "The recipe, the short runs that chose it and the curve are in its model card "
-            "(`storylens/pretrained/tiny-storyteller/README.md`).")
+    line = (
+        f"The shipped model was trained here ({len(split.train):,} training stories, {state['step']:,} steps of "
+        f"{cfg['batch_size']} x {cfg['block_size']} tokens, {state['train_seconds'] / 60:.0f} minutes of training "
+        f"time on {os.cpu_count()} CPU cores): **quiz perplexity {ppl:.2f}** (`storylens perplexity`; the lesson's model: 9). "
+        "The recipe, the short runs that chose it and the curve are in its model card "
+        "(`storylens/pretrained/tiny-storyteller/README.md`)."
+    )
     README.write_text(replace_between(README.read_text(), "model-line", line))
 
 

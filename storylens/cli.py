@@ -10,8 +10,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from .constants import DIVERGENCE_PROMPT, FIRST_STORIES
-from .errors import StorylensError, UsageError
+from storylens import __version__
+from storylens.analysis.ablation import generation_divergence, name_ablation_table
+from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
+from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis.perplexity import perplexity
+from storylens.core.errors import StorylensError, UsageError
+from storylens.core.heads import head_label, parse_head_label
+from storylens.core.offline import hub_offline
+from storylens.core.progress import progress_command
+from storylens.core.publish import check_target_folder, write_text_atomic
+from storylens.corpus.ray_engine import _check_address
+from storylens.corpus.score import score_corpus
+from storylens.data.sources import open_source
+from storylens.data.stories import download_tinystories, load_split
+from storylens.lesson.checks import run_checks
+from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES
+from storylens.lesson.inputs import lesson_data
+from storylens.lesson.report import _check_writable, _f, _quiz_folder, build_report
+from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
+from storylens.lm.generate import record_generation, stream_text
+from storylens.model.hub import export_hf
+from storylens.model.tokenizer import encode_story, eot_id
+from storylens.model.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
+from storylens.viz import replay_widget
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,14 +50,18 @@ def _add_model(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--allow-download", action="store_true", help="let --model fetch a hub id over the network")
     p.add_argument("--device", default=None, help="run the model on cpu, cuda, cuda:N or mps (default cpu)")
     if dtype:
-        p.add_argument("--dtype", dest="model_dtype", choices=["float32", "float64", "bfloat16", "float16"],
-                       default=None, help="run the model in this precision (default: as stored)")
+        p.add_argument(
+            "--dtype",
+            dest="model_dtype",
+            choices=["float32", "float64", "bfloat16", "float16"],
+            default=None,
+            help="run the model in this precision (default: as stored)",
+        )
 
 
 def _load(args):
     """The ``--model``: a storylens folder, a transformers folder or a hub id, as an AttentionLM,
     in ``--dtype`` on ``--device``."""
-    from .lm import load_lm, resolve_device, resolve_dtype
 
     device = resolve_device(getattr(args, "device", None), "--device")
     dtype = resolve_dtype(getattr(args, "model_dtype", None), "--dtype")
@@ -48,7 +74,6 @@ def _load(args):
 def _load_native(args, what: str):
     """A storylens model (the commands about storylens's own attention paths, KV cache and export);
     a transformers folder is refused before it is loaded."""
-    from .lm import NativeLM, is_transformers_folder
 
     wrong = f"{what}: works on storylens's own models; {args.model} is a transformers model"
     if args.model is not None and is_transformers_folder(Path(args.model)):
@@ -64,8 +89,6 @@ def load_detector(path: str):
     weights and, optionally, ``NAME`` (default: the file's stem). The file is run as Python: only
     pass files you wrote or trust."""
     import importlib.util
-
-    from .analysis.detectors import pattern_detector
 
     file = Path(path)
     if not file.is_file():
@@ -102,7 +125,7 @@ def _validate_generate(args) -> None:
     except UnicodeEncodeError:
         raise UsageError("prompt: not valid text (it holds bytes that are not UTF-8)") from None
     if not args.prompt.strip():
-        raise UsageError("prompt: empty; give the story's first words, e.g. storylens generate \"Once upon a time\"")
+        raise UsageError('prompt: empty; give the story\'s first words, e.g. storylens generate "Once upon a time"')
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: must be 0 or more (got {args.max_new_tokens})")
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -117,8 +140,6 @@ def cmd_generate(args) -> int:
     import itertools
 
     import torch
-
-    from .generation import stream_text
 
     _validate_generate(args)
     if args.html is not None:
@@ -135,8 +156,13 @@ def cmd_generate(args) -> int:
     gen = torch.Generator(device=model.device).manual_seed(args.seed)
     try:
         steps = model.generate_stream(
-            idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-            generator=gen, use_kv_cache=not args.no_cache, eos_id=None if args.no_stop else marker,
+            idx,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            generator=gen,
+            use_kv_cache=not args.no_cache,
+            eos_id=None if args.no_stop else marker,
         )
         out = sys.stdout
         out.write(args.prompt)
@@ -152,9 +178,6 @@ def cmd_generate(args) -> int:
 
 def _generate_recorded(args) -> int:
     """``generate --record --html FILE``: the story, then a page that replays its writing."""
-    from .generation import record_generation
-    from .publish import write_text_atomic
-    from .viz import replay_widget
 
     if args.no_cache:
         raise UsageError("--record: records the KV-cached generation; drop --no-cache")
@@ -162,21 +185,27 @@ def _generate_recorded(args) -> int:
     if out.is_dir():
         raise StorylensError(f"{out}: is a folder; give an .html file name")
     model = _load(args)
-    run = record_generation(model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k or None, seed=args.seed, stop_at_marker=not args.no_stop)
+    run = record_generation(
+        model,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        seed=args.seed,
+        stop_at_marker=not args.no_stop,
+    )
     tok = model.tokenizer
-    print(args.prompt + tok.decode(run.ids[run.prompt_len:]))
+    print(args.prompt + tok.decode(run.ids[run.prompt_len :]))
     write_text_atomic(out, replay_widget(run, tok).to_html())
-    print(f"replay written to {out} ({len(run.ids) - run.prompt_len} tokens, each with its recorded attention)",
-          file=sys.stderr)
+    print(
+        f"replay written to {out} ({len(run.ids) - run.prompt_len} tokens, each with its recorded attention)",
+        file=sys.stderr,
+    )
     return 0
 
 
 def cmd_train(args) -> int:
     from dataclasses import fields
-
-    from .data import load_split
-    from .train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
 
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     cfg = TrainConfig(**overrides)
@@ -199,7 +228,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from .hub import export_hf
 
     model = _load_native(args, "export-hf")
     folder = export_hf(model, _out_path(args.dir, "dir"))
@@ -208,9 +236,6 @@ def cmd_export_hf(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from .analysis.perplexity import perplexity
-    from .lesson import lesson_data
-    from .report import _quiz_folder
 
     lm = _load(args)
     data = lesson_data(_quiz_folder(lm), args.stories)
@@ -219,12 +244,13 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_data_download(args) -> int:
-    from .data import download_tinystories
 
     path = download_tinystories(args.split)
     print(f"TinyStories {args.split} split: {path}")
-    print(f"use it with --stories tinystories{'-valid' if args.split == 'valid' else ''} "
-          f"(e.g. storylens train --stories tinystories --first 20000, the lesson's recipe)")
+    print(
+        f"use it with --stories tinystories{'-valid' if args.split == 'valid' else ''} "
+        f"(e.g. storylens train --stories tinystories --first 20000, the lesson's recipe)"
+    )
     return 0
 
 
@@ -232,9 +258,6 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
     """The quiz (the corpus's, else the one shipped with the model), cut to the window; for a model
     with neither, stories the model writes itself."""
     import torch
-
-    from .lesson import lesson_data
-    from .tokenizer import encode_story, eot_id
 
     window = model.config.block_size
     try:
@@ -246,8 +269,13 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
         gen = torch.Generator(device=device).manual_seed(0)
         ids = []
         for _ in range(args.n_stories or 8):
-            out = model.generate(torch.tensor([[eot_id(model.tokenizer)]], device=device), window - 1, temperature=0.8,
-                                 top_k=40, generator=gen)
+            out = model.generate(
+                torch.tensor([[eot_id(model.tokenizer)]], device=device),
+                window - 1,
+                temperature=0.8,
+                top_k=40,
+                generator=gen,
+            )
             ids.append(out[0].tolist())
         return ids, f"{len(ids)} stories the model wrote (no corpus: {str(e).split(':')[-1].strip()})"
     quiz = data.quiz[: args.n_stories] if args.n_stories else data.quiz
@@ -260,8 +288,6 @@ def cmd_check(args) -> int:
 
     import torch
 
-    from .numerics import run_checks
-
     if args.n_stories is not None and args.n_stories < 1:
         raise UsageError("--n-stories: must be at least 1")
     if not 1 <= args.gen_tokens:
@@ -271,24 +297,33 @@ def cmd_check(args) -> int:
     dtypes = {"both": (torch.float32, torch.float64), "float32": (torch.float32,), "float64": (torch.float64,)}
     checks = run_checks(model, ids, dtypes=dtypes[args.dtype], gen_tokens=args.gen_tokens)
     cpu = _cpu_name()
-    print(f"storylens check on {cpu} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()} kernels, "
-          f"{platform.machine()}), {source}")
+    print(
+        f"storylens check on {cpu} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()} kernels, "
+        f"{platform.machine()}), {source}"
+    )
     print(f"{'check':34} {'dtype':8} {'measured':>10} {'bound':>10} {'lesson':>8}  ok  detail")
     for c in checks:
         lesson = f"{c.lesson:.0e}" if c.lesson is not None else ""
-        print(f"{c.name:34} {c.dtype:8} {c.measured:10.2e} {c.bound:10.2e} {lesson:>8}  "
-              f"{'yes' if c.passed else 'NO '}  {c.detail}")
-    print("bounds: rounding alone (see storylens.numerics); the lesson's figures are for comparison")
+        print(
+            f"{c.name:34} {c.dtype:8} {c.measured:10.2e} {c.bound:10.2e} {lesson:>8}  "
+            f"{'yes' if c.passed else 'NO '}  {c.detail}"
+        )
+    print("bounds: rounding alone (see storylens.lesson.checks); the lesson's figures are for comparison")
     if args.json:
-        from .publish import write_text_atomic
-
-        write_text_atomic(Path(args.json), json.dumps(
-            {"cpu": cpu, "torch": torch.__version__, "stories": source,
-             "checks": [c.to_dict() for c in checks]}, indent=1))
+        write_text_atomic(
+            Path(args.json),
+            json.dumps(
+                {"cpu": cpu, "torch": torch.__version__, "stories": source, "checks": [c.to_dict() for c in checks]},
+                indent=1,
+            ),
+        )
     failed = [c for c in checks if not c.passed]
     if failed:
-        print(f"storylens: error: {len(failed)} check(s) past their bound: "
-              + ", ".join(f"{c.name} ({c.dtype})" for c in failed), file=sys.stderr)
+        print(
+            f"storylens: error: {len(failed)} check(s) past their bound: "
+            + ", ".join(f"{c.name} ({c.dtype})" for c in failed),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -306,9 +341,6 @@ def _cpu_name() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train import TrainConfig
-
-    from . import __version__
 
     p = _Parser(prog="storylens", description="Read Tiny Storyteller's attention.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -322,8 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 for all (default 40)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed, 0 to 2^64 - 1 (default 0)")
     g.add_argument("--record", action="store_true", help="record every new token's attention (use with --html)")
-    g.add_argument("--html", default=None, metavar="FILE",
-                   help="with --record: write a page that replays the writing, token by token, with its attention")
+    g.add_argument(
+        "--html",
+        default=None,
+        metavar="FILE",
+        help="with --record: write a page that replays the writing, token by token, with its attention",
+    )
     g.add_argument("--no-cache", action="store_true", help="recompute everything each step (slow reference)")
     g.add_argument("--no-stop", action="store_true", help="keep going past the end-of-story marker")
     _add_model(g)
@@ -334,14 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/tiny-storyteller", help="run folder (checkpoint, tokenizer)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     t.add_argument("--export", default=None, help="write a model folder here when done")
-    t.add_argument("--first", type=int, default=None, metavar="N",
-                   help="use only the corpus's first N stories (the lesson: --stories tinystories --first 20000)")
+    t.add_argument(
+        "--first",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use only the corpus's first N stories (the lesson: --stories tinystories --first 20000)",
+    )
     d = TrainConfig()
     for name in ("max_steps", "batch_size", "eval_every", "seed", "warmup_steps", "vocab_size"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
     for name in ("lr", "min_lr", "weight_decay", "dropout", "attn_dropout", "ema_decay", "checkpoint_minutes"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(d, name)}")
-    t.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)")
+    t.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)"
+    )
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("export-hf", help="export to a transformers GPT2LMHeadModel folder")
@@ -350,8 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export_hf)
 
     q = sub.add_parser("perplexity", help="quiz perplexity of a model")
-    q.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
-                   "(default: the shared corpus, else the quiz shipped with the model)")
+    q.add_argument(
+        "--stories",
+        default=None,
+        help="corpus whose last 200 stories are the quiz "
+        "(default: the shared corpus, else the quiz shipped with the model)",
+    )
     _add_model(q)
     q.set_defaults(func=cmd_perplexity)
 
@@ -359,8 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stories", default=None, help="corpus whose quiz is used (default: the shared corpus)")
     c.add_argument("--n-stories", type=int, default=None, help="use only the first N quiz stories")
     c.add_argument("--gen-tokens", type=int, default=200, help="tokens generated with and without the cache")
-    c.add_argument("--dtype", choices=["both", "float32", "float64"], default="both",
-                   help="precision(s) to measure in (default both)")
+    c.add_argument(
+        "--dtype",
+        choices=["both", "float32", "float64"],
+        default="both",
+        help="precision(s) to measure in (default both)",
+    )
     c.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     _add_model(c, dtype=False)  # its own --dtype: the precision(s) measured in
     c.set_defaults(func=cmd_check)
@@ -368,8 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     dd = sub.add_parser("data", help="the TinyStories corpus: storylens data download")
     dsub = dd.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     dl = dsub.add_parser("download", help="fetch TinyStories from the Hugging Face Hub into the user cache")
-    dl.add_argument("--split", choices=["train", "valid"], default="train",
-                    help="train (1.9 GB, what the lesson trains on) or valid (19 MB); default train")
+    dl.add_argument(
+        "--split",
+        choices=["train", "valid"],
+        default="train",
+        help="train (1.9 GB, what the lesson trains on) or valid (19 MB); default train",
+    )
     dl.set_defaults(func=cmd_data_download, allow_download=True)
 
     add_report_parser(sub)
@@ -382,17 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_summary(report, file=None) -> None:
-    from .report import _f
 
     file = file or sys.stdout
     s = report.summary
     q, lk, nh, pt, mk = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"]
     p = lambda *a: print(*a, file=file)  # noqa: E731
-    p(f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
-      f"{q['with_main_character']} with a main character, {q['name_scored']} scored")
+    p(
+        f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
+        f"{q['with_main_character']} with a main character, {q['name_scored']} scored"
+    )
     if lk["computed"]:
-        p(f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
-          f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}")
+        p(
+            f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
+            f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}"
+        )
     else:
         p(f"leakage: {lk['source']}")
     p("")
@@ -401,72 +459,122 @@ def print_summary(report, file=None) -> None:
         p(f"{h['head']:6} {h['name_mass']:10.3f} {nh['baseline']:9.3f} {h['ratio']:5.1f}x")
     p(f"{nh['below_baseline']} of {s['model']['blocks'] * s['model']['heads']} heads below the baseline")
     p("")
-    p(f"previous-token heads above 0.5: {pt['above_half']}; highest {pt['highest']['head']} "
-      f"{_f(pt['highest']['prev_token'])}; first {pt['highest_first']['stories']} stories: "
-      f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
-      f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
-      f"{_f(pt['best_argmax_first']['share'])}")
+    p(
+        f"previous-token heads above 0.5: {pt['above_half']}; highest {pt['highest']['head']} "
+        f"{_f(pt['highest']['prev_token'])}; first {pt['highest_first']['stories']} stories: "
+        f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
+        f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
+        f"{_f(pt['best_argmax_first']['share'])}"
+    )
     called = mk.get("called", "the end-of-story marker").removeprefix("the ")
     p(f"{called}: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
     nr = s["number_to_reproduce"]
     p("")
-    p(f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
-      f"({nr['ratio']:.1f}x) over {nr['stories']} of {nr['of']} stories")
+    p(
+        f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
+        f"({nr['ratio']:.1f}x) over {nr['stories']} of {nr['of']} stories"
+    )
     p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
 
 
 def add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
     _add_model(r)
-    r.add_argument("--stories", default=None, help="the corpus (split: last 200 stories = quiz; default: the "
-                   "shared corpus if present, else the quiz and leakage check shipped with the model)")
-    r.add_argument("--quiz", default=None, help="score every story of this file instead of the corpus's quiz "
-                   "(text with <|endoftext|> lines, .jsonl, .parquet or a saved dataset folder)")
-    r.add_argument("--text-field", default="text", help="with --quiz: the story's field in JSON lines, Parquet "
-                   "or a dataset (default text)")
+    r.add_argument(
+        "--stories",
+        default=None,
+        help="the corpus (split: last 200 stories = quiz; default: the "
+        "shared corpus if present, else the quiz and leakage check shipped with the model)",
+    )
+    r.add_argument(
+        "--quiz",
+        default=None,
+        help="score every story of this file instead of the corpus's quiz "
+        "(text with <|endoftext|> lines, .jsonl, .parquet or a saved dataset folder)",
+    )
+    r.add_argument(
+        "--text-field",
+        default="text",
+        help="with --quiz: the story's field in JSON lines, Parquet or a dataset (default text)",
+    )
     r.add_argument("--out", default="report", help="output folder (default: report)")
     r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
-    r.add_argument("--detector", action="append", default=[], metavar="FILE",
-                   help="add a head detector: a Python file defining pattern(ids) -> key weights "
-                        "[batch, query, key] (and optionally NAME); may be given more than once")
-    r.add_argument("--prev-limit", type=int, default=FIRST_STORIES,
-                   help="previous-token figures also over the first N stories (lesson: 100)")
+    r.add_argument(
+        "--detector",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="add a head detector: a Python file defining pattern(ids) -> key weights "
+        "[batch, query, key] (and optionally NAME); may be given more than once",
+    )
+    r.add_argument(
+        "--prev-limit",
+        type=int,
+        default=FIRST_STORIES,
+        help="previous-token figures also over the first N stories (lesson: 100)",
+    )
     r.add_argument("--batch-size", type=int, default=16, help="stories per recorded forward pass (default 16)")
-    r.add_argument("--beyond", action="store_true",
-                   help="also switch heads off, control for position, and measure pronouns (slower)")
+    r.add_argument(
+        "--beyond",
+        action="store_true",
+        help="also switch heads off, control for position, and measure pronouns (slower)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
     r.set_defaults(func=_cmd_report)
 
 
 def _cmd_report(args) -> int:
-    from .report import _check_writable, build_report
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size: must be at least 1 (got {args.batch_size})")
     if args.prev_limit < 0:
         raise UsageError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
     if not args.word.strip() or len(args.word.split()) != 1:
-        raise UsageError(f"--word: give one word for the leakage check to count (the lesson's: Momo), not {args.word!r}")
+        raise UsageError(
+            f"--word: give one word for the leakage check to count (the lesson's: Momo), not {args.word!r}"
+        )
     _check_writable(_out_path(args.out))
     detectors = [load_detector(f) for f in args.detector]
     lm = _load(args)
-    report = build_report(args.out, model=lm, stories=args.stories, quiz=args.quiz, text_field=args.text_field,
-                          word=args.word,
-                          prev_limit=args.prev_limit, batch_size=args.batch_size, beyond=args.beyond,
-                          progress=not args.no_progress, detectors=detectors)
+    report = build_report(
+        args.out,
+        model=lm,
+        stories=args.stories,
+        quiz=args.quiz,
+        text_field=args.text_field,
+        word=args.word,
+        prev_limit=args.prev_limit,
+        batch_size=args.batch_size,
+        beyond=args.beyond,
+        progress=not args.no_progress,
+        detectors=detectors,
+    )
     print_summary(report)
     return 0
 
 
 def add_ablate_parser(sub) -> None:
     a = sub.add_parser("ablate", help="switch heads off and measure the loss on the main character's name")
-    a.add_argument("--heads", nargs="*", default=None, help="only these heads, e.g. L4H2 L5H1: each alone, then "
-                   "all together (default: every head alone, plus the top three name heads together)")
-    a.add_argument("--mode", choices=["zero", "mean"], default=None,
-                   help="replace a head's output by zeros or by its mean output (default: both)")
+    a.add_argument(
+        "--heads",
+        nargs="*",
+        default=None,
+        help="only these heads, e.g. L4H2 L5H1: each alone, then "
+        "all together (default: every head alone, plus the top three name heads together)",
+    )
+    a.add_argument(
+        "--mode",
+        choices=["zero", "mean"],
+        default=None,
+        help="replace a head's output by zeros or by its mean output (default: both)",
+    )
     _add_model(a)
-    a.add_argument("--stories", default=None, help="corpus whose last 200 stories are the quiz "
-                   "(default: the shared corpus, else the quiz shipped with the model)")
+    a.add_argument(
+        "--stories",
+        default=None,
+        help="corpus whose last 200 stories are the quiz "
+        "(default: the shared corpus, else the quiz shipped with the model)",
+    )
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
     a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
@@ -474,10 +582,6 @@ def add_ablate_parser(sub) -> None:
 
 
 def _cmd_ablate(args) -> int:
-    from .analysis.ablation import generation_divergence, name_ablation_table
-    from .heads import head_label, parse_head_label
-    from .lesson import lesson_data, progress_command
-    from .report import _quiz_folder
 
     modes = (args.mode,) if args.mode else ("zero", "mean")
     heads = None
@@ -495,8 +599,16 @@ def _cmd_ablate(args) -> int:
         table = name_ablation_table(model, stories, name_heads=group, heads=heads, modes=modes, progress=True)
     print(table.format())
     first = heads[0] if heads else table.rows[-1].label.split("+")[0]
-    d = generation_divergence(model, args.prompt, heads or [first], seed=args.seed, max_new_tokens=80,
-                              mode=modes[0], temperature=0.8, top_k=40)
+    d = generation_divergence(
+        model,
+        args.prompt,
+        heads or [first],
+        seed=args.seed,
+        max_new_tokens=80,
+        mode=modes[0],
+        temperature=0.8,
+        top_k=40,
+    )
     print()
     print(d.format())
     sys.stdout.flush()
@@ -504,24 +616,43 @@ def _cmd_ablate(args) -> int:
 
 
 def add_score_parser(sub) -> None:
-    from .score import BATCH_STORIES, CHUNK_STORIES
 
     s = sub.add_parser("score", help="score every head over any corpus (streamed; checkpointed; on Ray if asked)")
-    s.add_argument("--stories", required=True, metavar="SRC",
-                   help="a .txt/.gz file with <|endoftext|> lines, .jsonl, .parquet, a saved Hugging Face dataset "
-                        "folder, or hf:OWNER/NAME (the local cache, or the hub with --allow-download)")
+    s.add_argument(
+        "--stories",
+        required=True,
+        metavar="SRC",
+        help="a .txt/.gz file with <|endoftext|> lines, .jsonl, .parquet, a saved Hugging Face dataset "
+        "folder, or hf:OWNER/NAME (the local cache, or the hub with --allow-download)",
+    )
     s.add_argument("--out", required=True, help="output folder: heads.csv, heads.json, summary.json")
     s.add_argument("--text-field", default="text", help="the story's field in JSON lines, Parquet or a dataset")
-    s.add_argument("--split", default=None, help="a Hugging Face dataset's split (default train; refused for a source without splits)")
+    s.add_argument(
+        "--split",
+        default=None,
+        help="a Hugging Face dataset's split (default train; refused for a source without splits)",
+    )
     s.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N stories")
-    s.add_argument("--batch-size", type=int, default=BATCH_STORIES,
-                   help=f"stories per forward pass (default {BATCH_STORIES}: on a CPU nearly as fast as more, with "
-                        "less peak memory; raise it on a GPU)")
-    s.add_argument("--chunk-stories", type=int, default=CHUNK_STORIES,
-                   help="stories encoded and batched together, the unit of checkpoints and of Ray work "
-                        f"(default {CHUNK_STORIES})")
-    s.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
-                   help="write a checkpoint after every N batches (at the end of a chunk; default 50)")
+    s.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_STORIES,
+        help=f"stories per forward pass (default {BATCH_STORIES}: on a CPU nearly as fast as more, with "
+        "less peak memory; raise it on a GPU)",
+    )
+    s.add_argument(
+        "--chunk-stories",
+        type=int,
+        default=CHUNK_STORIES,
+        help=f"stories encoded and batched together, the unit of checkpoints and of Ray work (default {CHUNK_STORIES})",
+    )
+    s.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="write a checkpoint after every N batches (at the end of a chunk; default 50)",
+    )
     s.add_argument("--resume", action="store_true", help="go on from the checkpoint an interrupted run left")
     s.add_argument("--engine", choices=["local", "ray"], default="local", help="this process, or Ray actors")
     s.add_argument("--workers", type=int, default=2, help="with --engine ray: how many actors (default 2)")
@@ -533,37 +664,47 @@ def add_score_parser(sub) -> None:
 
 
 def cmd_score(args) -> int:
-    from .analysis.detectors import BUILTIN_DETECTORS
-    from .publish import check_target_folder
-    from .score import score_corpus
-    from .sources import open_source
 
     if args.engine != "ray" and (args.address or args.workers != 2):
         raise UsageError("--workers and --address: only with --engine ray")
     if args.workers < 1:
         raise UsageError(f"--workers: must be at least 1 (got {args.workers})")
     if args.engine == "ray" and args.address:
-        from .ray_engine import _check_address
-
         _check_address(args.address)  # in seconds, before the first pass reads the corpus
     check_target_folder(_out_path(args.out))  # before the model or any story: a bad --out costs nothing
-    source = open_source(args.stories, text_field=args.text_field, limit=args.limit, split=args.split,
-                         allow_download=args.allow_download)
+    source = open_source(
+        args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
+    )
     detectors = BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector)
     lm = _load(args)
-    run = score_corpus(lm, source, args.out, batch_size=args.batch_size, chunk_stories=args.chunk_stories,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume, engine=args.engine,
-                       workers=args.workers, address=args.address, model_source=args.model,
-                       detectors=detectors, progress=not args.no_progress)
+    run = score_corpus(
+        lm,
+        source,
+        args.out,
+        batch_size=args.batch_size,
+        chunk_stories=args.chunk_stories,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        engine=args.engine,
+        workers=args.workers,
+        address=args.address,
+        model_source=args.model,
+        detectors=detectors,
+        progress=not args.no_progress,
+    )
     s = run.summary
     st = s["stories"]
-    print(f"{st['scored']:,} stories from {st['source']}: {st['cut_to_window']:,} cut to the window, "
-          f"{st['with_main_character']:,} with a main character ({st['name_scored']:,} scored for names)")
+    print(
+        f"{st['scored']:,} stories from {st['source']}: {st['cut_to_window']:,} cut to the window, "
+        f"{st['with_main_character']:,} with a main character ({st['name_scored']:,} scored for names)"
+    )
     for name, top in s["top"].items():
         if top is not None:
             print(f"  {name:16} highest {top['head']} {top['score']:.3f}")
-    print(f"written to {run.out} (scoring {s['seconds']['scoring']:.1f} s, first pass {s['seconds']['first_pass']:.1f} s, "
-          f"engine {s['engine']['name']})")
+    print(
+        f"written to {run.out} (scoring {s['seconds']['scoring']:.1f} s, first pass {s['seconds']['first_pass']:.1f} s, "
+        f"engine {s['engine']['name']})"
+    )
     return 0
 
 
@@ -588,7 +729,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not getattr(args, "allow_download", False):
         # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
-        from .hub import hub_offline
 
         ctx = hub_offline(True)
     else:

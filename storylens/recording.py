@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StorylensError
-from .lm import wrap
-from .tokenizer import EncodedStory
+from storylens.core.errors import StorylensError
+from storylens.lm import wrap
+from storylens.model.tokenizer import EncodedStory
+from storylens.viz import AttentionWidget
+from storylens.viz.tokens import to_numpy_attention, token_texts
 
 # What one story's recording for the figures and the widget may hold: every head's [query, key]
 # map, in float32 (torch) and float64 (numpy), 12 bytes an entry. A story longer than fits is cut.
@@ -20,8 +22,7 @@ def figure_tokens(n_layer: int, n_head: int, budget: int = FIGURE_BUDGET_BYTES) 
     return int((budget / (12 * n_layer * n_head)) ** 0.5)
 
 
-def story_attention(model, text: str, window: int | None = None, tokenizer=None, *,
-                    budget: int | None = None):
+def story_attention(model, text: str, window: int | None = None, tokenizer=None, *, budget: int | None = None):
     """Encode one story as the lesson does (``[marker] + story``, cut to the window) and record its
     attention. ``model``: storylens's GPT, an :class:`~storylens.lm.AttentionLM`, or a transformers
     causal LM with its ``tokenizer``. The story is also cut to the tokens whose maps fit ``budget``
@@ -29,15 +30,16 @@ def story_attention(model, text: str, window: int | None = None, tokenizer=None,
     drawing one story never holds gigabytes; a model too large to draw 16 tokens is refused.
 
     Returns ``(tokens, attention, encoded)``: display texts, a ``[block, head, query, key]`` numpy
-    array (float64) and the :class:`~storylens.tokenizer.EncodedStory`."""
-    from .viz.tokens import to_numpy_attention, token_texts
+    array (float64) and the :class:`~storylens.model.tokenizer.EncodedStory`."""
 
     lm = wrap(model, tokenizer)
     budget = FIGURE_BUDGET_BYTES if budget is None else budget
     fits = figure_tokens(lm.n_layer, lm.n_head, budget)
     if fits < MIN_FIGURE_TOKENS:
-        raise StorylensError(f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's maps "
-                             f"within {budget / 2**20:,.0f} MB (only {fits} tokens would fit)")
+        raise StorylensError(
+            f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's maps "
+            f"within {budget / 2**20:,.0f} MB (only {fits} tokens would fit)"
+        )
     window = min(window or lm.window, fits)
     ids = lm.encode(text)
     enc = EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
@@ -46,11 +48,9 @@ def story_attention(model, text: str, window: int | None = None, tokenizer=None,
     return token_texts(lm.tokenizer, enc.ids), to_numpy_attention(maps), enc
 
 
-def attention_widget(model, text: str, title: str | None = None, *, window: int | None = None,
-                     tokenizer=None, **kw):
+def attention_widget(model, text: str, title: str | None = None, *, window: int | None = None, tokenizer=None, **kw):
     """Record ``text`` (see :func:`story_attention`) and build the clickable
     :class:`~storylens.viz.AttentionWidget` for it."""
-    from .viz import AttentionWidget
 
     tokens, att, enc = story_attention(model, text, window=window, tokenizer=tokenizer)
     return AttentionWidget.from_recording(text, tokens, att, enc, title, **kw)

@@ -5,14 +5,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def shipped_model():
-    from storylens.hub import load_model
+    from storylens.model.hub import load_model
 
     return load_model()
 
 
 @pytest.fixture(scope="session")
 def corpus_split():
-    from storylens.data import load_split
+    from storylens.data.stories import load_split
 
     return load_split()
 
@@ -20,6 +20,6 @@ def corpus_split():
 @pytest.fixture(scope="session")
 def quiz_ids(shipped_model, corpus_split):
     """Every quiz story as [marker] + tokens, cut to the window."""
-    from storylens.tokenizer import encode_story
+    from storylens.model.tokenizer import encode_story
 
     return [encode_story(shipped_model.tokenizer, s, shipped_model.config.block_size).ids for s in corpus_split.quiz]

@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from storylens.background import run_beside
-from storylens.errors import StorylensError
+from storylens.core.background import run_beside
+from storylens.core.errors import StorylensError
 
 
 def _square(x):
@@ -36,8 +36,11 @@ def test_the_childs_exception_is_raised_here_as_it_was():
 
 
 def test_a_killed_child_is_one_line_not_a_hang():
-    with pytest.raises(StorylensError, match="drawing the figures: the child process ended without a result "
-                                            r"\(killed by signal 9\)"):
+    with pytest.raises(
+        StorylensError,
+        match="drawing the figures: the child process ended without a result "
+        r"\(killed by signal 9\)",
+    ):
         with run_beside(_die):
             pass
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_lines import one_line
 from safetensors.torch import load_file, save_file
 
 from storylens.cli import main
-from storylens.data import EOT
-from storylens.hub import SHIPPED_MODEL
-from cli_lines import one_line
+from storylens.data.stories import EOT
+from storylens.model.hub import SHIPPED_MODEL
 
 
 def model_copy(tmp_path, name="m") -> Path:
@@ -36,15 +36,19 @@ def set_config(folder: Path, **changes) -> None:
 
 # ---------------------------------------------------------------- model folders
 
-@pytest.mark.parametrize("field, value, why", [
-    ("n_head", 0, "n_head must be a whole number of at least 1, not 0"),
-    ("n_layer", -2, "n_layer must be a whole number of at least 1, not -2"),
-    ("n_embd", "256", "n_embd must be a whole number of at least 1, not '256'"),
-    ("block_size", 2.5, "block_size must be a whole number of at least 1, not 2.5"),
-    ("vocab_size", True, "vocab_size must be a whole number of at least 1, not True"),
-    ("dropout", 2, "dropout must be a probability below 1, not 2"),
-    ("bias", "yes", "bias must be true or false, not 'yes'"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("n_head", 0, "n_head must be a whole number of at least 1, not 0"),
+        ("n_layer", -2, "n_layer must be a whole number of at least 1, not -2"),
+        ("n_embd", "256", "n_embd must be a whole number of at least 1, not '256'"),
+        ("block_size", 2.5, "block_size must be a whole number of at least 1, not 2.5"),
+        ("vocab_size", True, "vocab_size must be a whole number of at least 1, not True"),
+        ("dropout", 2, "dropout must be a probability below 1, not 2"),
+        ("bias", "yes", "bias must be true or false, not 'yes'"),
+    ],
+)
 def test_config_values_of_the_wrong_type_or_range(capsys, tmp_path, field, value, why):
     m = model_copy(tmp_path)
     set_config(m, **{field: value})
@@ -52,13 +56,21 @@ def test_config_values_of_the_wrong_type_or_range(capsys, tmp_path, field, value
     assert line == f"storylens: error: {m / 'config.json'}: not a valid model config ({why})"
 
 
-@pytest.mark.parametrize("field, value, expect", [
-    ("n_layer", 100000, "holds 6 blocks but config.json says n_layer=100000"),
-    ("vocab_size", 10**12, "transformer.wte.weight has shape (4096, 256) but config.json implies (1000000000000, 256)"),
-    ("block_size", 4096, "transformer.wpe.weight has shape (256, 256) but config.json implies (4096, 256)"),
-])
-def test_absurd_configs_are_checked_against_the_weights_before_anything_is_built(capsys, tmp_path, field, value,
-                                                                                  expect):
+@pytest.mark.parametrize(
+    "field, value, expect",
+    [
+        ("n_layer", 100000, "holds 6 blocks but config.json says n_layer=100000"),
+        (
+            "vocab_size",
+            10**12,
+            "transformer.wte.weight has shape (4096, 256) but config.json implies (1000000000000, 256)",
+        ),
+        ("block_size", 4096, "transformer.wpe.weight has shape (256, 256) but config.json implies (4096, 256)"),
+    ],
+)
+def test_absurd_configs_are_checked_against_the_weights_before_anything_is_built(
+    capsys, tmp_path, field, value, expect
+):
     m = model_copy(tmp_path)
     set_config(m, **{field: value})
     import tracemalloc
@@ -89,8 +101,10 @@ def test_integer_weights_are_refused_not_cast(capsys, tmp_path):
     t["transformer.ln_f.weight"] = t["transformer.ln_f.weight"].to(torch.int8)
     save_file(t, str(w))
     line = one_line(capsys, ["generate", "Hi", "--model", str(m)])
-    assert line == (f"storylens: error: {w}: transformer.ln_f.weight is stored as I8; storylens reads "
-                    "floating-point weights only (F32, F16, BF16, F64)")
+    assert line == (
+        f"storylens: error: {w}: transformer.ln_f.weight is stored as I8; storylens reads "
+        "floating-point weights only (F32, F16, BF16, F64)"
+    )
 
 
 def test_config_that_is_not_an_object(capsys, tmp_path):
@@ -102,15 +116,20 @@ def test_config_that_is_not_an_object(capsys, tmp_path):
 
 # ---------------------------------------------------------------- corpus files
 
+
 def test_a_folder_or_a_fifo_is_named_for_what_it_is(capsys, tmp_path):
     line = one_line(capsys, ["perplexity", "--stories", str(tmp_path)])
-    assert line == (f"storylens: error: {tmp_path}: is a folder, not a stories file; or leave out --stories "
-                    "to use the quiz shipped with storylens")
+    assert line == (
+        f"storylens: error: {tmp_path}: is a folder, not a stories file; or leave out --stories "
+        "to use the quiz shipped with storylens"
+    )
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     line = one_line(capsys, ["perplexity", "--stories", str(fifo)])  # must not block on open
-    assert line == (f"storylens: error: {fifo}: is a named pipe (FIFO), not a stories file; or leave out --stories "
-                    "to use the quiz shipped with storylens")
+    assert line == (
+        f"storylens: error: {fifo}: is a named pipe (FIFO), not a stories file; or leave out --stories "
+        "to use the quiz shipped with storylens"
+    )
 
 
 def test_gzip_bomb_is_streamed_and_refused(capsys, tmp_path, monkeypatch):
@@ -129,14 +148,16 @@ def test_gzip_bomb_is_streamed_and_refused(capsys, tmp_path, monkeypatch):
     line = one_line(capsys, ["perplexity", "--stories", str(bomb)])
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert line == (f"storylens: error: {bomb}: more than 8 MB of text once unzipped; refusing to read more "
-                    "(raise $STORYLENS_MAX_CORPUS_MB if it is really a corpus); or leave out --stories to use the "
-                    "quiz shipped with storylens")
+    assert line == (
+        f"storylens: error: {bomb}: more than 8 MB of text once unzipped; refusing to read more "
+        "(raise $STORYLENS_MAX_CORPUS_MB if it is really a corpus); or leave out --stories to use the "
+        "quiz shipped with storylens"
+    )
     assert peak < 32 * 2**20  # stopped near the limit, never holding the 64 MiB
 
 
 def test_stories_are_split_on_newlines_only():
-    from storylens.data import split_stories
+    from storylens.data.stories import split_stories
 
     text = f"Ann\u2028sang.\x0cBen\x85ran.\r\n{EOT}\r\nTwo.\n{EOT}\n"
     assert split_stories(text) == ["Ann\u2028sang.\x0cBen\x85ran.", "Two."]
@@ -144,22 +165,27 @@ def test_stories_are_split_on_newlines_only():
 
 # ---------------------------------------------------------------- generate
 
-@pytest.mark.parametrize("argv, expect", [
-    (["--temperature", "nan"], "--temperature: must be a finite number, 0 (greedy) or more (got nan)"),
-    (["--temperature", "-1"], "--temperature: must be a finite number, 0 (greedy) or more (got -1.0)"),
-    (["--seed", str(2**64)], f"--seed: must be between 0 and 2^64 - 1 (got {2**64})"),
-    (["--seed", "-1"], "--seed: must be between 0 and 2^64 - 1 (got -1)"),
-    (["--max-new-tokens", "-5"], "--max-new-tokens: must be 0 or more (got -5)"),
-    (["--top-k", "-1"], "--top-k: must be 0 (off) or more (got -1)"),
-])
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--temperature", "nan"], "--temperature: must be a finite number, 0 (greedy) or more (got nan)"),
+        (["--temperature", "-1"], "--temperature: must be a finite number, 0 (greedy) or more (got -1.0)"),
+        (["--seed", str(2**64)], f"--seed: must be between 0 and 2^64 - 1 (got {2**64})"),
+        (["--seed", "-1"], "--seed: must be between 0 and 2^64 - 1 (got -1)"),
+        (["--max-new-tokens", "-5"], "--max-new-tokens: must be 0 or more (got -5)"),
+        (["--top-k", "-1"], "--top-k: must be 0 (off) or more (got -1)"),
+    ],
+)
 def test_generate_options(capsys, argv, expect):
     assert one_line(capsys, ["generate", "Once", *argv], code=2) == f"storylens: error: {expect}"
 
 
 def test_prompt_that_is_not_valid_text(capsys):
     bad = b"Once \xff\xfe".decode("utf-8", "surrogateescape")  # what Python makes of non-UTF-8 argv bytes
-    assert one_line(capsys, ["generate", bad], code=2) == ("storylens: error: prompt: not valid text "
-                                                   "(it holds bytes that are not UTF-8)")
+    assert one_line(capsys, ["generate", bad], code=2) == (
+        "storylens: error: prompt: not valid text (it holds bytes that are not UTF-8)"
+    )
 
 
 def test_a_tiny_temperature_is_greedy_not_nan(capsys):
@@ -170,6 +196,7 @@ def test_a_tiny_temperature_is_greedy_not_nan(capsys):
 
 
 # ---------------------------------------------------------------- report targets
+
 
 def test_report_out_under_a_file(capsys, tmp_path):
     f = tmp_path / "file"
@@ -190,14 +217,15 @@ def test_report_refuses_a_folder_holding_someone_elses_files(capsys, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("my notes")
     line = one_line(capsys, ["report", "--out", str(out), "--no-progress"])
-    assert line == (f"storylens: error: {out}: holds files storylens did not write (notes.txt); "
-                    "give an empty or new folder")
+    assert line == (
+        f"storylens: error: {out}: holds files storylens did not write (notes.txt); give an empty or new folder"
+    )
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_report_story_picker_when_the_first_story_has_no_main_character(tmp_path, corpus_split, capsys):
     from storylens.analysis import find_main_characters
-    from storylens.hub import load_model
+    from storylens.model.hub import load_model
 
     tok = load_model().tokenizer
     quiz = corpus_split.quiz[:30]
@@ -214,13 +242,17 @@ def test_report_story_picker_when_the_first_story_has_no_main_character(tmp_path
 
 # ---------------------------------------------------------------- training options
 
-@pytest.mark.parametrize("argv, expect", [
-    (["--eval-every", "0"], "--eval-every: must be a whole number of at least 1 (got 0)"),
-    (["--batch-size", "0"], "--batch-size: must be a whole number of at least 1 (got 0)"),
-    (["--lr", "nan"], "--lr: must be a finite number, 0 or more (got nan)"),
-    (["--dropout", "2"], "--dropout: a probability: at least 0 and below 1 (got 2.0)"),
-    (["--max-steps", "-1"], "--max-steps: must be a whole number of at least 1 (got -1)"),
-])
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--eval-every", "0"], "--eval-every: must be a whole number of at least 1 (got 0)"),
+        (["--batch-size", "0"], "--batch-size: must be a whole number of at least 1 (got 0)"),
+        (["--lr", "nan"], "--lr: must be a finite number, 0 or more (got nan)"),
+        (["--dropout", "2"], "--dropout: a probability: at least 0 and below 1 (got 2.0)"),
+        (["--max-steps", "-1"], "--max-steps: must be a whole number of at least 1 (got -1)"),
+    ],
+)
 def test_train_options(capsys, tmp_path, argv, expect):
     out = tmp_path / "run"
     assert one_line(capsys, ["train", "--out", str(out), *argv], code=2) == f"storylens: error: {expect}"
@@ -237,18 +269,25 @@ def test_corpus_too_small_for_the_vocabulary(capsys, tmp_path, corpus_split):
     small = tmp_path / "small.txt"
     small.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.train[:30] + corpus_split.quiz))
     line = one_line(capsys, ["train", "--stories", str(small), "--out", str(tmp_path / "run"), "--max-steps", "1"])
-    assert line.startswith("storylens: error: corpus: too small for a 4,096-token vocabulary (byte-level BPE found only ")
-    assert line.endswith("tokens in the training stories); give more stories or --vocab-size "
-                         + line.split("only ")[1].split(" ")[0].replace(",", ""))
+    assert line.startswith(
+        "storylens: error: corpus: too small for a 4,096-token vocabulary (byte-level BPE found only "
+    )
+    assert line.endswith(
+        "tokens in the training stories); give more stories or --vocab-size "
+        + line.split("only ")[1].split(" ")[0].replace(",", "")
+    )
     assert not (tmp_path / "run" / "tokenizer.json").exists()
 
 
 # ---------------------------------------------------------------- argparse and --debug
 
+
 def test_argparse_errors_are_one_line(capsys):
     for argv, expect in [
-        (["generate", "Hi", "--max-new-tokens", "x"],
-         "storylens generate: error: argument --max-new-tokens: invalid int value: 'x' (see storylens generate --help)"),
+        (
+            ["generate", "Hi", "--max-new-tokens", "x"],
+            "storylens generate: error: argument --max-new-tokens: invalid int value: 'x' (see storylens generate --help)",
+        ),
         (["nonsense"], "storylens: error: argument command: invalid choice: 'nonsense'"),
         ([], "storylens: error: the following arguments are required: command (see storylens --help)"),
     ]:
@@ -261,7 +300,7 @@ def test_argparse_errors_are_one_line(capsys):
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_before_or_after_the_subcommand(tmp_path, where):
-    from storylens.errors import StorylensError
+    from storylens.core.errors import StorylensError
 
     argv = ["perplexity", "--stories", str(tmp_path / "none.gz")]
     argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
@@ -271,12 +310,20 @@ def test_debug_before_or_after_the_subcommand(tmp_path, where):
 
 def test_command_line_errors_in_a_real_process(tmp_path):
     (tmp_path / "f").write_text("")
-    r = subprocess.run([sys.executable, "-m", "storylens", "report", "--out", str(tmp_path / "f" / "x")],
-                       capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 1 and r.stderr == f"storylens: error: {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a folder\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "report", "--out", str(tmp_path / "f" / "x")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert (
+        r.returncode == 1
+        and r.stderr == f"storylens: error: {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a folder\n"
+    )
 
 
 @pytest.mark.parametrize("target", [".", ".."])
 def test_dot_targets_are_refused(capsys, target):
-    assert one_line(capsys, ["export-hf", target]) == (f"storylens: error: {target}: give the output folder a "
-                                                       "name of its own (not '.' or '..')")
+    assert one_line(capsys, ["export-hf", target]) == (
+        f"storylens: error: {target}: give the output folder a name of its own (not '.' or '..')"
+    )

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from storylens.cli import main
-from storylens.data import EOT
-from storylens.hub import SHIPPED_MODEL
+from storylens.data.stories import EOT
+from storylens.model.hub import SHIPPED_MODEL
 
 
 def _err(capsys, argv):
@@ -22,12 +22,31 @@ def _err(capsys, argv):
 
 
 def test_generate_streams_a_story_from_the_shipped_model():
-    r = subprocess.run([sys.executable, "-m", "storylens", "generate", "Once upon a time", "--max-new-tokens", "40",
-                        "--seed", "3"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "generate", "Once upon a time", "--max-new-tokens", "40", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert r.stdout.startswith("Once upon a time")
     assert len(r.stdout.split()) > 8
-    again = subprocess.run([sys.executable, "-m", "storylens", "generate", "Once upon a time", "--max-new-tokens",
-                            "40", "--seed", "3", "--no-cache"], capture_output=True, text=True, check=True)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "storylens",
+            "generate",
+            "Once upon a time",
+            "--max-new-tokens",
+            "40",
+            "--seed",
+            "3",
+            "--no-cache",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert again.stdout == r.stdout  # the KV cache changes the cost, not the story
 
 
@@ -68,7 +87,7 @@ def test_bad_model_folders(capsys, tmp_path):
 
 
 def test_debug_shows_the_traceback(capsys):
-    from storylens.errors import StorylensError
+    from storylens.core.errors import StorylensError
 
     with pytest.raises(StorylensError):
         main(["--debug", "generate", ""])
@@ -111,13 +130,17 @@ def test_version_and_help_on_every_option(capsys):
                     walk(sp, f"{name} {sub}")
             elif not a.help:
                 missing.append(f"{name} {a.dest}")
+
     walk(build_parser(), "storylens")
     assert missing == []
 
 
 def test_record_and_html_go_together(capsys, tmp_path):
     assert main(["generate", "Once", "--html", str(tmp_path / "x.html")]) == 2
-    assert capsys.readouterr().err == "storylens: error: --html: needs --record (the page replays the recorded attention)\n"
+    assert (
+        capsys.readouterr().err
+        == "storylens: error: --html: needs --record (the page replays the recorded attention)\n"
+    )
     assert main(["generate", "Once", "--record"]) == 2
     assert capsys.readouterr().err == "storylens: error: --record: give --html FILE to write the replay page\n"
     assert not (tmp_path / "x.html").exists()

@@ -4,9 +4,9 @@ import gzip
 
 import pytest
 
-from storylens.data import EOT, quiz_split, read_stories, split_stories
-from storylens.errors import StorylensError
-from storylens.tokenizer import encode_story, encode_stream
+from storylens.core.errors import StorylensError
+from storylens.data.stories import EOT, quiz_split, read_stories, split_stories
+from storylens.model.tokenizer import encode_story, encode_stream
 
 
 def test_real_corpus_split(corpus_split):

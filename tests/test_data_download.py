@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from storylens.cli import main
-from storylens.data import EOT, HUB_DATASET, HUB_FILES
+from storylens.data.stories import EOT, HUB_DATASET, HUB_FILES
 
 
 def test_download_offline_is_one_line(capsys, monkeypatch):
@@ -26,12 +26,18 @@ def test_download_offline_is_one_line(capsys, monkeypatch):
 
 def test_missing_split_names_the_command(tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
-    r = subprocess.run([sys.executable, "-m", "storylens", "perplexity", "--stories", "tinystories-valid"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "perplexity", "--stories", "tinystories-valid"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 1
-    assert r.stderr == ("storylens: error: tinystories-valid: the TinyStories valid split is not downloaded here; "
-                        "get it with: storylens data download --split valid; or leave out --stories to use the "
-                        "quiz shipped with storylens\n")
+    assert r.stderr == (
+        "storylens: error: tinystories-valid: the TinyStories valid split is not downloaded here; "
+        "get it with: storylens data download --split valid; or leave out --stories to use the "
+        "quiz shipped with storylens\n"
+    )
 
 
 @pytest.fixture
@@ -52,9 +58,11 @@ def hub_cache(tmp_path, corpus_split):
 def test_reads_the_split_from_the_hub_cache(hub_cache):
     home, stories = hub_cache
     env = {**os.environ, "HF_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    code = ("from storylens.data import load_split; s = load_split('tinystories-valid'); "
-            "t = load_split('tinystories-valid', first=250); "
-            "print(len(s.train), len(s.quiz), len(t.train), len(t.quiz), t.quiz[-1][:40])")
+    code = (
+        "from storylens.data import load_split; s = load_split('tinystories-valid'); "
+        "t = load_split('tinystories-valid', first=250); "
+        "print(len(s.train), len(s.quiz), len(t.train), len(t.quiz), t.quiz[-1][:40])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[:4] == ["300", "200", "50", "200"]

@@ -1,8 +1,8 @@
-"""storylens.generation: streamed text, and recorded generation on the model's device."""
+"""storylens.lm.generate: streamed text, and recorded generation on the model's device."""
 
 import random
 
-from storylens.generation import record_generation, stream_text
+from storylens.lm.generate import record_generation, stream_text
 
 
 def test_streamed_text_is_the_decoded_text_written_whole_characters_at_a_time(shipped_model):

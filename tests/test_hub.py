@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from storylens.errors import StorylensError
-from storylens.numerics import probability_bound, rounding_bound
-from storylens.hub import SHIPPED_MODEL, TinyStoryteller, export_hf, load_model, save_model_folder
+from storylens.core.errors import StorylensError
+from storylens.lesson.checks import probability_bound, rounding_bound
+from storylens.model.hub import SHIPPED_MODEL, TinyStoryteller, export_hf, load_model, save_model_folder
 
 
 @pytest.fixture()
@@ -61,7 +61,7 @@ def test_config_that_does_not_match_the_weights(model_copy):
 
 
 def test_tokenizer_whose_vocabulary_does_not_match(model_copy, corpus_split):
-    from storylens.tokenizer import train_tokenizer
+    from storylens.model.tokenizer import train_tokenizer
 
     train_tokenizer(corpus_split.train[:300], vocab_size=1000).save(str(model_copy / "tokenizer.json"))
     with pytest.raises(StorylensError, match="tokenizer.json: tokenizer has \\d+ tokens but the model expects 4096"):
@@ -82,7 +82,7 @@ def test_hub_id_is_offline_by_default(monkeypatch, tmp_path):
 
 
 def test_tokenizer_was_trained_on_training_stories_only(shipped_model, corpus_split):
-    from storylens.tokenizer import train_tokenizer
+    from storylens.model.tokenizer import train_tokenizer
 
     retrained = train_tokenizer(corpus_split.train, vocab_size=shipped_model.config.vocab_size)
     assert retrained.get_vocab() == shipped_model.tokenizer.get_vocab()
@@ -105,7 +105,7 @@ def test_transformers_gpt2_from_the_export_agrees(shipped_model, quiz_ids, tmp_p
             worst_att = max(worst_att, (a - b).abs().max().item())
         scale = max(scale, ours.logits.abs().max().item())
     # float32: transformers' Conv1D (addmm) and hand-written gelu_new round differently from our
-    # nn.Linear and GELU kernel. Bounds derived in storylens.numerics (measured on the 200 quiz
+    # nn.Linear and GELU kernel. Bounds derived in storylens.lesson.checks (measured on the 200 quiz
     # stories, AMD EPYC: attention 2.6e-6, logits 1.4e-5; the float64 test holds the maths exact).
     assert worst_att <= probability_bound(shipped_model.config, torch.float32), worst_att
     assert worst_logit <= rounding_bound(shipped_model.config, torch.float32, scale), worst_logit

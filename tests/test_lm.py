@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 from storylens.analysis import score_heads  # noqa: E402
 from storylens.analysis.ablation import ablate_heads  # noqa: E402
 from storylens.analysis.names import main_character, name_vocabulary  # noqa: E402
-from storylens.heads import Head  # noqa: E402
-from storylens.hub import export_hf, load_model  # noqa: E402
-from storylens.lesson import lesson_quiz  # noqa: E402
+from storylens.core.heads import Head  # noqa: E402
+from storylens.lesson.inputs import lesson_quiz  # noqa: E402
 from storylens.lm import NativeLM, TransformersLM, load_lm  # noqa: E402
+from storylens.model.hub import export_hf, load_model  # noqa: E402
 
 WINDOW = 96
 N_STORIES = 10
@@ -27,15 +27,32 @@ def _config(kind: str, vocab: int):
     from transformers import GPT2Config, GPTNeoConfig, LlamaConfig
 
     if kind == "gpt2":
-        return GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=WINDOW, vocab_size=vocab,
-                          bos_token_id=0, eos_token_id=0)
+        return GPT2Config(
+            n_layer=2, n_head=4, n_embd=64, n_positions=WINDOW, vocab_size=vocab, bos_token_id=0, eos_token_id=0
+        )
     if kind == "gpt_neo":  # one global and one local layer; the local window (8) is shorter than a story
-        return GPTNeoConfig(num_layers=2, num_heads=4, hidden_size=64, max_position_embeddings=WINDOW,
-                            attention_types=[[["global", "local"], 1]], window_size=8, vocab_size=vocab,
-                            bos_token_id=0, eos_token_id=0)
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=WINDOW, vocab_size=vocab,
-                       bos_token_id=0, eos_token_id=0)
+        return GPTNeoConfig(
+            num_layers=2,
+            num_heads=4,
+            hidden_size=64,
+            max_position_embeddings=WINDOW,
+            attention_types=[[["global", "local"], 1]],
+            window_size=8,
+            vocab_size=vocab,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=WINDOW,
+        vocab_size=vocab,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +70,9 @@ def tiny_folder(request, native, tmp_path_factory):
     """A seeded random model of one architecture, saved with storylens's tokenizer."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token="<|endoftext|>",
-                                  eos_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=native.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
     cfg = _config(request.param, native.tokenizer.get_vocab_size())
     cfg.bos_token_id = cfg.eos_token_id = tok.bos_token_id
     torch.manual_seed(0)
@@ -77,19 +95,20 @@ def _reference(model, ids: list[int], marker: int, name_pos: list[int], first: i
     with torch.no_grad():
         atts = model(torch.tensor([ids]), output_attentions=True).attentions
     T = len(ids)
-    out = {k: [] for k in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token",
-                           "induction")}
+    out = {k: [] for k in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")}
     for att in atts:
         a = att[0]  # [head, q, k], float64
         H = a.shape[0]
         rows = {k: [] for k in out}
         for h in range(H):
+
             def mean(vals):
                 return sum(vals) / len(vals) if vals else None
+
             qs = range(1, T)
             rows["prev_token"].append(mean([float(a[h, q, q - 1]) for q in qs]))
             rows["prev_argmax"].append(mean([float(int(a[h, q].argmax()) == q - 1) for q in qs]))
-            rows["prev4"].append(mean([float(a[h, q, max(0, q - 4):q].sum()) for q in qs]))
+            rows["prev4"].append(mean([float(a[h, q, max(0, q - 4) : q].sum()) for q in qs]))
             rows["marker"].append(mean([sum(float(a[h, q, k]) for k in range(q + 1) if ids[k] == marker) for q in qs]))
             nq = [q for q in range(T) if first is not None and q > first and q not in name_pos]
             rows["name_mass"].append(mean([sum(float(a[h, q, k]) for k in name_pos if k <= q) for q in nq]))
@@ -154,11 +173,16 @@ def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
     assert isinstance(hf, TransformersLM) and (hf.n_layer, hf.n_head, hf.window) == (6, 4, 256)
     a = score_heads(NativeLM(native), quiz[:24], max_stories_prev=10, progress=False)
     b = score_heads(hf, quiz[:24], max_stories_prev=10, progress=False)
-    worst = max(abs(x - y) for ra, rb in zip(a.to_rows(), b.to_rows()) for k, x in ra.items()
-                if isinstance(x, float) for y in [rb[k]])
+    worst = max(
+        abs(x - y)
+        for ra, rb in zip(a.to_rows(), b.to_rows())
+        for k, x in ra.items()
+        if isinstance(x, float)
+        for y in [rb[k]]
+    )
     # float32 on both sides, different kernels: within what rounding allows for a probability
-    # (derived in storylens.numerics, margin for other CPUs); the issue's 1e-5 is met here (see the note)
-    from storylens.numerics import probability_bound
+    # (derived in storylens.lesson.checks, margin for other CPUs); the issue's 1e-5 is met here (see the note)
+    from storylens.lesson.checks import probability_bound
 
     print(f"export vs native, worst score difference {worst:.2e}")
     assert worst <= probability_bound(native.config, torch.float32), worst
@@ -166,8 +190,12 @@ def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
 
 def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):
     out = tmp_path / "report"
-    r = subprocess.run([sys.executable, "-m", "storylens", "report", "--model", str(tiny_folder), "--out", str(out),
-                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "report", "--model", str(tiny_folder), "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     heads = json.loads((out / "heads.json").read_text())["heads"]
     assert [h["label"] for h in heads] == [f"L{b}H{h}" for b in (1, 2) for h in (1, 2, 3, 4)]
@@ -179,8 +207,12 @@ def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):
 def test_report_on_the_export(native, tmp_path):
     folder = export_hf(native, tmp_path / "hf")
     out = tmp_path / "report"
-    r = subprocess.run([sys.executable, "-m", "storylens", "report", "--model", str(folder), "--out", str(out),
-                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "report", "--model", str(folder), "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "of 24 heads below the baseline" in r.stdout
     assert len(json.loads((out / "heads.json").read_text())["heads"]) == 24
@@ -188,8 +220,12 @@ def test_report_on_the_export(native, tmp_path):
 
 def test_commands_on_a_transformers_folder(tiny_folder, tmp_path):
     def run(*argv):
-        r = subprocess.run([sys.executable, "-m", "storylens", *argv, "--model", str(tiny_folder)],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "storylens", *argv, "--model", str(tiny_folder)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, (argv, r.stderr)
         return r.stdout
 
@@ -200,6 +236,10 @@ def test_commands_on_a_transformers_folder(tiny_folder, tmp_path):
     assert page.stat().st_size > 1000
     table = run("ablate", "--heads", "L1H2", "L2H4", "--mode", "zero")
     assert "L1H2+L2H4" in table and "first difference" in table
-    r = subprocess.run([sys.executable, "-m", "storylens", "check", "--model", str(tiny_folder)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "storylens", "check", "--model", str(tiny_folder)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 1 and "storylens's own models" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from storylens.model import GPT, GPTConfig, KVCache, head_label, parse_head_label
-from storylens.numerics import LESSON, cached_vs_recomputed, fused_vs_explicit, prefix_keys_values, rounding_bound
+from storylens.lesson.checks import LESSON, cached_vs_recomputed, fused_vs_explicit, prefix_keys_values, rounding_bound
+from storylens.model.gpt import GPT, GPTConfig, KVCache, head_label, parse_head_label
 
 
 def test_architecture_and_parameter_count(shipped_model):
@@ -24,7 +24,7 @@ def test_head_labels_count_from_one():
     assert [head_label(b, h) for b in range(6) for h in range(4)][0] == "L1H1"
 
 
-# The numerical contracts. Bounds come from storylens.numerics (rounding error analysis, written
+# The numerical contracts. Bounds come from storylens.lesson.checks (rounding error analysis, written
 # out in its docstring): n_layer * sqrt(longest sum) * unit roundoff * scale, times 4. In float32
 # that is about 9e-4 for logits near 20; in float64 about 2e-12, so the float64 tests hold the
 # mathematics exact far from any CPU's rounding, and float32 holds on every x86 or ARM CPU.

@@ -13,14 +13,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from storylens.cli import build_parser, main  # noqa: E402
-from storylens.data import EOT  # noqa: E402
-from storylens.errors import StorylensError, UsageError  # noqa: E402
-from storylens.hub import load_model  # noqa: E402
-from storylens.lm import TransformersLM, load_lm  # noqa: E402
-from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
+from storylens.core.errors import StorylensError, UsageError  # noqa: E402
+from storylens.data.stories import EOT  # noqa: E402
+from storylens.lm import load_lm  # noqa: E402
+from storylens.model.hub import load_model  # noqa: E402
 
 WINDOW = 64
 
@@ -50,11 +50,26 @@ def _causal(kind, vocab, marker, **extra):
     if kind == "gpt2":
         cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=WINDOW, **common)
     elif kind == "gpt_neo":  # a local layer whose window (8) is shorter than the generation
-        cfg = GPTNeoConfig(num_layers=2, num_heads=4, hidden_size=32, max_position_embeddings=WINDOW,
-                           attention_types=[[["global", "local"], 1]], window_size=8, **common)
+        cfg = GPTNeoConfig(
+            num_layers=2,
+            num_heads=4,
+            hidden_size=32,
+            max_position_embeddings=WINDOW,
+            attention_types=[[["global", "local"], 1]],
+            window_size=8,
+            **common,
+        )
     else:
-        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=WINDOW, **common, **extra)
+        cfg = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=WINDOW,
+            **common,
+            **extra,
+        )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
@@ -64,16 +79,18 @@ def folders(native, fast_tokenizer, tmp_path_factory):
     """A seeded random model per architecture, saved with storylens's tokenizer (and an untied Llama)."""
     vocab, marker = native.tokenizer.get_vocab_size(), fast_tokenizer.bos_token_id
     root = tmp_path_factory.mktemp("models")
-    out = {kind: _save(_causal(kind, vocab, marker), fast_tokenizer, root / kind)
-           for kind in ("gpt2", "gpt_neo", "llama")}
-    out["llama_untied"] = _save(_causal("llama", vocab, marker, tie_word_embeddings=False), fast_tokenizer,
-                                root / "llama_untied")
+    out = {
+        kind: _save(_causal(kind, vocab, marker), fast_tokenizer, root / kind) for kind in ("gpt2", "gpt_neo", "llama")
+    }
+    out["llama_untied"] = _save(
+        _causal("llama", vocab, marker, tie_word_embeddings=False), fast_tokenizer, root / "llama_untied"
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def corpus(native, tmp_path_factory):
-    from storylens.lesson import lesson_quiz
+    from storylens.lesson.inputs import lesson_quiz
 
     stories = lesson_quiz(native)[0][:12]
     path = tmp_path_factory.mktemp("corpus") / "stories.txt"
@@ -99,11 +116,15 @@ def test_missing_weights_are_refused_not_initialised(folders, corpus, tmp_path, 
             del sd[k]
 
     bad = _edit(folders["gpt2"], tmp_path / "missing", drop_block)
-    for argv in (["perplexity"], ["score", "--stories", str(corpus), "--out", str(tmp_path / "o")],
-                 ["generate", "Once upon a time"]):
+    for argv in (
+        ["perplexity"],
+        ["score", "--stories", str(corpus), "--out", str(tmp_path / "o")],
+        ["generate", "Once upon a time"],
+    ):
         assert one_line(capfd, [*argv, "--model", str(bad)], 1) == (
             f"storylens: error: {bad}: weights do not match config.json: 12 missing (transformer.h.1.attn.c_attn.bias, "
-            "transformer.h.1.attn.c_attn.weight, transformer.h.1.attn.c_proj.bias, ...)")
+            "transformer.h.1.attn.c_attn.weight, transformer.h.1.attn.c_proj.bias, ...)"
+        )
     assert not (tmp_path / "o").exists()
 
 
@@ -115,7 +136,8 @@ def test_unexpected_and_misshapen_weights_are_refused(folders, tmp_path, capfd):
     bad = _edit(folders["gpt2"], tmp_path / "odd", change)
     assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
         f"storylens: error: {bad}: weights do not match config.json: 1 unexpected (transformer.h.0.extra.weight); "
-        "1 of the wrong shape (transformer.ln_f.bias: [5] in the file, [32] by config.json)")
+        "1 of the wrong shape (transformer.ln_f.bias: [5] in the file, [32] by config.json)"
+    )
 
 
 def test_a_tied_head_may_be_absent_an_untied_one_may_not(folders, tmp_path, capfd):
@@ -126,7 +148,8 @@ def test_a_tied_head_may_be_absent_an_untied_one_may_not(folders, tmp_path, capf
     load_lm(folders["llama_untied"])
     bad = _edit(folders["llama_untied"], tmp_path / "headless", lambda sd: sd.pop("lm_head.weight"))
     assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
-        f"storylens: error: {bad}: weights do not match config.json: 1 missing (lm_head.weight)")
+        f"storylens: error: {bad}: weights do not match config.json: 1 missing (lm_head.weight)"
+    )
 
 
 # ---------------------------------------------------------------- 2. NaN or infinite weights
@@ -138,10 +161,18 @@ def test_non_finite_weights_are_refused_by_every_command(folders, corpus, tmp_pa
         sd["transformer.h.0.attn.c_attn.weight"][3, 5] = value
 
     bad = _edit(folders["gpt2"], tmp_path / "poisoned", poison)
-    want = (f"storylens: error: {bad / 'model.safetensors'}: transformer.h.0.attn.c_attn.weight "
-            "holds NaN or infinite numbers")
-    assert one_line(capfd, ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress",
-                            "--model", str(bad)], 1) == want
+    want = (
+        f"storylens: error: {bad / 'model.safetensors'}: transformer.h.0.attn.c_attn.weight "
+        "holds NaN or infinite numbers"
+    )
+    assert (
+        one_line(
+            capfd,
+            ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress", "--model", str(bad)],
+            1,
+        )
+        == want
+    )
     assert not (tmp_path / "o").exists()
     assert one_line(capfd, ["generate", "Once upon a time", "--model", str(bad)], 1) == want
     assert one_line(capfd, ["report", "--out", str(tmp_path / "r"), "--model", str(bad)], 1) == want
@@ -157,7 +188,8 @@ def test_weights_beyond_the_asked_dtype_are_refused(folders, tmp_path, capfd):
     load_lm(bad)
     assert one_line(capfd, ["perplexity", "--model", str(bad), "--dtype", "float16"], 1) == (
         f"storylens: error: {bad / 'model.safetensors'}: transformer.h.1.mlp.c_fc.weight holds numbers beyond "
-        "float16's range (infinite once cast); run it in float32 or bfloat16")
+        "float16's range (infinite once cast); run it in float32 or bfloat16"
+    )
 
 
 # ---------------------------------------------------------------- 3. pickled weights
@@ -178,46 +210,77 @@ def test_pickled_weights_are_refused_unopened(folders, tmp_path, capfd):
     assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
         f"storylens: error: {bad}: holds pickled weights (pytorch_model.bin), which storylens never opens "
         "(unpickling runs code the file holds); storylens reads only safetensors weights: convert them where you "
-        "trust the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)")
+        "trust the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)"
+    )
     assert not tripwire.exists()
     (bad / "pytorch_model.bin").unlink()
     assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
-        f"storylens: error: {bad}: no model.safetensors; storylens reads only safetensors weights")
+        f"storylens: error: {bad}: no model.safetensors; storylens reads only safetensors weights"
+    )
 
 
 # ---------------------------------------------------------------- 4. not a causal language model
 
 
 def _encoder_and_seq2seq(kind):
-    from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, BertModel, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        BertConfig,
+        BertModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     if kind == "bert":
-        return BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                    intermediate_size=64, vocab_size=100))
+        return BertModel(
+            BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+        )
     if kind == "t5":
-        return T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
-                                                   vocab_size=100))
-    return BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
-                                                   encoder_attention_heads=2, decoder_attention_heads=2,
-                                                   encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100))
+        return T5ForConditionalGeneration(
+            T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=100)
+        )
+    return BartForConditionalGeneration(
+        BartConfig(
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            vocab_size=100,
+        )
+    )
 
 
-@pytest.mark.parametrize("kind, why", [
-    ("bert", " (encoder-only), not a causal language model; storylens reads decoder-only models "
-             "(GPT-2, GPT-Neo, Llama, ...)"),
-    ("bart", " (sequence-to-sequence), not a causal language model; storylens reads decoder-only models "
-             "(GPT-2, GPT-Neo, Llama, ...)"),
-    ("t5", f", not a causal language model (transformers {transformers.__version__} has no causal-LM class "
-           "for `t5`)"),
-])
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        (
+            "bert",
+            " (encoder-only), not a causal language model; storylens reads decoder-only models "
+            "(GPT-2, GPT-Neo, Llama, ...)",
+        ),
+        (
+            "bart",
+            " (sequence-to-sequence), not a causal language model; storylens reads decoder-only models "
+            "(GPT-2, GPT-Neo, Llama, ...)",
+        ),
+        (
+            "t5",
+            f", not a causal language model (transformers {transformers.__version__} has no causal-LM class for `t5`)",
+        ),
+    ],
+)
 def test_encoders_and_seq2seq_models_are_refused(kind, why, fast_tokenizer, tmp_path, capfd):
     folder = _save(_encoder_and_seq2seq(kind), fast_tokenizer, tmp_path / kind)
     capfd.readouterr()
     for argv in (["perplexity"], ["generate", "Once upon a time"]):
         assert one_line(capfd, [*argv, "--model", str(folder)], 1) == (
-            f"storylens: error: {folder}: is a `{kind}` model{why}")
+            f"storylens: error: {folder}: is a `{kind}` model{why}"
+        )
 
 
 # ---------------------------------------------------------------- 5. generation on the cache API that stays
@@ -250,8 +313,23 @@ def test_generate_command_on_a_transformers_model_is_quiet(folders, capfd):
         hf_logging.warning_once.cache_clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert main(["generate", "Once upon a time", "--model", str(folders["gpt2"]), "--max-new-tokens", "30",
-                         "--no-stop", "--seed", "3", *extra]) == 0
+            assert (
+                main(
+                    [
+                        "generate",
+                        "Once upon a time",
+                        "--model",
+                        str(folders["gpt2"]),
+                        "--max-new-tokens",
+                        "30",
+                        "--no-stop",
+                        "--seed",
+                        "3",
+                        *extra,
+                    ]
+                )
+                == 0
+            )
         out, err = capfd.readouterr()
         assert err == "" and not caught, (err, [str(w.message) for w in caught])
         return out
@@ -280,13 +358,24 @@ def test_every_command_that_runs_a_model_has_device_and_dtype():
     assert "--device" not in sub.choices["train"]._option_string_actions
 
 
-@pytest.mark.parametrize("argv", [["perplexity"], ["generate", "hi"], ["score", "--stories", "x.txt", "--out", "y"],
-                                  ["check"], ["export-hf", "z"], ["ablate"], ["report"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["perplexity"],
+        ["generate", "hi"],
+        ["score", "--stories", "x.txt", "--out", "y"],
+        ["check"],
+        ["export-hf", "z"],
+        ["ablate"],
+        ["report"],
+    ],
+)
 def test_a_device_that_is_no_device_is_a_usage_error(argv, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.txt").write_text(f"Tom ran.\n{EOT}\n")
     assert one_line(capfd, [*argv, "--device", "gpu"], 2) == (
-        "storylens: error: --device gpu: not a device (cpu, cuda, cuda:N, mps)")
+        "storylens: error: --device gpu: not a device (cpu, cuda, cuda:N, mps)"
+    )
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
@@ -295,14 +384,16 @@ def test_a_device_this_machine_lacks_is_refused(capfd):
         for d in ("cuda", "cuda:1"):
             assert one_line(capfd, ["perplexity", "--device", d], 1) == (
                 f"storylens: error: --device {d}: not available on this machine "
-                f"(torch {torch.__version__} sees no CUDA device)")
+                f"(torch {torch.__version__} sees no CUDA device)"
+            )
     else:
         n = torch.cuda.device_count()
         assert "not available on this machine" in one_line(capfd, ["perplexity", "--device", f"cuda:{n}"], 1)
     if not torch.backends.mps.is_available():
         assert one_line(capfd, ["perplexity", "--device", "mps"], 1) == (
             "storylens: error: --device mps: not available on this machine "
-            f"(torch {torch.__version__} has no usable MPS backend here)")
+            f"(torch {torch.__version__} has no usable MPS backend here)"
+        )
     with pytest.raises(SystemExit) as e:  # argparse's own usage error
         main(["perplexity", "--dtype", "float128"])
     assert e.value.code == 2
@@ -328,15 +419,33 @@ def test_commands_run_in_float64(folders, corpus, tmp_path, capfd):
         assert main(["perplexity", "--dtype", "float64", "--device", "cpu", *model]) == 0
         assert capfd.readouterr().out.startswith("quiz perplexity ")
         out = tmp_path / name
-        assert main(["score", "--stories", str(corpus), "--out", str(out), "--no-progress", "--dtype", "float64",
-                     "--device", "cpu", *model]) == 0
+        assert (
+            main(
+                [
+                    "score",
+                    "--stories",
+                    str(corpus),
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--dtype",
+                    "float64",
+                    "--device",
+                    "cpu",
+                    *model,
+                ]
+            )
+            == 0
+        )
         capfd.readouterr()
         heads = json.loads((out / "heads.json").read_text())["heads"]
         assert heads and all(isinstance(h["prev_token"], float) and 0 <= h["prev_token"] <= 1 for h in heads)
 
 
 def test_ray_actors_would_ignore_device_and_dtype_so_they_are_refused(corpus, tmp_path, capfd):
-    assert one_line(capfd, ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--engine", "ray",
-                            "--dtype", "float64"], 2) == (
-        "storylens: error: --device and --dtype: only with --engine local (Ray actors load the model as stored)")
+    assert one_line(
+        capfd,
+        ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--engine", "ray", "--dtype", "float64"],
+        2,
+    ) == ("storylens: error: --device and --dtype: only with --engine local (Ray actors load the model as stored)")
     assert not (tmp_path / "o").exists()

@@ -7,15 +7,15 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from storylens.cli import main
-from storylens.data import ENV_STORIES
-from storylens.lesson import PROGRESS_EVERY_ENV, ProgressLines, progress_command
+from storylens.core.progress import PROGRESS_EVERY_ENV, ProgressLines, progress_command
+from storylens.data.stories import ENV_STORIES
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "lesson_02.ipynb"
@@ -88,10 +88,13 @@ def test_progress_interval_from_the_environment(monkeypatch):
     monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")
     assert ProgressLines("scoring", 4).every == 0
     monkeypatch.setenv(PROGRESS_EVERY_ENV, "soon")
-    from storylens.errors import StorylensError
+    from storylens.core.errors import StorylensError
 
-    with pytest.raises(StorylensError, match=r"^\$STORYLENS_PROGRESS_SECONDS: seconds between progress lines, "
-                                             r"a number \(got 'soon'\)$"):
+    with pytest.raises(
+        StorylensError,
+        match=r"^\$STORYLENS_PROGRESS_SECONDS: seconds between progress lines, "
+        r"a number \(got 'soon'\)$",
+    ):
         ProgressLines("scoring", 4)
 
 
@@ -102,16 +105,23 @@ def test_progress_interval_from_the_environment(monkeypatch):
 def tiny_gpt2(tmp_path_factory):
     """A seeded random GPT-2 with storylens's tokenizer (as tests/test_lm.py builds them)."""
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
-    from storylens.hub import load_model
+    from storylens.model.hub import load_model
 
     native = load_model()
-    tok = PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token="<|endoftext|>",
-                                  eos_token="<|endoftext|>")
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=WINDOW,
-                     vocab_size=native.tokenizer.get_vocab_size(), bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=native.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    cfg = GPT2Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        n_positions=WINDOW,
+        vocab_size=native.tokenizer.get_vocab_size(),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     folder = tmp_path_factory.mktemp("models") / "tiny-gpt2"
@@ -122,8 +132,9 @@ def tiny_gpt2(tmp_path_factory):
 
 def _run(args, env_extra, tmp_path):
     env = {**os.environ, **env_extra}
-    return subprocess.run([sys.executable, "-m", "storylens", *args], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=tmp_path)  # stderr is a pipe: not a terminal
+    return subprocess.run(
+        [sys.executable, "-m", "storylens", *args], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )  # stderr is a pipe: not a terminal
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +142,11 @@ def no_corpus_report(tiny_gpt2, tmp_path_factory):
     """``storylens report --model X`` where no corpus is at hand, stderr not a terminal."""
     tmp = tmp_path_factory.mktemp("nocorpus")
     out = tmp / "report"
-    r = _run(["report", "--model", str(tiny_gpt2), "--out", str(out)],
-             {ENV_STORIES: str(tmp / "no-such-corpus.txt.gz"), PROGRESS_EVERY_ENV: "0"}, tmp)
+    r = _run(
+        ["report", "--model", str(tiny_gpt2), "--out", str(out)],
+        {ENV_STORIES: str(tmp / "no-such-corpus.txt.gz"), PROGRESS_EVERY_ENV: "0"},
+        tmp,
+    )
     return r, out
 
 
@@ -142,8 +156,9 @@ def test_a_transformers_model_with_no_corpus_gets_the_shipped_quiz(no_corpus_rep
     summary = json.loads((out / "summary.json").read_text())
     q = summary["quiz"]
     assert q["stories"] == 200 and q["shipped_with_storylens"] is True
-    assert q["source"] == ("the lesson's 200 quiz stories, shipped with storylens: no corpus here, "
-                           "and the model ships no quiz of its own")
+    assert q["source"] == (
+        "the lesson's 200 quiz stories, shipped with storylens: no corpus here, and the model ships no quiz of its own"
+    )
     assert summary["leakage"]["computed"] is False
     page = (out / "report.html").read_text()
     assert "the lesson&#x27;s 200 quiz stories, shipped with storylens" in page
@@ -154,8 +169,9 @@ def test_a_long_report_off_a_terminal_says_how_far_it_is(no_corpus_report):
     r, _ = no_corpus_report
     lines = [x for x in r.stderr.splitlines() if x.startswith("storylens: report: scoring")]
     assert lines, r.stderr
-    assert all(re.fullmatch(r"storylens: report: scoring \d+/200 stories(, about \d+ (s|min) left)?", x)
-               for x in lines), lines
+    assert all(
+        re.fullmatch(r"storylens: report: scoring \d+/200 stories(, about \d+ (s|min) left)?", x) for x in lines
+    ), lines
     assert re.fullmatch(r"storylens: report: scoring \d+/200 stories, about \d+ (s|min) left", lines[0])
     assert lines[-1] == "storylens: report: scoring 200/200 stories"
 
@@ -178,20 +194,31 @@ def test_colours_are_described_as_drawn_and_each_table_names_its_range(no_corpus
     assert "brighter (towards yellow): a larger" in page  # viridis: bright is large
     tables = page.count('<table class="slh">')
     assert tables >= 8
-    assert len(re.findall(r"Colours: this table&#x27;s own range, -?\d\.\d{3} \(black\) to -?\d\.\d{3} "
-                          r"\(light yellow\)", page)) == tables
+    assert (
+        len(
+            re.findall(
+                r"Colours: this table&#x27;s own range, -?\d\.\d{3} \(black\) to -?\d\.\d{3} "
+                r"\(light yellow\)",
+                page,
+            )
+        )
+        == tables
+    )
 
 
 def test_a_stories_file_that_is_missing_still_fails_and_names_quiz(tiny_gpt2, tmp_path):
     missing = tmp_path / "missing.txt.gz"
-    r = _run(["report", "--model", str(tiny_gpt2), "--stories", str(missing), "--out", str(tmp_path / "r")],
-             {}, tmp_path)
+    r = _run(
+        ["report", "--model", str(tiny_gpt2), "--stories", str(missing), "--out", str(tmp_path / "r")], {}, tmp_path
+    )
     assert r.returncode == 1
     err = r.stderr.strip().splitlines()
     assert len(err) == 1, r.stderr
     assert err[0].startswith(f"storylens: error: {missing}: stories file not found; ")
-    assert err[0].endswith("; or pass --quiz FILE to measure stories of your own, or leave out --stories to use "
-                           "the quiz shipped with storylens")
+    assert err[0].endswith(
+        "; or pass --quiz FILE to measure stories of your own, or leave out --stories to use "
+        "the quiz shipped with storylens"
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -200,8 +227,10 @@ def test_commands_offer_quiz_only_where_they_have_it(capsys, tmp_path):
     assert main(["ablate", "--stories", str(missing)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"storylens: error: {missing}: stories file not found; ") and "\n" not in err
-    assert err.endswith("; or pass --quiz FILE to measure stories of your own, or leave out --stories to use the "
-                        "quiz shipped with storylens")
+    assert err.endswith(
+        "; or pass --quiz FILE to measure stories of your own, or leave out --stories to use the "
+        "quiz shipped with storylens"
+    )
     assert main(["perplexity", "--stories", str(missing)]) == 1  # perplexity has no --quiz
     err = capsys.readouterr().err.strip()
     assert err.endswith("; or leave out --stories to use the quiz shipped with storylens") and "--quiz" not in err
@@ -209,7 +238,7 @@ def test_commands_offer_quiz_only_where_they_have_it(capsys, tmp_path):
 
 def test_the_shipped_report_keeps_the_lesson_wording(tmp_path):
     """The shipped model still reads as the lesson's: its name, its marker and the lesson column."""
-    from storylens.report import _display_name, _marker_words
+    from storylens.lesson.report import _display_name, _marker_words
     from storylens.lm import load_lm
 
     lm = load_lm()
@@ -223,7 +252,7 @@ def _rows(stdout: str) -> list[str]:
     lines = stdout.splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith("heads "))
     rows = []
-    for x in lines[start + 1:]:
+    for x in lines[start + 1 :]:
         if not x.strip():
             break
         rows.append(x.split()[0])

@@ -14,7 +14,9 @@ def executed(tmp_path_factory):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     path = tmp_path_factory.mktemp("nb")
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path)}}
+    ).execute()
     return nb
 
 
@@ -40,8 +42,13 @@ def test_every_figure_cell_shows_a_picture_and_every_widget_cell_html(executed):
 
 
 def test_it_measures_on_this_machine_and_teaches(executed):
-    text = "\n".join(o.get("text", "") for c in executed.cells if c.cell_type == "code"
-                     for o in c.get("outputs", []) if o.get("name") == "stdout")
+    text = "\n".join(
+        o.get("text", "")
+        for c in executed.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("name") == "stdout"
+    )
     assert "fused vs explicit logits" in text and "float64" in text
     assert "cache 200 vs recompute 20,100" in text
     assert re.search(r"L\dH\d  name mass 0\.\d{3}", text)
@@ -52,4 +59,4 @@ def test_it_measures_on_this_machine_and_teaches(executed):
     assert len(answers) == 3
     # the first code cell installs storylens only where it is missing (Colab)
     first = next(c for c in executed.cells if c.cell_type == "code")
-    assert "find_spec(\"storylens\") is None" in first.source and "pip install" in first.source
+    assert 'find_spec("storylens") is None' in first.source and "pip install" in first.source

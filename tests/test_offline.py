@@ -16,6 +16,7 @@ def no_network(monkeypatch):
         def guard(*args, **kwargs):
             attempts.append((what, args[:2]))
             raise OSError(f"network disabled by the test ({what})")
+
         return guard
 
     monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
@@ -29,18 +30,23 @@ def no_network(monkeypatch):
 
 
 HUB_ID = "someone/tiny-storyteller"
-OFFLINE = (f"storylens: error: {HUB_ID}: not a folder here and not in the local hub cache; storylens stays "
-           "offline unless asked: pass --allow-download to fetch it")
+OFFLINE = (
+    f"storylens: error: {HUB_ID}: not a folder here and not in the local hub cache; storylens stays "
+    "offline unless asked: pass --allow-download to fetch it"
+)
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "Once", "--model", HUB_ID],
-    ["perplexity", "--model", HUB_ID],
-    ["export-hf", "OUT", "--model", HUB_ID],
-    ["check", "--model", HUB_ID],
-    ["report", "--model", HUB_ID, "--out", "OUT", "--no-progress"],
-    ["ablate", "--model", HUB_ID],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "Once", "--model", HUB_ID],
+        ["perplexity", "--model", HUB_ID],
+        ["export-hf", "OUT", "--model", HUB_ID],
+        ["check", "--model", HUB_ID],
+        ["report", "--model", HUB_ID, "--out", "OUT", "--no-progress"],
+        ["ablate", "--model", HUB_ID],
+    ],
+)
 def test_a_hub_id_without_allow_download_opens_no_socket(no_network, capsys, tmp_path, argv):
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
     assert main(argv) == 1

@@ -13,8 +13,8 @@ ray = pytest.importorskip("ray")
 from storylens.analysis.names import name_vocabulary  # noqa: E402
 from storylens.analysis.record import record  # noqa: E402
 from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
+from storylens.corpus.ray_engine import score_with_ray  # noqa: E402
 from storylens.lm import NativeLM  # noqa: E402
-from storylens.ray_engine import score_with_ray  # noqa: E402
 
 BATCH, CHUNK = 4, 8
 
@@ -43,8 +43,16 @@ def single(model, stories):
 
 def on_ray(stories, workers):
     acc = HeadScoreAccumulator(6, 4)
-    stats = score_with_ray(None, stories, name_vocabulary(stories), acc, workers=workers, batch_size=BATCH,
-                           chunk_stories=CHUNK, progress=False)
+    stats = score_with_ray(
+        None,
+        stories,
+        name_vocabulary(stories),
+        acc,
+        workers=workers,
+        batch_size=BATCH,
+        chunk_stories=CHUNK,
+        progress=False,
+    )
     return acc, stats
 
 

@@ -12,13 +12,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (requirements-dev.txt)
+from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
+from test_ray import BATCH, CHUNK, single  # noqa: E402  (one process as each actor runs it: one torch thread)
 
 from storylens.analysis.names import name_vocabulary  # noqa: E402
 from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
-from storylens.data import EOT  # noqa: E402
-from storylens.ray_engine import score_with_ray  # noqa: E402
-from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
-from test_ray import BATCH, CHUNK, single  # noqa: E402  (one process as each actor runs it: one torch thread)
+from storylens.corpus.ray_engine import score_with_ray  # noqa: E402
+from storylens.data.stories import EOT  # noqa: E402
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -67,8 +67,13 @@ def test_fewer_than_one_worker_is_a_usage_error(capsys, stories_file, tmp_path, 
 def test_a_successful_run_prints_only_storylens_lines(stories_file, tmp_path):
     """Ray's INFO lines, its C++ log lines and Ray Data's notes stay in Ray's session logs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    p = subprocess.run([sys.executable, "-m", "storylens", *score(stories_file, tmp_path / "out", "--workers", "2")],
-                       capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "storylens", *score(stories_file, tmp_path / "out", "--workers", "2")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     assert [line for line in p.stderr.splitlines() if not line.startswith("storylens: ")] == [], p.stderr
     out = p.stdout.splitlines()
@@ -89,13 +94,21 @@ def listening_addresses() -> set[str]:
     return found
 
 
-def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopback(capsys, shipped_model,
-                                                                                   corpus_split):
+def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopback(capsys, shipped_model, corpus_split):
     stories = corpus_split.quiz[:40]
     ref, ref_stats = single(shipped_model, stories)
     acc, details = HeadScoreAccumulator(6, 4), {}
-    stats = score_with_ray(None, stories, name_vocabulary(stories), acc, workers=64, batch_size=BATCH,
-                           chunk_stories=CHUNK, progress=False, details=details)
+    stats = score_with_ray(
+        None,
+        stories,
+        name_vocabulary(stories),
+        acc,
+        workers=64,
+        batch_size=BATCH,
+        chunk_stories=CHUNK,
+        progress=False,
+        details=details,
+    )
     cpus = int(ray.cluster_resources()["CPU"])
     err = capsys.readouterr().err
     if cpus < 64:
@@ -117,6 +130,7 @@ def test_a_detector_that_raises_in_an_actor_is_one_line(capsys, stories_file, tm
     det = tmp_path / "boom.py"
     det.write_text("def pattern(ids):\n    raise ValueError('boom')\n")
     line = one_line(capsys, score(stories_file, tmp_path / "out", "--workers", "2", "--detector", str(det)), 1)
-    assert line == (f"storylens: error: --detector {det}: detector boom: pattern(ids) raised ValueError: boom "
-                    "(in a Ray actor)")
+    assert line == (
+        f"storylens: error: --detector {det}: detector boom: pattern(ids) raised ValueError: boom (in a Ray actor)"
+    )
     assert not (tmp_path / "out").exists()

@@ -2,15 +2,15 @@
 
 import csv
 import json
-from pathlib import Path
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from storylens.cli import main
-from storylens.data import EOT
-from storylens.numerics import unit_roundoff
+from storylens.data.stories import EOT
+from storylens.lesson.checks import unit_roundoff
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,17 @@ def report_dir(tmp_path_factory):
 
 
 def test_report_files_and_labels(report_dir):
-    for name in ("report.html", "heads.csv", "heads.json", "summary.json", "all_heads.png", "causal_mask.png",
-                 "name_mass.png", "top_name_head.png", "widget.html"):
+    for name in (
+        "report.html",
+        "heads.csv",
+        "heads.json",
+        "summary.json",
+        "all_heads.png",
+        "causal_mask.png",
+        "name_mass.png",
+        "top_name_head.png",
+        "widget.html",
+    ):
         assert (report_dir / name).stat().st_size > 0, name
     rows = list(csv.DictReader(open(report_dir / "heads.csv")))
     assert [r["label"] for r in rows] == [f"L{b}H{h}" for b in range(1, 7) for h in range(1, 5)]
@@ -69,8 +78,9 @@ def test_stories_with_no_usable_names(capsys, tmp_path):
     quiz = tmp_path / "plain.txt"
     quiz.write_text("".join(f"the cat sat on the mat number {i}. the cat was happy.\n{EOT}\n" for i in range(5)))
     out = tmp_path / "out"
-    assert "no story has a main character" in _err(capsys, ["report", "--quiz", str(quiz), "--out", str(out),
-                                                             "--no-progress"])
+    assert "no story has a main character" in _err(
+        capsys, ["report", "--quiz", str(quiz), "--out", str(out), "--no-progress"]
+    )
     assert not out.exists()
 
 
@@ -98,11 +108,11 @@ def test_model_folder_that_is_not_one(capsys, tmp_path):
 
 def test_readme_lesson_table_is_the_reports(report_dir):
     """README figures come from a report run: regenerate with scripts/readme_tables.py when this fails."""
-    from storylens.report import LESSON_TABLE, lesson_table
+    from storylens.lesson.report import LESSON_TABLE, lesson_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start, end = f"<!-- {LESSON_TABLE}:start -->", f"<!-- {LESSON_TABLE}:end -->"
-    shown = readme[readme.index(start) + len(start): readme.index(end)].strip()
+    shown = readme[readme.index(start) + len(start) : readme.index(end)].strip()
     summary = json.loads((report_dir / "summary.json").read_text())
     assert shown == lesson_table(summary)
 
@@ -111,9 +121,11 @@ def test_a_user_detector_from_a_file(tmp_path, capsys):
     """--detector FILE: a pattern over token ids becomes a column of the head table. Attention on
     the opening marker from every later query is exactly the lesson's marker score."""
     det = tmp_path / "opening.py"
-    det.write_text("import torch\nNAME = 'opening'\n\ndef pattern(ids):\n"
-                   "    w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])\n"
-                   "    w[:, 1:, 0] = 1.0\n    return w\n")
+    det.write_text(
+        "import torch\nNAME = 'opening'\n\ndef pattern(ids):\n"
+        "    w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])\n"
+        "    w[:, 1:, 0] = 1.0\n    return w\n"
+    )
     out = tmp_path / "rep"
     assert main(["report", "--detector", str(det), "--out", str(out), "--no-progress"]) == 0
     heads = json.loads((out / "heads.json").read_text())["heads"]
@@ -126,6 +138,7 @@ def test_a_user_detector_from_a_file(tmp_path, capsys):
     bad.write_text("raise RuntimeError('no')\n")
     assert "--detector" in _err(capsys, ["report", "--detector", str(bad), "--out", str(tmp_path / "x")])
     (tmp_path / "none.py").write_text("X = 1\n")
-    assert "defines no function pattern" in _err(capsys, ["report", "--detector", str(tmp_path / "none.py"),
-                                                          "--out", str(tmp_path / "y")])
+    assert "defines no function pattern" in _err(
+        capsys, ["report", "--detector", str(tmp_path / "none.py"), "--out", str(tmp_path / "y")]
+    )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -14,7 +14,7 @@ import pytest
 
 from storylens.analysis.names import NameVocabulary, name_vocabulary
 from storylens.cli import main
-from storylens.data import EOT
+from storylens.data.stories import EOT
 
 N = 48
 
@@ -52,8 +52,13 @@ def test_every_format_gives_the_same_table(files, tmp_path):
     ref, summary = _score(tmp_path, "txt", "--stories", str(files / "s.txt"))
     assert summary["stories"]["scored"] == N and len(ref["heads"]) == 24
     assert {"duplicate_token", "induction", "name_mass"} <= set(ref["heads"][0])
-    for name, extra in [("s.txt.gz", []), ("s.jsonl", ["--text-field", "story"]), ("s.jsonl.gz", ["--text-field", "story"]),
-                        ("s.parquet", ["--text-field", "story"]), ("saved", ["--text-field", "story"])]:
+    for name, extra in [
+        ("s.txt.gz", []),
+        ("s.jsonl", ["--text-field", "story"]),
+        ("s.jsonl.gz", ["--text-field", "story"]),
+        ("s.parquet", ["--text-field", "story"]),
+        ("saved", ["--text-field", "story"]),
+    ]:
         got, _ = _score(tmp_path, name.replace(".", "_"), "--stories", str(files / name), *extra)
         assert got == ref, name  # the same stories, the same chunks and batches: the same numbers
     half, s = _score(tmp_path, "limit", "--stories", str(files / "s.jsonl"), "--text-field", "story", "--limit", "20")
@@ -128,7 +133,7 @@ def test_a_killed_run_resumes_to_the_same_numbers(files, tmp_path):
 
 def test_a_stream_needs_its_names(shipped_model, stories):
     from storylens.analysis.record import record
-    from storylens.errors import StorylensError
+    from storylens.core.errors import StorylensError
     from storylens.lm import NativeLM
 
     with pytest.raises(StorylensError, match="pass names"):
@@ -137,12 +142,14 @@ def test_a_stream_needs_its_names(shipped_model, stories):
 
 
 def test_ray_missing_is_one_line(files, tmp_path):
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from storylens.cli import main\n"
-            f"sys.exit(main(['score', '--stories', {str(files / 's.txt')!r}, '--out', {str(tmp_path / 'r')!r}, "
-            "'--engine', 'ray', '--no-progress']))")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from storylens.cli import main\n"
+        f"sys.exit(main(['score', '--stories', {str(files / 's.txt')!r}, '--out', {str(tmp_path / 'r')!r}, "
+        "'--engine', 'ray', '--no-progress']))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    from storylens.errors import install_hint
+    from storylens.core.errors import install_hint
 
     assert install_hint("ray").startswith("pip install 'storylens[ray] @ git+https://")
     assert r.returncode == 1 and r.stderr.strip() == f"storylens: error: --engine ray needs Ray: {install_hint('ray')}"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from storylens.checkpoint import load_checkpoint
-from storylens.data import EOT
-from storylens.errors import StorylensError
-from storylens.train import CHECKPOINT, TrainConfig, lr_at
+from storylens.core.errors import StorylensError
+from storylens.data.stories import EOT
+from storylens.model.checkpoint import load_checkpoint
+from storylens.model.train import CHECKPOINT, TrainConfig, lr_at
 
 STEPS = 10
 
@@ -28,9 +28,27 @@ def slice_file(tmp_path_factory, corpus_split):
 
 
 def _train_cmd(slice_file, out, *extra):
-    return [sys.executable, "-m", "storylens", "train", "--stories", str(slice_file), "--out", str(out),
-            "--max-steps", str(STEPS), "--batch-size", "2", "--eval-every", "5", "--checkpoint-minutes", "0",
-            "--vocab-size", "1024", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "storylens",
+        "train",
+        "--stories",
+        str(slice_file),
+        "--out",
+        str(out),
+        "--max-steps",
+        str(STEPS),
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "5",
+        "--checkpoint-minutes",
+        "0",
+        "--vocab-size",
+        "1024",
+        *extra,
+    ]
 
 
 def _losses(out: Path):

@@ -15,14 +15,39 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     d = tmp_path_factory.mktemp("wheel")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(d / "dist"), str(ROOT)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(d / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     wheel = next((d / "dist").glob("storylens-*.whl"))
     venv = d / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                        "-c", str(ROOT / "constraints.txt"), str(wheel)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-c",
+            str(ROOT / "constraints.txt"),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return wheel, venv
 
@@ -30,16 +55,24 @@ def installed(tmp_path_factory):
 def run(venv, cwd, *argv):
     env = {k: v for k, v in os.environ.items() if k not in ("STORYLENS_STORIES", "PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    return subprocess.run([str(venv / "bin" / "storylens"), *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [str(venv / "bin" / "storylens"), *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_the_wheel_carries_the_model_quiz_and_licences(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     folder = "storylens/pretrained/tiny-storyteller/"
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "quiz.txt.gz", "leakage.json",
-              "LICENSE-DATA.md"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "quiz.txt.gz",
+        "leakage.json",
+        "LICENSE-DATA.md",
+    ):
         assert folder + f in names, f
     assert "storylens/viz/static/widget.js" in names and "storylens/licenses/CDLA-Sharing-1.0.txt" in names
     assert any(n.endswith("/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names

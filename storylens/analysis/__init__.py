@@ -2,17 +2,17 @@
 detectors as pure functions, names and main characters, quiz leakage, and past the lesson:
 ablation, position control, pronouns. Computing only: no parsers, no HTML, no plotting, no loading."""
 
-from .ablation import ablate_heads, generation_divergence, head_output_means, name_ablation_table
-from .accumulate import MeanAccumulator
-from .detectors import BUILTIN_DETECTORS, LESSON_DETECTORS, Detector, pattern_detector
-from .encode import EncodedStory, encode_stories, iter_batches
-from .perplexity import perplexity
-from .record import record
-from .leakage import LeakageReport, check_leakage, exact_duplicates, stories_mentioning
-from .names import MainCharacter, find_main_characters, main_character, name_vocabulary
-from .position import position_control_scores
-from .pronouns import pronoun_attention
-from .scores import SCORE_COLUMNS, HeadScore, HeadScoreAccumulator, HeadScores, score_heads
+from storylens.analysis.ablation import ablate_heads, generation_divergence, head_output_means, name_ablation_table
+from storylens.analysis.accumulate import MeanAccumulator
+from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS, Detector, pattern_detector
+from storylens.analysis.encode import EncodedStory, encode_stories, iter_batches
+from storylens.analysis.names import MainCharacter, find_main_characters, main_character, name_vocabulary
+from storylens.analysis.perplexity import perplexity
+from storylens.analysis.position import position_control_scores
+from storylens.analysis.pronouns import pronoun_attention
+from storylens.analysis.record import record
+from storylens.analysis.scores import SCORE_COLUMNS, HeadScore, HeadScoreAccumulator, HeadScores, score_heads
+from storylens.data.leakage import LeakageReport, check_leakage, exact_duplicates, stories_mentioning
 
 __all__ = [
     "BUILTIN_DETECTORS",

@@ -28,17 +28,19 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.nn import functional as F
 
-from ..errors import StorylensError
-from ..heads import Head, as_heads, head_label
-from ..lesson import ProgressLines
-from ..lm import wrap
-from .encode import length_batches, mention_first_tokens  # noqa: F401  (mention_first_tokens: re-exported)
+from storylens.analysis.encode import encode_stories, length_batches, mention_first_tokens  # noqa: F401  (mention_first_tokens: re-exported)
+from storylens.analysis.names import name_vocabulary
+from storylens.analysis.scores import score_heads
+from storylens.core.errors import StorylensError
+from storylens.core.heads import Head, as_heads, head_label
+from storylens.core.progress import ProgressLines
+from storylens.lm import wrap
 
 MODES = ("zero", "mean")
 
@@ -78,6 +80,7 @@ def _mean_vectors(lm, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
 def _head_replacer(heads: Sequence[int], values: torch.Tensor | None):
     """A ``hook_z`` hook: returns ``z [batch, query, head, head_size]`` with ``heads`` set to zero or to
     ``values [len(heads), head_size]`` (the tensor it is given is not modified)."""
+
     def hook(z: torch.Tensor) -> torch.Tensor:
         z = z.clone()
         idx = torch.tensor(heads, device=z.device)
@@ -86,6 +89,7 @@ def _head_replacer(heads: Sequence[int], values: torch.Tensor | None):
         else:
             z[:, :, idx] = values.to(device=z.device, dtype=z.dtype)[None, None]
         return z
+
     return hook
 
 
@@ -93,7 +97,7 @@ def _head_replacer(heads: Sequence[int], values: torch.Tensor | None):
 def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=None) -> Iterator[None]:
     """Switch ``heads`` off inside the ``with`` block, through ``blocks.{l}.attn.hook_z``.
 
-    ``heads``: :class:`~storylens.heads.Head` (0-indexed) or labels like ``"L5H3"``.
+    ``heads``: :class:`~storylens.core.heads.Head` (0-indexed) or labels like ``"L5H3"``.
     ``mode="zero"`` replaces each head's output by zeros; ``mode="mean"`` by its mean
     output vector, ``means[layer, head]`` (a ``[layer, head, head_size]`` tensor from
     :func:`head_output_means`, or a ``{Head: vector}`` mapping). Other hooks keep running;
@@ -134,9 +138,7 @@ def _check_stories(lm, stories_ids: Sequence[Sequence[int]]) -> None:
         raise StorylensError("stories: nothing to run (empty list)")
     for i, s in enumerate(stories_ids):
         if not 1 <= len(s) <= lm.window:
-            raise StorylensError(
-                f"story {i}: {len(s)} tokens; each story needs 1..{lm.window} (cut it to the window)"
-            )
+            raise StorylensError(f"story {i}: {len(s)} tokens; each story needs 1..{lm.window} (cut it to the window)")
 
 
 @torch.inference_mode()
@@ -160,6 +162,7 @@ def head_output_means(
             w = current["mask"].to(torch.float64)
             add = torch.einsum("bthd,bt->hd", z.to(torch.float64), w).cpu()
             totals[layer] = add if totals[layer] is None else totals[layer] + add
+
         return hook
 
     count = 0
@@ -264,10 +267,12 @@ LOSS_CHUNK = 512  # rows of logits at a time: [512, vocab] stays in cache (about
 def _losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Cross-entropy at the scored positions only: ``logits [B, T, V]`` -> ``[n_scored]`` float64."""
     rows, t = logits[:, :-1][scored], targets[scored]
-    return torch.cat([
-        F.cross_entropy(rows[i : i + LOSS_CHUNK].float(), t[i : i + LOSS_CHUNK], reduction="none")
-        for i in range(0, rows.shape[0], LOSS_CHUNK)
-    ]).to(torch.float64)
+    return torch.cat(
+        [
+            F.cross_entropy(rows[i : i + LOSS_CHUNK].float(), t[i : i + LOSS_CHUNK], reduction="none")
+            for i in range(0, rows.shape[0], LOSS_CHUNK)
+        ]
+    ).to(torch.float64)
 
 
 @torch.inference_mode()
@@ -438,8 +443,6 @@ def name_ablation_table(
     default to :func:`head_output_means` over all of ``stories`` (those without a main
     character included).
     """
-    from .encode import encode_stories
-    from .names import name_vocabulary
 
     lm = wrap(model)
     stories = list(stories)
@@ -451,16 +454,20 @@ def name_ablation_table(
     if not ids:
         raise StorylensError("stories: none has a main character mentioned inside the window")
     if name_heads is None and k > 0:
-        from .scores import score_heads
-
-        scores = score_heads(lm, stories, batch_size=batch_size, progress=progress,
-                             measures=(ProgressLines("scoring", len(stories), enabled=progress),))
+        scores = score_heads(
+            lm,
+            stories,
+            batch_size=batch_size,
+            progress=progress,
+            measures=(ProgressLines("scoring", len(stories), enabled=progress),),
+        )
         name_heads = [h.label for h in scores.top("name_mass", k)]
     groups = [list(name_heads)] if name_heads else []
     if "mean" in modes and means is None:
         means = head_output_means(lm, all_ids, batch_size=batch_size)
-    return ablation_loss_table(lm, ids, starts, heads=heads, groups=groups, modes=modes, means=means,
-                               batch_size=batch_size, progress=progress)
+    return ablation_loss_table(
+        lm, ids, starts, heads=heads, groups=groups, modes=modes, means=means, batch_size=batch_size, progress=progress
+    )
 
 
 # ---------------------------------------------------------------- generation
@@ -535,8 +542,7 @@ def generation_divergence(
 
     def run() -> list[int]:
         gen = torch.Generator(device=idx.device).manual_seed(seed)
-        steps = lm.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                      generator=gen, eos_id=eos)
+        steps = lm.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen, eos_id=eos)
         return [s.token for s in steps]
 
     try:

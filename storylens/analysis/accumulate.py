@@ -29,7 +29,7 @@ class MeanAccumulator:
             return torch.full_like(self.total, float("nan"))
         return self.total / self.count
 
-    def merge(self, other: "MeanAccumulator") -> "MeanAccumulator":
+    def merge(self, other: MeanAccumulator) -> MeanAccumulator:
         """Add another accumulator's sum and count (the same shape): sums of float64, any order."""
         if other.total.shape != self.total.shape:
             raise ValueError(f"merge: shapes {tuple(self.total.shape)} and {tuple(other.total.shape)} differ")
@@ -42,7 +42,7 @@ class MeanAccumulator:
         return {"total": self.total.tolist(), "count": self.count}
 
     @classmethod
-    def from_state(cls, state: dict, shape: tuple[int, ...], *, max_count: int | None = None) -> "MeanAccumulator":
+    def from_state(cls, state: dict, shape: tuple[int, ...], *, max_count: int | None = None) -> MeanAccumulator:
         """The accumulator :meth:`state` wrote, every number checked: a whole count from 0 to
         ``max_count``, finite sums of per-story values in [0, 1] (every score storylens keeps is a
         share of attention), so each sum lies in [0, count] up to float64 rounding (a sum of n
@@ -51,8 +51,12 @@ class MeanAccumulator:
         if not isinstance(state, dict) or set(state) != {"total", "count"}:
             raise ValueError("not a {total, count} object")
         count = state["count"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or \
-                (max_count is not None and count > max_count):
+        if (
+            isinstance(count, bool)
+            or not isinstance(count, int)
+            or count < 0
+            or (max_count is not None and count > max_count)
+        ):
             raise ValueError(f"count {count!r} is not a whole number from 0 to {max_count}")
         try:
             total = torch.tensor(state["total"], dtype=torch.float64)

@@ -27,21 +27,39 @@ weights over the queries whose row is not all zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
-from ..constants import PREV_SPAN
-from ..errors import StorylensError
+from storylens.core.errors import StorylensError
+
+PREV_SPAN = 4  # prev4: attention on the last four positions together
 
 # every column the head table already has: a user detector may not take one of these names
-RESERVED_COLUMNS = frozenset((
-    "label", "block", "head", "layer", "extra", "name_mass", "name_baseline", "name_ratio", "prev_token",
-    "prev_argmax", "prev4", "prev_token_first", "prev_argmax_first", "prev4_first", "marker", "duplicate_token",
-    "induction"))
+RESERVED_COLUMNS = frozenset(
+    (
+        "label",
+        "block",
+        "head",
+        "layer",
+        "extra",
+        "name_mass",
+        "name_baseline",
+        "name_ratio",
+        "prev_token",
+        "prev_argmax",
+        "prev4",
+        "prev_token_first",
+        "prev_argmax_first",
+        "prev4_first",
+        "marker",
+        "duplicate_token",
+        "induction",
+    )
+)
 
 
 # ---------------------------------------------------------------- what a batch offers
@@ -115,22 +133,28 @@ class BatchMasks:
         except SystemExit as e:
             raise StorylensError(f"{where} called sys.exit({e.code!r})") from None
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "shape"):
-            raise StorylensError(f"{where} returned {type(raw).__name__}; expected a [batch, query, key] "
-                                 f"tensor of shape {(B, T, T)}")
+            raise StorylensError(
+                f"{where} returned {type(raw).__name__}; expected a [batch, query, key] tensor of shape {(B, T, T)}"
+            )
         try:
             w = torch.as_tensor(raw).to(device=ids.device, dtype=self.dtype)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise StorylensError(f"{where} returned weights that are not numbers ({' '.join(str(e).split())[:120]})") from None
+            raise StorylensError(
+                f"{where} returned weights that are not numbers ({' '.join(str(e).split())[:120]})"
+            ) from None
         if tuple(w.shape) != (B, T, T):
-            raise StorylensError(f"{where} returned weights of shape {tuple(w.shape)}; expected {(B, T, T)} "
-                                 "([batch, query, key])")
+            raise StorylensError(
+                f"{where} returned weights of shape {tuple(w.shape)}; expected {(B, T, T)} ([batch, query, key])"
+            )
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         w = torch.where(causal & self.inside[:, :, None] & self.inside[:, None, :], w, torch.zeros((), dtype=w.dtype))
         if not torch.isfinite(w).all():
             raise StorylensError(f"{where} returned NaN or infinite weights; a weight is a number from 0 to 1")
         if (w < 0).any() or (w > 1).any():
-            raise StorylensError(f"{where} returned weights from {w.min().item():g} to {w.max().item():g}; "
-                                 "a weight is a number from 0 to 1 (how much that key counts)")
+            raise StorylensError(
+                f"{where} returned weights from {w.min().item():g} to {w.max().item():g}; "
+                "a weight is a number from 0 to 1 (how much that key counts)"
+            )
         return w
 
 
@@ -230,8 +254,9 @@ MARKER = Detector("marker", lambda p, m: m.column_mass(p)[..., 1], lambda m: m.q
 PREV_TOKEN = Detector("prev_token", lambda p, m: prev_token(p), lambda m: m.queries, first_columns=True)
 PREV_ARGMAX = Detector("prev_argmax", lambda p, m: prev_is_argmax(p), lambda m: m.queries, first_columns=True)
 PREV4 = Detector("prev4", lambda p, m: prev_span(p), lambda m: m.queries, first_columns=True)
-DUPLICATE_TOKEN = Detector("duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")),
-                           _duplicate_queries)
+DUPLICATE_TOKEN = Detector(
+    "duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")), _duplicate_queries
+)
 INDUCTION = Detector("induction", lambda p, m: gathered_mass(p, *m.sparse_keys("induction_keys")), _induction_queries)
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)

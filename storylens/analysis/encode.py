@@ -8,15 +8,14 @@ so token ``i`` of the story sits at position ``i + 1``.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import StorylensError
-from .names import MainCharacter, main_character
-from .pronouns import pronoun_positions, pronoun_spans
+from storylens.analysis.names import MainCharacter, main_character, name_vocabulary, pronoun_positions, pronoun_spans
+from storylens.core.errors import StorylensError
 
 Span = tuple[int, int]
 
@@ -83,8 +82,14 @@ class StoryBatch:
     stories: tuple[EncodedStory, ...] = field(default=())  # the records behind the rows, when known
 
 
-def make_batch(ids: Sequence[Sequence[int]], mains: Sequence[MainCharacter | None], in_first: Sequence[bool],
-               marker_id: int, device: torch.device | str = "cpu", stories: Sequence[EncodedStory] = ()) -> StoryBatch:
+def make_batch(
+    ids: Sequence[Sequence[int]],
+    mains: Sequence[MainCharacter | None],
+    in_first: Sequence[bool],
+    marker_id: int,
+    device: torch.device | str = "cpu",
+    stories: Sequence[EncodedStory] = (),
+) -> StoryBatch:
     """Pad ``ids`` at the end (with the marker id) and build the position masks."""
     B, T = len(ids), max(len(x) for x in ids)
     grid = torch.full((B, T), marker_id, dtype=torch.long)
@@ -110,8 +115,14 @@ def make_batch(ids: Sequence[Sequence[int]], mains: Sequence[MainCharacter | Non
 
 def batch_of(stories: Sequence[EncodedStory], marker_id: int, device, first_limit: int | None = None) -> StoryBatch:
     limit = first_limit if first_limit is not None else float("inf")
-    return make_batch([s.ids for s in stories], [s.main for s in stories], [s.index < limit for s in stories],
-                      marker_id, device, stories)
+    return make_batch(
+        [s.ids for s in stories],
+        [s.main for s in stories],
+        [s.index < limit for s in stories],
+        marker_id,
+        device,
+        stories,
+    )
 
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -122,6 +133,11 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+# Stories per forward pass. Peak memory follows the largest batch's maps (batch x heads x window x
+# window floats per block, and the allocator's fragments of them), while on a CPU 4 stories a pass
+# score within a few percent of 16's speed (the "batch" rows of benchmarks/corpus.json); on a GPU
+# pass a larger one.
+BATCH_STORIES = 4
 CHUNK_STORIES = 512  # stories encoded (and sorted by length into batches) at a time
 
 
@@ -141,8 +157,9 @@ def chunked(stories: Iterable, size: int, start: int = 0) -> Iterator[tuple[int,
         start += len(piece)
 
 
-def iter_encoded(lm, stories: Iterable, names, *, chunk_stories: int = CHUNK_STORIES,
-                 start: int = 0) -> Iterator[list[EncodedStory]]:
+def iter_encoded(
+    lm, stories: Iterable, names, *, chunk_stories: int = CHUNK_STORIES, start: int = 0
+) -> Iterator[list[EncodedStory]]:
     """The stories encoded ``chunk_stories`` at a time (memory does not grow with the corpus; a
     stream is read as it goes); stories already encoded (:class:`EncodedStory`, e.g. shared by
     several steps of a report) are passed on as they are. ``start``: the index of the first."""
@@ -151,10 +168,16 @@ def iter_encoded(lm, stories: Iterable, names, *, chunk_stories: int = CHUNK_STO
         yield chunk if encoded else encode_stories(lm, chunk, names, start=first)
 
 
-def iter_batches(lm, stories: Sequence[str], *, batch_size: int = 16, names=None, first_limit: int | None = None,
-                 chunk_stories: int = CHUNK_STORIES) -> Iterator[StoryBatch]:
+def iter_batches(
+    lm,
+    stories: Sequence[str],
+    *,
+    batch_size: int = 16,
+    names=None,
+    first_limit: int | None = None,
+    chunk_stories: int = CHUNK_STORIES,
+) -> Iterator[StoryBatch]:
     """Every story once, in batches: encoded a chunk at a time, longest first within a chunk."""
-    from .names import name_vocabulary
 
     if names is None and not is_encoded(stories):
         names = name_vocabulary(stories)

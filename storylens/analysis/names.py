@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from ..constants import MIN_MENTIONS
+MIN_MENTIONS = 2  # a main character is a name mentioned at least twice
+PRONOUNS = frozenset({"he", "she", "him", "her", "his", "they"})  # the pronoun queries of the pronoun measure
 
 WORD_RE = re.compile(r"[^\W\d_]+")
 
@@ -62,7 +63,7 @@ class NameVocabulary:
             elif is_capitalised(word):
                 self.capitalised.add(word)
 
-    def merge(self, other: "NameVocabulary") -> "NameVocabulary":
+    def merge(self, other: NameVocabulary) -> NameVocabulary:
         self.lower |= other.lower
         self.capitalised |= other.capitalised
         return self
@@ -152,3 +153,35 @@ def find_main_characters(
         names = name_vocabulary(stories)
     encodings = tok.encode_batch(list(stories))
     return [main_character(t, e.offsets, names, window) for t, e in zip(stories, encodings)]
+
+
+# Pronouns: where he, she, him, her, his and they are, as token positions (the pronoun measure's queries)
+
+
+def pronoun_spans(text: str, pronouns: Iterable[str] = PRONOUNS) -> list[tuple[str, Span]]:
+    """Every pronoun word of ``text`` as (word as written, character span), in order."""
+    wanted = {p.lower() for p in pronouns}
+    return [(m.group(), m.span()) for m in WORD_RE.finditer(text) if m.group().lower() in wanted]
+
+
+def pronoun_positions(offsets: Sequence[Span], spans: Iterable[Span], window: int = 256) -> list[int]:
+    """For each span, the position of the last token overlapping it (marker = 0), < window.
+
+    ``offsets``: the story's token character spans, ``tok.encode(text).offsets``.
+    A word whose last token falls outside the window is left out. Only the window's tokens (and
+    the one after, to know whether a word runs past it) are searched, by bisection.
+    """
+    offsets = offsets[:window]
+    starts = [a for a, _ in offsets]
+    out = set()
+    for s, e in spans:
+        i = bisect_left(starts, e) - 1  # the last token starting before the word ends
+        if i >= 0 and offsets[i][1] > s and i + 1 < window:
+            out.add(i + 1)
+    return sorted(out)
+
+
+def story_pronoun_positions(tok, text: str, window: int = 256, pronouns: Iterable[str] = PRONOUNS) -> list[int]:
+    """Pronoun query positions of one story as :func:`storylens.model.tokenizer.encode_story` feeds it."""
+    enc = tok.encode(text)
+    return pronoun_positions(enc.offsets, [s for _, s in pronoun_spans(text, pronouns)], window)

@@ -4,14 +4,14 @@ the window), every predicted token weighted equally. Works on any :class:`~story
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
 
-from ..errors import StorylensError
-from ..lm import wrap
-from .encode import length_batches
+from storylens.analysis.encode import length_batches
+from storylens.core.errors import StorylensError
+from storylens.lm import wrap
 
 
 @torch.inference_mode()
@@ -34,8 +34,11 @@ def perplexity(model, stories: Sequence[str], *, batch_size: int = 16, tokenizer
                 continue
             logits = lm.forward(x.to(lm.device))
             y = y.to(logits.device)
-            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
-                                           ignore_index=-1, reduction="sum"))
+            total += float(
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), ignore_index=-1, reduction="sum"
+                )
+            )
             count += int((y >= 0).sum())
     finally:
         lm.module.train(was_training)

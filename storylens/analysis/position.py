@@ -45,12 +45,14 @@ Nothing but ``[block, head, window]`` sums is kept, however many stories are add
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
-from ..heads import head_label
+from storylens.analysis.record import record
+from storylens.core.heads import head_label
+from storylens.lm import wrap
 
 
 def _as_blocks(attn: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class DistanceSums:
     n_stories: int
     n_queries: int
 
-    def __iadd__(self, other: "DistanceSums") -> "DistanceSums":
+    def __iadd__(self, other: DistanceSums) -> DistanceSums:
         D = max(self.name_weight.shape[0], other.name_weight.shape[0])
         for f in ("name_sum", "name_weight", "control_sum", "control_weight"):
             a, b = getattr(self, f), getattr(other, f)
@@ -200,14 +202,16 @@ class PositionControl:
         L, H = self.name_mass.shape
         for b in range(L):
             for h in range(H):
-                rows.append({
-                    "label": head_label(b, h),
-                    "name_mass": float(self.name_mass[b, h]),
-                    "control": float(self.control[b, h]),
-                    "excess": float(self.excess[b, h]),
-                    "ratio": float(self.ratio[b, h]),
-                    "even_spread": self.even_spread,
-                })
+                rows.append(
+                    {
+                        "label": head_label(b, h),
+                        "name_mass": float(self.name_mass[b, h]),
+                        "control": float(self.control[b, h]),
+                        "excess": float(self.excess[b, h]),
+                        "ratio": float(self.ratio[b, h]),
+                        "even_spread": self.even_spread,
+                    }
+                )
         return rows
 
     def format(self, sort_by: str = "name_mass") -> str:
@@ -218,8 +222,9 @@ class PositionControl:
             f"{'head':<6} {'name':>8} {'control':>8} {'excess':>8} {'ratio':>7}",
         ]
         for r in rows:
-            lines.append(f"{r['label']:<6} {r['name_mass']:>8.4f} {r['control']:>8.4f} "
-                         f"{r['excess']:>+8.4f} {r['ratio']:>7.2f}")
+            lines.append(
+                f"{r['label']:<6} {r['name_mass']:>8.4f} {r['control']:>8.4f} {r['excess']:>+8.4f} {r['ratio']:>7.2f}"
+            )
         return "\n".join(lines)
 
 
@@ -261,26 +266,42 @@ class PositionControlAccumulator:
         self.skip_marker = skip_marker
         z = torch.zeros
         self.sums = DistanceSums(
-            z(n_layer, n_head, window, dtype=torch.float64), z(window, dtype=torch.float64),
-            z(n_layer, n_head, window, dtype=torch.float64), z(window, dtype=torch.float64),
-            0.0, 0, 0,
+            z(n_layer, n_head, window, dtype=torch.float64),
+            z(window, dtype=torch.float64),
+            z(n_layer, n_head, window, dtype=torch.float64),
+            z(window, dtype=torch.float64),
+            0.0,
+            0,
+            0,
         )
 
-    def add(self, attn: torch.Tensor, name_positions: Iterable[int], first_mention: int | None = None,
-            *, length: int | None = None) -> bool:
+    def add(
+        self,
+        attn: torch.Tensor,
+        name_positions: Iterable[int],
+        first_mention: int | None = None,
+        *,
+        length: int | None = None,
+    ) -> bool:
         """Add one story (``[head, T, T]`` or ``[block, head, T, T]``); False if it has no query."""
         s = distance_sums(attn, name_positions, first_mention, length=length, skip_marker=self.skip_marker)
         if s is None:
             return False
         if s.name_sum.shape[:2] != self.sums.name_sum.shape[:2]:
-            raise ValueError(f"attention has {tuple(s.name_sum.shape[:2])} blocks x heads, "
-                             f"the accumulator {tuple(self.sums.name_sum.shape[:2])}")
+            raise ValueError(
+                f"attention has {tuple(s.name_sum.shape[:2])} blocks x heads, "
+                f"the accumulator {tuple(self.sums.name_sum.shape[:2])}"
+            )
         self.sums += s
         return True
 
-    def add_batch(self, attentions: Sequence[torch.Tensor], lengths: Sequence[int],
-                  name_positions: Sequence[Iterable[int] | None],
-                  first_mentions: Sequence[int | None] | None = None) -> int:
+    def add_batch(
+        self,
+        attentions: Sequence[torch.Tensor],
+        lengths: Sequence[int],
+        name_positions: Sequence[Iterable[int] | None],
+        first_mentions: Sequence[int | None] | None = None,
+    ) -> int:
         """Add a batch: one ``[batch, head, T, T]`` per block (as ``GPTOutput.attentions``).
 
         Stories with ``name_positions`` None or empty are skipped. Returns how many counted.
@@ -305,8 +326,9 @@ class PositionControlAccumulator:
             if not story.name_positions:
                 continue
             T = len(story.ids)
-            s = distance_sums(pattern[i, :, :T, :T], story.name_positions, story.main.first_mention,
-                              skip_marker=self.skip_marker)
+            s = distance_sums(
+                pattern[i, :, :T, :T], story.name_positions, story.main.first_mention, skip_marker=self.skip_marker
+            )
             if s is None:
                 continue
             D = s.name_weight.shape[0]
@@ -328,16 +350,15 @@ class PositionControlAccumulator:
         return summarise(self.sums)
 
 
-def position_control_scores(model, stories: Sequence[str], *, batch_size: int = 16,
-                            skip_marker: bool = True) -> PositionControl:
+def position_control_scores(
+    model, stories: Sequence[str], *, batch_size: int = 16, skip_marker: bool = True
+) -> PositionControl:
     """Name mass vs matched-distance control for every head of ``model`` over story texts.
 
     Main characters and their name tokens come from :mod:`storylens.analysis.names`
     (the name vocabulary of ``stories`` themselves); one recording pass (to share it with other
     measures, pass a :class:`PositionControlAccumulator` to :func:`storylens.analysis.record.record`).
     """
-    from ..lm import wrap
-    from .record import record
 
     lm = wrap(model)
     acc = PositionControlAccumulator(lm.n_layer, lm.n_head, lm.window, skip_marker=skip_marker)

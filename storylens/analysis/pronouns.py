@@ -25,50 +25,15 @@ position ``i + 1``):
 
 from __future__ import annotations
 
-
-import re
-from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
-from ..heads import head_label
-from .position import _as_blocks
-
-from ..constants import PRONOUNS  # noqa: E402
-WORD_RE = re.compile(r"[^\W\d_]+")  # the words of storylens.analysis.names
-
-Span = tuple[int, int]
-
-
-def pronoun_spans(text: str, pronouns: Iterable[str] = PRONOUNS) -> list[tuple[str, Span]]:
-    """Every pronoun word of ``text`` as (word as written, character span), in order."""
-    wanted = {p.lower() for p in pronouns}
-    return [(m.group(), m.span()) for m in WORD_RE.finditer(text) if m.group().lower() in wanted]
-
-
-def pronoun_positions(offsets: Sequence[Span], spans: Iterable[Span], window: int = 256) -> list[int]:
-    """For each span, the position of the last token overlapping it (marker = 0), < window.
-
-    ``offsets``: the story's token character spans, ``tok.encode(text).offsets``.
-    A word whose last token falls outside the window is left out. Only the window's tokens (and
-    the one after, to know whether a word runs past it) are searched, by bisection.
-    """
-    offsets = offsets[:window]
-    starts = [a for a, _ in offsets]
-    out = set()
-    for s, e in spans:
-        i = bisect_left(starts, e) - 1  # the last token starting before the word ends
-        if i >= 0 and offsets[i][1] > s and i + 1 < window:
-            out.add(i + 1)
-    return sorted(out)
-
-
-def story_pronoun_positions(tok, text: str, window: int = 256, pronouns: Iterable[str] = PRONOUNS) -> list[int]:
-    """Pronoun query positions of one story as :func:`storylens.tokenizer.encode_story` feeds it."""
-    enc = tok.encode(text)
-    return pronoun_positions(enc.offsets, [s for _, s in pronoun_spans(text, pronouns)], window)
+from storylens.analysis.position import _as_blocks
+from storylens.analysis.record import record
+from storylens.core.heads import head_label
+from storylens.lm import wrap
 
 
 @dataclass(frozen=True)
@@ -103,8 +68,13 @@ def story_pronoun_mass(
         return None
     first = names[0] if first_mention is None else int(first_mention)
     name_set = set(names)
-    pron = sorted({int(q) for q in pronoun_positions if 0 <= int(q) < T and int(q) not in name_set
-                   and any(k < int(q) for k in names)})
+    pron = sorted(
+        {
+            int(q)
+            for q in pronoun_positions
+            if 0 <= int(q) < T and int(q) not in name_set and any(k < int(q) for k in names)
+        }
+    )
     pron_set = set(pron)
     other = [q for q in range(first + 1, T) if q not in name_set and q not in pron_set]
     if not pron or not other:
@@ -179,15 +149,24 @@ class PronounAccumulator:
         self.n_stories = 0
         self.n_pronoun_queries = 0
 
-    def add(self, attn: torch.Tensor, name_positions: Iterable[int], pronoun_positions: Iterable[int],
-            first_mention: int | None = None, *, length: int | None = None) -> bool:
+    def add(
+        self,
+        attn: torch.Tensor,
+        name_positions: Iterable[int],
+        pronoun_positions: Iterable[int],
+        first_mention: int | None = None,
+        *,
+        length: int | None = None,
+    ) -> bool:
         """Add one story; False (nothing added) when it does not count."""
         s = story_pronoun_mass(attn, name_positions, pronoun_positions, first_mention, length=length)
         if s is None:
             return False
         if s.pronoun_mass.shape != self.pronoun_total.shape:
-            raise ValueError(f"attention has {tuple(s.pronoun_mass.shape)} blocks x heads, "
-                             f"the accumulator {tuple(self.pronoun_total.shape)}")
+            raise ValueError(
+                f"attention has {tuple(s.pronoun_mass.shape)} blocks x heads, "
+                f"the accumulator {tuple(self.pronoun_total.shape)}"
+            )
         self.pronoun_total += s.pronoun_mass
         self.other_total += s.other_mass
         self.pronoun_even += s.pronoun_even
@@ -196,9 +175,14 @@ class PronounAccumulator:
         self.n_pronoun_queries += s.n_pronoun_queries
         return True
 
-    def add_batch(self, attentions: Sequence[torch.Tensor], lengths: Sequence[int],
-                  name_positions: Sequence[Iterable[int] | None], pronoun_positions: Sequence[Iterable[int]],
-                  first_mentions: Sequence[int | None] | None = None) -> int:
+    def add_batch(
+        self,
+        attentions: Sequence[torch.Tensor],
+        lengths: Sequence[int],
+        name_positions: Sequence[Iterable[int] | None],
+        pronoun_positions: Sequence[Iterable[int]],
+        first_mentions: Sequence[int | None] | None = None,
+    ) -> int:
         """Add a batch: one ``[batch, head, T, T]`` per block. Returns how many stories counted."""
         stacked = torch.stack([a.detach() for a in attentions], dim=1)
         n = 0
@@ -218,8 +202,9 @@ class PronounAccumulator:
             if not story.name_positions:
                 continue
             T = len(story.ids)
-            s = story_pronoun_mass(pattern[i, :, :T, :T], story.name_positions, story.pronouns,
-                                   story.main.first_mention)
+            s = story_pronoun_mass(
+                pattern[i, :, :T, :T], story.name_positions, story.pronouns, story.main.first_mention
+            )
             if s is None:
                 continue
             self.pronoun_total[layer] += s.pronoun_mass[0]
@@ -254,8 +239,6 @@ def pronoun_attention(model, stories: Sequence[str], *, batch_size: int = 16) ->
     Main characters come from :mod:`storylens.analysis.names` (name vocabulary of
     ``stories`` themselves).
     """
-    from ..lm import wrap
-    from .record import record
 
     lm = wrap(model)
     acc = PronounAccumulator(lm.n_layer, lm.n_head)

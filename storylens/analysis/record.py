@@ -16,13 +16,15 @@ control and the pronoun measure from the same maps.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-from ..errors import StorylensError
-from .encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
+from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
+from storylens.analysis.names import name_vocabulary
+from storylens.core.errors import StorylensError
 
 
 class Measure(Protocol):
@@ -39,15 +41,26 @@ class RecordStats:
     n_cut: int  # stories cut to the window
     n_main_character: int  # stories with a main character
 
-    def __add__(self, other: "RecordStats") -> "RecordStats":
-        return RecordStats(self.n_stories + other.n_stories, self.n_cut + other.n_cut,
-                           self.n_main_character + other.n_main_character)
+    def __add__(self, other: RecordStats) -> RecordStats:
+        return RecordStats(
+            self.n_stories + other.n_stories, self.n_cut + other.n_cut, self.n_main_character + other.n_main_character
+        )
 
 
-def record(lm, stories: Iterable, measures: Sequence[Measure], *, batch_size: int = 16, names=None,
-           first_limit: int | None = None, progress: bool = True, chunk_stories: int = CHUNK_STORIES,
-           start: int = 0, total: int | None = None,
-           on_chunk: Callable[[RecordStats], None] | None = None) -> RecordStats:
+def record(
+    lm,
+    stories: Iterable,
+    measures: Sequence[Measure],
+    *,
+    batch_size: int = 16,
+    names=None,
+    first_limit: int | None = None,
+    progress: bool = True,
+    chunk_stories: int = CHUNK_STORIES,
+    start: int = 0,
+    total: int | None = None,
+    on_chunk: Callable[[RecordStats], None] | None = None,
+) -> RecordStats:
     """Run ``stories`` (texts, or :class:`~storylens.analysis.encode.EncodedStory` records already
     encoded) through ``lm`` once, feeding every measure (see the module docstring).
 
@@ -59,8 +72,6 @@ def record(lm, stories: Iterable, measures: Sequence[Measure], *, batch_size: in
     resumed after ``start`` stories), ``total`` the count for the progress bar, and
     ``on_chunk(stats so far)`` is called after every chunk (where a long run checkpoints)."""
     from tqdm.auto import tqdm
-
-    from .names import name_vocabulary
 
     if isinstance(stories, str):
         raise StorylensError("stories: a list of stories, not one string")
@@ -77,6 +88,7 @@ def record(lm, stories: Iterable, measures: Sequence[Measure], *, batch_size: in
         def fn(pattern):
             for m in measures:
                 m.block(layer, pattern)
+
         return fn
 
     n = n_cut = n_main = 0
@@ -86,9 +98,13 @@ def record(lm, stories: Iterable, measures: Sequence[Measure], *, batch_size: in
     if total is None and isinstance(stories, Sequence):
         total = start + len(stories)
     try:
-        with torch.inference_mode(), lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed(i)) for i in range(lm.n_layer)]), \
-                tqdm(total=total, initial=start, unit="story", desc="recording attention",
-                     disable=None if progress else True) as bar:  # None: terminals only
+        with (
+            torch.inference_mode(),
+            lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed(i)) for i in range(lm.n_layer)]),
+            tqdm(
+                total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
+            ) as bar,
+        ):  # None: terminals only
             for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
                 n += len(chunk)
                 n_cut += sum(s.cut for s in chunk)

@@ -9,7 +9,7 @@ does not grow with the number of stories (only the texts the caller passes, and 
 vocabulary of a first pass over them, span the run).
 
 Positions count the end-of-story marker the model sees first as position 0 (see
-:func:`storylens.tokenizer.encode_story`); a query at position q sees keys 0..q.
+:func:`storylens.model.tokenizer.encode_story`); a query at position q sees keys 0..q.
 Stories are cut to the model's window first.
 
 Scores, per head (the definitions the lesson leaves open are fixed here):
@@ -51,28 +51,43 @@ import csv
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from ..constants import PREV_SPAN  # noqa: F401  (prev4's span)
-from ..errors import StorylensError
-from ..heads import Head
-from .accumulate import MeanAccumulator
-from .detectors import BUILTIN_DETECTORS, BatchMasks, Detector, masked_mean, prev_is_argmax  # noqa: F401
-from .encode import CHUNK_STORIES, StoryBatch, length_batches, make_batch  # noqa: F401
-from .record import record
+from storylens.analysis.accumulate import MeanAccumulator
+from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks, Detector, masked_mean, prev_is_argmax  # noqa: F401
+from storylens.analysis.encode import CHUNK_STORIES, StoryBatch, length_batches, make_batch  # noqa: F401
+from storylens.analysis.record import record
+from storylens.core.errors import StorylensError
+from storylens.core.heads import Head
+from storylens.lm import wrap
 
 SCORE_COLUMNS = (
-    "name_mass", "name_baseline", "name_ratio",
-    "prev_token", "prev_argmax", "prev4",
-    "prev_token_first", "prev_argmax_first", "prev4_first",
-    "marker", "duplicate_token", "induction",
+    "name_mass",
+    "name_baseline",
+    "name_ratio",
+    "prev_token",
+    "prev_argmax",
+    "prev4",
+    "prev_token_first",
+    "prev_argmax_first",
+    "prev4_first",
+    "marker",
+    "duplicate_token",
+    "induction",
 )
-_COUNT_FIELDS = ("n_stories", "n_cut", "n_main_character", "n_name_scored", "max_stories_prev",
-                 "n_prev_first", "window")
+_COUNT_FIELDS = (
+    "n_stories",
+    "n_cut",
+    "n_main_character",
+    "n_name_scored",
+    "max_stories_prev",
+    "n_prev_first",
+    "window",
+)
 
 
 def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor:
@@ -148,9 +163,10 @@ class HeadScoreAccumulator:
             self.block(layer, att)
         return self.end()
 
-    def merge(self, other: "HeadScoreAccumulator") -> "HeadScoreAccumulator":
-        if (other.n_layer, other.n_head) != (self.n_layer, self.n_head) or \
-                [d.name for d in other.detectors] != [d.name for d in self.detectors]:
+    def merge(self, other: HeadScoreAccumulator) -> HeadScoreAccumulator:
+        if (other.n_layer, other.n_head) != (self.n_layer, self.n_head) or [d.name for d in other.detectors] != [
+            d.name for d in self.detectors
+        ]:
             raise ValueError("merge: the accumulators score different heads or detectors")
         for k, acc in [*self.means.items(), *(("first/" + k, v) for k, v in self.first.items())]:
             theirs = other.means[k] if not k.startswith("first/") else other.first[k[6:]]
@@ -160,12 +176,15 @@ class HeadScoreAccumulator:
 
     def state(self) -> dict:
         """Every sum and count as plain data (a checkpoint, or what a worker sends to be merged)."""
-        return {"shape": [self.n_layer, self.n_head], "detectors": [d.name for d in self.detectors],
-                "means": {k: a.state() for k, a in self.means.items()},
-                "first": {k: a.state() for k, a in self.first.items()},
-                "name_baseline": self.name_baseline.state()}
+        return {
+            "shape": [self.n_layer, self.n_head],
+            "detectors": [d.name for d in self.detectors],
+            "means": {k: a.state() for k, a in self.means.items()},
+            "first": {k: a.state() for k, a in self.first.items()},
+            "name_baseline": self.name_baseline.state(),
+        }
 
-    def load_state(self, state: dict, max_stories: int | None = None) -> "HeadScoreAccumulator":
+    def load_state(self, state: dict, max_stories: int | None = None) -> HeadScoreAccumulator:
         """Take the sums and counts of :meth:`state` (the same heads and detectors), every number
         checked (:meth:`MeanAccumulator.from_state`; counts at most ``max_stories``). A state
         that is not what :meth:`state` writes raises ValueError saying which part is wrong."""
@@ -289,7 +308,7 @@ class HeadScores:
         return [getattr(h, name) for h in self.heads]
 
     def at(self, head: Head) -> HeadScore:
-        """The row of a 0-based :class:`~storylens.heads.Head`."""
+        """The row of a 0-based :class:`~storylens.core.heads.Head`."""
         return self.heads[head.layer * self.n_head + head.head]
 
     def grid(self, name: str) -> list[list[float | None]]:
@@ -345,15 +364,16 @@ class HeadScores:
         return path
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "HeadScores":
+    def from_json(cls, path: str | os.PathLike) -> HeadScores:
         """Read back what :meth:`to_json` wrote (NaN scores come back as None)."""
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
             keys = [f.name for f in fields(HeadScore) if f.name != "extra"]
-            heads = tuple(HeadScore(**{k: row.get(k) for k in keys},
-                                    extra={k: v for k, v in row.items() if k not in keys})
-                          for row in doc["heads"])
+            heads = tuple(
+                HeadScore(**{k: row.get(k) for k in keys}, extra={k: v for k, v in row.items() if k not in keys})
+                for row in doc["heads"]
+            )
             c = doc["counts"]
             return cls(heads=heads, **{k: c[k] for k in _COUNT_FIELDS})
         except OSError as e:
@@ -368,9 +388,15 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
     rows = []
     for head in Head.every(acc.n_layer, acc.n_head):
         vals = {k: (None if v is None else _clean(float(v[head]))) for k, v in cols.items()}  # NaN: nothing counted
-        rows.append(HeadScore(label=head.label, block=head.layer + 1, head=head.head + 1,
-                              **{k: vals.get(k) for k in SCORE_COLUMNS},
-                              extra={k: v for k, v in vals.items() if k not in known}))
+        rows.append(
+            HeadScore(
+                label=head.label,
+                block=head.layer + 1,
+                head=head.head + 1,
+                **{k: vals.get(k) for k in SCORE_COLUMNS},
+                extra={k: v for k, v in vals.items() if k not in known},
+            )
+        )
     return tuple(rows)
 
 
@@ -418,12 +444,19 @@ def score_heads(
     end (causal attention: padding never changes an earlier position), and each block's map is
     scored as soon as it exists: memory does not grow with the number of stories.
     """
-    from ..lm import wrap
 
     if max_stories_prev is not None and max_stories_prev < 1:
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
     acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors)
-    stats = record(lm, stories, [acc, *measures], batch_size=batch_size, names=names, progress=progress,
-                   first_limit=max_stories_prev, chunk_stories=chunk_stories)
+    stats = record(
+        lm,
+        stories,
+        [acc, *measures],
+        batch_size=batch_size,
+        names=names,
+        progress=progress,
+        first_limit=max_stories_prev,
+        chunk_stories=chunk_stories,
+    )
     return score_table(acc, stats, max_stories_prev, lm.window)

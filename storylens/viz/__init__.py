@@ -7,7 +7,7 @@
 * :mod:`storylens.viz.tokens` - token display text and the model-to-array step.
 """
 
-from .figures import (
+from storylens.viz.figures import (
     all_heads_figure,
     causal_mask_figure,
     figure_data_uri,
@@ -18,9 +18,9 @@ from .figures import (
     name_mass_bar_figure,
     save_png,
 )
-from .tables import HEATMAP_CSS, head_heatmap_html
-from .tokens import tick_label, to_numpy_attention, token_text, token_texts
-from .widget import AttentionWidget, ToyWidget, replay_widget, toy_widget
+from storylens.viz.tables import HEATMAP_CSS, head_heatmap_html
+from storylens.viz.tokens import tick_label, to_numpy_attention, token_text, token_texts
+from storylens.viz.widget import AttentionWidget, ToyWidget, replay_widget, toy_widget
 
 __all__ = [
     "AttentionWidget",

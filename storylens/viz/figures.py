@@ -15,8 +15,8 @@ import base64
 import io
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 from matplotlib import colormaps
@@ -26,8 +26,8 @@ from matplotlib.colors import Normalize, PowerNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
-from ..heads import head_label, parse_head_label
-from .tokens import tick_label, to_numpy_attention
+from storylens.core.heads import head_label, parse_head_label
+from storylens.viz.tokens import tick_label, to_numpy_attention
 
 MASK_COLOR = "#262626"  # the causal mask's (always-zero) upper triangle
 MASK_HATCH_COLOR = "#5a5a5a"
@@ -85,9 +85,7 @@ def causal_mask_figure(tokens: Sequence[str] | int = 8, *, title: str | None = N
     masked cells (key after the query) are dark and marked "−∞": their share
     after the softmax is exactly zero.
     """
-    labels = [tick_label(t) for t in tokens] if not isinstance(tokens, int) else [
-        str(i) for i in range(tokens)
-    ]
+    labels = [tick_label(t) for t in tokens] if not isinstance(tokens, int) else [str(i) for i in range(tokens)]
     n = len(labels)
     if n < 1:
         raise ValueError("the mask needs at least one token")
@@ -102,8 +100,7 @@ def causal_mask_figure(tokens: Sequence[str] | int = 8, *, title: str | None = N
             if k <= q:
                 ax.text(k, q, "score", ha="center", va="center", fontsize=fs - 1, color="#1f3b57")
             else:
-                ax.text(k, q, "−∞", ha="center", va="center", fontsize=fs + 1, color="#f0f0f0",
-                        fontweight="bold")
+                ax.text(k, q, "−∞", ha="center", va="center", fontsize=fs + 1, color="#f0f0f0", fontweight="bold")
     ax.set_xticks(range(n), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=fs + 1)
     ax.set_yticks(range(n), labels, fontsize=fs + 1)
     ax.set_xlabel("key: the word looked at (earlier words)")
@@ -205,10 +202,17 @@ def all_heads_figure(
     ax.set_ylim(rows - 0.5, -0.5)
     ax.axis("off")
     for lab, (rs, cs) in panels.items():
-        ax.text(cs.start + n / 2 - 0.5, rs.start - 0.6, lab, ha="center", va="bottom", fontsize=10,
-                fontweight="bold", gid="head-label")
-        ax.add_patch(Rectangle((cs.start - 0.5, rs.start - 0.5), n, n, fill=False, edgecolor="#444444",
-                               linewidth=0.6))
+        ax.text(
+            cs.start + n / 2 - 0.5,
+            rs.start - 0.6,
+            lab,
+            ha="center",
+            va="bottom",
+            fontsize=10,
+            fontweight="bold",
+            gid="head-label",
+        )
+        ax.add_patch(Rectangle((cs.start - 0.5, rs.start - 0.5), n, n, fill=False, edgecolor="#444444", linewidth=0.6))
     for b in range(n_block):  # token labels along the left edge of each row ...
         r0 = vgap + b * (n + vgap)
         for i in ticks:
@@ -216,21 +220,37 @@ def all_heads_figure(
     for h in range(n_head):  # ... and under each column of the bottom row
         c0 = h * (n + gap)
         for i in ticks:
-            ax.text(c0 + i, rows - 0.25, labels[i], rotation=90, ha="center", va="top", fontsize=fs,
-                    gid="token-label-x")
-    cax = fig.add_axes(((left + 0.25 * cols * per_cell) / width, 0.42 / height, 0.5 * cols * per_cell / width,
-                        0.12 / height))
+            ax.text(
+                c0 + i, rows - 0.25, labels[i], rotation=90, ha="center", va="top", fontsize=fs, gid="token-label-x"
+            )
+    cax = fig.add_axes(
+        ((left + 0.25 * cols * per_cell) / width, 0.42 / height, 0.5 * cols * per_cell / width, 0.12 / height)
+    )
     cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, orientation="horizontal")
     cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""), fontsize=9)
     shown = f"first {n} of {T} tokens" if n < T else f"{T} tokens"
     fig.suptitle(
         title or f"All {n_block * n_head} heads on one story ({shown}); rows: query, columns: key",
-        fontsize=13, y=1 - 0.2 / height,
+        fontsize=13,
+        y=1 - 0.2 / height,
     )
-    fig.text((left + cols * per_cell / 2) / width, 0.72 / height, "key (the earlier token looked at)",
-             ha="center", va="bottom", fontsize=10)
-    fig.text(0.12 / width, (bottom + rows * per_cell / 2) / height, "query (the token doing the looking)",
-             rotation=90, ha="left", va="center", fontsize=10)
+    fig.text(
+        (left + cols * per_cell / 2) / width,
+        0.72 / height,
+        "key (the earlier token looked at)",
+        ha="center",
+        va="bottom",
+        fontsize=10,
+    )
+    fig.text(
+        0.12 / width,
+        (bottom + rows * per_cell / 2) / height,
+        "query (the token doing the looking)",
+        rotation=90,
+        ha="left",
+        va="center",
+        fontsize=10,
+    )
     return fig
 
 
@@ -252,26 +272,30 @@ def name_mass_bar_figure(
     (``sort=True`` orders them from highest). Bars above the baseline are coloured,
     the rest grey; each bar is annotated with its value and its ratio to the baseline.
     """
-    items = [(str(l), float(v)) for l, v in scores]
+    items = [(str(label), float(v)) for label, v in scores]
     if not items:
         raise ValueError("no scores to plot")
     if sort:
         items.sort(key=lambda lv: lv[1], reverse=True)
-    labels = [l for l, _ in items]
+    labels = [label for label, _ in items]
     values = np.array([v for _, v in items])
     fig = _new_figure((max(5.0, 0.42 * len(items) + 2.2), 4.2))
     ax = fig.add_subplot()
     colors = ["#1f77b4" if v > baseline else "#b0b0b0" for v in values]
     bars = ax.bar(range(len(items)), values, color=colors, edgecolor="#333333", linewidth=0.5)
-    ax.axhline(baseline, color=NAME_COLOR, linestyle="--", linewidth=1.5,
-               label=baseline_label or f"even-spread baseline {baseline:.3f}")
+    ax.axhline(
+        baseline,
+        color=NAME_COLOR,
+        linestyle="--",
+        linewidth=1.5,
+        label=baseline_label or f"even-spread baseline {baseline:.3f}",
+    )
     fs = 8 if len(items) <= 12 else 6
     for rect, v in zip(bars, values):
         txt = f"{v:.3f}"
         if baseline > 0 and len(items) <= 12:
             txt += f"\n{v / baseline:.1f}×"
-        ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), txt, ha="center",
-                va="bottom", fontsize=fs)
+        ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), txt, ha="center", va="bottom", fontsize=fs)
     ax.set_xticks(range(len(items)), labels, rotation=0 if len(items) <= 12 else 90, fontsize=9)
     ax.set_xlabel("head (block, head; counted from 1)")
     ax.set_ylabel(ylabel)
@@ -292,12 +316,19 @@ def _score_grid(scores, n_block: int | None, n_head: int | None) -> np.ndarray:
         for (b, h), v in parsed.items():
             grid[b, h] = v
         return grid
-    if isinstance(scores, (list, tuple)) and scores and isinstance(scores[0], (list, tuple)) \
-            and len(scores[0]) == 2 and isinstance(scores[0][0], str):
+    if (
+        isinstance(scores, (list, tuple))
+        and scores
+        and isinstance(scores[0], (list, tuple))
+        and len(scores[0]) == 2
+        and isinstance(scores[0][0], str)
+    ):
         return _score_grid(dict(scores), n_block, n_head)
     grid = np.asarray(scores, dtype=float)
     if grid.ndim != 2:
-        raise ValueError(f"scores must be [block, head], a {{label: value}} dict or (label, value) pairs; got shape {grid.shape}")
+        raise ValueError(
+            f"scores must be [block, head], a {{label: value}} dict or (label, value) pairs; got shape {grid.shape}"
+        )
     return grid
 
 
@@ -352,8 +383,15 @@ def head_heatmap_figure(
             if not np.isfinite(v):
                 ax.text(h, b, "–", ha="center", va="center", fontsize=9, color="#777777")
                 continue
-            ax.text(h, b, fmt.format(v), ha="center", va="center", fontsize=9,
-                    color="black" if _is_light(cm((v - lo) / (hi - lo))) else "white")
+            ax.text(
+                h,
+                b,
+                fmt.format(v),
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="black" if _is_light(cm((v - lo) / (hi - lo))) else "white",
+            )
     ax.set_xticks(range(nh), [f"H{h + 1}" for h in range(nh)])
     ax.set_yticks(range(nb), [f"L{b + 1}" for b in range(nb)])
     ax.set_xlabel("head")
@@ -363,8 +401,7 @@ def head_heatmap_figure(
     ax.xaxis.set_label_position("top")
     if highlight:
         hb, hh = parse_head_label(highlight)
-        ax.add_patch(Rectangle((hh - 0.5, hb - 0.5), 1, 1, fill=False, edgecolor="#00bfff",
-                               linewidth=2.5))
+        ax.add_patch(Rectangle((hh - 0.5, hb - 0.5), 1, 1, fill=False, edgecolor="#00bfff", linewidth=2.5))
     cb = fig.colorbar(im, cax=cax)
     cb.set_label(colorbar_label)
     fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
@@ -482,26 +519,41 @@ def name_head_figure(
         for pos, c, text in row:
             val = w[pos]
             face = cmap(norm(val) * 0.85)
-            ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, facecolor=face,
-                                   edgecolor="none", zorder=1))
+            ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, facecolor=face, edgecolor="none", zorder=1))
             light = 0.299 * face[0] + 0.587 * face[1] + 0.114 * face[2]
             is_name = pos in name_set
-            ax.text(c - 0.5, r + 0.5, text, family="DejaVu Sans Mono", fontsize=font_pt,
-                    va="center", ha="left", zorder=3,
-                    color=("#7f0000" if light > 0.55 else "#ffdede") if is_name else
-                    ("black" if light > 0.55 else "white"),
-                    fontweight="bold" if is_name else "normal")
+            ax.text(
+                c - 0.5,
+                r + 0.5,
+                text,
+                family="DejaVu Sans Mono",
+                fontsize=font_pt,
+                va="center",
+                ha="left",
+                zorder=3,
+                color=("#7f0000" if light > 0.55 else "#ffdede") if is_name else ("black" if light > 0.55 else "white"),
+                fontweight="bold" if is_name else "normal",
+            )
             if is_name:  # the first mention (where averaging starts) gets a thicker box
-                ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, fill=False,
-                                       edgecolor=NAME_COLOR, linewidth=2.6 if pos == first else 1.3,
-                                       zorder=4))
+                ax.add_patch(
+                    Rectangle(
+                        (c - 0.5, r + 0.08),
+                        len(text),
+                        0.84,
+                        fill=False,
+                        edgecolor=NAME_COLOR,
+                        linewidth=2.6 if pos == first else 1.3,
+                        zorder=4,
+                    )
+                )
     from matplotlib.cm import ScalarMappable
 
-    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=_truncated_blues()), cax=cax,
-                      orientation="horizontal")
-    cb.set_label("attention share received (mean over queries after the first mention)"
-                 + (f"; ≥ {norm.vmax:.3g} darkest" if float(w[:n].max()) > norm.vmax else ""),
-                 fontsize=8)
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=_truncated_blues()), cax=cax, orientation="horizontal")
+    cb.set_label(
+        "attention share received (mean over queries after the first mention)"
+        + (f"; ≥ {norm.vmax:.3g} darkest" if float(w[:n].max()) > norm.vmax else ""),
+        fontsize=8,
+    )
     cax.tick_params(labelsize=7)
     parts = [f"{label}: where it looks in this story"]
     detail = f"share on the name (red boxes): {name_share:.3f}"

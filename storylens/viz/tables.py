@@ -14,8 +14,8 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from ..heads import head_label, parse_head_label
-from .figures import _colour_range, _is_light, _score_grid
+from storylens.core.heads import head_label, parse_head_label
+from storylens.viz.figures import _colour_range, _is_light, _score_grid
 
 HEATMAP_CSS = (
     ".slh{border-collapse:collapse;margin:.3em 0;font:13px/1.2 system-ui,sans-serif}"
@@ -26,9 +26,18 @@ HEATMAP_CSS = (
 )
 
 
-def head_heatmap_html(scores, *, title: str = "Score per head", fmt: str = "{:.3f}", cmap: str = "magma",
-                      vmin: float | None = None, vmax: float | None = None, highlight: str | None = None,
-                      n_block: int | None = None, n_head: int | None = None) -> str:
+def head_heatmap_html(
+    scores,
+    *,
+    title: str = "Score per head",
+    fmt: str = "{:.3f}",
+    cmap: str = "magma",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    highlight: str | None = None,
+    n_block: int | None = None,
+    n_head: int | None = None,
+) -> str:
     """A ``<table class="slh">`` heatmap (style: :data:`HEATMAP_CSS`); ``highlight`` (a head label)
     gets a box. Each cell carries ``data-head="L5H3"`` and ``data-value``."""
     grid = _score_grid(scores, n_block, n_head)
@@ -48,7 +57,9 @@ def head_heatmap_html(scores, *, title: str = "Score per head", fmt: str = "{:.3
                 continue
             colour = cm((v - lo) / (hi - lo))
             ink = "#000" if _is_light(colour) else "#fff"
-            cells.append(f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}" '
-                         f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(fmt.format(v))}</td>')
+            cells.append(
+                f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}" '
+                f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(fmt.format(v))}</td>'
+            )
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<table class="slh"><caption>{html.escape(title)}</caption>' + "".join(rows) + "</table>")
+    return f'<table class="slh"><caption>{html.escape(title)}</caption>' + "".join(rows) + "</table>"

@@ -6,11 +6,11 @@ model; every figure and the widget take the resulting plain data.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ..data import EOT
+from storylens.data.stories import EOT
 
 EOT_DISPLAY = "<eot>"
 
@@ -80,5 +80,3 @@ def _as_numpy(a) -> np.ndarray:
     if hasattr(a, "detach"):  # a torch tensor
         a = a.detach().to("cpu").float().numpy()
     return np.asarray(a, dtype=np.float64)
-
-

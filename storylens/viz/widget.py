@@ -24,14 +24,14 @@ import html
 import json
 import os
 import secrets
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from .tokens import to_numpy_attention
+from storylens.viz.tokens import to_numpy_attention, token_texts
 
 __all__ = ["AttentionWidget", "ToyWidget", "replay_widget", "toy_widget", "TOY_WORDS", "TOY_QUERIES", "TOY_KEYS"]
 
@@ -39,17 +39,33 @@ __all__ = ["AttentionWidget", "ToyWidget", "replay_widget", "toy_widget", "TOY_W
 # "is / wants a name", dimension 2 "is / wants a thing". Hand-set, not learned.
 TOY_WORDS = ["Momo", "the", "monkey", "found", "a", "banana", ".", "He", "ate", "it"]
 TOY_QUERIES = [
-    [0.0, 1.0], [0.0, 0.5], [0.5, 0.0], [0.0, 1.0], [0.0, 0.5],
-    [0.0, 1.0], [0.2, 0.2], [1.5, 0.0], [0.0, 1.2], [0.0, 1.5],
+    [0.0, 1.0],
+    [0.0, 0.5],
+    [0.5, 0.0],
+    [0.0, 1.0],
+    [0.0, 0.5],
+    [0.0, 1.0],
+    [0.2, 0.2],
+    [1.5, 0.0],
+    [0.0, 1.2],
+    [0.0, 1.5],
 ]
 TOY_KEYS = [
-    [2.0, 0.0], [0.0, 0.2], [1.2, 0.3], [0.2, 0.5], [0.0, 0.2],
-    [0.1, 2.0], [0.0, 0.0], [1.0, 0.0], [0.3, 0.5], [0.2, 0.3],
+    [2.0, 0.0],
+    [0.0, 0.2],
+    [1.2, 0.3],
+    [0.2, 0.5],
+    [0.0, 0.2],
+    [0.1, 2.0],
+    [0.0, 0.0],
+    [1.0, 0.0],
+    [0.3, 0.5],
+    [0.2, 0.3],
 ]
 TOY_QUERY = 7  # "He": who is "he"?
 
 
-@lru_cache(maxsize=None)
+@cache
 def _static(name: str) -> str:
     text = resources.files("storylens.viz").joinpath("static", name).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():
@@ -84,9 +100,9 @@ class _HtmlView:
         n = f' nonce="{nonce}"' if nonce else ""
         payload = _json_for_script({"kind": self.kind, **self.data()})
         boot = (
-            "(function(){var go=function(){window.StorylensWidget.mount(%s);};"
+            "(function(){var go=function(){window.StorylensWidget.mount(" + json.dumps(uid) + ");};"
             "if(document.readyState==='loading'){document.addEventListener('DOMContentLoaded',go);}"
-            "else{go();}})();" % json.dumps(uid)
+            "else{go();}})();"
         )
         return (
             f"<style{n}>{_static('widget.css')}</style>\n"
@@ -110,10 +126,10 @@ class _HtmlView:
             "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'"
         )
         return (
-            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n'
             '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(self.title)}</title>\n</head>\n<body class=\"slw-page\">\n"
+            f'<title>{html.escape(self.title)}</title>\n</head>\n<body class="slw-page">\n'
             f"{self._fragment(nonce)}</body>\n</html>\n"
         )
 
@@ -175,7 +191,7 @@ class AttentionWidget(_HtmlView):
         self.decimals = int(decimals)
 
     @classmethod
-    def from_recording(cls, text: str, tokens, att, enc, title: str | None = None, **kw) -> "AttentionWidget":
+    def from_recording(cls, text: str, tokens, att, enc, title: str | None = None, **kw) -> AttentionWidget:
         """The widget for what :func:`storylens.recording.story_attention` recorded."""
         if title is None:
             words = text.split()
@@ -186,13 +202,10 @@ class AttentionWidget(_HtmlView):
         return cls(tokens, att, title=title, **kw)
 
     def data(self) -> dict:
-        scale = 10 ** self.decimals
+        scale = 10**self.decimals
         q = np.rint(self.attentions * scale).astype(np.int64)
         n_block, n_head, T, _ = q.shape
-        rows = [
-            [[q[b, h, i, : i + 1].tolist() for i in range(T)] for h in range(n_head)]
-            for b in range(n_block)
-        ]
+        rows = [[[q[b, h, i, : i + 1].tolist() for i in range(T)] for h in range(n_head)] for b in range(n_block)]
         return {
             "title": self.title,
             "tokens": self.tokens,
@@ -210,10 +223,9 @@ class AttentionWidget(_HtmlView):
 
 
 def replay_widget(run, tok, title: str | None = None, **kw) -> AttentionWidget:
-    """The generated story of ``run`` (:class:`storylens.generation.RecordedGeneration`) as a
+    """The generated story of ``run`` (:class:`storylens.lm.generate.RecordedGeneration`) as a
     widget that replays the writing token by token: press Play, or step, and each new token
     appears with the attention it gave while the model read it."""
-    from .tokens import token_texts
 
     tokens = token_texts(tok, run.ids)
     if title is None:

@@ -1,7 +1,7 @@
 """How far a ``prev_argmax`` score may move when the maps move by rounding alone.
 
 Two equal computations of an attention map differ by at most ``tol`` per probability (a bound from
-:mod:`storylens.numerics`). A query's most-attended key can then change only where it leads the
+:mod:`storylens.lesson.checks`). A query's most-attended key can then change only where it leads the
 runner-up by at most ``2 * tol``; every other query's argmax, and so its 0/1 ``prev_argmax``
 value, is the same in both. A head's score is the mean over stories of the per-story share of
 such queries, so it may move by at most the mean over stories of the share of near-tied queries,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from storylens.numerics import unit_roundoff
+from storylens.lesson.checks import unit_roundoff
 
 
 def mean_rounding(window: int) -> float:

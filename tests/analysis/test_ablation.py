@@ -15,8 +15,8 @@ from storylens.analysis.ablation import (
     mention_first_tokens,
     name_ablation_table,
 )
-from storylens.errors import StorylensError
-from storylens.numerics import rounding_bound
+from storylens.core.errors import StorylensError
+from storylens.lesson.checks import rounding_bound
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,16 @@ class Reader:
 
     def __enter__(self):
         points = self.model.hook_points()
-        self.handles = [points[f"blocks.{i}.attn.hook_z"].register_forward_hook(self.keep(i))
-                        for i in range(self.model.config.n_layer)]
+        self.handles = [
+            points[f"blocks.{i}.attn.hook_z"].register_forward_hook(self.keep(i))
+            for i in range(self.model.config.n_layer)
+        ]
         return self
 
     def keep(self, layer):
         def hook(module, inputs, z):
             self.seen[layer] = z.clone()
+
         return hook
 
     def __exit__(self, *exc):
@@ -94,6 +97,7 @@ def test_zeroing_a_whole_block_leaves_its_c_proj_bias(model, small_ids):
     x = padded(small_ids)
     attn = model.transformer.h[3].attn
     got = {}
+
     def keep(mod, inp, out):
         got["out"] = out[0].clone()  # returns None: the output is left as it is
 
@@ -149,7 +153,7 @@ def test_head_means_ignore_padding(model, small_ids):
     together = head_output_means(model, small_ids, batch_size=8)
     one_by_one = head_output_means(model, small_ids, batch_size=1)
     assert together.shape == (model.config.n_layer, model.config.n_head, model.config.head_size)
-    tol = rounding_bound(model.config, torch.float32, together.abs().max().item())  # storylens.numerics
+    tol = rounding_bound(model.config, torch.float32, together.abs().max().item())  # storylens.lesson.checks
     assert (together - one_by_one).abs().max().item() <= tol
     seen = capture(model, torch.tensor([small_ids[1]]))
     assert (head_output_means(model, [small_ids[1]])[4] - seen[4][0].mean(0)).abs().max().item() <= tol
@@ -157,11 +161,16 @@ def test_head_means_ignore_padding(model, small_ids):
 
 def test_table_losses_match_a_direct_computation(model, small_ids):
     starts = [[5, 30], [], [12]]  # pretend name starts
-    table = ablation_loss_table(model, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]],
-                                batch_size=2)
+    table = ablation_loss_table(
+        model, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]], batch_size=2
+    )
     assert [(r.label, r.mode) for r in table.rows] == [
-        ("L1H1", "zero"), ("L1H1", "mean"), ("L5H3", "zero"), ("L5H3", "mean"),
-        ("L5H3+L4H4", "zero"), ("L5H3+L4H4", "mean"),
+        ("L1H1", "zero"),
+        ("L1H1", "mean"),
+        ("L5H3", "zero"),
+        ("L5H3", "mean"),
+        ("L5H3+L4H4", "zero"),
+        ("L5H3+L4H4", "mean"),
     ]
     assert table.n_name_positions == 3
     assert table.n_other_positions == sum(len(s) - 1 for s in small_ids) - 3
@@ -180,14 +189,17 @@ def test_table_losses_match_a_direct_computation(model, small_ids):
 
     # a cross-entropy moves by at most twice its logits' change; logits stay below 25 (20.6 on the quiz)
     LOSS_TOL = 2 * rounding_bound(model.config, torch.float32, 25.0)
-    assert (table.baseline_name_loss, table.baseline_other_loss) == pytest.approx(direct(contextlib.nullcontext()), abs=LOSS_TOL)
+    assert (table.baseline_name_loss, table.baseline_other_loss) == pytest.approx(
+        direct(contextlib.nullcontext()), abs=LOSS_TOL
+    )
     r = table.row("L5H3", "zero")
     assert (r.name_loss, r.other_loss) == pytest.approx(direct(ablate_heads(model, [(4, 2)])), abs=LOSS_TOL)
     assert r.name_increase == pytest.approx(r.name_loss - table.baseline_name_loss)
     means = head_output_means(model, small_ids)
     g = table.row("L5H3+L4H4", "mean")
     assert (g.name_loss, g.other_loss) == pytest.approx(
-        direct(ablate_heads(model, [(4, 2), (3, 3)], "mean", means)), abs=LOSS_TOL)
+        direct(ablate_heads(model, [(4, 2), (3, 3)], "mean", means)), abs=LOSS_TOL
+    )
     text = table.format()
     assert "L5H3+L4H4" in text and "baseline loss" in text
 
@@ -217,7 +229,7 @@ def test_generation_divergence(model):
     same = generation_divergence(model, prompt, [], seed=3, max_new_tokens=12)
     assert same.same and same.baseline_ids == same.ablated_ids
     gen = torch.Generator().manual_seed(3)
-    from storylens.tokenizer import encode_story, eot_id
+    from storylens.model.tokenizer import encode_story, eot_id
 
     idx = torch.tensor([encode_story(model.tokenizer, prompt).ids])
     plain = [s.token for s in model.generate_stream(idx, 12, generator=gen, eos_id=eot_id(model.tokenizer))]
@@ -245,9 +257,10 @@ def test_name_ablation_table_on_quiz_stories(model, corpus_split):
     with_main = [m for m in mains if m is not None and m.positions]
     assert table.n_stories == len(with_main)
     # a mention's first token starts a run of name positions (mentions are never adjacent here)
-    runs = sum(sum(1 for i, p in enumerate(m.positions) if i == 0 or m.positions[i - 1] != p - 1)
-               for m in with_main)
+    runs = sum(sum(1 for i, p in enumerate(m.positions) if i == 0 or m.positions[i - 1] != p - 1) for m in with_main)
     assert table.n_name_positions == runs
     assert table.n_name_positions + table.n_other_positions == sum(
         min(len(model.tokenizer.encode(s).ids) + 1, model.config.block_size) - 1
-        for s, m in zip(stories, mains) if m is not None and m.positions)
+        for s, m in zip(stories, mains)
+        if m is not None and m.positions
+    )

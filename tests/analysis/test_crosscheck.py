@@ -15,27 +15,27 @@ import torch
 
 try:  # a clear skip reason rather than an ImportError deep in a fixture
     from transformer_lens.model_bridge import TransformerBridge
-except Exception as e:  # noqa: BLE001: any import failure means "not available"
+except Exception as e:  # any import failure means "not available"
     pytest.skip(
         f"transformer_lens is not importable ({type(e).__name__}: {e}); install it as TL_SETUP.md says",
         allow_module_level=True,
     )
 
+from argmax_ties import mean_rounding, near_tie_share  # noqa: E402  (tests/analysis)
+
 from storylens.analysis.names import find_main_characters
 from storylens.analysis.scores import HeadScoreAccumulator, length_batches, make_batch, score_heads
-from storylens.hub import export_hf
-from storylens.model import GPTConfig
-from storylens.numerics import probability_bound
-from storylens.tokenizer import eot_id
-
-from argmax_ties import mean_rounding, near_tie_share  # noqa: E402  (tests/analysis)
+from storylens.lesson.checks import probability_bound
+from storylens.model.gpt import GPTConfig
+from storylens.model.hub import export_hf
+from storylens.model.tokenizer import eot_id
 
 N_STORIES = 200  # float32: the whole quiz (tens of seconds on 2 cores)
 N_STORIES_F64 = 40  # float64: a subset, to show the maths is the same
 BATCH = 20
 # float32: TransformerLens runs GPT-2's fused c_attn (one GEMM for query, key and value)
 # where storylens runs three, so rounding differs (measured: a few 1e-6 on the quiz). In float64
-# they agree to ~1e-14: the computation is the same. Bounds: storylens.numerics.probability_bound
+# they agree to ~1e-14: the computation is the same. Bounds: storylens.lesson.checks.probability_bound
 # (rounding error analysis, for the shipped model's 6 blocks: ~9e-5 in float32, ~3e-13 in float64).
 TOL_F32 = probability_bound(GPTConfig(), torch.float32)
 TOL = probability_bound(GPTConfig(), torch.float64)
@@ -75,7 +75,13 @@ def test_bridge_matches_the_export(bridge, shipped_model):
     cfg = bridge.cfg
     c = shipped_model.config
     assert (cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, cfg.d_vocab) == (
-        c.n_layer, c.n_head, c.head_size, c.n_embd, c.block_size, c.vocab_size)
+        c.n_layer,
+        c.n_head,
+        c.head_size,
+        c.n_embd,
+        c.block_size,
+        c.vocab_size,
+    )
 
 
 def max_pattern_difference(model, bridge, ids, batch=BATCH):

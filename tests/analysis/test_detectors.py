@@ -3,24 +3,25 @@
 import pytest
 import torch
 
-from storylens.analysis.detectors import (BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, BatchMasks,
-                                          pattern_detector)
+from storylens.analysis.detectors import BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, BatchMasks, pattern_detector
 from storylens.analysis.encode import make_batch
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
-from storylens.errors import StorylensError
+from storylens.core.errors import StorylensError
+from storylens.lesson.checks import unit_roundoff
 from storylens.lm import NativeLM
-from storylens.numerics import unit_roundoff
 
 # one story, ids 0 5 6 5 6: the second 5 (q=3) repeats position 1, the second 6 (q=4) position 2
 IDS = [0, 5, 6, 5, 6]
-HEAD1 = torch.tensor([
-    [1.0, 0, 0, 0, 0],
-    [0.5, 0.5, 0, 0, 0],
-    [0.2, 0.3, 0.5, 0, 0],
-    [0.1, 0.2, 0.3, 0.4, 0],
-    [0.1, 0.1, 0.4, 0.2, 0.2],
-])
+HEAD1 = torch.tensor(
+    [
+        [1.0, 0, 0, 0, 0],
+        [0.5, 0.5, 0, 0, 0],
+        [0.2, 0.3, 0.5, 0, 0],
+        [0.1, 0.2, 0.3, 0.4, 0],
+        [0.1, 0.1, 0.4, 0.2, 0.2],
+    ]
+)
 PREV = torch.eye(5).roll(-1, 1).tril()  # q -> q - 1 (and q = 0 -> 0)
 PREV[0, 0] = 1
 
@@ -55,8 +56,11 @@ def test_a_user_pattern():
     with pytest.raises(ValueError):
         pattern_detector("not a name", first_key)
     bad = pattern_detector("bad", lambda ids: torch.zeros(3))
-    with pytest.raises(StorylensError, match=r"^detector bad: pattern\(ids\) returned weights of shape \(3,\); "
-                                             r"expected \(1, 5, 5\) \(\[batch, query, key\]\)$"):
+    with pytest.raises(
+        StorylensError,
+        match=r"^detector bad: pattern\(ids\) returned weights of shape \(3,\); "
+        r"expected \(1, 5, 5\) \(\[batch, query, key\]\)$",
+    ):
         bad.story_means(att(), m)
 
 
@@ -76,7 +80,7 @@ def test_merged_accumulators_equal_one(shipped_model, corpus_split):
     merged = parts[2].merge(parts[0]).merge(parts[1])  # any order
     a, b = build_table(whole, False), build_table(merged, False)
     # other batches (other padding): float32 rounding of the maps, nothing more
-    from storylens.numerics import probability_bound
+    from storylens.lesson.checks import probability_bound
 
     bound = probability_bound(shipped_model.config, torch.float32)
     for x, y in zip(a, b):
@@ -108,5 +112,12 @@ def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
     got = torch.tensor(scores.column("name_mass")).view(6, 4)
     tol = 2 * shipped_model.config.block_size * unit_roundoff(torch.float32)
     assert torch.allclose(got.double(), pos.result().name_mass, atol=tol, rtol=0)
-    assert [d.name for d in BUILTIN_DETECTORS] == ["name_mass", "prev_token", "prev_argmax", "prev4", "marker",
-                                                   "duplicate_token", "induction"]
+    assert [d.name for d in BUILTIN_DETECTORS] == [
+        "name_mass",
+        "prev_token",
+        "prev_argmax",
+        "prev4",
+        "marker",
+        "duplicate_token",
+        "induction",
+    ]

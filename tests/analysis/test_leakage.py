@@ -2,11 +2,11 @@
 
 import pytest
 
-from storylens.analysis.leakage import (
+from storylens.data.leakage import (
     check_leakage,
     exact_duplicates,
-    run_share,
     run_hashes,
+    run_share,
     stories_mentioning,
     word_runs,
 )

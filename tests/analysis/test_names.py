@@ -10,7 +10,7 @@ from storylens.analysis.names import (
     pick_main_character,
     token_positions,
 )
-from storylens.tokenizer import encode_story
+from storylens.model.tokenizer import encode_story
 
 # "Lily's dog met Zorba. Zorba's hat." tokenised by hand, byte-level style:
 # a leading space belongs to the next word; "'s" is its own token; "Zorba" is two tokens.

@@ -24,13 +24,15 @@ def causal(rows):
 
 
 # Story A: T = 5, name token at 2 (first mention 2); queries 3 and 4, weight 1/2 each.
-STORY_A = causal([
-    [1.0],
-    [0.5, 0.5],
-    [0.2, 0.3, 0.5],
-    [0.1, 0.2, 0.5, 0.2],       # q=3: name (k=2) at d=1 gets 0.5; k=1 (d=2) 0.2
-    [0.1, 0.1, 0.3, 0.2, 0.3],  # q=4: name at d=2 gets 0.3; k=3 (d=1) 0.2, k=1 (d=3) 0.1
-])
+STORY_A = causal(
+    [
+        [1.0],
+        [0.5, 0.5],
+        [0.2, 0.3, 0.5],
+        [0.1, 0.2, 0.5, 0.2],  # q=3: name (k=2) at d=1 gets 0.5; k=1 (d=2) 0.2
+        [0.1, 0.1, 0.3, 0.2, 0.3],  # q=4: name at d=2 gets 0.3; k=3 (d=1) 0.2, k=1 (d=3) 0.1
+    ]
+)
 
 
 def test_story_a_by_hand():
@@ -58,12 +60,14 @@ def test_per_distance_sums_story_a():
 
 
 # Story B: T = 4, name at 1: query 2 has no non-name key before it but the marker.
-STORY_B = causal([
-    [1.0],
-    [0.4, 0.6],
-    [0.3, 0.5, 0.2],       # q=2: name at d=1 gets 0.5; only the marker (d=2) otherwise
-    [0.2, 0.4, 0.1, 0.3],  # q=3: name at d=2 gets 0.4; k=2 (d=1) 0.1; marker (d=3) 0.2
-])
+STORY_B = causal(
+    [
+        [1.0],
+        [0.4, 0.6],
+        [0.3, 0.5, 0.2],  # q=2: name at d=1 gets 0.5; only the marker (d=2) otherwise
+        [0.2, 0.4, 0.1, 0.3],  # q=3: name at d=2 gets 0.4; k=2 (d=1) 0.1; marker (d=3) 0.2
+    ]
+)
 
 
 def test_missing_distance_takes_nearest():
@@ -93,14 +97,16 @@ def test_profile_gap_between_two_neighbours_is_their_mean():
 
 def test_first_mention_and_multi_token_names():
     # T = 6, the name is two tokens (2, 3); first mention 2 -> queries 4, 5
-    a = causal([
-        [1.0],
-        [0.5, 0.5],
-        [0.4, 0.3, 0.3],
-        [0.1, 0.1, 0.4, 0.4],
-        [0.1, 0.1, 0.2, 0.4, 0.2],       # q4: name keys 2 (d2) 0.2, 3 (d1) 0.4; k1 (d3) 0.1
-        [0.1, 0.1, 0.1, 0.3, 0.2, 0.2],  # q5: name 2 (d3) 0.1, 3 (d2) 0.3; k4 (d1) .2, k1 (d4) .1
-    ])
+    a = causal(
+        [
+            [1.0],
+            [0.5, 0.5],
+            [0.4, 0.3, 0.3],
+            [0.1, 0.1, 0.4, 0.4],
+            [0.1, 0.1, 0.2, 0.4, 0.2],  # q4: name keys 2 (d2) 0.2, 3 (d1) 0.4; k1 (d3) 0.1
+            [0.1, 0.1, 0.1, 0.3, 0.2, 0.2],  # q5: name 2 (d3) 0.1, 3 (d2) 0.3; k4 (d1) .2, k1 (d4) .1
+        ]
+    )
     r = position_control(a, [2, 3])
     assert r.name_mass.item() == pytest.approx(((0.2 + 0.4) + (0.1 + 0.3)) / 2)
     # P(1) = 0.2 (q5,k4), P(3) = 0.1 (q4,k1), P(4) = 0.1 (q5,k1); P(2): none -> mean(P1, P3) = 0.15
@@ -164,7 +170,7 @@ def test_name_mass_and_even_spread_agree_with_the_head_scores(shipped_model, cor
     hs = score_heads(shipped_model, stories, batch_size=4, progress=False)
     mass = torch.tensor(hs.column("name_mass"), dtype=torch.float64).view_as(pc.name_mass)
     assert pc.n_stories == hs.n_name_scored
-    from storylens.numerics import probability_bound
+    from storylens.lesson.checks import probability_bound
 
     tol = probability_bound(shipped_model.config, torch.float32)  # two equal computations, float32 rounding
     assert (pc.name_mass - mass).abs().max().item() <= tol

@@ -43,7 +43,7 @@ def test_positions_last_token_of_the_word_marker_is_zero():
 
 
 def test_positions_with_the_real_tokenizer(shipped_model):
-    from storylens.tokenizer import eot_id
+    from storylens.model.tokenizer import eot_id
 
     tok = shipped_model.tokenizer
     text = "Lily saw her dog. She smiled, and he's happy. They went home. There!"
@@ -67,14 +67,17 @@ def causal(rows, heads=1):
 
 
 # name token at 2; pronoun queries at 1 (before the name: not counted) and 4
-MAP = causal([
-    [1.0],
-    [0.5, 0.5],
-    [0.2, 0.3, 0.5],
-    [0.1, 0.2, 0.3, 0.4],            # other query: name gets 0.3
-    [0.1, 0.1, 0.6, 0.1, 0.1],       # pronoun: 0.6
-    [0.1, 0.1, 0.2, 0.2, 0.2, 0.2],  # other query: 0.2
-], heads=2)
+MAP = causal(
+    [
+        [1.0],
+        [0.5, 0.5],
+        [0.2, 0.3, 0.5],
+        [0.1, 0.2, 0.3, 0.4],  # other query: name gets 0.3
+        [0.1, 0.1, 0.6, 0.1, 0.1],  # pronoun: 0.6
+        [0.1, 0.1, 0.2, 0.2, 0.2, 0.2],  # other query: 0.2
+    ],
+    heads=2,
+)
 
 
 def test_story_by_hand():

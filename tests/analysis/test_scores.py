@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
+from storylens.analysis.detectors import BatchMasks
 from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
 from storylens.analysis.scores import (
     SCORE_COLUMNS,
@@ -18,9 +19,8 @@ from storylens.analysis.scores import (
     name_baseline,
     score_heads,
 )
-from storylens.analysis.detectors import BatchMasks
-from storylens.errors import StorylensError
-from storylens.tokenizer import encode_story, eot_id
+from storylens.core.errors import StorylensError
+from storylens.model.tokenizer import encode_story, eot_id
 
 # ---------------------------------------------------------------- hand-worked maps
 # Story A: 5 positions, the name at position 2 (first mention 2), so the name queries
@@ -40,12 +40,12 @@ B_HEAD1 = [
     [0.2, 0.2, 0.2, 0.2, 0.2],  # padding queries: must be ignored
     [0.2, 0.2, 0.2, 0.2, 0.2],
 ]
-from storylens.model import GPTConfig as _Cfg
-from storylens.numerics import probability_bound, row_sum_bound
+from argmax_ties import argmax_allowance  # noqa: E402  (a helper beside this file, after the test data it reads)
 
-from argmax_ties import argmax_allowance  # noqa: E402  (tests/analysis)
+from storylens.lesson.checks import probability_bound, row_sum_bound  # noqa: E402  (kept beside the helper)
+from storylens.model.gpt import GPTConfig as _Cfg  # noqa: E402  (kept beside the helper)
 
-F32_TOL = probability_bound(_Cfg(), torch.float32)  # derived in storylens.numerics
+F32_TOL = probability_bound(_Cfg(), torch.float32)  # derived in storylens.lesson.checks
 
 
 def prev_only(T):
@@ -94,8 +94,12 @@ def story_scores(attentions, batch):
 
     out = HeadScoreAccumulator(len(attentions), attentions[0].shape[1]).update(attentions, batch)
     m = BatchMasks(batch, attentions[0].dtype)
-    return SimpleNamespace(**out, has_name_queries=m.name_queries.any(-1), has_queries=m.queries.any(-1),
-                           name_baseline=name_baseline(batch, m.name_queries))
+    return SimpleNamespace(
+        **out,
+        has_name_queries=m.name_queries.any(-1),
+        has_queries=m.queries.any(-1),
+        name_baseline=name_baseline(batch, m.name_queries),
+    )
 
 
 def test_story_scores_by_hand():
@@ -171,9 +175,14 @@ def fake_scores(with_first=True):
     acc = HeadScoreAccumulator(2, 2)
     acc.update(hand_attentions(), hand_batch())
     return HeadScores(
-        heads=build_table(acc, with_first), n_stories=2, n_cut=0, n_main_character=1,
-        n_name_scored=1, max_stories_prev=2 if with_first else None,
-        n_prev_first=2 if with_first else None, window=5,
+        heads=build_table(acc, with_first),
+        n_stories=2,
+        n_cut=0,
+        n_main_character=1,
+        n_name_scored=1,
+        max_stories_prev=2 if with_first else None,
+        n_prev_first=2 if with_first else None,
+        window=5,
     )
 
 
@@ -226,7 +235,9 @@ def reference_scores(model, stories, names):
     for story, mc in zip(stories, mains):
         ids = encode_story(tok, story, W).ids
         with torch.no_grad():
-            maps = np.stack([a[0].double().numpy() for a in model(torch.tensor([ids]), record_attention=True).attentions])
+            maps = np.stack(
+                [a[0].double().numpy() for a in model(torch.tensor([ids]), record_attention=True).attentions]
+            )
         T = len(ids)
         s = {k: np.zeros((L, H)) for k in ("prev", "argmax", "prev4", "marker", "name")}
         for q in range(1, T):
@@ -266,9 +277,12 @@ def test_streaming_equals_stored_maps_reference(shipped_model, five_stories):
     ref, n_named = reference_scores(shipped_model, stories, names)
     hs = score_heads(shipped_model, stories, batch_size=2, names=names, progress=False)
     assert hs.n_stories == 5 and hs.n_cut >= 1 and hs.n_name_scored == n_named >= 4
-    grid = lambda c: np.array(hs.grid(c))
+
+    def grid(c):
+        return np.array(hs.grid(c))
+
     for col, key in (("name_mass", "name"), ("prev_token", "prev"), ("prev4", "prev4"), ("marker", "marker")):
-        # float32 rounding of two equal computations (storylens.numerics)
+        # float32 rounding of two equal computations (storylens.lesson.checks)
         np.testing.assert_allclose(grid(col), ref[key], atol=F32_TOL, rtol=0, err_msg=col)
     # an argmax may flip only on a near-tie (within the same rounding): at most that share of queries
     ids = [encode_story(shipped_model.tokenizer, s, shipped_model.config.block_size).ids for s in stories]
@@ -348,10 +362,18 @@ def test_prev_is_argmax_equals_argmax_and_leaves_the_map_as_it_was(shipped_model
         assert torch.equal(fast, (att.argmax(-1) == prev_key).to(att.dtype))
     # ties: argmax takes the earliest key, so key q-1 loses a tie with an earlier key and wins
     # a tie with the query's own key (q); zeros after q never win
-    tie = torch.tensor([[[[1.0, 0, 0, 0],
-                          [0.5, 0.5, 0, 0],
-                          [0.4, 0.4, 0.2, 0],      # q=2: keys 0 and 1 tie -> argmax 0
-                          [0.1, 0.2, 0.35, 0.35]]]])  # q=3: keys 2 and 3 tie -> argmax 2 = q-1
+    tie = torch.tensor(
+        [
+            [
+                [
+                    [1.0, 0, 0, 0],
+                    [0.5, 0.5, 0, 0],
+                    [0.4, 0.4, 0.2, 0],  # q=2: keys 0 and 1 tie -> argmax 0
+                    [0.1, 0.2, 0.35, 0.35],
+                ]
+            ]
+        ]
+    )  # q=3: keys 2 and 3 tie -> argmax 2 = q-1
     expected = (tie.argmax(-1) == torch.arange(4) - 1).to(tie.dtype)
     assert torch.equal(prev_is_argmax(tie), expected)
     assert expected.flatten().tolist() == [0.0, 1.0, 0.0, 1.0]
@@ -360,14 +382,15 @@ def test_prev_is_argmax_equals_argmax_and_leaves_the_map_as_it_was(shipped_model
 def test_block_by_block_scoring_equals_scoring_the_stored_maps(shipped_model, corpus_split):
     """score_heads (maps fed by the hooks, stories in chunks) against every map of a batch at
     once through HeadScoreAccumulator.update, and against a different chunking."""
-    from storylens.numerics import probability_bound
+    from storylens.lesson.checks import probability_bound
 
     stories = corpus_split.quiz[:40]
     tok, W = shipped_model.tokenizer, shipped_model.config.block_size
     names = name_vocabulary(stories)
     hooked = score_heads(shipped_model, stories, names=names, batch_size=8, max_stories_prev=10, progress=False)
-    chunked = score_heads(shipped_model, stories, names=names, batch_size=8, max_stories_prev=10, progress=False,
-                          chunk_stories=7)
+    chunked = score_heads(
+        shipped_model, stories, names=names, batch_size=8, max_stories_prev=10, progress=False, chunk_stories=7
+    )
     mains = find_main_characters(tok, stories, names=names, window=W)
     ids = [encode_story(tok, s, W).ids for s in stories]
     acc = HeadScoreAccumulator(6, 4)

@@ -3,7 +3,7 @@ run two at once, fill the disk; afterwards the target holds exactly the old set 
 one, and the next run leaves no temporary folder behind.
 
 Kills are real SIGKILLs of a real ``storylens`` process: at named points
-(``STORYLENS_INJECT_KILL``, see storylens.publish.fault_point) and after a range of delays.
+(``STORYLENS_INJECT_KILL``, see storylens.core.publish.fault_point) and after a range of delays.
 """
 
 import hashlib
@@ -18,14 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from storylens.data import EOT
+from storylens.data.stories import EOT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def storylens(*argv, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "storylens", *map(str, argv)], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "storylens", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env={**ENV, **(env or {})},
+        **kw,
+    )
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -35,8 +40,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 def leftovers(out: Path) -> list[str]:
     """Temporary folders or files beside ``out``, the lock file included (a finished run removes it)."""
-    return sorted(p.name for p in out.parent.iterdir()
-                  if p.name.startswith(f".{out.name}."))
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
 def wait_until(condition, seconds=60):
@@ -49,11 +53,14 @@ def assert_refused_by_lock(first, second, out):
     """The first run finishes; the second, started while the first held the lock, is refused in one line."""
     assert first.wait() == 0, first.stderr.read()
     assert second.returncode == 1
-    assert second.stderr == (f"storylens: error: {out}: another storylens run is writing it right now; "
-                             "try again when that one has finished\n")
+    assert second.stderr == (
+        f"storylens: error: {out}: another storylens run is writing it right now; "
+        "try again when that one has finished\n"
+    )
 
 
 # ---------------------------------------------------------------- report
+
 
 @pytest.fixture(scope="module")
 def quizzes(tmp_path_factory, corpus_split):
@@ -111,8 +118,12 @@ def test_report_killed_after_many_delays(tmp_path, quizzes, old_report):
     shutil.copytree(ref, out)
     seen = set()
     for delay in (0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 7.0):
-        p = subprocess.Popen([sys.executable, "-m", "storylens", "report", "--out", str(out), "--quiz", str(b),
-                              "--no-progress"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "storylens", "report", "--out", str(out), "--quiz", str(b), "--no-progress"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -131,8 +142,13 @@ def test_report_killed_after_many_delays(tmp_path, quizzes, old_report):
 def test_two_reports_at_once_one_is_refused(tmp_path, quizzes):
     a, b = quizzes
     out = tmp_path / "report"
-    first = subprocess.Popen([sys.executable, "-m", "storylens", "report", "--out", str(out), "--quiz", str(a),
-                              "--no-progress"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "storylens", "report", "--out", str(out), "--quiz", str(a), "--no-progress"],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_until(lambda: leftovers(out))  # the first holds the lock once its build folder exists
     assert_refused_by_lock(first, report(out, b), out)
     assert json.loads((out / "summary.json").read_text())["quiz"]["source"] == "a.txt"
@@ -140,6 +156,7 @@ def test_two_reports_at_once_one_is_refused(tmp_path, quizzes):
 
 
 # ---------------------------------------------------------------- export-hf
+
 
 @pytest.fixture(scope="module")
 def old_export(tmp_path_factory):
@@ -182,8 +199,9 @@ def test_export_never_touches_what_it_did_not_write(tmp_path, old_export):
     (mine / "config.json").write_text('{"mine": true}')
     r = storylens("export-hf", mine)
     assert r.returncode == 1
-    assert r.stderr == (f"storylens: error: {mine}: holds files storylens did not write (config.json); "
-                        "give an empty or new folder\n")
+    assert r.stderr == (
+        f"storylens: error: {mine}: holds files storylens did not write (config.json); give an empty or new folder\n"
+    )
     assert (mine / "config.json").read_text() == '{"mine": true}'
     # a previous export plus one file of the user's: refused, both left as they were
     out = tmp_path / "hf"
@@ -191,7 +209,10 @@ def test_export_never_touches_what_it_did_not_write(tmp_path, old_export):
     (out / "notes.md").write_text("notes")
     r = storylens("export-hf", out)
     assert r.returncode == 1 and "holds files storylens did not write (notes.md)" in r.stderr
-    assert (out / "notes.md").read_text() == "notes" and {**snapshot(out)} == {**ref_files, "notes.md": snapshot(out)["notes.md"]}
+    assert (out / "notes.md").read_text() == "notes" and {**snapshot(out)} == {
+        **ref_files,
+        "notes.md": snapshot(out)["notes.md"],
+    }
     # a symlink to a folder, and a file
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
@@ -207,6 +228,7 @@ def test_export_never_touches_what_it_did_not_write(tmp_path, old_export):
 
 # ---------------------------------------------------------------- train
 
+
 @pytest.fixture(scope="module")
 def slice_file(tmp_path_factory, corpus_split):
     p = tmp_path_factory.mktemp("slice") / "slice.txt"
@@ -215,17 +237,36 @@ def slice_file(tmp_path_factory, corpus_split):
 
 
 def train(out, stories, *extra, env=None, popen=False):
-    argv = [sys.executable, "-m", "storylens", "train", "--stories", str(stories), "--out", str(out),
-            "--max-steps", "6", "--batch-size", "2", "--eval-every", "3", "--checkpoint-minutes", "0",
-            "--vocab-size", "1024", *map(str, extra)]
+    argv = [
+        sys.executable,
+        "-m",
+        "storylens",
+        "train",
+        "--stories",
+        str(stories),
+        "--out",
+        str(out),
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "3",
+        "--checkpoint-minutes",
+        "0",
+        "--vocab-size",
+        "1024",
+        *map(str, extra),
+    ]
     if popen:
-        return subprocess.Popen(argv, env={**ENV, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(
+            argv, env={**ENV, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(argv, capture_output=True, text=True, env={**ENV, **(env or {})})
 
 
 def test_train_killed_while_replacing_a_checkpoint(tmp_path, slice_file):
-    from storylens.checkpoint import load_checkpoint
+    from storylens.model.checkpoint import load_checkpoint
 
     out = tmp_path / "run"
     r = train(out, slice_file, env={"STORYLENS_INJECT_KILL": "checkpoint-before-replace"})
@@ -253,16 +294,20 @@ def test_resume_refuses_a_changed_corpus_or_tokenizer(tmp_path, slice_file, corp
     other.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.train[1:61] + corpus_split.quiz))
     r = train(out, other, "--max-steps", "2", "--resume")
     assert r.returncode == 1
-    assert r.stderr == (f"storylens: error: {ckpt}: the training stories changed since this run started; "
-                        "restore them or train into a new --out\n")
+    assert r.stderr == (
+        f"storylens: error: {ckpt}: the training stories changed since this run started; "
+        "restore them or train into a new --out\n"
+    )
     tok = out / "tokenizer.json"
     data = json.loads(tok.read_text())
     data["model"]["vocab"]["zzzz"] = data["model"]["vocab"].pop(next(iter(data["model"]["vocab"])))
     tok.write_text(json.dumps(data))
     r = train(out, slice_file, "--max-steps", "2", "--resume")
     assert r.returncode == 1
-    assert r.stderr == (f"storylens: error: {ckpt}: tokenizer.json changed since this run started; "
-                        "restore them or train into a new --out\n")
+    assert r.stderr == (
+        f"storylens: error: {ckpt}: tokenizer.json changed since this run started; "
+        "restore them or train into a new --out\n"
+    )
 
 
 def test_resume_validates_the_checkpoint_tensors(tmp_path, slice_file):
@@ -276,11 +321,21 @@ def test_resume_validates_the_checkpoint_tensors(tmp_path, slice_file):
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     good = dict(tensors)
     cases = {
-        "nan": ("model.transformer.h.0.attn.query.weight", lambda t: t.index_fill(0, __import__("torch").tensor([0]), float("nan")),
-                "weights transformer.h.0.attn.query.weight holds NaN or infinite numbers"),
-        "shape": ("model.transformer.ln_f.bias", lambda t: t[:10],
-                  "weights transformer.ln_f.bias has shape (10,), expected (256,)"),
-        "dtype": ("optim.0.exp_avg", lambda t: t.double(), "optimizer state 0 exp_avg is torch.float64, expected torch.float32"),
+        "nan": (
+            "model.transformer.h.0.attn.query.weight",
+            lambda t: t.index_fill(0, __import__("torch").tensor([0]), float("nan")),
+            "weights transformer.h.0.attn.query.weight holds NaN or infinite numbers",
+        ),
+        "shape": (
+            "model.transformer.ln_f.bias",
+            lambda t: t[:10],
+            "weights transformer.ln_f.bias has shape (10,), expected (256,)",
+        ),
+        "dtype": (
+            "optim.0.exp_avg",
+            lambda t: t.double(),
+            "optimizer state 0 exp_avg is torch.float64, expected torch.float32",
+        ),
     }
     for name, (key, change, why) in cases.items():
         bad = dict(good)
@@ -291,6 +346,7 @@ def test_resume_validates_the_checkpoint_tensors(tmp_path, slice_file):
 
 
 # ---------------------------------------------------------------- a full disk
+
 
 @pytest.fixture
 def tiny_disk(tmp_path):

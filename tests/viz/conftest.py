@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-from storylens.data import load_split
-from storylens.errors import StorylensError
-from storylens.hub import load_model
-from storylens.tokenizer import encode_story
+from storylens.core.errors import StorylensError
+from storylens.data.stories import load_split
+from storylens.model.hub import load_model
+from storylens.model.tokenizer import encode_story
 from storylens.viz.tokens import token_texts
 
 
@@ -70,8 +70,15 @@ def story_run(model, story):
 
 # ---------------------------------------------------------------- a real headless browser
 
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 REQUIRE = os.environ.get("STORYLENS_REQUIRE_BROWSER") == "1"
 
 

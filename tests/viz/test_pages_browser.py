@@ -34,14 +34,22 @@ def test_report_page_loads_clean_with_legible_grid(page, report_dir):
     page.wait_for_selector('.slw-root[data-slw-ready="1"]', timeout=20_000)
     assert page.errors == [] and page.requests == []
     natural, shown, label_px = page.eval_on_selector(
-        "figure.wide img", "e => [e.naturalWidth, e.getBoundingClientRect().width, parseFloat(e.dataset.labelPx)]")
+        "figure.wide img", "e => [e.naturalWidth, e.getBoundingClientRect().width, parseFloat(e.dataset.labelPx)]"
+    )
     assert natural > 0 and shown > 0
     assert label_px * shown / natural >= MIN_LABEL_PX  # the grid's token labels as drawn on screen
     # both widgets (the toy and the story) mounted; the lesson's order of sections
     assert page.eval_on_selector_all(".slw-root", "els => els.length") >= 2
     heads = page.eval_on_selector_all("h2", "els => els.map(e => e.textContent)")
-    order = ["How attention works", "All 24 heads", "Leakage", "name-tracking head", "honest limits",
-             "Previous-token", "number to reproduce"]
+    order = [
+        "How attention works",
+        "All 24 heads",
+        "Leakage",
+        "name-tracking head",
+        "honest limits",
+        "Previous-token",
+        "number to reproduce",
+    ]
     positions = [next(i for i, h in enumerate(heads) if key in h) for key in order]
     assert positions == sorted(positions)
     shot = page.screenshot(full_page=True)  # the page as a reader sees it: drawn, not blank
@@ -52,7 +60,7 @@ def test_report_page_loads_clean_with_legible_grid(page, report_dir):
 
 
 def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model):
-    from storylens.generation import record_generation
+    from storylens.lm.generate import record_generation
 
     out = tmp_path / "replay.html"
     prompt = "Once upon a time, there was a dog named Rex."
@@ -64,7 +72,10 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
     root = ".slw-root"
     start = run.prompt_len
     assert int(page.get_attribute(root, "data-written")) == start - 1  # only the prompt at first
-    visible = lambda: page.eval_on_selector_all(".slw-tok", "els => els.filter(e => e.offsetParent !== null).length")
+
+    def visible():
+        return page.eval_on_selector_all(".slw-tok", "els => els.filter(e => e.offsetParent !== null).length")
+
     assert visible() == start
     for k in range(1, 4):
         page.click(".slw-rp-next")
@@ -72,8 +83,9 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
         assert int(page.get_attribute(root, "data-written")) == q and int(page.get_attribute(root, "data-query")) == q
         assert visible() == q + 1
         b, h = int(page.get_attribute(root, "data-block")), int(page.get_attribute(root, "data-head"))
-        shown = page.eval_on_selector_all(".slw-tokens .slw-tok[data-weight]",
-                                          "els => els.map(e => parseFloat(e.dataset.weight))")
+        shown = page.eval_on_selector_all(
+            ".slw-tokens .slw-tok[data-weight]", "els => els.map(e => parseFloat(e.dataset.weight))"
+        )
         # the page embeds 5 decimals: within 5e-6 of the model's weights
         np.testing.assert_allclose(shown, run.attention[b, h, q, : q + 1].numpy(), atol=1e-5, rtol=0)
     _assert_drawn(page.screenshot())
@@ -83,8 +95,8 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
 
 @torch.no_grad()
 def test_recorded_rows_equal_a_full_forward_of_the_story(model):
-    from storylens.generation import record_generation
-    from storylens.numerics import probability_bound
+    from storylens.lesson.checks import probability_bound
+    from storylens.lm.generate import record_generation
 
     run = record_generation(model, "Lily found a shiny stone.", 40, seed=1)
     full = model(torch.tensor([run.ids]), record_attention=True).attentions

@@ -6,12 +6,11 @@ playwright or chromium is missing, unless STORYLENS_REQUIRE_BROWSER=1 (then it f
 
 from __future__ import annotations
 
-from storylens.recording import attention_widget
-
 import numpy as np
 import pytest
 
-from storylens.model import head_label
+from storylens.model.gpt import head_label
+from storylens.recording import attention_widget
 from storylens.viz import AttentionWidget, toy_widget
 
 TOL = 1e-5  # the widget embeds 5 decimals: within 5e-6 of the model's weights
@@ -41,8 +40,11 @@ def test_clicked_token_shows_the_model_row(page, model, story, story_run, tmp_pa
     page.select_option(".slw-block", str(b))
     page.select_option(".slw-head", str(h))
     root = page.locator(".slw-root")
-    assert (root.get_attribute("data-block"), root.get_attribute("data-head"),
-            root.get_attribute("data-query")) == (str(b), str(h), str(q))
+    assert (root.get_attribute("data-block"), root.get_attribute("data-head"), root.get_attribute("data-query")) == (
+        str(b),
+        str(h),
+        str(q),
+    )
     assert page.text_content(".slw-badge") == head_label(b, h)
 
     shown = _shown_weights(page)
@@ -65,8 +67,7 @@ def test_clicked_token_shows_the_model_row(page, model, story, story_run, tmp_pa
         assert [p for p, _ in cells] == list(range(q2 + 1))
         np.testing.assert_allclose([w for _, w in cells], att[bb, hh, q2, : q2 + 1], atol=TOL, rtol=0)
     page.click('.slw-panel[data-label="L2H4"]')  # a panel selects its head
-    np.testing.assert_allclose([w for _, w in _shown_weights(page)], att[1, 3, q2, : q2 + 1],
-                               atol=TOL, rtol=0)
+    np.testing.assert_allclose([w for _, w in _shown_weights(page)], att[1, 3, q2, : q2 + 1], atol=TOL, rtol=0)
     assert page.text_content(".slw-badge") == "L2H4"
     assert page.errors == [] and page.requests == []
 
@@ -87,14 +88,19 @@ def test_story_text_cannot_run_script(page, browser, model, tmp_path):
 
     # Tokens that are whole tags, and a hostile title, in a notebook-style fragment
     # (no Content-Security-Policy to hide behind): still only text.
-    evil = ["<eot>", "<script>window.__pwned=3</script>", '<img src=x onerror="window.__pwned=4">',
-            "</script><script>window.__pwned=5</script>"]
+    evil = [
+        "<eot>",
+        "<script>window.__pwned=3</script>",
+        '<img src=x onerror="window.__pwned=4">',
+        "</script><script>window.__pwned=5</script>",
+    ]
     att = np.tril(np.ones((4, 4)))
     att = np.broadcast_to(att / att.sum(1, keepdims=True), (6, 4, 4, 4))
     frag = AttentionWidget(evil, att, title="<script>window.__pwned=6</script>")._repr_html_()
     bare = tmp_path / "fragment.html"
-    bare.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{frag}</body></html>",
-                    encoding="utf-8")
+    bare.write_text(
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{frag}</body></html>", encoding="utf-8"
+    )
     pg2 = browser.new_page()
     pg2.goto(bare.as_uri())
     pg2.wait_for_selector('.slw-root[data-slw-ready="1"]', timeout=20_000)
@@ -113,12 +119,11 @@ def test_toy_shares(page, tmp_path):
     _open(page, toy.save(tmp_path / "toy.html"))
 
     def shares():
-        return page.eval_on_selector_all(
-            ".slw-toy-row", "els => els.map(e => parseFloat(e.dataset.share))")
+        return page.eval_on_selector_all(".slw-toy-row", "els => els.map(e => parseFloat(e.dataset.share))")
 
     got = shares()
     np.testing.assert_allclose(got[: toy.query + 1], toy.shares(), atol=1e-12)
-    assert got[toy.query + 1:] == [0.0] * (len(toy.words) - toy.query - 1)  # masked
+    assert got[toy.query + 1 :] == [0.0] * (len(toy.words) - toy.query - 1)  # masked
     page.click('.slw-chip[data-index="9"]')  # "it"
     np.testing.assert_allclose(shares(), toy.shares(9), atol=1e-12)
     page.fill(".slw-q >> nth=0", "3")  # edit the query: q = (3, 1.5)

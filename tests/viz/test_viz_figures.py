@@ -10,7 +10,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from storylens.model import head_label
+from storylens.model.gpt import head_label
 from storylens.viz import (
     all_heads_figure,
     causal_mask_figure,
@@ -80,9 +80,11 @@ def test_all_heads_grid(story_run, tmp_path):
     lower = ~np.triu(np.ones((24, 24), bool), 1)
     np.testing.assert_allclose(drawn[lower], expected[lower])
     assert np.all(drawn[~lower] == drawn[0, 1])  # one mask colour above the diagonal
+
     # token labels along the outer edges only: every one of the 24, per row and per column
     def token_labels(axis):
         return [t.get_text() for t in ax.texts if t.get_gid() == f"token-label-{axis}"]
+
     assert token_labels("y")[:1] == ["<eot>"] and len(token_labels("y")) == 6 * 24
     assert len(token_labels("x")) == 4 * 24
 
@@ -112,7 +114,7 @@ def test_name_mass_bars_and_heatmap(story_run, tmp_path):
     pairs = sorted(scores.items(), key=lambda kv: -kv[1])
     fig = name_mass_bar_figure(pairs[:6], baseline)
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == [l for l, _ in pairs[:6]]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [label for label, _ in pairs[:6]]
     assert len(ax.patches) == 6
     np.testing.assert_allclose([p.get_height() for p in ax.patches], [v for _, v in pairs[:6]])
     assert any(np.allclose(line.get_ydata(), baseline) for line in ax.get_lines())
@@ -139,9 +141,9 @@ def test_name_head_figure_and_data_uri(story_run):
     best = max(scores, key=scores.get)
     b, h = int(best[1]) - 1, int(best[3]) - 1
     weights, queries = name_attention_profile(att[b, h], names)
-    from storylens.numerics import row_sum_bound
+    from storylens.lesson.checks import row_sum_bound
 
-    # a mean of attention rows: sums to 1 up to a float32 softmax's rounding (storylens.numerics)
+    # a mean of attention rows: sums to 1 up to a float32 softmax's rounding (storylens.lesson.checks)
     assert weights.shape == (len(tokens),)
     assert weights.sum() == pytest.approx(1.0, abs=row_sum_bound(torch.float32, len(tokens)))
     assert min(queries) > names[0] and not set(queries) & set(names)
@@ -164,8 +166,11 @@ def test_heatmap_table_colours_every_head_and_boxes_the_best():
     grid[5, 3] = np.nan
     page = head_heatmap_html(grid, title="Name <mass>", highlight="L2H3")
     assert "<caption>Name &lt;mass&gt;</caption>" in page
-    cells = re.findall(r'<td( class="best")? data-head="(L\dH\d)"(?: data-value="([^"]+)")?[^>]*'
-                       r'style="background:(#[0-9a-f]{6})', page)
+    cells = re.findall(
+        r'<td( class="best")? data-head="(L\dH\d)"(?: data-value="([^"]+)")?[^>]*'
+        r'style="background:(#[0-9a-f]{6})',
+        page,
+    )
     assert [c[1] for c in cells] == LABELS
     assert [c[1] for c in cells if c[0]] == ["L2H3"]
     assert float(cells[0][2]) == 0.0 and float(cells[22][2]) == grid[5, 2]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from storylens.recording import attention_widget
-
 import json
 import re
 
 import numpy as np
 import pytest
 
+from storylens.recording import attention_widget
 from storylens.viz import AttentionWidget, toy_widget
 from storylens.viz.widget import _static
 

@@ -19,19 +19,23 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelHubMixin
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_safetensors_model, save_model
+from safetensors.torch import load_model as load_safetensors_model
+from safetensors.torch import save_model
 
-from .errors import StorylensError, install_hint
-from .publish import publish_folder
-from .model import GPT, GPTConfig
-from .tokenizer import load_tokenizer
+from storylens.core.errors import StorylensError, install_hint
+from storylens.core.offline import hub_offline
+from storylens.core.publish import publish_folder
+from storylens.data.stories import EOT
+from storylens.model.gpt import GPT, GPTConfig
+from storylens.model.tokenizer import load_tokenizer
 
-SHIPPED_MODEL = Path(__file__).resolve().parent / "pretrained" / "tiny-storyteller"
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "pretrained" / "tiny-storyteller"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
-MODEL_FOLDER_FILES = frozenset({CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json",
-                                "LICENSE-DATA.md"})
+MODEL_FOLDER_FILES = frozenset(
+    {CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json", "LICENSE-DATA.md"}
+)
 
 
 class TinyStoryteller(
@@ -55,15 +59,32 @@ class TinyStoryteller(
             self.tokenizer.save(str(save_directory / TOKENIZER))
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, revision=None, cache_dir=None, force_download=False,
-                         local_files_only=True, token=None, config: GPTConfig | dict | None = None, **kw):
+    def _from_pretrained(
+        cls,
+        *,
+        model_id: str,
+        revision=None,
+        cache_dir=None,
+        force_download=False,
+        local_files_only=True,
+        token=None,
+        config: GPTConfig | dict | None = None,
+        **kw,
+    ):
         folder = Path(model_id)
         if not folder.is_dir():
             from huggingface_hub import snapshot_download
 
-            folder = Path(snapshot_download(model_id, revision=revision, cache_dir=cache_dir,
-                                            local_files_only=local_files_only, token=token,
-                                            allow_patterns=[CONFIG, WEIGHTS, TOKENIZER, "README.md"]))
+            folder = Path(
+                snapshot_download(
+                    model_id,
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    local_files_only=local_files_only,
+                    token=token,
+                    allow_patterns=[CONFIG, WEIGHTS, TOKENIZER, "README.md"],
+                )
+            )
         return _load_folder(folder, cls)
 
 
@@ -92,8 +113,10 @@ def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
             if len(blocks) != config.n_layer:
                 raise StorylensError(f"{wpath}: holds {len(blocks)} blocks but {CONFIG} says n_layer={config.n_layer}")
             if {"lm_head.weight", "transformer.wte.weight"} <= keys:
-                raise StorylensError(f"{wpath}: holds both transformer.wte.weight and lm_head.weight; the output "
-                                     "head is the token embedding (tied), stored once under either name")
+                raise StorylensError(
+                    f"{wpath}: holds both transformer.wte.weight and lm_head.weight; the output "
+                    "head is the token embedding (tied), stored once under either name"
+                )
             expected = config.weight_shapes()
             # the tied output head is the embedding: stored once, under either name
             named = {("transformer.wte.weight" if k == "lm_head.weight" else k): k for k in keys}
@@ -101,7 +124,8 @@ def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
             extra = sorted(set(named) - set(expected))
             if missing or extra:
                 raise StorylensError(
-                    f"{wpath}: weights do not match {CONFIG} (missing {missing[:3]}, unexpected {extra[:3]})")
+                    f"{wpath}: weights do not match {CONFIG} (missing {missing[:3]}, unexpected {extra[:3]})"
+                )
             for k, shape in expected.items():
                 sl = f.get_slice(named[k])
                 got = tuple(sl.get_shape())
@@ -109,8 +133,10 @@ def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
                     raise StorylensError(f"{wpath}: {k} has shape {got} but {CONFIG} implies {shape}")
                 dtype = sl.get_dtype()
                 if dtype not in ("F32", "F16", "BF16", "F64"):
-                    raise StorylensError(f"{wpath}: {k} is stored as {dtype}; storylens reads floating-point "
-                                         "weights only (F32, F16, BF16, F64)")
+                    raise StorylensError(
+                        f"{wpath}: {k} is stored as {dtype}; storylens reads floating-point "
+                        "weights only (F32, F16, BF16, F64)"
+                    )
     except StorylensError:
         raise
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -136,7 +162,7 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
+def _load_folder(folder: Path, cls=None) -> TinyStoryteller:
     cls = cls or TinyStoryteller
     if not folder.is_dir():
         raise StorylensError(f"{folder}: not a model folder")
@@ -157,29 +183,6 @@ def _load_folder(folder: Path, cls=None) -> "TinyStoryteller":
     model.source_folder = folder  # where the model came from (its shipped quiz lives there too)
     model.eval()
     return model
-
-
-@contextmanager
-def hub_offline(offline: bool = True):
-    """Run the block with the Hugging Face clients in offline mode (no DNS, no socket)."""
-    if not offline:
-        yield
-        return
-    import huggingface_hub.constants as hc
-
-    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    saved = hc.HF_HUB_OFFLINE
-    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    hc.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        hc.HF_HUB_OFFLINE = saved
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def load_model(source: str | os.PathLike | None = None, *, allow_download: bool = False) -> TinyStoryteller:
@@ -203,10 +206,13 @@ def load_model(source: str | os.PathLike | None = None, *, allow_download: bool 
         raise
     except Exception as e:
         if not allow_download:
-            raise StorylensError(f"{s}: not a folder here and not in the local hub cache; storylens stays "
-                                 "offline unless asked: pass --allow-download to fetch it") from None
-        raise StorylensError(f"{s}: could not be loaded from the hub ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]})") from None
+            raise StorylensError(
+                f"{s}: not a folder here and not in the local hub cache; storylens stays "
+                "offline unless asked: pass --allow-download to fetch it"
+            ) from None
+        raise StorylensError(
+            f"{s}: could not be loaded from the hub ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
 
 
 @contextmanager
@@ -220,8 +226,9 @@ def _safetensors_errors(folder):
         raise StorylensError(f"{folder}: cannot write ({reason})") from None
 
 
-def save_model_folder(model: GPT, tokenizer, folder: str | os.PathLike,
-                      extra_files: dict[str, bytes] | None = None) -> Path:
+def save_model_folder(
+    model: GPT, tokenizer, folder: str | os.PathLike, extra_files: dict[str, bytes] | None = None
+) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` (and ``extra_files``, name to
     bytes) into ``folder``, all published in one step."""
     if not isinstance(model, TinyStoryteller):
@@ -247,14 +254,22 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     except ImportError:
         raise StorylensError(f"export-hf needs transformers: {install_hint('hf')}") from None
-    from .data import EOT
 
     c = model.config
     hf_config = GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-        n_head=c.n_head, n_inner=4 * c.n_embd, activation_function="gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-        bos_token_id=model.tokenizer.token_to_id(EOT), eos_token_id=model.tokenizer.token_to_id(EOT),
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=4 * c.n_embd,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=model.tokenizer.token_to_id(EOT),
+        eos_token_id=model.tokenizer.token_to_id(EOT),
         tie_word_embeddings=True,
     )
     hf = GPT2LMHeadModel(hf_config)
@@ -286,11 +301,14 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         raise RuntimeError(f"export mapping incomplete: missing {missing}, unexpected {unexpected}")
     folder = Path(folder)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=model.tokenizer, bos_token=EOT, eos_token=EOT, unk_token=EOT,
+        tokenizer_object=model.tokenizer,
+        bos_token=EOT,
+        eos_token=EOT,
+        unk_token=EOT,
         model_max_length=c.block_size,
     )
     # a temporary folder beside the target, then one step; a folder holding files storylens
-    # did not write is refused (see storylens.publish)
+    # did not write is refused (see storylens.core.publish)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

@@ -1,6 +1,6 @@
 """Scoring on Ray: Ray Data hands chunks of stories to a pool of actors, each holding the model.
 
-The driver streams the source (:mod:`storylens.sources`) in chunks of ``chunk_stories`` stories,
+The driver streams the source (:mod:`storylens.data.sources`) in chunks of ``chunk_stories`` stories,
 numbered by the index of their first story, and gives Ray Data a window of chunks at a time
 (``ray.data.from_items``). ``map_batches`` runs a pool of :class:`ChunkScorer` actors (``workers``
 of them, but no more than the cluster has CPUs: one CPU and one torch thread each) that load the
@@ -24,11 +24,16 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import Iterable
 
-from .errors import StorylensError, UsageError, install_hint
-from .score import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis import detectors
+from storylens.analysis.detectors import BUILTIN_DETECTORS
+from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES, chunked
+from storylens.analysis.record import RecordStats, record
+from storylens.analysis.scores import HeadScoreAccumulator
+from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.lm import load_lm
 
 WINDOW_CHUNKS_PER_WORKER = 8  # chunks given to Ray Data at a time, per worker (bounds the driver's memory)
 ADDRESS_TIMEOUT_S = 5  # how long --address may take to accept a connection
@@ -40,9 +45,6 @@ class ChunkScorer:
 
     def __init__(self, model_source, names, batch_size: int, detectors=None):
         import torch
-
-        from .analysis.detectors import BUILTIN_DETECTORS
-        from .lm import load_lm
 
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
         self.lm = load_lm(model_source)
@@ -57,15 +59,21 @@ class ChunkScorer:
             raise StorylensError(_actor_failure(e)) from None
 
     def _score(self, batch: dict) -> dict:
-        from .analysis.record import record
-        from .analysis.scores import HeadScoreAccumulator
 
         out = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
             acc = HeadScoreAccumulator(self.lm.n_layer, self.lm.n_head, self.detectors)
-            stats = record(self.lm, texts, [acc], batch_size=self.batch_size, names=self.names, progress=False,
-                           chunk_stories=len(texts), start=int(start))
+            stats = record(
+                self.lm,
+                texts,
+                [acc],
+                batch_size=self.batch_size,
+                names=self.names,
+                progress=False,
+                chunk_stories=len(texts),
+                start=int(start),
+            )
             out["start"].append(int(start))
             out["state"].append(json.dumps(acc.state()))
             out["n"].append(stats.n_stories)
@@ -97,7 +105,6 @@ def _actor_failure(e: BaseException) -> str:
     """One line for an exception raised while an actor scored a chunk. A user pattern (called from
     :meth:`BatchMasks.pattern_keys <storylens.analysis.detectors.BatchMasks.pattern_keys>`) is named
     by its file, as ``--detector FILE`` gave it."""
-    from .analysis import detectors
 
     what = f"{type(e).__name__}: {_one_line(e)}"
     tb = e.__traceback__
@@ -126,9 +133,9 @@ def _ray_failure(e: BaseException) -> str:
         x = getattr(x, "cause", None) or x.__cause__
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     last = lines[-1] if lines else type(e).__name__
-    for prefix in ("storylens.errors.StorylensError: ", "storylens.errors.UsageError: "):
+    for prefix in ("storylens.core.errors.StorylensError: ", "storylens.core.errors.UsageError: "):
         if last.startswith(prefix):  # e.g. an actor that could not load the model on its node
-            return f"{last[len(prefix):]} (in a Ray actor)"
+            return f"{last[len(prefix) :]} (in a Ray actor)"
     return f"ray: {type(e).__name__}: {last[:300]}"
 
 
@@ -212,8 +219,9 @@ def _init_ray(ray, address: str | None) -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False  # this machine's Ray: node address 127.0.0.1
     try:
         with _stderr_fd_silenced():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     ignore_reinit_error=True, **kw)
+            ray.init(
+                include_dashboard=False, log_to_driver=False, configure_logging=False, ignore_reinit_error=True, **kw
+            )
     except Exception as e:  # connection refused, bad address, ...
         where = f"--address {address}: cannot join that Ray cluster" if address else "ray: cannot start a local Ray"
         raise StorylensError(f"{where} ({type(e).__name__}: {_one_line(e)[:160]})") from None
@@ -227,24 +235,37 @@ def _actors(ray, workers: int) -> int:
     """``workers``, but no more actors than the cluster has CPUs (each takes one), saying so on stderr."""
     cpus = int(ray.cluster_resources().get("CPU", 0))
     if 0 < cpus < workers:
-        print(f"storylens: --workers {workers}: this Ray cluster has {cpus} CPU{'s' * (cpus != 1)}; "
-              f"using {cpus} actor{'s' * (cpus != 1)}", file=sys.stderr)
+        print(
+            f"storylens: --workers {workers}: this Ray cluster has {cpus} CPU{'s' * (cpus != 1)}; "
+            f"using {cpus} actor{'s' * (cpus != 1)}",
+            file=sys.stderr,
+        )
         return cpus
     return workers
 
 
-def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: int = 2, address: str | None = None,
-                   batch_size: int = BATCH_STORIES, chunk_stories: int = CHUNK_STORIES, total: int | None = None, progress: bool = True,
-                   detectors=None, details: dict | None = None, start: int = 0, on_window=None):
+def score_with_ray(
+    model_source,
+    source: Iterable[str],
+    names,
+    acc,
+    *,
+    workers: int = 2,
+    address: str | None = None,
+    batch_size: int = BATCH_STORIES,
+    chunk_stories: int = CHUNK_STORIES,
+    total: int | None = None,
+    progress: bool = True,
+    detectors=None,
+    details: dict | None = None,
+    start: int = 0,
+    on_window=None,
+):
     """Score every chunk of ``source`` on Ray and merge the chunks' states into ``acc``; returns the
     :class:`~storylens.analysis.record.RecordStats` of the stories it scored (see the module docstring).
     ``start``: the index of the first story of ``source`` (a resumed run); ``on_window(stats)`` is
     called whenever every chunk given to Ray so far has come back (where a long run checkpoints)."""
     from tqdm.auto import tqdm
-
-    from .analysis.encode import chunked
-    from .analysis.record import RecordStats
-    from .analysis.scores import HeadScoreAccumulator
 
     if workers < 1:
         raise UsageError(f"--workers: must be at least 1 (got {workers})")
@@ -262,12 +283,22 @@ def score_with_ray(model_source, source: Iterable[str], names, acc, *, workers: 
         ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
         pieces = chunked(source, chunk_stories, start)
         kwargs = {"model_source": model_source, "names": names, "batch_size": batch_size, "detectors": detectors}
-        with tqdm(total=total, initial=start, unit="story", desc=f"recording attention on Ray ({workers} workers)",
-                  disable=None if progress else True) as bar:
+        with tqdm(
+            total=total,
+            initial=start,
+            unit="story",
+            desc=f"recording attention on Ray ({workers} workers)",
+            disable=None if progress else True,
+        ) as bar:
             while items := [{"start": i, "texts": t} for i, t in _take(pieces, WINDOW_CHUNKS_PER_WORKER * workers)]:
                 ds = ray.data.from_items(items, override_num_blocks=len(items))
-                ds = ds.map_batches(ChunkScorer, batch_size=1, num_cpus=1, fn_constructor_kwargs=kwargs,
-                                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(items))))
+                ds = ds.map_batches(
+                    ChunkScorer,
+                    batch_size=1,
+                    num_cpus=1,
+                    fn_constructor_kwargs=kwargs,
+                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(items))),
+                )
                 try:
                     for row in ds.iter_rows():
                         start = int(row["start"])

@@ -13,12 +13,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from .errors import StorylensError
+from storylens.core.errors import StorylensError
+from storylens.core.publish import write_bytes_atomic
 
 
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors bytes written whole or not at all (:func:`storylens.publish.write_bytes_atomic`)."""
-    from .publish import write_bytes_atomic
+    """safetensors bytes written whole or not at all (:func:`storylens.core.publish.write_bytes_atomic`)."""
 
     data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     write_bytes_atomic(path, data, fault="checkpoint-before-replace")
@@ -36,8 +36,9 @@ def validate_state(path: Path, tensors: dict[str, torch.Tensor], expected: dict[
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise StorylensError(f"{path}: {what} does not match the run's model "
-                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        raise StorylensError(
+            f"{path}: {what} does not match the run's model (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for k, ref in expected.items():
         t = tensors[k]
         if t.shape != ref.shape:

@@ -11,7 +11,7 @@
 
 A :class:`StorySource` can be iterated more than once (the name vocabulary is a first pass over the
 stories scored). Empty stories are dropped; ``limit`` keeps the first that many. Every problem is a
-one-line :class:`~storylens.errors.StorylensError` naming the source.
+one-line :class:`~storylens.core.errors.StorylensError` naming the source.
 """
 
 from __future__ import annotations
@@ -19,14 +19,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterator
 
-from .data import (MAX_STORY_MB_ENV, iter_stories, max_corpus_bytes, max_story_bytes, resolve_corpus, text_lines,
-                   too_much_text)
-from .errors import StorylensError, UsageError, install_hint
+from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.core.offline import hub_offline
+from storylens.data.stories import (
+    MAX_STORY_MB_ENV,
+    iter_stories,
+    max_corpus_bytes,
+    max_story_bytes,
+    resolve_corpus,
+    text_lines,
+    too_much_text,
+)
 
 KINDS = ("text", "jsonl", "parquet", "hf")
 
@@ -57,8 +65,13 @@ class StorySource:
 
     def fingerprint(self) -> dict:
         """What identifies the stories: checked when a run resumes from a checkpoint."""
-        out = {"kind": self.kind, "location": self.location, "text_field": self.text_field, "limit": self.limit,
-               "split": self.split if self.has_splits() else None}
+        out = {
+            "kind": self.kind,
+            "location": self.location,
+            "text_field": self.text_field,
+            "limit": self.limit,
+            "split": self.split if self.has_splits() else None,
+        }
         p = Path(self.location)
         if p.exists():
             st = p.stat()
@@ -66,8 +79,14 @@ class StorySource:
         return out
 
 
-def open_source(source: str | os.PathLike, *, text_field: str = "text", limit: int | None = None,
-                split: str | None = None, allow_download: bool = False) -> StorySource:
+def open_source(
+    source: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    limit: int | None = None,
+    split: str | None = None,
+    allow_download: bool = False,
+) -> StorySource:
     """A :class:`StorySource` for ``source`` (see the module docstring), checked to exist.
     ``split`` (default ``train``) is for Hugging Face datasets only; asked of any other source it
     is refused rather than ignored."""
@@ -132,8 +151,10 @@ class _Budget:
         size = len(text.encode("utf-8", "surrogatepass"))
         self.total += size
         if size > self.story:
-            raise StorylensError(f"{self.src.location}: {where}: a story of {size / 2**20:,.1f} MB, longer than "
-                                 f"{self.story / 2**20:,.0f} MB (raise ${MAX_STORY_MB_ENV} for longer stories)")
+            raise StorylensError(
+                f"{self.src.location}: {where}: a story of {size / 2**20:,.1f} MB, longer than "
+                f"{self.story / 2**20:,.0f} MB (raise ${MAX_STORY_MB_ENV} for longer stories)"
+            )
         if self.total > self.corpus:
             raise too_much_text(self.src.location, self.corpus)
         return text
@@ -160,30 +181,34 @@ def _read_parquet(src: StorySource) -> Iterator[str]:
     try:
         f = pq.ParquetFile(src.location)
         if src.text_field not in f.schema_arrow.names:
-            raise StorylensError(f"{src.location}: no column {src.text_field!r} (columns: "
-                                 f"{', '.join(f.schema_arrow.names)}; choose one with --text-field)")
+            raise StorylensError(
+                f"{src.location}: no column {src.text_field!r} (columns: "
+                f"{', '.join(f.schema_arrow.names)}; choose one with --text-field)"
+            )
         budget, number = _Budget(src), 0
         for batch in f.iter_batches(batch_size=64, columns=[src.text_field]):
             for text in batch.column(0).to_pylist():
                 number += 1
                 if text is not None and not isinstance(text, str):
-                    raise StorylensError(f"{src.location}: column {src.text_field!r} holds "
-                                         f"{type(text).__name__}, not text")
+                    raise StorylensError(
+                        f"{src.location}: column {src.text_field!r} holds {type(text).__name__}, not text"
+                    )
                 yield budget.take(text or "", f"row {number}")
     except StorylensError:
         raise
     except Exception as e:  # pyarrow's errors for a damaged file
-        raise StorylensError(f"{src.location}: not a readable Parquet file ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:160]})") from None
+        raise StorylensError(
+            f"{src.location}: not a readable Parquet file ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        ) from None
 
 
 def _read_hf(src: StorySource) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise StorylensError(f"{src.location}: a Hugging Face dataset needs the datasets package: "
-                             f"{install_hint('hf')}") from None
-    from .hub import hub_offline
+        raise StorylensError(
+            f"{src.location}: a Hugging Face dataset needs the datasets package: {install_hint('hf')}"
+        ) from None
 
     datasets.disable_progress_bars()
     try:
@@ -194,8 +219,7 @@ def _read_hf(src: StorySource) -> Iterator[str]:
                     raise StorylensError(f"{src.location}: no split {src.split!r} (splits: {', '.join(ds)})")
                 ds = ds[src.split]
             elif src.split_given:
-                raise StorylensError(f"{src.location}: a single saved dataset with no splits; drop --split "
-                                     f"{src.split}")
+                raise StorylensError(f"{src.location}: a single saved dataset with no splits; drop --split {src.split}")
         else:
             with hub_offline(not src.allow_download):
                 # streamed from the hub when downloads are allowed; else the local cache (memory-mapped)
@@ -203,9 +227,14 @@ def _read_hf(src: StorySource) -> Iterator[str]:
     except StorylensError:
         raise
     except Exception as e:  # datasets raises many types for "not cached" / "no network"
-        hint = "" if src.allow_download else " (not in the local cache; storylens stays offline unless asked: --allow-download)"
-        raise StorylensError(f"{src.location}: cannot open the dataset{hint} ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:160]})") from None
+        hint = (
+            ""
+            if src.allow_download
+            else " (not in the local cache; storylens stays offline unless asked: --allow-download)"
+        )
+        raise StorylensError(
+            f"{src.location}: cannot open the dataset{hint} ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        ) from None
     budget = _Budget(src)
     for number, row in enumerate(ds, 1):
         yield budget.take(_field(row, src, f"row {number}"), f"row {number}")

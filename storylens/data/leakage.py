@@ -22,10 +22,10 @@ memory stays small on big corpora. A false match needs a 64-bit collision: with 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
-from ..constants import LEAKAGE_RUN_WORDS as RUN_WORDS  # noqa: E402
+RUN_WORDS = 8  # the leakage check's shared word runs: 8 words
 
 
 def words(text: str, lowercase: bool = False) -> list[str]:
@@ -98,7 +98,7 @@ class LeakageReport:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LeakageReport":
+    def from_dict(cls, d: dict) -> LeakageReport:
         fields = {k: d[k] for k in cls.__dataclass_fields__}
         for k in ("duplicates", "mentioning", "shares"):
             fields[k] = tuple(fields[k])

@@ -43,6 +43,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from storylens.model.gpt import KVCache
+from storylens.model.tokenizer import eot_id
+
 LAMBDA = 4.0  # safety constant of the probabilistic rounding bound (see the module docstring)
 
 # What the lesson states (for display next to the learner's own numbers).
@@ -126,10 +129,22 @@ def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -
                 upper = max(upper, att[..., above].abs().max().item())
     n = len(stories_ids)
     return [
-        Check("fused vs explicit logits", name, worst_logit, rounding_bound(m.config, dtype, scale),
-              LESSON["fused_vs_explicit"], f"{n} stories, largest logit magnitude {scale:.1f}"),
-        Check("attention rows sum to 1", name, worst_row, row_sum_bound(dtype, longest), None,
-              f"{n} stories x {m.config.n_layer * m.config.n_head} heads, up to {longest} keys"),
+        Check(
+            "fused vs explicit logits",
+            name,
+            worst_logit,
+            rounding_bound(m.config, dtype, scale),
+            LESSON["fused_vs_explicit"],
+            f"{n} stories, largest logit magnitude {scale:.1f}",
+        ),
+        Check(
+            "attention rows sum to 1",
+            name,
+            worst_row,
+            row_sum_bound(dtype, longest),
+            None,
+            f"{n} stories x {m.config.n_layer * m.config.n_head} heads, up to {longest} keys",
+        ),
         Check("upper triangle is exactly 0", name, upper, 0.0, None, "the causal mask: exp(-inf) = 0"),
     ]
 
@@ -137,7 +152,6 @@ def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -
 @torch.no_grad()
 def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
     """The keys and values of a prefix, computed alone, against the same positions in the full run."""
-    from .model import KVCache
 
     m = as_dtype(model, dtype)
     idx = torch.tensor([ids])
@@ -150,9 +164,14 @@ def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
         for a, f in ((prefix.key[b], full.key[b]), (prefix.value[b], full.value[b])):
             worst = max(worst, (a - f[:, :, :n]).abs().max().item())
             scale = max(scale, f.abs().max().item())
-    return Check("prefix keys/values = full run's", str(dtype).replace("torch.", ""), worst,
-                 rounding_bound(m.config, dtype, scale), None,
-                 f"first {n} of {len(ids)} tokens, largest key or value magnitude {scale:.1f}")
+    return Check(
+        "prefix keys/values = full run's",
+        str(dtype).replace("torch.", ""),
+        worst,
+        rounding_bound(m.config, dtype, scale),
+        None,
+        f"first {n} of {len(ids)} tokens, largest key or value magnitude {scale:.1f}",
+    )
 
 
 @torch.no_grad()
@@ -171,24 +190,35 @@ def cached_vs_recomputed(model, dtype: torch.dtype, n_tokens: int = 200, seed: i
     n = len(cached)
     expected_recompute = n * (n + 1) // 2
     return [
-        Check("KV cache vs recompute logits", name, worst, rounding_bound(m.config, dtype, scale),
-              LESSON["kv_cache_vs_recompute"], f"{n} tokens, {same} of {n} the same, largest logit magnitude {scale:.1f}"),
+        Check(
+            "KV cache vs recompute logits",
+            name,
+            worst,
+            rounding_bound(m.config, dtype, scale),
+            LESSON["kv_cache_vs_recompute"],
+            f"{n} tokens, {same} of {n} the same, largest logit magnitude {scale:.1f}",
+        ),
         Check("same tokens generated", name, float(n - same), 0.0, None, f"{n - same} of {n} differ"),
-        Check("key/value computations", name, float(abs(cached[-1].kv_computed - n)
-                                                    + abs(full[-1].kv_computed - expected_recompute)), 0.0, None,
-              f"cache {cached[-1].kv_computed:,} vs recompute {full[-1].kv_computed:,} "
-              f"(expected {n:,} and 1 + 2 + ... + {n} = {expected_recompute:,})"),
+        Check(
+            "key/value computations",
+            name,
+            float(abs(cached[-1].kv_computed - n) + abs(full[-1].kv_computed - expected_recompute)),
+            0.0,
+            None,
+            f"cache {cached[-1].kv_computed:,} vs recompute {full[-1].kv_computed:,} "
+            f"(expected {n:,} and 1 + 2 + ... + {n} = {expected_recompute:,})",
+        ),
     ]
 
 
 def _marker_id(model) -> int:
-    from .tokenizer import eot_id
 
     return eot_id(model.tokenizer) if getattr(model, "tokenizer", None) is not None else 0
 
 
-def run_checks(model, stories_ids: list[list[int]], *, dtypes=(torch.float32, torch.float64),
-               gen_tokens: int = 200, on_step=None) -> list[Check]:
+def run_checks(
+    model, stories_ids: list[list[int]], *, dtypes=(torch.float32, torch.float64), gen_tokens: int = 200, on_step=None
+) -> list[Check]:
     """Every check, in every dtype: the learner's own numbers, each with its bound."""
     checks: list[Check] = []
     for dtype in dtypes:

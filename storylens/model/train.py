@@ -20,11 +20,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Split
-from .errors import StorylensError, UsageError
-from .model import GPT, GPTConfig
-from .tokenizer import encode_story, encode_stream, load_tokenizer, train_tokenizer
+from storylens.core.errors import StorylensError, UsageError
+from storylens.core.publish import file_lock, os_error, write_text_atomic
+from storylens.data.leakage import check_leakage
+from storylens.data.stories import LEAKAGE_FILE, QUIZ_FILE, Split, quiz_file_bytes
+from storylens.model.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, validate_state
+from storylens.model.gpt import GPT, GPTConfig
+from storylens.model.hub import save_model_folder
+from storylens.model.tokenizer import encode_story, encode_stream, load_tokenizer, train_tokenizer
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -111,13 +114,17 @@ def quiz_perplexity(model: GPT, tok, quiz: list[str], batch_size: int = 16) -> f
 
 
 def _validate_optimizer(path: Path, opt_sd: dict, optimizer) -> None:
-    from .checkpoint import validate_state
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     groups = opt_sd.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+    if (
+        not isinstance(groups, list)
+        or len(groups) != len(optimizer.param_groups)
+        or any(
             not isinstance(g, dict) or len(g.get("params", ())) != len(mine["params"])
-            for g, mine in zip(groups, optimizer.param_groups)):
+            for g, mine in zip(groups, optimizer.param_groups)
+        )
+    ):
         raise StorylensError(f"{path}: optimizer settings do not match the run's model")
     state = opt_sd["state"]
     if set(state) - set(range(len(params))):
@@ -129,7 +136,6 @@ def _validate_optimizer(path: Path, opt_sd: dict, optimizer) -> None:
 
 
 def _validate_rng(path: Path, rng: dict, gen: torch.Generator) -> None:
-    from .checkpoint import validate_state
 
     validate_state(path, rng, {"data": gen.get_state(), "torch": torch.get_rng_state()}, "random state")
 
@@ -140,6 +146,7 @@ class _StopRequested(Exception):
 
 def validate_config(cfg: TrainConfig) -> None:
     """One line for a setting no training can use (before anything is read or written)."""
+
     def bad(name, why):
         raise UsageError(f"--{name.replace('_', '-')}: {why}")
 
@@ -193,8 +200,9 @@ def _check_fingerprints(ckpt_path: Path, saved: dict | None, now: dict) -> None:
     what = {"train": "the training stories", "quiz": "the quiz stories", "tokenizer": "tokenizer.json"}
     for key, name in what.items():
         if key in saved and saved[key] != now.get(key):
-            raise StorylensError(f"{ckpt_path}: {name} changed since this run started; "
-                                 "restore them or train into a new --out")
+            raise StorylensError(
+                f"{ckpt_path}: {name} changed since this run started; restore them or train into a new --out"
+            )
 
 
 def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
@@ -204,7 +212,6 @@ def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, p
     carry the run's pid; the checkpoint records fingerprints of the corpus split and tokenizer,
     so ``resume`` refuses a folder whose data changed, and its tensors are validated before use.
     """
-    from .publish import file_lock, os_error
 
     validate_config(cfg)
     out_dir = Path(out_dir)
@@ -217,16 +224,12 @@ def train(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool = False, p
     except OSError as e:
         raise os_error(out_dir, e, "create") from None
     with file_lock(out_dir / ".lock", str(out_dir)):
-        from .checkpoint import remove_stale_temporaries
-
         remove_stale_temporaries(out_dir / CHECKPOINT)
         remove_stale_temporaries(out_dir / "tokenizer.json")
         return _train_locked(split, out_dir, cfg, resume, progress)
 
 
 def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, progress: bool) -> dict:
-    from .checkpoint import validate_state
-    from .publish import write_text_atomic
 
     ckpt_path = out_dir / CHECKPOINT
     tok_path = out_dir / "tokenizer.json"
@@ -251,11 +254,18 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
             raise StorylensError(
                 f"corpus: too small for a {cfg.vocab_size:,}-token vocabulary (byte-level BPE found only "
                 f"{tok.get_vocab_size():,} tokens in the training stories); give more stories or "
-                f"--vocab-size {tok.get_vocab_size()}")
+                f"--vocab-size {tok.get_vocab_size()}"
+            )
         write_text_atomic(tok_path, tok.to_str())
         prints["tokenizer"] = _file_digest(tok_path)
-        state = {"step": 0, "losses": [], "evals": [], "train_seconds": 0.0, "train_config": asdict(cfg),
-                 "fingerprints": prints}
+        state = {
+            "step": 0,
+            "losses": [],
+            "evals": [],
+            "train_seconds": 0.0,
+            "train_config": asdict(cfg),
+            "fingerprints": prints,
+        }
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
@@ -290,13 +300,16 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
 
     stream = torch.tensor(encode_stream(tok, split.train), dtype=torch.long)
     if len(stream) < cfg.block_size + 2:
-        raise StorylensError(f"corpus: the training stories make {len(stream):,} tokens, fewer than one "
-                             f"{cfg.block_size}-token window; give more stories")
+        raise StorylensError(
+            f"corpus: the training stories make {len(stream):,} tokens, fewer than one "
+            f"{cfg.block_size}-token window; give more stories"
+        )
     tokens_per_step = cfg.batch_size * cfg.block_size
 
     def checkpoint():
-        save_checkpoint(ckpt_path, model, optimizer, state, {"data": gen.get_state(), "torch": torch.get_rng_state()},
-                        ema=ema_model)
+        save_checkpoint(
+            ckpt_path, model, optimizer, state, {"data": gen.get_state(), "torch": torch.get_rng_state()}, ema=ema_model
+        )
 
     # Ctrl-C / SIGTERM only raise a flag; the loop stops between two whole steps,
     # so the checkpoint never holds a half-applied optimizer step.
@@ -308,8 +321,9 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     model.train()
     last_ckpt = time.time()
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], disable=None if progress else True, unit="step",
-               dynamic_ncols=True)  # disable=None: a bar on a terminal only, no carriage returns into pipes
+    bar = tqdm(
+        total=cfg.max_steps, initial=state["step"], disable=None if progress else True, unit="step", dynamic_ncols=True
+    )  # disable=None: a bar on a terminal only, no carriage returns into pipes
     try:
         while state["step"] < cfg.max_steps:
             if stop:
@@ -334,8 +348,12 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
             state["train_seconds"] += dt
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.max_steps:
                 ppl = quiz_perplexity(model, tok, split.quiz)
-                row = {"step": state["step"], "quiz_perplexity": ppl, "tokens": state["step"] * tokens_per_step,
-                       "train_seconds": round(state["train_seconds"], 1)}
+                row = {
+                    "step": state["step"],
+                    "quiz_perplexity": ppl,
+                    "tokens": state["step"] * tokens_per_step,
+                    "train_seconds": round(state["train_seconds"], 1),
+                }
                 if ema_model is not None:
                     row["quiz_perplexity_ema"] = quiz_perplexity(ema_model, tok, split.quiz)
                 state["evals"].append(row)
@@ -366,9 +384,6 @@ def lesson_files(split: Split) -> dict[str, bytes]:
     data's licence (TinyStories is CDLA-Sharing-1.0)."""
     from importlib import resources
 
-    from .analysis.leakage import check_leakage
-    from .data import LEAKAGE_FILE, QUIZ_FILE, quiz_file_bytes
-
     leakage = check_leakage(split.quiz, split.train)
     licence = resources.files("storylens").joinpath("licenses", "CDLA-Sharing-1.0.txt").read_text(encoding="utf-8")
     notice = f"""# Data licence
@@ -383,9 +398,11 @@ Agreement - Sharing, Version 1.0 (CDLA-Sharing-1.0), reproduced below. The stori
 ---
 
 """
-    return {QUIZ_FILE: quiz_file_bytes(split.quiz),
-            LEAKAGE_FILE: json.dumps(leakage.to_dict(), indent=1).encode("utf-8"),
-            "LICENSE-DATA.md": (notice + licence).encode("utf-8")}
+    return {
+        QUIZ_FILE: quiz_file_bytes(split.quiz),
+        LEAKAGE_FILE: json.dumps(leakage.to_dict(), indent=1).encode("utf-8"),
+        "LICENSE-DATA.md": (notice + licence).encode("utf-8"),
+    }
 
 
 def shipped_weights(state: dict) -> str:
@@ -400,7 +417,6 @@ def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes]
     """Turn a training run's checkpoint into a model folder (config, safetensors, tokenizer, and
     ``extra_files``, e.g. :func:`lesson_files`), published in one step. The weights are the run's
     EMA when its last evaluation found them no worse than the raw ones (:func:`shipped_weights`)."""
-    from .hub import save_model_folder
 
     run_dir = Path(run_dir)
     model_sd, _, state, _, ema_sd = load_checkpoint(run_dir / CHECKPOINT)

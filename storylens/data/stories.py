@@ -11,13 +11,16 @@ import gzip
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterator
 
-from .constants import EOT, N_QUIZ  # noqa: F401  (the lesson's numbers live in constants)
-from .errors import StorylensError, UsageError
+from storylens.core.errors import StorylensError, UsageError
+
+EOT = "<|endoftext|>"  # the end-of-story marker; every story is fed as [marker] + story
+N_QUIZ = 200  # the last 200 stories of the corpus are the quiz
+
 QUIZ_FILE = "quiz.txt.gz"  # the 200 quiz stories, shipped in the model folder
 LEAKAGE_FILE = "leakage.json"  # the leakage check computed when the model was trained
 # TinyStories on the Hugging Face Hub (fetched only by `storylens data download`)
@@ -40,7 +43,7 @@ def default_corpus_path() -> Path:
     candidates = [
         Path.cwd().parent / _REL_CORPUS,
         Path.cwd() / ".." / _REL_CORPUS,
-        Path(__file__).resolve().parents[2] / _REL_CORPUS,
+        Path(__file__).resolve().parents[3] / _REL_CORPUS,
     ]
     for c in candidates:
         if c.is_file():
@@ -79,8 +82,10 @@ def _mb(n: int) -> str:
 
 def too_much_text(where, limit: int, unzipped: bool = False) -> StorylensError:
     """The one line for a corpus past ``$STORYLENS_MAX_CORPUS_MB`` (every reader raises it)."""
-    return StorylensError(f"{where}: more than {_mb(limit)} MB of text{' once unzipped' if unzipped else ''}; "
-                          f"refusing to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)")
+    return StorylensError(
+        f"{where}: more than {_mb(limit)} MB of text{' once unzipped' if unzipped else ''}; "
+        f"refusing to read more (raise ${MAX_CORPUS_MB_ENV} if it is really a corpus)"
+    )
 
 
 def text_lines(path: str | os.PathLike) -> Iterator[str]:
@@ -110,12 +115,14 @@ def text_lines(path: str | os.PathLike) -> Iterator[str]:
                 if len(body) > line_limit:
                     raise StorylensError(
                         f"{path}: line {number:,} is longer than {_mb(line_limit)} MB; a line or a story "
-                        f"is at most that (raise ${MAX_STORY_MB_ENV} for longer ones)")
+                        f"is at most that (raise ${MAX_STORY_MB_ENV} for longer ones)"
+                    )
                 try:
                     line = body.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise StorylensError(f"{path}: not UTF-8 text (line {number:,}, byte {e.start + 1}: "
-                                         f"{body[e.start:e.start + 1]!r})") from None
+                    raise StorylensError(
+                        f"{path}: not UTF-8 text (line {number:,}, byte {e.start + 1}: {body[e.start : e.start + 1]!r})"
+                    ) from None
                 if number == 1:
                     line = line.removeprefix("\ufeff")
                 if "\r" in line:  # a lone carriage return ends a line too (old Mac files)
@@ -162,8 +169,10 @@ def resolve_corpus(path: str | os.PathLike) -> Path:
     split = HUB_NAMES[name]
     found = try_to_load_from_cache(HUB_DATASET, HUB_FILES[split], repo_type="dataset")
     if not isinstance(found, str):
-        raise StorylensError(f"{name}: the TinyStories {split} split is not downloaded here; "
-                             f"get it with: storylens data download --split {split}")
+        raise StorylensError(
+            f"{name}: the TinyStories {split} split is not downloaded here; "
+            f"get it with: storylens data download --split {split}"
+        )
     return Path(found)
 
 
@@ -180,8 +189,10 @@ def download_tinystories(split: str = "train") -> Path:
     try:
         return Path(hf_hub_download(HUB_DATASET, HUB_FILES[split], repo_type="dataset"))
     except Exception as e:  # the hub client raises many types for "no network"
-        raise StorylensError(f"{HUB_DATASET}: could not download {HUB_FILES[split]} "
-                             f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        raise StorylensError(
+            f"{HUB_DATASET}: could not download {HUB_FILES[split]} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        ) from None
     finally:
         hub_logging.set_verbosity(level)
 
@@ -221,7 +232,7 @@ def iter_stories(lines, source: str = "stories"):
     """Stories from lines (without their line endings): a line holding only the end-of-story
     marker (and spaces) ends a story; each story is trimmed of ASCII whitespace at both ends; empty
     pieces are dropped. A marker written inside a line is the story's text, not a separator (and
-    never becomes the marker token: :func:`storylens.tokenizer.text_only`). A story longer than
+    never becomes the marker token: :func:`storylens.model.tokenizer.text_only`). A story longer than
     ``$STORYLENS_MAX_STORY_MB`` (a file with no marker lines, say) is refused, naming ``source``."""
     limit = max_story_bytes()
     current: list[str] = []
@@ -238,7 +249,8 @@ def iter_stories(lines, source: str = "stories"):
             if size > limit:
                 raise StorylensError(
                     f"{source}: a story longer than {_mb(limit)} MB (no line holding only {EOT} ends it; "
-                    f"raise ${MAX_STORY_MB_ENV} for longer stories)")
+                    f"raise ${MAX_STORY_MB_ENV} for longer stories)"
+                )
     story = "\n".join(current).strip(_EDGE)
     if story:
         yield story
@@ -279,6 +291,7 @@ def load_split(path: str | os.PathLike | None = None, n_quiz: int = N_QUIZ, firs
 
 
 # ---------------------------------------------------------------- the quiz shipped with a model
+
 
 def shipped_quiz(folder: str | os.PathLike | None) -> list[str] | None:
     """The quiz stories a model folder ships (``quiz.txt.gz``), or None."""

@@ -6,26 +6,27 @@ check that ship in the model folder (``quiz.txt.gz``, ``leakage.json``) are used
 runs after a plain install. A model that ships no quiz of its own (a transformers model, say) is
 measured on the lesson's quiz, the one shipped with storylens; its leakage check is then not run
 (the shipped check is about Tiny Storyteller's training stories).
-
-:class:`ProgressLines` is the progress a long loop shows when no tqdm bar can (stderr is not a
-terminal: a log, a notebook's captured output, CI): a line every few seconds with an estimate of
-the time left.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import (GET_DATA, N_QUIZ, QUIZ_FILE, default_corpus_path, load_split, read_stories, shipped_leakage,
-                   shipped_quiz)
-from .errors import StorylensError
-from .sources import file_kind, open_source
+from storylens.core.errors import StorylensError
+from storylens.data.leakage import LeakageReport, check_leakage
+from storylens.data.sources import file_kind, open_source
+from storylens.data.stories import (
+    GET_DATA,
+    N_QUIZ,
+    QUIZ_FILE,
+    default_corpus_path,
+    load_split,
+    read_stories,
+    shipped_leakage,
+    shipped_quiz,
+)
+from storylens.model.hub import SHIPPED_MODEL
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,9 @@ class LessonData:
     shipped_with_storylens: bool = False  # the lesson's quiz, used because the model ships none of its own
 
 
-def lesson_data(folder=None, stories=None, quiz_path=None, *, quiz_option: str | None = None,
-                text_field: str = "text") -> LessonData:
+def lesson_data(
+    folder=None, stories=None, quiz_path=None, *, quiz_option: str | None = None, text_field: str = "text"
+) -> LessonData:
     """What the lesson measures: the quiz (a file, the corpus's, or the one the model ships) and,
     when the corpus is at hand, the training stories.
 
@@ -70,7 +72,8 @@ def lesson_data(folder=None, stories=None, quiz_path=None, *, quiz_option: str |
         if shipped is not None and corpus.quiz != shipped:
             raise StorylensError(
                 f"{stories or default_corpus_path()}: its last {N_QUIZ} stories are not the quiz this model "
-                f"ships ({Path(folder) / QUIZ_FILE}); pass --quiz FILE to score other stories")
+                f"ships ({Path(folder) / QUIZ_FILE}); pass --quiz FILE to score other stories"
+            )
         return LessonData(corpus.quiz, f"the corpus's last {N_QUIZ} stories", corpus.train, stored)
     if shipped is not None:
         return LessonData(shipped, f"the {len(shipped)} quiz stories shipped with the model", None, stored)
@@ -80,14 +83,21 @@ def lesson_data(folder=None, stories=None, quiz_path=None, *, quiz_option: str |
 def lesson_quiz_data() -> LessonData:
     """The lesson's own quiz, shipped with storylens (Tiny Storyteller's folder), for a model that
     ships none: no training stories and no stored leakage check (that check is Tiny Storyteller's)."""
-    from .hub import SHIPPED_MODEL
 
     quiz = shipped_quiz(SHIPPED_MODEL)
     if quiz is None:  # a broken install: the package data is missing
-        raise StorylensError(f"no corpus here and no quiz shipped with storylens ({QUIZ_FILE} is missing from "
-                             f"its Tiny Storyteller folder); pass --quiz FILE, or {GET_DATA}")
-    return LessonData(quiz, f"the lesson's {len(quiz)} quiz stories, shipped with storylens: no corpus here, "
-                            "and the model ships no quiz of its own", None, None, shipped_with_storylens=True)
+        raise StorylensError(
+            f"no corpus here and no quiz shipped with storylens ({QUIZ_FILE} is missing from "
+            f"its Tiny Storyteller folder); pass --quiz FILE, or {GET_DATA}"
+        )
+    return LessonData(
+        quiz,
+        f"the lesson's {len(quiz)} quiz stories, shipped with storylens: no corpus here, "
+        "and the model ships no quiz of its own",
+        None,
+        None,
+        shipped_with_storylens=True,
+    )
 
 
 def lesson_quiz(model=None) -> tuple[list[str], str]:
@@ -98,7 +108,6 @@ def lesson_quiz(model=None) -> tuple[list[str], str]:
 
 def leakage_for(data: LessonData, word: str = "Momo"):
     """The leakage check: recomputed when the training stories are here, else the stored one."""
-    from .analysis.leakage import LeakageReport, check_leakage
 
     if data.train is not None:
         return check_leakage(data.quiz, data.train, word=word)
@@ -110,82 +119,3 @@ def leakage_for(data: LessonData, word: str = "Momo"):
 def lesson_leakage(model=None, word: str = "Momo"):
     """The leakage check for ``model``'s quiz (see :func:`leakage_for`)."""
     return leakage_for(lesson_data(getattr(model, "source_folder", None)), word)
-
-
-# ---------------------------------------------------------------- progress off a terminal
-
-PROGRESS_EVERY_ENV = "STORYLENS_PROGRESS_SECONDS"  # seconds between progress lines (default 10)
-PROGRESS_EVERY = 10.0
-_COMMAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("storylens_command", default=None)
-
-
-@contextlib.contextmanager
-def progress_command(name: str):
-    """Progress lines inside the ``with`` block name the command: ``storylens: report: ...``."""
-    token = _COMMAND.set(name)
-    try:
-        yield
-    finally:
-        _COMMAND.reset(token)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(1, round(seconds))} s"
-    if seconds < 90 * 60:
-        return f"{round(seconds / 60)} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-class ProgressLines:
-    """``storylens: report: scoring 120/200 stories, about 30 s left`` on stderr every ``every``
-    seconds (default ``$STORYLENS_PROGRESS_SECONDS``, else 10), only where no tqdm bar shows:
-    ``enabled`` (the caller's progress switch) and the stream is not a terminal. Call
-    :meth:`update` with the stories just done; a loop shorter than ``every`` prints nothing. It is
-    also a measure for :func:`storylens.analysis.record.record` (``begin``/``block``/``end``), so
-    a recording pass counts its batches without a loop of its own."""
-
-    def __init__(self, what: str, total: int | None, *, unit: str = "stories", enabled: bool = True,
-                 every: float | None = None, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(enabled) and not (isatty is not None and isatty())
-        if every is None:
-            raw = os.environ.get(PROGRESS_EVERY_ENV)
-            try:
-                every = float(raw) if raw else PROGRESS_EVERY
-            except ValueError:
-                raise StorylensError(f"${PROGRESS_EVERY_ENV}: seconds between progress lines, a number "
-                                     f"(got {raw!r})") from None
-        self.what, self.total, self.unit, self.every = what, total, unit, every
-        self.done = 0
-        self.start = self.last = time.monotonic()
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self.last < self.every:
-            return
-        self.last = now
-        command = _COMMAND.get()
-        line = f"storylens: {command + ': ' if command else ''}{self.what} {self.done}"
-        if self.total:
-            line += f"/{self.total} {self.unit}"
-            if 0 < self.done < self.total:
-                left = (now - self.start) / self.done * (self.total - self.done)
-                line += f", about {_duration(left)} left"
-        else:
-            line += f" {self.unit}"
-        print(line, file=self.stream, flush=True)
-
-    # a measure (storylens.analysis.record): counts each batch's stories, reads no attention
-    def begin(self, batch) -> None:
-        self._batch = len(batch.ids)
-
-    def block(self, layer: int, pattern) -> None:
-        pass
-
-    def end(self) -> None:
-        self.update(self._batch)

@@ -28,15 +28,16 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .errors import StorylensError, UsageError, install_hint
-from .model import GPT, GenerationStep, sample_next
-from .tokenizer import text_only
+from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.model.gpt import GPT, GenerationStep, sample_next
+from storylens.model.hub import hub_offline, load_model
+from storylens.model.tokenizer import eot_id, text_only
 
 HookFn = Callable[[torch.Tensor], "torch.Tensor | None"]
 _HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(hook_pattern|hook_z)$")
@@ -46,7 +47,7 @@ class AttentionLM:
     """The interface (see the module docstring). Subclasses set the attributes in ``__init__``."""
 
     module: nn.Module
-    tokenizer: "object"  # tokenizers.Tokenizer
+    tokenizer: object  # tokenizers.Tokenizer
     marker_id: int
     n_layer: int
     n_head: int
@@ -65,7 +66,7 @@ class AttentionLM:
 
     def encode_batch(self, texts: list[str]):
         """``tokenizers.Encoding`` per text (ids and character offsets), no special tokens: a
-        special token's text inside a story stays text (:func:`storylens.tokenizer.text_only`)."""
+        special token's text inside a story stays text (:func:`storylens.model.tokenizer.text_only`)."""
         return text_only(self.tokenizer).encode_batch(list(texts), add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
@@ -82,8 +83,10 @@ class AttentionLM:
     def _parse_hook(self, name: str) -> tuple[int, str]:
         m = _HOOK_NAME.match(name)
         if not m or not 0 <= int(m.group(1)) < self.n_layer:
-            raise StorylensError(f"hook {name!r}: no such hook point (blocks.0 .. blocks.{self.n_layer - 1}, "
-                                 "attn.hook_pattern or attn.hook_z)")
+            raise StorylensError(
+                f"hook {name!r}: no such hook point (blocks.0 .. blocks.{self.n_layer - 1}, "
+                "attn.hook_pattern or attn.hook_z)"
+            )
         return int(m.group(1)), m.group(2)
 
     def add_hook(self, name: str, fn: HookFn):
@@ -117,6 +120,7 @@ class AttentionLM:
         def keep(layer):
             def fn(t):
                 maps[layer] = t.detach()
+
             return fn
 
         with self.hooks([(f"blocks.{i}.attn.hook_pattern", keep(i)) for i in range(self.n_layer)]):
@@ -132,15 +136,19 @@ class AttentionLM:
 
 class NativeLM(AttentionLM):
     def __init__(self, model: GPT, tokenizer=None, name: str = "Tiny Storyteller"):
-        from .tokenizer import eot_id
 
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if tokenizer is None:
-            raise StorylensError("model: has no tokenizer (load it with storylens.hub.load_model, or pass one)")
+            raise StorylensError("model: has no tokenizer (load it with storylens.model.hub.load_model, or pass one)")
         self.module, self.tokenizer = model, tokenizer
         self.marker_id = eot_id(tokenizer)
         cfg = model.config
-        self.n_layer, self.n_head, self.window, self.vocab_size = cfg.n_layer, cfg.n_head, cfg.block_size, cfg.vocab_size
+        self.n_layer, self.n_head, self.window, self.vocab_size = (
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.block_size,
+            cfg.vocab_size,
+        )
         self.name = name
         self.source_folder = getattr(model, "source_folder", None)
 
@@ -207,8 +215,9 @@ class TransformersLM(AttentionLM):
         if marker is None:
             marker = getattr(tokenizer, "eos_token_id", None)
         if marker is None:
-            raise StorylensError("tokenizer: has neither a beginning-of-sequence nor an end-of-sequence token "
-                                 "to open each story with")
+            raise StorylensError(
+                "tokenizer: has neither a beginning-of-sequence nor an end-of-sequence token to open each story with"
+            )
         self.marker_id = int(marker)
         self.layers = _decoder_layers(model)
         self.n_layer = len(self.layers)
@@ -222,12 +231,15 @@ class TransformersLM(AttentionLM):
     def add_hook(self, name, fn):
         layer, kind = self._parse_hook(name)
         if kind == "hook_pattern":
+
             def read(module, inputs, output):
                 weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
                 if weights is None:
-                    raise StorylensError(f"{type(module).__name__}: returned no attention weights "
-                                         "(storylens needs eager attention)")
+                    raise StorylensError(
+                        f"{type(module).__name__}: returned no attention weights (storylens needs eager attention)"
+                    )
                 fn(weights)
+
             return self._attn[layer].register_forward_hook(read)
 
         H = self.n_head
@@ -238,6 +250,7 @@ class TransformersLM(AttentionLM):
             out = fn(x.view(B, T, H, C // H))
             if out is not None:
                 return (out.reshape(B, T, C),) + tuple(args[1:])
+
         return self._proj[layer].register_forward_pre_hook(z)
 
     def forward(self, ids, *, patterns=False, logits=True):
@@ -263,8 +276,18 @@ class TransformersLM(AttentionLM):
             cache = DynamicCache()
         return {name: cache}
 
-    def generate_stream(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, generator=None,
-                        use_kv_cache=True, record_attention=False, eos_id=None):
+    def generate_stream(
+        self,
+        idx,
+        max_new_tokens,
+        *,
+        temperature=1.0,
+        top_k=None,
+        generator=None,
+        use_kv_cache=True,
+        record_attention=False,
+        eos_id=None,
+    ):
         """Sample token by token with transformers' own KV cache (a ``DynamicCache``, passed explicitly)."""
         if idx.shape[1] + max_new_tokens > self.window:
             raise ValueError(f"{idx.shape[1] + max_new_tokens} tokens do not fit the {self.window}-token window")
@@ -273,8 +296,14 @@ class TransformersLM(AttentionLM):
         with torch.inference_mode():
             for _ in range(max_new_tokens):
                 rows: list[torch.Tensor] = []
-                handles = [self.add_hook(f"blocks.{i}.attn.hook_pattern", lambda t: rows.append(t[0, :, -1]))
-                           for i in range(self.n_layer)] if record_attention else []
+                handles = (
+                    [
+                        self.add_hook(f"blocks.{i}.attn.hook_pattern", lambda t: rows.append(t[0, :, -1]))
+                        for i in range(self.n_layer)
+                    ]
+                    if record_attention
+                    else []
+                )
                 try:
                     if use_kv_cache:
                         out = self.module(input_ids=feed, use_cache=True, **cache)  # the cache fills in place
@@ -342,18 +371,23 @@ def resolve_device(device, option: str = "device") -> torch.device | None:
     if text.startswith("cuda"):
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise StorylensError(f"{option} {text}: not available on this machine "
-                                 f"(torch {torch.__version__} sees no CUDA device)")
+            raise StorylensError(
+                f"{option} {text}: not available on this machine (torch {torch.__version__} sees no CUDA device)"
+            )
         index = int(text.split(":")[1]) if ":" in text else 0
         if index >= n:
             seen = "cuda:0" if n == 1 else f"cuda:0 .. cuda:{n - 1}"
-            raise StorylensError(f"{option} {text}: not available on this machine (torch sees {n} CUDA "
-                                 f"device{'s' if n > 1 else ''}: {seen})")
+            raise StorylensError(
+                f"{option} {text}: not available on this machine (torch sees {n} CUDA "
+                f"device{'s' if n > 1 else ''}: {seen})"
+            )
     if text == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise StorylensError(f"{option} mps: not available on this machine "
-                                 f"(torch {torch.__version__} has no usable MPS backend here)")
+            raise StorylensError(
+                f"{option} mps: not available on this machine "
+                f"(torch {torch.__version__} has no usable MPS backend here)"
+            )
     return torch.device(text)
 
 
@@ -361,8 +395,13 @@ class _NotFound(StorylensError):
     """Not a transformers model that can be found here: :func:`load_lm` then tries storylens's own loader."""
 
 
-def load_lm(source: str | os.PathLike | None = None, *, allow_download: bool = False,
-            dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> AttentionLM:
+def load_lm(
+    source: str | os.PathLike | None = None,
+    *,
+    allow_download: bool = False,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> AttentionLM:
     """Open ``source``: a storylens model folder (default: the shipped Tiny Storyteller), a
     transformers model folder, or a hub id (only with ``allow_download``, unless cached), in
     ``dtype`` (default: as stored) on ``device`` (default: the CPU).
@@ -370,7 +409,6 @@ def load_lm(source: str | os.PathLike | None = None, *, allow_download: bool = F
     Refused in one line (:class:`StorylensError`): a model whose weights do not all match its
     config, hold NaN or infinite numbers, are pickled (only safetensors is read) or that is not
     a causal language model."""
-    from .hub import hub_offline, load_model
 
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -408,8 +446,10 @@ def _check_finite(model: nn.Module, where: Callable[[str], str], cast: torch.dty
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
                 if cast is not None:
                     name = str(cast).replace("torch.", "")
-                    raise StorylensError(f"{where(k)}: {k} holds numbers beyond {name}'s range (infinite once "
-                                         "cast); run it in float32 or bfloat16")
+                    raise StorylensError(
+                        f"{where(k)}: {k} holds numbers beyond {name}'s range (infinite once "
+                        "cast); run it in float32 or bfloat16"
+                    )
                 raise StorylensError(f"{where(k)}: {k} holds NaN or infinite numbers")
 
 
@@ -451,32 +491,44 @@ def _check_weight_files(folder: Path) -> None:
         raise StorylensError(
             f"{folder}: holds pickled weights ({', '.join(pickles[:3])}), which storylens never opens (unpickling "
             "runs code the file holds); storylens reads only safetensors weights: convert them where you trust "
-            "the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)")
+            "the file (transformers' from_pretrained, then save_pretrained, writes model.safetensors)"
+        )
     other = sorted(f.name for pattern in _OTHER_WEIGHTS for f in folder.glob(pattern))
-    raise StorylensError(f"{folder}: no model.safetensors"
-                         + (f" (only {', '.join(other[:3])})" if other else "")
-                         + "; storylens reads only safetensors weights")
+    raise StorylensError(
+        f"{folder}: no model.safetensors"
+        + (f" (only {', '.join(other[:3])})" if other else "")
+        + "; storylens reads only safetensors weights"
+    )
 
 
 def _check_causal(source: str, config) -> None:
     """A causal language model (decoder-only) by its config, before any weight is read."""
+    import transformers
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
-    import transformers
 
     kind = getattr(config, "model_type", None)
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise StorylensError(f"{source}: is a `{kind}` model, not a causal language model (transformers "
-                             f"{transformers.__version__} has no causal-LM class for `{kind}`)")
+        raise StorylensError(
+            f"{source}: is a `{kind}` model, not a causal language model (transformers "
+            f"{transformers.__version__} has no causal-LM class for `{kind}`)"
+        )
     if getattr(config, "is_encoder_decoder", False):
-        raise StorylensError(f"{source}: is a `{kind}` model (sequence-to-sequence), not a causal language model; "
-                             "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)")
-    if (kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-            and not getattr(config, "causal", False)):
-        raise StorylensError(f"{source}: is a `{kind}` model (encoder-only), not a causal language model; "
-                             "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)")
+        raise StorylensError(
+            f"{source}: is a `{kind}` model (sequence-to-sequence), not a causal language model; "
+            "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)"
+        )
+    if (
+        kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and not getattr(config, "is_decoder", False)
+        and not getattr(config, "causal", False)
+    ):
+        raise StorylensError(
+            f"{source}: is a `{kind}` model (encoder-only), not a causal language model; "
+            "storylens reads decoder-only models (GPT-2, GPT-Neo, Llama, ...)"
+        )
 
 
 def _natural(name: str):
@@ -496,13 +548,15 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 def _check_loading_info(source: str, model: nn.Module, info: dict) -> None:
     """Every weight of the model from the file, nothing else, each the shape the config implies."""
+
     def matching(keys, patterns):
         return [k for k in keys if not any(re.search(p, k) for p in patterns or ())]
 
     missing = set(info.get("missing_keys") or ()) - _tied_names(model)
     missing = matching(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
-    unexpected = matching(set(info.get("unexpected_keys") or ()),
-                          getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    unexpected = matching(
+        set(info.get("unexpected_keys") or ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    )
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: _natural(m[0]))
     if not (missing or unexpected or mismatched):
         return
@@ -518,8 +572,10 @@ def _check_loading_info(source: str, model: nn.Module, info: dict) -> None:
         parts.append(f"{len(unexpected)} unexpected ({few(unexpected)})")
     if mismatched:
         k, got, want = mismatched[0]
-        parts.append(f"{len(mismatched)} of the wrong shape ({k}: {list(got)} in the file, "
-                     f"{list(want)} by config.json{', ...' if len(mismatched) > 1 else ''})")
+        parts.append(
+            f"{len(mismatched)} of the wrong shape ({k}: {list(got)} in the file, "
+            f"{list(want)} by config.json{', ...' if len(mismatched) > 1 else ''})"
+        )
     raise StorylensError(f"{source}: weights do not match config.json: {'; '.join(parts)}")
 
 
@@ -540,8 +596,9 @@ def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> T
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError:
-        raise StorylensError(f"{source}: a transformers model needs the transformers package: "
-                             f"{install_hint('hf')}") from None
+        raise StorylensError(
+            f"{source}: a transformers model needs the transformers package: {install_hint('hf')}"
+        ) from None
     kw = {"local_files_only": not allow_download}
     if Path(source).is_dir():
         _check_weight_files(Path(source))
@@ -549,18 +606,26 @@ def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> T
         try:
             config = AutoConfig.from_pretrained(source, **kw)
         except (OSError, ValueError, KeyError) as e:
-            raise _NotFound(f"{source}: cannot load as a transformers causal LM "
-                            f"({type(e).__name__}: {_one_line(e)[:200]})") from None
+            raise _NotFound(
+                f"{source}: cannot load as a transformers causal LM ({type(e).__name__}: {_one_line(e)[:200]})"
+            ) from None
         _check_causal(source, config)
         try:
             tok = AutoTokenizer.from_pretrained(source, **kw)
             # safetensors only (nothing is unpickled); a wrong shape is reported below, not raised
             model, info = AutoModelForCausalLM.from_pretrained(
-                source, config=config, attn_implementation="eager", use_safetensors=True,
-                ignore_mismatched_sizes=True, output_loading_info=True, **kw)
+                source,
+                config=config,
+                attn_implementation="eager",
+                use_safetensors=True,
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **kw,
+            )
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise StorylensError(f"{source}: cannot load as a transformers causal LM "
-                                 f"({type(e).__name__}: {_one_line(e)[:200]})") from None
+            raise StorylensError(
+                f"{source}: cannot load as a transformers causal LM ({type(e).__name__}: {_one_line(e)[:200]})"
+            ) from None
     _check_loading_info(source, model, info)
     _check_finite(model, _weights_file(source))
     model.eval()

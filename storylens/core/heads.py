@@ -8,7 +8,8 @@ used by every table, figure and JSON field.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 
 class Head(NamedTuple):
@@ -20,11 +21,11 @@ class Head(NamedTuple):
         return head_label(self.layer, self.head)
 
     @classmethod
-    def parse(cls, label: str) -> "Head":
+    def parse(cls, label: str) -> Head:
         return cls(*parse_head_label(label))
 
     @classmethod
-    def every(cls, n_layer: int, n_head: int) -> Iterator["Head"]:
+    def every(cls, n_layer: int, n_head: int) -> Iterator[Head]:
         """Every head, layer-major: ``Head(0, 0), Head(0, 1), ...``."""
         return (cls(layer, head) for layer in range(n_layer) for head in range(n_head))
 
@@ -45,7 +46,7 @@ def parse_head_label(label: str) -> tuple[int, int]:
     return int(b) - 1, int(h) - 1
 
 
-def as_heads(heads: Iterable["Head | str | tuple[int, int]"], n_layer: int, n_head: int) -> tuple[Head, ...]:
+def as_heads(heads: Iterable[Head | str | tuple[int, int]], n_layer: int, n_head: int) -> tuple[Head, ...]:
     """``[(4, 2), "L1H1"] -> (Head(0, 0), Head(4, 2))``: checked against the model's sizes, sorted,
     unique. Raises ``ValueError`` naming the head that does not exist."""
     out = set()

@@ -18,14 +18,14 @@ block index 4, head index 2): see :func:`head_label`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from .heads import head_label, parse_head_label  # noqa: F401  (re-exported: the labels people read)
+from storylens.core.heads import head_label, parse_head_label  # noqa: F401  (re-exported: the labels people read)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class GPTConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
@@ -73,10 +73,17 @@ class GPTConfig:
         before any memory is spent on it."""
         C, V = self.n_embd, self.vocab_size
         shapes: dict[str, tuple[int, ...]] = {
-            "transformer.wte.weight": (V, C), "transformer.wpe.weight": (self.block_size, C),
+            "transformer.wte.weight": (V, C),
+            "transformer.wpe.weight": (self.block_size, C),
         }
-        lin = {"attn.query": (C, C), "attn.key": (C, C), "attn.value": (C, C), "attn.c_proj": (C, C),
-               "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+        lin = {
+            "attn.query": (C, C),
+            "attn.key": (C, C),
+            "attn.value": (C, C),
+            "attn.c_proj": (C, C),
+            "mlp.c_fc": (4 * C, C),
+            "mlp.c_proj": (C, 4 * C),
+        }
         for i in range(self.n_layer):
             p = f"transformer.h.{i}."
             for ln in ("ln_1", "ln_2"):
@@ -113,7 +120,7 @@ class KVCache:
         self.kv_computed = 0
 
     @classmethod
-    def empty(cls, n_layer: int, capacity: int | None = None) -> "KVCache":
+    def empty(cls, n_layer: int, capacity: int | None = None) -> KVCache:
         return cls(n_layer, capacity)
 
     def length(self, layer: int) -> int:
@@ -312,8 +319,11 @@ class GPT(nn.Module):
         """TransformerLens's names for this model's hook points: ``blocks.{l}.attn.hook_pattern``
         (``[batch, head, query, key]``, explicit path only) and ``blocks.{l}.attn.hook_z``
         (``[batch, query, head, head_size]``), ``l`` from 0."""
-        return {f"blocks.{i}.attn.{name}": getattr(a, name)
-                for i, a in enumerate(self.attentions) for name in ("hook_pattern", "hook_z")}
+        return {
+            f"blocks.{i}.attn.{name}": getattr(a, name)
+            for i, a in enumerate(self.attentions)
+            for name in ("hook_pattern", "hook_z")
+        }
 
     def forward(
         self,
@@ -335,9 +345,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         past = len(kv_cache) if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise ValueError(
-                f"{past + T} tokens do not fit the {self.config.block_size}-token window"
-            )
+            raise ValueError(f"{past + T} tokens do not fit the {self.config.block_size}-token window")
         pos = torch.arange(past, past + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         attentions = [] if record_attention and keep_attention else None
@@ -356,9 +364,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
-            )
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return GPTOutput(logits=logits, loss=loss, attentions=attentions)
 
     @torch.inference_mode()
@@ -373,7 +379,7 @@ class GPT(nn.Module):
         record_attention: bool = False,
         use_kv_cache: bool = True,
         eos_id: int | None = None,
-    ) -> Iterator["GenerationStep"]:
+    ) -> Iterator[GenerationStep]:
         """Yield one :class:`GenerationStep` per new token.
 
         ``idx`` is ``[1, prompt_tokens]``. Prompt plus new tokens must fit the window:
@@ -433,10 +439,25 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             a, mlp = block.attn, block.mlp
             qkv_b = None if a.query.bias is None else torch.cat([a.query.bias, a.key.bias, a.value.bias])
-            out.append((block.ln_1.weight, block.ln_1.bias, block.ln_1.eps,
-                        torch.cat([a.query.weight, a.key.weight, a.value.weight]), qkv_b,
-                        a.c_proj.weight, a.c_proj.bias, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps,
-                        mlp.c_fc.weight, mlp.c_fc.bias, mlp.gelu.approximate, mlp.c_proj.weight, mlp.c_proj.bias))
+            out.append(
+                (
+                    block.ln_1.weight,
+                    block.ln_1.bias,
+                    block.ln_1.eps,
+                    torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+                    qkv_b,
+                    a.c_proj.weight,
+                    a.c_proj.bias,
+                    block.ln_2.weight,
+                    block.ln_2.bias,
+                    block.ln_2.eps,
+                    mlp.c_fc.weight,
+                    mlp.c_fc.bias,
+                    mlp.gelu.approximate,
+                    mlp.c_proj.weight,
+                    mlp.c_proj.bias,
+                )
+            )
         return out
 
     def _decode_step(self, token: int, cache: KVCache, weights: list[tuple], record: bool):
@@ -448,8 +469,23 @@ class GPT(nn.Module):
         pos = len(cache)
         x = (self.transformer.wte.weight[token] + self.transformer.wpe.weight[pos]).view(1, 1, C)
         rows = [] if record else None
-        for i, (ln1_w, ln1_b, ln1_eps, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, ln2_eps,
-                fc_w, fc_b, approximate, fc_proj_w, fc_proj_b) in enumerate(weights):
+        for i, (
+            ln1_w,
+            ln1_b,
+            ln1_eps,
+            qkv_w,
+            qkv_b,
+            proj_w,
+            proj_b,
+            ln2_w,
+            ln2_b,
+            ln2_eps,
+            fc_w,
+            fc_b,
+            approximate,
+            fc_proj_w,
+            fc_proj_b,
+        ) in enumerate(weights):
             h = F.layer_norm(x, (C,), ln1_w, ln1_b, ln1_eps)
             query, key, value = F.linear(h, qkv_w, qkv_b).view(1, 1, 3, H, D).transpose(1, 3).unbind(2)
             key, value = cache.update(i, key, value)  # [1, head, tokens so far, head_size]

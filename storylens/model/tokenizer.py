@@ -13,14 +13,14 @@ markers only, and a story cannot forge one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .data import EOT
-from .errors import StorylensError
+from storylens.core.errors import StorylensError
+from storylens.data.stories import EOT
 
 DEFAULT_VOCAB = 4096
 

@@ -19,11 +19,12 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from .errors import StorylensError
+from storylens.core.errors import StorylensError
 
 
 @dataclass

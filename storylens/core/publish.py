@@ -31,11 +31,11 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from .errors import StorylensError
+from storylens.core.errors import StorylensError
 
 MANIFEST = ".storylens.json"
 _AT_FDCWD = -100
@@ -118,8 +118,9 @@ def file_lock(lock_path: Path, what: str, remove: bool = False) -> Iterator[None
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StorylensError(f"{what}: another storylens run is writing it right now; "
-                                 "try again when that one has finished") from None
+            raise StorylensError(
+                f"{what}: another storylens run is writing it right now; try again when that one has finished"
+            ) from None
         if _same_file(fd, lock_path):
             break
         os.close(fd)  # the holder removed it as we opened it: lock the one now there
@@ -173,12 +174,14 @@ def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
     if listed is None and owned and present <= owned:
         return
     if listed is None:
-        raise StorylensError(f"{out}: holds files storylens did not write ({_some(present)}); "
-                             "give an empty or new folder")
+        raise StorylensError(
+            f"{out}: holds files storylens did not write ({_some(present)}); give an empty or new folder"
+        )
     foreign = present - listed - owned - {MANIFEST}
     if foreign:
-        raise StorylensError(f"{out}: holds files storylens did not write ({_some(foreign)}); "
-                             "move them away or give another folder")
+        raise StorylensError(
+            f"{out}: holds files storylens did not write ({_some(foreign)}); move them away or give another folder"
+        )
 
 
 def _some(names) -> str:
@@ -262,8 +265,9 @@ def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozense
             yield tmp
             fault_point("folder-built")
             files = sorted(p.name for p in tmp.iterdir())
-            (tmp / MANIFEST).write_text(json.dumps({"written_by": "storylens", "what": what, "files": files},
-                                                   indent=1), encoding="utf-8")
+            (tmp / MANIFEST).write_text(
+                json.dumps({"written_by": "storylens", "what": what, "files": files}, indent=1), encoding="utf-8"
+            )
             _fsync_tree(tmp)
             fault_point("folder-before-swap")
             _swap_in(tmp, out)

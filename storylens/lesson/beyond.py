@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import DIVERGENCE_PROMPT
-from ..lm import wrap
+from storylens.analysis.ablation import generation_divergence, name_ablation_table
+from storylens.analysis.position import PositionControlAccumulator
+from storylens.analysis.pronouns import PronounAccumulator
+from storylens.analysis.record import record
+from storylens.lesson.figures import DIVERGENCE_PROMPT
+from storylens.lm import wrap
 
 
 @dataclass
@@ -21,27 +25,38 @@ class Beyond:
     top_heads: list[str]
 
 
-def run_beyond(model, stories, scores, *, position=None, pronouns=None, encoded=None, k: int = 3, seed: int = 0,
-               batch_size: int = 16, progress: bool = True) -> Beyond:
+def run_beyond(
+    model,
+    stories,
+    scores,
+    *,
+    position=None,
+    pronouns=None,
+    encoded=None,
+    k: int = 3,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> Beyond:
     """The three experiments. ``position`` and ``pronouns``: their results when the scoring pass
     already fed their accumulators (how the report records the quiz once); else one more
     recording pass makes both."""
-    from .ablation import generation_divergence, name_ablation_table
 
     lm = wrap(model)
     top = [h.label for h in scores.top("name_mass", k)]
-    ablation = name_ablation_table(lm, stories, name_heads=top, batch_size=batch_size, progress=progress,
-                                   encoded=encoded)
+    ablation = name_ablation_table(
+        lm, stories, name_heads=top, batch_size=batch_size, progress=progress, encoded=encoded
+    )
     if position is None or pronouns is None:
-        from .position import PositionControlAccumulator
-        from .pronouns import PronounAccumulator
-        from .record import record
-
-        pos_acc, pron_acc = PositionControlAccumulator(lm.n_layer, lm.n_head, lm.window), PronounAccumulator(lm.n_layer, lm.n_head)
+        pos_acc, pron_acc = (
+            PositionControlAccumulator(lm.n_layer, lm.n_head, lm.window),
+            PronounAccumulator(lm.n_layer, lm.n_head),
+        )
         record(lm, encoded or stories, [pos_acc, pron_acc], batch_size=batch_size, progress=False)
         position, pronouns = pos_acc.result(), pron_acc.result()
-    divergence = generation_divergence(lm, DIVERGENCE_PROMPT, [top[0]], seed=seed, max_new_tokens=80,
-                                       temperature=0.8, top_k=40)
+    divergence = generation_divergence(
+        lm, DIVERGENCE_PROMPT, [top[0]], seed=seed, max_new_tokens=80, temperature=0.8, top_k=40
+    )
     return Beyond(ablation, position, pronouns, divergence, top)
 
 
@@ -67,13 +82,21 @@ def beyond_summary(b: Beyond, scores) -> dict:
             "other_positions": b.ablation.n_other_positions,
             "baseline_name_loss": b.ablation.baseline_name_loss,
             "baseline_other_loss": b.ablation.baseline_other_loss,
-            "rows": [{"head": k, "name_mass": name_mass[k], "zero_name_increase": abl[k].name_increase,
-                      "zero_other_increase": abl[k].other_increase,
-                      "mean_name_increase": abl_mean[k].name_increase if k in abl_mean else None,
-                      "mean_other_increase": abl_mean[k].other_increase if k in abl_mean else None}
-                     for k in name_loss_rank],
-            "groups": [{"heads": r.label, "mode": r.mode, "name_increase": r.name_increase,
-                        "other_increase": r.other_increase} for r in group],
+            "rows": [
+                {
+                    "head": k,
+                    "name_mass": name_mass[k],
+                    "zero_name_increase": abl[k].name_increase,
+                    "zero_other_increase": abl[k].other_increase,
+                    "mean_name_increase": abl_mean[k].name_increase if k in abl_mean else None,
+                    "mean_other_increase": abl_mean[k].other_increase if k in abl_mean else None,
+                }
+                for k in name_loss_rank
+            ],
+            "groups": [
+                {"heads": r.label, "mode": r.mode, "name_increase": r.name_increase, "other_increase": r.other_increase}
+                for r in group
+            ],
             "top_name_mass_head": top_mass,
             "top_name_loss_head": name_loss_rank[0],
             "same_head": top_mass == name_loss_rank[0],
@@ -81,18 +104,31 @@ def beyond_summary(b: Beyond, scores) -> dict:
         },
         "position_control": {
             "unmatched_share": b.position.unmatched_share,
-            "ranking_by_excess": [{"head": k, "name_mass": pos_rows[k]["name_mass"], "control": pos_rows[k]["control"],
-                                   "excess": pos_rows[k]["excess"]} for k in excess_rank[:6]],
+            "ranking_by_excess": [
+                {
+                    "head": k,
+                    "name_mass": pos_rows[k]["name_mass"],
+                    "control": pos_rows[k]["control"],
+                    "excess": pos_rows[k]["excess"],
+                }
+                for k in excess_rank[:6]
+            ],
             "top_name_heads_still_top6": [h for h in b.top_heads if h in excess_rank[:6]],
         },
         "pronouns": {
             "stories": b.pronouns.n_stories,
             "queries": b.pronouns.n_pronoun_queries,
-            "ranking": [{"head": k, "pronoun_mass": pron_rows[k]["pronoun_mass"],
-                         "other_mass": pron_rows[k]["other_mass"]} for k in pron_rank[:6]],
+            "ranking": [
+                {"head": k, "pronoun_mass": pron_rows[k]["pronoun_mass"], "other_mass": pron_rows[k]["other_mass"]}
+                for k in pron_rank[:6]
+            ],
             "overlap_with_name_mass_top6": sorted(set(pron_rank[:6]) & set(_rank(name_mass)[:6])),
         },
-        "divergence": {"prompt": b.divergence.prompt, "head": b.top_heads[0],
-                       "first_difference": b.divergence.first_difference,
-                       "baseline": b.divergence.baseline_text, "ablated": b.divergence.ablated_text},
+        "divergence": {
+            "prompt": b.divergence.prompt,
+            "head": b.top_heads[0],
+            "first_difference": b.divergence.first_difference,
+            "baseline": b.divergence.baseline_text,
+            "ablated": b.divergence.ablated_text,
+        },
     }

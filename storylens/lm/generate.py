@@ -12,13 +12,14 @@ produced them, which :func:`storylens.viz.replay_widget` replays.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 from tokenizers.decoders import DecodeStream
 
-from .errors import StorylensError
+from storylens.core.errors import StorylensError
+from storylens.lm.interface import wrap
 
 
 @dataclass
@@ -30,12 +31,19 @@ class RecordedGeneration:
 
 
 @torch.no_grad()
-def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperature: float = 0.8,
-                      top_k: int | None = 40, seed: int = 0, stop_at_marker: bool = True) -> RecordedGeneration:
+def record_generation(
+    model,
+    prompt: str,
+    max_new_tokens: int = 100,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    stop_at_marker: bool = True,
+) -> RecordedGeneration:
     """Generate from ``prompt`` (opened by the end-of-story marker) with the KV cache, recording
     the attention of every token as it is read. ``model``: storylens's GPT, an
     :class:`~storylens.lm.AttentionLM` or a transformers causal LM (the latter with eager attention)."""
-    from .lm import wrap
 
     lm = wrap(model)
     marker = lm.marker_id
@@ -44,8 +52,10 @@ def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperat
     if max_new_tokens < 1:
         raise StorylensError("max_new_tokens: record at least one new token")
     if len(ids) + max_new_tokens > window:  # the same refusal as storylens generate
-        raise StorylensError(f"prompt ({len(ids)} tokens with the opening marker) + {max_new_tokens} new tokens "
-                             f"passes the {window}-token window; ask for fewer tokens")
+        raise StorylensError(
+            f"prompt ({len(ids)} tokens with the opening marker) + {max_new_tokens} new tokens "
+            f"passes the {window}-token window; ask for fewer tokens"
+        )
     device = lm.device
     idx = torch.tensor([ids], device=device)
     # the prompt's rows: one forward pass with the flag on (the same pass generation starts with)
@@ -61,8 +71,9 @@ def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperat
     # One step more than the tokens kept: step i reads the token sampled at step i - 1 (its row is
     # recorded then) and samples the next; the extra step's sample is dropped.
     n_steps = min(max_new_tokens + 1, window - len(ids))
-    steps = lm.generate_stream(idx, n_steps, temperature=temperature, top_k=top_k, generator=gen,
-                                  record_attention=True, eos_id=None)
+    steps = lm.generate_stream(
+        idx, n_steps, temperature=temperature, top_k=top_k, generator=gen, record_attention=True, eos_id=None
+    )
     for i, step in enumerate(steps):
         q = len(ids) - 1 + i  # the query this step read: the prompt's last token, then each new one
         for b, row in enumerate(step.attention):
@@ -81,8 +92,9 @@ def record_generation(model, prompt: str, max_new_tokens: int = 100, *, temperat
             for b, a in enumerate(last):
                 att[b, :, q, : q + 1] = a[0, :, q, : q + 1]
     n = len(ids) + len(new)
-    return RecordedGeneration(ids=ids + new, prompt_len=len(ids), attention=att[:, :, :n, :n].contiguous(),
-                              stopped_at_marker=stopped)
+    return RecordedGeneration(
+        ids=ids + new, prompt_len=len(ids), attention=att[:, :, :n, :n].contiguous(), stopped_at_marker=stopped
+    )
 
 
 def stream_text(tokenizer, tokens: Iterable[int]) -> Iterator[str]:

@@ -1,7 +1,7 @@
 """``storylens score``: every head over any corpus, streamed in flat memory, checkpointed, on one
 machine or on a Ray cluster. Writes the head table (heads.csv, heads.json) and summary.json.
 
-Two passes over the source (:mod:`storylens.sources`), both streamed:
+Two passes over the source (:mod:`storylens.data.sources`), both streamed:
 
 1. **names**: the lesson's name definition needs the whole set scored (a name is a capitalised
    word whose lower-case form appears nowhere in it), so a first pass builds the
@@ -13,7 +13,7 @@ Two passes over the source (:mod:`storylens.sources`), both streamed:
 Every ``checkpoint_every`` batches (at the end of a chunk) the merged sums, counts and the number of
 stories done are written atomically beside ``out``; ``resume=True`` skips those stories and goes on,
 so an interrupted run ends with the same numbers as an uninterrupted one. With ``engine="ray"``
-the chunks go to a pool of Ray actors instead (:mod:`storylens.ray_engine`) and their sums are merged.
+the chunks go to a pool of Ray actors instead (:mod:`storylens.corpus.ray_engine`) and their sums are merged.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .analysis.encode import CHUNK_STORIES
-from .errors import StorylensError, UsageError
-from .publish import check_target_folder, publish_folder, write_text_atomic
+from storylens.analysis.detectors import BUILTIN_DETECTORS
+from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis.names import NameVocabulary
+from storylens.analysis.record import RecordStats, record
+from storylens.analysis.scores import HeadScoreAccumulator, score_table
+from storylens.core.errors import StorylensError, UsageError
+from storylens.core.publish import check_target_folder, publish_folder, write_text_atomic
+from storylens.corpus.ray_engine import score_with_ray
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
-# Stories per forward pass. Peak memory follows the largest batch's maps (batch x heads x window x
-# window floats per block, and the allocator's fragments of them), while on a CPU 4 stories a pass
-# score within a few percent of 16's speed (the "batch" rows of benchmarks/corpus.json); on a GPU
-# pass a larger one.
-BATCH_STORIES = 4
 
 
 @dataclass
@@ -52,8 +52,6 @@ def first_pass(source, *, progress: bool = True):
     """The name vocabulary of every story in ``source`` and how many there are (streamed)."""
     from tqdm.auto import tqdm
 
-    from .analysis.names import NameVocabulary
-
     vocab, n = NameVocabulary(), 0
     for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
         vocab.add(text)
@@ -65,17 +63,35 @@ def first_pass(source, *, progress: bool = True):
 
 def _fingerprint(lm, source, names, settings: dict) -> dict:
     digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).hexdigest()[:16]
-    return {"model": str(lm.name), "model_sizes": [lm.n_layer, lm.n_head, lm.window], "weights_sha256": weights_sha256(lm),
-            "source": source.fingerprint(), "names_sha256": digest, **settings}
+    return {
+        "model": str(lm.name),
+        "model_sizes": [lm.n_layer, lm.n_head, lm.window],
+        "weights_sha256": weights_sha256(lm),
+        "source": source.fingerprint(),
+        "names_sha256": digest,
+        **settings,
+    }
 
 
-def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stories: int = CHUNK_STORIES, checkpoint_every: int = 50,
-                 resume: bool = False, engine: str = "local", workers: int = 2, address: str | None = None,
-                 model_source: str | None = None, detectors=None, progress: bool = True) -> ScoreRun:
+def score_corpus(
+    lm,
+    source,
+    out,
+    *,
+    batch_size: int = BATCH_STORIES,
+    chunk_stories: int = CHUNK_STORIES,
+    checkpoint_every: int = 50,
+    resume: bool = False,
+    engine: str = "local",
+    workers: int = 2,
+    address: str | None = None,
+    model_source: str | None = None,
+    detectors=None,
+    progress: bool = True,
+) -> ScoreRun:
     """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
     docstring). ``model_source`` is what each Ray actor loads (a folder or hub id; None: the shipped
     model)."""
-    from .analysis.detectors import BUILTIN_DETECTORS
 
     detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
     if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
@@ -85,20 +101,45 @@ def score_corpus(lm, source, out, *, batch_size: int = BATCH_STORIES, chunk_stor
     out = Path(out)
     check_target_folder(out)  # before the first story: a bad --out costs nothing
     with publish_folder(out, "score") as tmp:  # the lock is held for the whole run, checkpoints included
-        summary, scores = _score_into(tmp, lm, source, out, batch_size=batch_size, chunk_stories=chunk_stories,
-                                      checkpoint_every=checkpoint_every, resume=resume, engine=engine,
-                                      workers=workers, address=address, model_source=model_source,
-                                      detectors=detectors, progress=progress)
+        summary, scores = _score_into(
+            tmp,
+            lm,
+            source,
+            out,
+            batch_size=batch_size,
+            chunk_stories=chunk_stories,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            engine=engine,
+            workers=workers,
+            address=address,
+            model_source=model_source,
+            detectors=detectors,
+            progress=progress,
+        )
     ckpt = checkpoint_path(out)
     if ckpt.exists():
         ckpt.unlink()
     return ScoreRun(out, scores, summary)
 
 
-def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, checkpoint_every, resume, engine,
-                workers, address, model_source, detectors, progress):
-    from .analysis.record import RecordStats, record
-    from .analysis.scores import HeadScoreAccumulator, score_table
+def _score_into(
+    tmp: Path,
+    lm,
+    source,
+    out: Path,
+    *,
+    batch_size,
+    chunk_stories,
+    checkpoint_every,
+    resume,
+    engine,
+    workers,
+    address,
+    model_source,
+    detectors,
+    progress,
+):
 
     ckpt = checkpoint_path(out)
     t0 = time.perf_counter()
@@ -112,12 +153,16 @@ def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, 
     done = RecordStats(0, 0, 0)
     if ckpt.exists():
         if not resume:
-            raise StorylensError(f"{ckpt}: an earlier run's checkpoint is there; pass --resume to go on from it "
-                                 "(or delete it to start again)")
+            raise StorylensError(
+                f"{ckpt}: an earlier run's checkpoint is there; pass --resume to go on from it "
+                "(or delete it to start again)"
+            )
         try:
             saved = json.loads(ckpt.read_text())
         except (OSError, ValueError) as e:
-            raise StorylensError(f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again") from None
+            raise StorylensError(
+                f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again"
+            ) from None
         if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
             raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
         try:
@@ -136,33 +181,65 @@ def _score_into(tmp: Path, lm, source, out: Path, *, batch_size, chunk_stories, 
         batches_since[0] += -(-(now.n_stories - last[0].n_stories) // batch_size)
         last[0] = now
         if batches_since[0] >= checkpoint_every and now.n_stories < n_total:
-            write_text_atomic(ckpt, json.dumps({"fingerprint": fingerprint, "stats": list(_astuple(now)),
-                                                "state": acc.state()}))
+            write_text_atomic(
+                ckpt, json.dumps({"fingerprint": fingerprint, "stats": list(_astuple(now)), "state": acc.state()})
+            )
             batches_since[0] = 0
 
     rest = _skip(source, done.n_stories)
     used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
     if engine == "ray":
-        from .ray_engine import score_with_ray
-
-        stats = done + score_with_ray(model_source, rest, names, acc, workers=workers, address=address, details=used,
-                                      batch_size=batch_size, chunk_stories=chunk_stories, total=n_total,
-                                      progress=progress, detectors=detectors, start=done.n_stories,
-                                      on_window=progress_made)
+        stats = done + score_with_ray(
+            model_source,
+            rest,
+            names,
+            acc,
+            workers=workers,
+            address=address,
+            details=used,
+            batch_size=batch_size,
+            chunk_stories=chunk_stories,
+            total=n_total,
+            progress=progress,
+            detectors=detectors,
+            start=done.n_stories,
+            on_window=progress_made,
+        )
     else:
-        stats = done + record(lm, rest, [acc], batch_size=batch_size, names=names, progress=progress,
-                              chunk_stories=chunk_stories, start=done.n_stories, total=n_total,
-                              on_chunk=progress_made)
+        stats = done + record(
+            lm,
+            rest,
+            [acc],
+            batch_size=batch_size,
+            names=names,
+            progress=progress,
+            chunk_stories=chunk_stories,
+            start=done.n_stories,
+            total=n_total,
+            on_chunk=progress_made,
+        )
     seconds = time.perf_counter() - t1
     scores = score_table(acc, stats, None, lm.window)
     summary = {
         "model": {"name": str(lm.name), "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window},
-        "stories": {"source": source.describe(), "scored": stats.n_stories, "cut_to_window": stats.n_cut,
-                    "with_main_character": stats.n_main_character, "name_scored": scores.n_name_scored},
-        "names": {"definition": "a capitalised word whose lower-case form appears nowhere in the stories scored",
-                  "names": len(names), "lower_case_words": len(vocab.lower), "capitalised_words": len(vocab.capitalised)},
-        "engine": {"name": engine, "workers": used.get("workers", workers) if engine == "ray" else 1,
-                   "resumed_from": done.n_stories},
+        "stories": {
+            "source": source.describe(),
+            "scored": stats.n_stories,
+            "cut_to_window": stats.n_cut,
+            "with_main_character": stats.n_main_character,
+            "name_scored": scores.n_name_scored,
+        },
+        "names": {
+            "definition": "a capitalised word whose lower-case form appears nowhere in the stories scored",
+            "names": len(names),
+            "lower_case_words": len(vocab.lower),
+            "capitalised_words": len(vocab.capitalised),
+        },
+        "engine": {
+            "name": engine,
+            "workers": used.get("workers", workers) if engine == "ray" else 1,
+            "resumed_from": done.n_stories,
+        },
         "seconds": {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
         "detectors": [d.name for d in detectors],
         "top": {d.name: _top(scores, d.name) for d in detectors},
@@ -184,15 +261,19 @@ def _top(scores, column: str) -> dict | None:
 def _checked_stats(stats, n_total: int):
     """The stories counted in a checkpoint, checked: whole numbers, cut and main-character counts
     no more than the stories, the stories no more than the source holds."""
-    from .analysis.record import RecordStats
 
-    if not isinstance(stats, list) or len(stats) != 3 or \
-            any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in stats):
+    if (
+        not isinstance(stats, list)
+        or len(stats) != 3
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in stats)
+    ):
         raise ValueError(f"stats {stats!r} are not three whole numbers of 0 or more")
     n, cut, main = stats
     if n > n_total or cut > n or main > n:
-        raise ValueError(f"stats {stats!r}: {n} stories done of {n_total}, {cut} cut and {main} with a main "
-                         "character cannot all hold")
+        raise ValueError(
+            f"stats {stats!r}: {n} stories done of {n_total}, {cut} cut and {main} with a main "
+            "character cannot all hold"
+        )
     return RecordStats(n, cut, main)
 
 

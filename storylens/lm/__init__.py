@@ -1,0 +1,29 @@
+"""One interface to any causal LM: storylens's GPT or a transformers model, with the same hook names
+(``blocks.{l}.attn.hook_pattern``), attention as ``[batch, head, query, key]``, and loading that
+refuses what is not what it claims."""
+
+from storylens.lm.interface import (
+    DTYPES,
+    AttentionLM,
+    HookFn,
+    NativeLM,
+    TransformersLM,
+    is_transformers_folder,
+    load_lm,
+    resolve_device,
+    resolve_dtype,
+    wrap,
+)
+
+__all__ = [
+    "DTYPES",
+    "AttentionLM",
+    "HookFn",
+    "NativeLM",
+    "TransformersLM",
+    "is_transformers_folder",
+    "load_lm",
+    "resolve_device",
+    "resolve_dtype",
+    "wrap",
+]
