@@ -275,7 +275,7 @@ def pattern_difference(lm, bridge, ids, lengths) -> float:
     ids = ids[:2, : max(lengths[:2])]
     names = [f"blocks.{i}.attn.hook_pattern" for i in range(lm.n_layer)]
     with torch.inference_mode():
-        ours = lm.attention(ids)
+        ours = lm.patterns(ids)
         _, cache = bridge.run_with_cache(ids, names_filter=lambda n: n in names)
     return max(float((cache[n] - o).abs().max()) for n, o in zip(names, ours))
 

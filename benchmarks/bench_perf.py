@@ -107,11 +107,11 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
     @torch.inference_mode()
     def record_and_score(detectors=LESSON_DETECTORS):  # the lesson's measures, as TransformerLens gets below
         acc = HeadScoreAccumulator(L, H, detectors)
-        feed = [(f"blocks.{i}.attn.hook_pattern", (lambda i: lambda p: acc.block(i, p))(i)) for i in range(L)]
+        feed = [(f"blocks.{i}.attn.hook_pattern", lambda p, hook: acc.block(hook.layer, p)) for i in range(L)]
         with lm.hooks(feed):
             for b in batches:
                 acc.begin(b)
-                lm.forward(b.ids, patterns=True, logits=False)
+                lm.forward(b.ids, record_attention=True, logits=False)
                 acc.end()
         return acc
 

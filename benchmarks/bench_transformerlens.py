@@ -80,8 +80,9 @@ def child(side: str, hf_dir: str, n_stories: int, batch_size: int, repeats: int)
     t0 = time.perf_counter()
     import torch
 
+    from storylens.analysis.encode import length_batches, make_batch
     from storylens.analysis.names import find_main_characters
-    from storylens.analysis.scores import HeadScoreAccumulator, length_batches, make_batch, score_heads
+    from storylens.analysis.scores import HeadScoreAccumulator, score_heads
     from storylens.data.stories import load_split
     from storylens.model.hub import SHIPPED_MODEL, TOKENIZER, load_model
     from storylens.model.tokenizer import encode_story, eot_id, load_tokenizer

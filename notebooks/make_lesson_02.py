@@ -128,11 +128,11 @@ ids = torch.tensor([encode_story(tok, quiz[0]).ids])
 with torch.no_grad():
     fused = model(ids)                             # the fast path: no attention kept
     recorded = model(ids, record_attention=True)   # the long way: every block's probabilities kept
-print(f"fused path keeps attentions: {fused.attentions is not None}")
-print(f"attentions: {len(recorded.attentions)} blocks, each {list(recorded.attentions[0].shape)} "
+print(f"fused path keeps patterns: {fused.patterns is not None}")
+print(f"patterns: {len(recorded.patterns)} blocks, each {list(recorded.patterns[0].shape)} "
       "[batch, head, query, key]")
 print(f"largest logit difference, fused vs recorded: {(fused.logits - recorded.logits).abs().max().item():.1e}")
-print(f"every row sums to 1 within {(recorded.attentions[4].sum(-1) - 1).abs().max().item():.0e}")
+print(f"every row sums to 1 within {(recorded.patterns[4].sum(-1) - 1).abs().max().item():.0e}")
 """),
     md("""
 Now the same comparison measured properly, over twelve stories and in two precisions:

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.readme_check_table import table as check_table  # noqa: E402
 from storylens.lesson.report import LESSON_TABLE, lesson_table  # noqa: E402
+from storylens.lesson.summary import BeyondSummary, load  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -26,36 +27,36 @@ def replace_between(text: str, marker: str, body: str) -> str:
     return text[:a] + "\n" + body + "\n" + text[b:]
 
 
-def beyond_paragraph(b: dict) -> str:
+def beyond_paragraph(b: BeyondSummary) -> str:
     """The README's "past the lesson" paragraph, from a ``report --beyond`` summary."""
-    ab, pc, pr = b["ablation"], b["position_control"], b["pronouns"]
-    rows = {r["head"]: r for r in ab["rows"]}
-    top, worst = ab["top_name_mass_head"], ab["top_name_loss_head"]
-    ctrl = {r["head"]: r for r in pc["ranking_by_excess"]}[top]
+    ab, pc, pr = b.ablation, b.position_control, b.pronouns
+    rows = {r.head: r for r in ab.rows}
+    top, worst = ab.top_name_mass_head, ab.top_name_loss_head
+    ctrl = {r.head: r for r in pc.ranking_by_excess}[top]
     text = (
         f"**Past the lesson** (`storylens report --beyond`, or `storylens ablate`): zero-ablating {top} (the top "
         f"name-mass head) raises the loss on predicting the main character's name by "
-        f"{rows[top]['zero_name_increase']:.2f} nats"
+        f"{rows[top].zero_name_increase:.2f} nats"
     )
-    if ab["same_head"]:
+    if ab.same_head:
         text += " and no other head's removal hurts the name more"
     else:
         text += (
             f", but the head whose removal hurts the name most is **{worst}** "
-            f"(+{rows[worst]['zero_name_increase']:.2f} nats on the name, "
-            f"+{rows[worst]['zero_other_increase']:.2f} elsewhere)"
+            f"(+{rows[worst].zero_name_increase:.2f} nats on the name, "
+            f"+{rows[worst].zero_other_increase:.2f} elsewhere)"
         )
-    lead = pc["ranking_by_excess"][0]["head"]
+    lead = pc.ranking_by_excess[0].head
     text += (
-        f". After a matched-distance position control {top} puts {ctrl['name_mass']:.3f} on the name vs "
-        f"{ctrl['control']:.3f} on non-name tokens at the same distances"
+        f". After a matched-distance position control {top} puts {ctrl.name_mass:.3f} on the name vs "
+        f"{ctrl.control:.3f} on non-name tokens at the same distances"
         + (" (the largest excess of any head)" if lead == top else f" ({lead} has the largest excess)")
     )
-    p0 = pr["ranking"][0]
-    more = p0["pronoun_mass"] > p0["other_mass"]
+    p0 = pr.ranking[0]
+    more = p0.pronoun_mass > p0.other_mass
     text += (
-        f". From pronouns, {p0['head']} puts the most attention on the name ({p0['pronoun_mass']:.3f}; from "
-        f"other words it puts {p0['other_mass']:.3f} there): pronouns {'do' if more else 'do not'} lean on "
+        f". From pronouns, {p0.head} puts the most attention on the name ({p0.pronoun_mass:.3f}; from "
+        f"other words it puts {p0.other_mass:.3f} there): pronouns {'do' if more else 'do not'} lean on "
         "the name more than other words do. Details, tables and the side-by-side generation are in the "
         "report's section 8."
     )
@@ -64,10 +65,10 @@ def beyond_paragraph(b: dict) -> str:
 
 def main() -> None:
     text = README.read_text()
-    summary = json.loads(Path(sys.argv[1]).read_text())
+    summary = load(sys.argv[1])
     text = replace_between(text, LESSON_TABLE, lesson_table(summary))
-    if "beyond" in summary:
-        text = replace_between(text, "beyond", beyond_paragraph(summary["beyond"]))
+    if summary.beyond is not None:
+        text = replace_between(text, "beyond", beyond_paragraph(summary.beyond))
     if len(sys.argv) > 2:
         text = replace_between(text, "check", check_table(json.loads(Path(sys.argv[2]).read_text())))
     README.write_text(text)

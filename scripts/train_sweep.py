@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from storylens.data.stories import load_split
-from storylens.model.train import CHECKPOINT, TrainConfig, train
+from storylens.training.train import CHECKPOINT, TrainConfig, train
 
 # name -> changes against the base (the shipped model's recipe, scaled to the short budget)
 RUNS = {

@@ -20,9 +20,10 @@ sys.path.insert(0, str(ROOT))
 from scripts.readme_tables import README, replace_between  # noqa: E402
 from storylens.core.publish import write_text_atomic  # noqa: E402
 from storylens.data.stories import load_split  # noqa: E402
-from storylens.model.checkpoint import load_checkpoint  # noqa: E402
+from storylens.lesson.figures import LESSON_FIGURES  # noqa: E402
 from storylens.model.hub import load_model  # noqa: E402
-from storylens.model.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
+from storylens.training.checkpoint import load_checkpoint  # noqa: E402
+from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
 
 
 def cpu() -> str:
@@ -91,9 +92,9 @@ The "Lesson 01" model that storylens reads: a GPT-2-style decoder, 6 blocks x 4 
 (d_model 256), a 256-token window, tied input/output embeddings, and a byte-level BPE tokenizer of
 {cfg.vocab_size} tokens whose end-of-story marker `<|endoftext|>` follows every story (and so opens the next).
 
-**{n_params:,} parameters. Quiz perplexity {quiz_perplexity:.2f}** on the 200 held-out quiz stories
+**{n_params:,} parameters. Quiz perplexity {quiz_perplexity:.2f}** on the {quiz_stories} held-out quiz stories
 (`storylens perplexity`: each story fed as `[marker] + story`, cut to the window; exp of the mean
-next-token loss). The lesson's model reached 9 on its own quiz.
+next-token loss). The lesson's model reached {LESSON_FIGURES.quiz_perplexity:g} on its own quiz.
 
 ## Data
 TinyStories (Eldan & Li 2023, arXiv 2305.07759), licensed CDLA-Sharing-1.0: the {train_stories + quiz_stories:,}
@@ -132,7 +133,7 @@ storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-s
 (the defaults are the settings above; a killed run continues with `--resume`).
 
 ## Limits
-The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's 19,800,
+The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's {LESSON_FIGURES.train_stories:,},
 so the model sees each training token many times; training had to fit a 2-core CPU session.
 """
     return write_text_atomic(Path(folder) / "README.md", text)
@@ -166,7 +167,7 @@ def main() -> None:
     line = (
         f"The shipped model was trained here ({len(split.train):,} training stories, {state['step']:,} steps of "
         f"{cfg['batch_size']} x {cfg['block_size']} tokens, {state['train_seconds'] / 60:.0f} minutes of training "
-        f"time on {os.cpu_count()} CPU cores): **quiz perplexity {ppl:.2f}** (`storylens perplexity`; the lesson's model: 9). "
+        f"time on {os.cpu_count()} CPU cores): **quiz perplexity {ppl:.2f}** (`storylens perplexity`; the lesson's model: {LESSON_FIGURES.quiz_perplexity:g}). "
         "The recipe, the short runs that chose it and the curve are in its model card "
         "(`storylens/pretrained/tiny-storyteller/README.md`)."
     )

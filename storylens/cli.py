@@ -20,19 +20,19 @@ from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
 from storylens.core.progress import progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
-from storylens.corpus.ray_engine import _check_address
+from storylens.corpus.ray_engine import check_address
 from storylens.corpus.score import score_corpus
 from storylens.data.sources import open_source
 from storylens.data.stories import download_tinystories, load_split
 from storylens.lesson.checks import run_checks
-from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES
+from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
 from storylens.lesson.inputs import lesson_data
 from storylens.lesson.report import _check_writable, _f, _quiz_folder, build_report
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.lm.generate import record_generation, stream_text
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import encode_story, eot_id
-from storylens.model.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
+from storylens.training.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
 from storylens.viz import replay_widget
 
 
@@ -94,6 +94,8 @@ def load_detector(path: str):
     if not file.is_file():
         raise StorylensError(f"--detector {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"storylens_detector_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise StorylensError(f"--detector {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -437,42 +439,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_summary(report, file=None) -> None:
+    """``storylens report``'s printout: the report's summary (a :class:`storylens.lesson.summary.ReportSummary`)."""
 
     file = file or sys.stdout
     s = report.summary
-    q, lk, nh, pt, mk = s["quiz"], s["leakage"], s["name_heads"], s["previous_token"], s["marker"]
-    p = lambda *a: print(*a, file=file)  # noqa: E731
+    q, lk, nh, pt, mk, nr = s.quiz, s.leakage, s.name_heads, s.previous_token, s.marker, s.number_to_reproduce
+
+    def p(*a) -> None:
+        print(*a, file=file)
+
     p(
-        f"quiz: {q['stories']} stories ({q['cut_to_window']} cut to the window), "
-        f"{q['with_main_character']} with a main character, {q['name_scored']} scored"
+        f"quiz: {q.stories} stories ({q.cut_to_window} cut to the window), "
+        f"{q.with_main_character} with a main character, {q.name_scored} scored"
     )
-    if lk["computed"]:
+    if lk.stats is not None:
+        st = lk.stats
         p(
-            f"leakage ({lk['source']}): {lk['n_duplicates']} identical, {lk['n_mentioning']} mention {lk['word']!r}, "
-            f"{lk['run_words']}-word runs in training: mean {_f(lk['run_share_mean'])}, max {_f(lk['run_share_max'])}"
+            f"leakage ({lk.source}): {st.n_duplicates} identical, {st.n_mentioning} mention {st.word!r}, "
+            f"{st.run_words}-word runs in training: mean {_f(st.run_share_mean)}, max {_f(st.run_share_max)}"
         )
     else:
-        p(f"leakage: {lk['source']}")
+        p(f"leakage: {lk.source}")
     p("")
     p(f"{'head':6} {'name mass':>10} {'baseline':>9} {'ratio':>6}")
-    for h in nh["top"]:
-        p(f"{h['head']:6} {h['name_mass']:10.3f} {nh['baseline']:9.3f} {h['ratio']:5.1f}x")
-    p(f"{nh['below_baseline']} of {s['model']['blocks'] * s['model']['heads']} heads below the baseline")
+    for h in nh.top:
+        p(f"{h.head:6} {h.name_mass:10.3f} {nh.baseline:9.3f} {h.ratio:5.1f}x")
+    p(f"{nh.below_baseline} of {s.model.n_heads} heads below the baseline")
     p("")
+    first, argmax = pt.highest_first, pt.best_argmax_first
     p(
-        f"previous-token heads above 0.5: {pt['above_half']}; highest {pt['highest']['head']} "
-        f"{_f(pt['highest']['prev_token'])}; first {pt['highest_first']['stories']} stories: "
-        f"{pt['highest_first']['head']} {_f(pt['highest_first']['prev_token'])} (last four "
-        f"{_f(pt['highest_first']['prev4'])}), best top-key share {pt['best_argmax_first']['head']} "
-        f"{_f(pt['best_argmax_first']['share'])}"
+        f"previous-token heads above {PREV_HEAD_LEVEL}: {pt.above_half}; highest {pt.highest.head} "
+        f"{_f(pt.highest.prev_token)}; first {first.stories} stories: {first.head} {_f(first.prev_token)} "
+        f"(last four {_f(first.prev4)}), best top-key share {argmax.head} {_f(argmax.share)}"
     )
-    called = mk.get("called", "the end-of-story marker").removeprefix("the ")
-    p(f"{called}: highest {mk['highest']['head']} {_f(mk['highest']['marker'])}")
-    nr = s["number_to_reproduce"]
+    p(f"{mk.called.removeprefix('the ')}: highest {mk.highest.head} {_f(mk.highest.marker)}")
     p("")
     p(
-        f"top name head: {nr['head']}  name mass {nr['name_mass']:.3f} vs baseline {nr['baseline']:.3f} "
-        f"({nr['ratio']:.1f}x) over {nr['stories']} of {nr['of']} stories"
+        f"top name head: {nr.head}  name mass {nr.name_mass:.3f} vs baseline {nr.baseline:.3f} "
+        f"({nr.ratio:.1f}x) over {nr.stories} of {nr.of} stories"
     )
     p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
 
@@ -498,7 +502,11 @@ def add_report_parser(sub) -> None:
         help="with --quiz: the story's field in JSON lines, Parquet or a dataset (default text)",
     )
     r.add_argument("--out", default="report", help="output folder (default: report)")
-    r.add_argument("--word", default="Momo", help="leakage check: count quiz stories mentioning this word")
+    r.add_argument(
+        "--word",
+        default=LESSON_FIGURES.leakage_word,
+        help=f"leakage check: count quiz stories mentioning this word (default {LESSON_FIGURES.leakage_word})",
+    )
     r.add_argument(
         "--detector",
         action="append",
@@ -511,7 +519,7 @@ def add_report_parser(sub) -> None:
         "--prev-limit",
         type=int,
         default=FIRST_STORIES,
-        help="previous-token figures also over the first N stories (lesson: 100)",
+        help=f"previous-token figures also over the first N stories (lesson: {FIRST_STORIES})",
     )
     r.add_argument("--batch-size", type=int, default=16, help="stories per recorded forward pass (default 16)")
     r.add_argument(
@@ -670,7 +678,7 @@ def cmd_score(args) -> int:
     if args.workers < 1:
         raise UsageError(f"--workers: must be at least 1 (got {args.workers})")
     if args.engine == "ray" and args.address:
-        _check_address(args.address)  # in seconds, before the first pass reads the corpus
+        check_address(args.address)  # in seconds, before the first pass reads the corpus
     check_target_folder(_out_path(args.out))  # before the model or any story: a bad --out costs nothing
     source = open_source(
         args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
@@ -727,16 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "record", False) and getattr(args, "html", None) is None:
         print("storylens: error: --record: give --html FILE to write the replay page", file=sys.stderr)
         return 2
-    if not getattr(args, "allow_download", False):
-        # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
-
-        ctx = hub_offline(True)
-    else:
-        from contextlib import nullcontext
-
-        ctx = nullcontext()
+    # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
     try:
-        with ctx:
+        with hub_offline(not getattr(args, "allow_download", False)):
             return args.func(args)
     except (StorylensError, KeyboardInterrupt, OSError, MemoryError) as e:
         if args.debug:

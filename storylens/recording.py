@@ -7,7 +7,7 @@ import torch
 
 from storylens.core.errors import StorylensError
 from storylens.lm import wrap
-from storylens.model.tokenizer import EncodedStory
+from storylens.model.tokenizer import StoryIds
 from storylens.viz import AttentionWidget
 from storylens.viz.tokens import to_numpy_attention, token_texts
 
@@ -25,32 +25,32 @@ def figure_tokens(n_layer: int, n_head: int, budget: int = FIGURE_BUDGET_BYTES) 
 def story_attention(model, text: str, window: int | None = None, tokenizer=None, *, budget: int | None = None):
     """Encode one story as the lesson does (``[marker] + story``, cut to the window) and record its
     attention. ``model``: storylens's GPT, an :class:`~storylens.lm.AttentionLM`, or a transformers
-    causal LM with its ``tokenizer``. The story is also cut to the tokens whose maps fit ``budget``
+    causal LM with its ``tokenizer``. The story is also cut to the tokens whose patterns fit ``budget``
     bytes (:func:`figure_tokens`: all 256 on Tiny Storyteller; 287 on a 270-head model), so
     drawing one story never holds gigabytes; a model too large to draw 16 tokens is refused.
 
-    Returns ``(tokens, attention, encoded)``: display texts, a ``[block, head, query, key]`` numpy
-    array (float64) and the :class:`~storylens.model.tokenizer.EncodedStory`."""
+    Returns ``(tokens, patterns, encoded)``: display texts, a ``[block, head, query, key]`` numpy
+    array (float64) and the :class:`~storylens.model.tokenizer.StoryIds`."""
 
     lm = wrap(model, tokenizer)
     budget = FIGURE_BUDGET_BYTES if budget is None else budget
     fits = figure_tokens(lm.n_layer, lm.n_head, budget)
     if fits < MIN_FIGURE_TOKENS:
         raise StorylensError(
-            f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's maps "
+            f"{lm.name}: {lm.n_layer} x {lm.n_head} heads are too many to draw one story's patterns "
             f"within {budget / 2**20:,.0f} MB (only {fits} tokens would fit)"
         )
     window = min(window or lm.window, fits)
     ids = lm.encode(text)
-    enc = EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
+    enc = StoryIds(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
     with torch.inference_mode():
-        maps = lm.attention(torch.tensor([enc.ids], dtype=torch.long, device=lm.device))
-    return token_texts(lm.tokenizer, enc.ids), to_numpy_attention(maps), enc
+        patterns = lm.patterns(torch.tensor([enc.ids], dtype=torch.long, device=lm.device))
+    return token_texts(lm.tokenizer, enc.ids), to_numpy_attention(patterns), enc
 
 
 def attention_widget(model, text: str, title: str | None = None, *, window: int | None = None, tokenizer=None, **kw):
     """Record ``text`` (see :func:`story_attention`) and build the clickable
     :class:`~storylens.viz.AttentionWidget` for it."""
 
-    tokens, att, enc = story_attention(model, text, window=window, tokenizer=tokenizer)
-    return AttentionWidget.from_recording(text, tokens, att, enc, title, **kw)
+    tokens, patterns, enc = story_attention(model, text, window=window, tokenizer=tokenizer)
+    return AttentionWidget.from_recording(text, tokens, patterns, enc, title, **kw)

@@ -32,5 +32,5 @@ def test_an_unfinished_character_at_the_end_is_written_as_decode_writes_it(shipp
 
 def test_recorded_generation_lives_on_the_models_device(shipped_model):
     run = record_generation(shipped_model, "Lily found a shiny stone.", 5, seed=2)
-    assert run.attention.device == next(shipped_model.parameters()).device
+    assert run.patterns.device == next(shipped_model.parameters()).device
     assert len(run.ids) - run.prompt_len <= 5

@@ -101,7 +101,7 @@ def test_transformers_gpt2_from_the_export_agrees(shipped_model, quiz_ids, tmp_p
         ours = shipped_model(idx, record_attention=True)
         theirs = hf(idx, output_attentions=True)
         worst_logit = max(worst_logit, (ours.logits - theirs.logits).abs().max().item())
-        for a, b in zip(ours.attentions, theirs.attentions):
+        for a, b in zip(ours.patterns, theirs.attentions):
             worst_att = max(worst_att, (a - b).abs().max().item())
         scale = max(scale, ours.logits.abs().max().item())
     # float32: transformers' Conv1D (addmm) and hand-written gelu_new round differently from our
@@ -126,7 +126,7 @@ def test_transformers_gpt2_agrees_in_float64(shipped_model, quiz_ids, tmp_path):
         idx = torch.tensor([ids])
         ours, theirs = ours64(idx, record_attention=True), hf(idx, output_attentions=True)
         worst_logit = max(worst_logit, (ours.logits - theirs.logits).abs().max().item())
-        worst_att = max(worst_att, max((a - b).abs().max().item() for a, b in zip(ours.attentions, theirs.attentions)))
+        worst_att = max(worst_att, max((a - b).abs().max().item() for a, b in zip(ours.patterns, theirs.attentions)))
     c = shipped_model.config
     assert worst_logit <= rounding_bound(c, torch.float64, 20.0) < 1e-10, worst_logit  # logits stay below 20
     assert worst_att <= probability_bound(c, torch.float64) < 1e-10, worst_att

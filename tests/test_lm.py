@@ -159,7 +159,7 @@ def test_hook_z_ablation_on_a_transformers_model(tiny_folder, quiz):
     ids = torch.tensor([lm.encode(quiz[0])[:40]])
     base = lm.forward(ids)
     seen = {}
-    with lm.hooks([("blocks.1.attn.hook_z", lambda z: seen.setdefault("z", z.clone()))]):
+    with lm.hooks([("blocks.1.attn.hook_z", lambda z, hook: seen.setdefault("z", z.clone()))]):
         with ablate_heads(lm, ["L2H3"]):
             off = lm.forward(ids)
     assert not torch.equal(base, off)

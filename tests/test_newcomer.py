@@ -161,7 +161,7 @@ def test_a_transformers_model_with_no_corpus_gets_the_shipped_quiz(no_corpus_rep
     )
     assert summary["leakage"]["computed"] is False
     page = (out / "report.html").read_text()
-    assert "the lesson&#x27;s 200 quiz stories, shipped with storylens" in page
+    assert "the lesson&#39;s 200 quiz stories, shipped with storylens" in page  # Jinja2's autoescape (markupsafe)
     assert "leakage: not computed: the quiz is the lesson's, shipped with storylens" in r.stdout
 
 
@@ -197,7 +197,7 @@ def test_colours_are_described_as_drawn_and_each_table_names_its_range(no_corpus
     assert (
         len(
             re.findall(
-                r"Colours: this table&#x27;s own range, -?\d\.\d{3} \(black\) to -?\d\.\d{3} "
+                r"Colours: this table&#39;s own range, -?\d\.\d{3} \(black\) to -?\d\.\d{3} "
                 r"\(light yellow\)",
                 page,
             )

@@ -11,6 +11,9 @@ import torch
 from storylens.cli import main
 from storylens.data.stories import EOT
 from storylens.lesson.checks import unit_roundoff
+from storylens.lesson.report import LESSON_TABLE, build_report, lesson_table
+from storylens.lesson.summary import ReportSummary, load
+from storylens.lm import wrap
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +111,43 @@ def test_model_folder_that_is_not_one(capsys, tmp_path):
 
 def test_readme_lesson_table_is_the_reports(report_dir):
     """README figures come from a report run: regenerate with scripts/readme_tables.py when this fails."""
-    from storylens.lesson.report import LESSON_TABLE, lesson_table
-
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start, end = f"<!-- {LESSON_TABLE}:start -->", f"<!-- {LESSON_TABLE}:end -->"
     shown = readme[readme.index(start) + len(start) : readme.index(end)].strip()
-    summary = json.loads((report_dir / "summary.json").read_text())
-    assert shown == lesson_table(summary)
+    assert shown == lesson_table(load(report_dir))
+
+
+def test_the_typed_summary_is_summary_json(report_dir):
+    """summary.json read into the dataclasses and written back is the same file, byte for byte."""
+    text = (report_dir / "summary.json").read_text(encoding="utf-8")
+    s = load(report_dir)
+    assert ReportSummary.from_dict(s.to_dict()) == s
+    assert s.to_json() == text
+    assert s.number_to_reproduce.head == s.name_heads.top[0].head and s.beyond is None
+
+
+def test_the_page_escapes_a_hostile_model_name_and_quiz_name(tmp_path, shipped_model):
+    """A model and a quiz file named like markup come out as text on the page, never as tags."""
+    evil = "<script>window.__pwned=1</script>"
+    quiz = tmp_path / "<img src=x onerror=alert(2)>.txt"
+    quiz.write_text(
+        "".join(
+            f"Once upon a time {n} went to the park. {n} saw a big red ball. {n} was happy and played all day.\n{EOT}\n"
+            for n in ("Lily", "Tom", "Mia", "Ben")
+        )
+    )
+    report = build_report(
+        tmp_path / "r",
+        model=wrap(shipped_model, name=evil),
+        quiz=str(quiz),
+        progress=False,
+        check_stories=1,
+        check_tokens=4,
+    )
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert report.summary.model.display_name == evil and "<img src=x" in report.summary.quiz.source
+    assert evil not in page and "<img src=x" not in page
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in page and "&lt;img src=x onerror=alert(2)&gt;.txt" in page
 
 
 def test_a_user_detector_from_a_file(tmp_path, capsys):

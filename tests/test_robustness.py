@@ -180,8 +180,7 @@ class _Watched(list):
 
 def test_positions_look_only_inside_the_window_so_a_long_story_is_linear(shipped_model):
     from storylens.analysis.encode import mention_first_tokens
-    from storylens.analysis.names import main_character, token_positions
-    from storylens.analysis.pronouns import pronoun_positions, pronoun_spans
+    from storylens.analysis.names import main_character, pronoun_positions, pronoun_spans, token_positions
 
     text = "Lily saw a cat. She smiled at Lily. " * 20_000  # 720 KB: 200,000 tokens, 40,000 mentions
     enc = shipped_model.tokenizer.encode(text)
@@ -568,7 +567,7 @@ def test_the_report_draws_a_story_cut_to_the_figures_budget(tmp_path, few, monke
     quiz = tmp_path / "q.txt"
     quiz.write_text("".join(f"{s}\n{EOT}\n" for s in few[:8]))
     report = build_report(tmp_path / "r", quiz=str(quiz), progress=False, check_stories=2, check_tokens=8)
-    assert report.summary["story_shown"]["main_character"]
+    assert report.summary.story_shown.main_character
     figures = json.loads((tmp_path / "r" / ".storylens.json").read_text())["files"]
     assert {"all_heads.png", "top_name_head.png", "widget.html"} <= set(figures)
-    assert report.summary["story_shown"]["tokens"] == 60  # cut from the story's full window
+    assert report.summary.story_shown.tokens == 60  # cut from the story's full window

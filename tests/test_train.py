@@ -12,8 +12,8 @@ import pytest
 
 from storylens.core.errors import StorylensError
 from storylens.data.stories import EOT
-from storylens.model.checkpoint import load_checkpoint
-from storylens.model.train import CHECKPOINT, TrainConfig, lr_at
+from storylens.training.checkpoint import load_checkpoint
+from storylens.training.train import CHECKPOINT, TrainConfig, lr_at
 
 STEPS = 10
 

@@ -34,13 +34,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn import functional as F
 
-from storylens.analysis.encode import encode_stories, length_batches, mention_first_tokens  # noqa: F401  (mention_first_tokens: re-exported)
+from storylens.analysis.encode import encode_stories, length_batches
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.scores import score_heads
+from storylens.core.batching import pad_batch, valid_mask
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head, as_heads, head_label
+from storylens.core.modes import eval_mode
 from storylens.core.progress import ProgressLines
-from storylens.lm import wrap
+from storylens.lm import AttentionLM, Hook, wrap
 
 MODES = ("zero", "mean")
 
@@ -77,20 +79,23 @@ def _mean_vectors(lm, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
     return out
 
 
-def _head_replacer(heads: Sequence[int], values: torch.Tensor | None):
-    """A ``hook_z`` hook: returns ``z [batch, query, head, head_size]`` with ``heads`` set to zero or to
-    ``values [len(heads), head_size]`` (the tensor it is given is not modified)."""
+@dataclass(frozen=True)
+class _HeadReplacer:
+    """The ``hook_z`` hook of an ablation: ``z [batch, query, head, head_size]`` returned with the heads
+    of ``heads[hook.layer]`` set to zero (``values`` None) or to ``values[hook.layer]``
+    ``[len(heads), head_size]`` (the tensor it is given is not modified). One for every block."""
 
-    def hook(z: torch.Tensor) -> torch.Tensor:
+    heads: Mapping[int, Sequence[int]]
+    values: Mapping[int, torch.Tensor] | None
+
+    def __call__(self, z: torch.Tensor, hook: Hook) -> torch.Tensor:
         z = z.clone()
-        idx = torch.tensor(heads, device=z.device)
-        if values is None:
+        idx = torch.tensor(self.heads[hook.layer], device=z.device)
+        if self.values is None:
             z[:, :, idx] = 0.0
         else:
-            z[:, :, idx] = values.to(device=z.device, dtype=z.dtype)[None, None]
+            z[:, :, idx] = self.values[hook.layer].to(device=z.device, dtype=z.dtype)[None, None]
         return z
-
-    return hook
 
 
 @contextlib.contextmanager
@@ -111,26 +116,21 @@ def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=N
     by_layer: dict[int, list[int]] = {}
     for h in heads:
         by_layer.setdefault(h.layer, []).append(h.head)
-    hooks = []
-    for layer, hs in by_layer.items():
-        values = None if vectors is None else torch.stack([vectors[Head(layer, h)] for h in hs])
-        hooks.append((f"blocks.{layer}.attn.hook_z", _head_replacer(hs, values)))
-    with lm.hooks(hooks):
+    values = None
+    if vectors is not None:
+        values = {layer: torch.stack([vectors[Head(layer, h)] for h in hs]) for layer, hs in by_layer.items()}
+    replace = _HeadReplacer(by_layer, values)
+    with lm.hooks([(f"blocks.{layer}.attn.hook_z", replace) for layer in by_layer]):
         yield
 
 
 # ---------------------------------------------------------------- batching
 
 
-def _pad(stories: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[batch, tokens]`` ids padded at the end with 0, and ``[batch, tokens]`` real-token mask."""
-    T = max(len(s) for s in stories)
-    ids = torch.zeros(len(stories), T, dtype=torch.long)
-    for r, s in enumerate(stories):
-        ids[r, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in stories])
-    valid = torch.arange(T)[None, :] < lengths[:, None]
-    return ids.to(device), valid.to(device)
+def _pad(stories: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, tokens]`` ids padded at the end with ``pad_id``, and ``[batch, tokens]`` real-token mask."""
+    ids, lengths = pad_batch(stories, pad_id, device)
+    return ids, valid_mask(lengths, ids.shape[1])
 
 
 def _check_stories(lm, stories_ids: Sequence[Sequence[int]]) -> None:
@@ -154,35 +154,27 @@ def head_output_means(
     """
     lm = wrap(model)
     _check_stories(lm, stories_ids)
-    totals: list[torch.Tensor | None] = [None] * lm.n_layer
+    totals: dict[int, torch.Tensor] = {}
     current: dict[str, torch.Tensor] = {}
 
-    def reader(layer):
-        def hook(z):
-            w = current["mask"].to(torch.float64)
-            add = torch.einsum("bthd,bt->hd", z.to(torch.float64), w).cpu()
-            totals[layer] = add if totals[layer] is None else totals[layer] + add
-
-        return hook
+    def add(z: torch.Tensor, hook: Hook) -> None:
+        w = current["mask"].to(torch.float64)
+        total = torch.einsum("bthd,bt->hd", z.to(torch.float64), w).cpu()
+        totals[hook.layer] = total + totals[hook.layer] if hook.layer in totals else total
 
     count = 0
-    was_training = lm.module.training
-    lm.module.eval()
-    try:
-        with lm.hooks([(f"blocks.{i}.attn.hook_z", reader(i)) for i in range(lm.n_layer)]):
-            for idx in length_batches([len(s) for s in stories_ids], batch_size):
-                ids, valid = _pad([stories_ids[i] for i in idx], lm.device)
-                if not include_marker:
-                    valid = valid.clone()
-                    valid[:, 0] = False
-                current["mask"] = valid
-                lm.forward(ids, logits=False)
-                count += int(valid.sum())
-    finally:
-        lm.module.train(was_training)
+    with eval_mode(lm.module), lm.hooks([(f"blocks.{i}.attn.hook_z", add) for i in range(lm.n_layer)]):
+        for idx in length_batches([len(s) for s in stories_ids], batch_size):
+            ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, lm.device)
+            if not include_marker:
+                valid = valid.clone()
+                valid[:, 0] = False
+            current["mask"] = valid
+            lm.forward(ids, logits=False)
+            count += int(valid.sum())
     if count == 0:
         raise StorylensError("stories: no token positions to average over")
-    return (torch.stack(totals) / count).to(torch.float32)
+    return (torch.stack([totals[i] for i in range(lm.n_layer)]) / count).to(torch.float32)
 
 
 # ---------------------------------------------------------------- the loss table
@@ -275,6 +267,14 @@ def _losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -
     ).to(torch.float64)
 
 
+def _name_other_sums(lm: AttentionLM, ids: torch.Tensor, scored: torch.Tensor, name_sel: torch.Tensor) -> torch.Tensor:
+    """``[name loss sum, other loss sum]`` (float64, CPU) of one forward pass over ``ids``."""
+    logits = lm.forward(ids)
+    assert logits is not None  # logits=True
+    ce = _losses(logits, ids[:, 1:], scored)
+    return torch.stack([ce[name_sel].sum(), ce[~name_sel].sum()]).cpu()
+
+
 @torch.inference_mode()
 def ablation_losses(
     model,
@@ -307,39 +307,31 @@ def ablation_losses(
 
         bar = tqdm(total=len(stories_ids), unit="story", desc="ablations", disable=None)  # None: terminals only
     lines = ProgressLines("ablating heads", len(stories_ids), enabled=progress)  # off a terminal, instead
-    was_training = lm.module.training
-    lm.module.eval()
-    try:
-        for idx in batches:
-            ids, valid = _pad([stories_ids[i] for i in idx], device)
-            T = ids.shape[1]
-            scored = valid[:, 1:]  # prediction at t is scored against t + 1
-            is_name = torch.zeros(len(idx), T - 1, dtype=torch.bool, device=device)
-            for r, i in enumerate(idx):
-                for p in name_starts[i]:
-                    if not 1 <= p < len(stories_ids[i]):
-                        raise StorylensError(f"story {i}: name start {p} is outside 1..{len(stories_ids[i]) - 1}")
-                    is_name[r, p - 1] = True
-            name_sel = is_name[scored]  # over the scored positions, in order
-            n_name += int(name_sel.sum())
-            n_other += int((~name_sel).sum())
-            targets = ids[:, 1:]
-
-            def add(key: str) -> None:
-                ce = _losses(lm.forward(ids), targets, scored)
-                sums[key] += torch.stack([ce[name_sel].sum(), ce[~name_sel].sum()]).cpu()
-
-            add("baseline")
-            for c in conditions:
-                with ablate_heads(lm, c.heads, c.mode, means):
-                    add(f"{c.label}/{c.mode}")
+    with eval_mode(lm.module):
+        try:
+            for idx in batches:
+                ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, device)
+                T = ids.shape[1]
+                scored = valid[:, 1:]  # prediction at t is scored against t + 1
+                is_name = torch.zeros(len(idx), T - 1, dtype=torch.bool, device=device)
+                for r, i in enumerate(idx):
+                    for p in name_starts[i]:
+                        if not 1 <= p < len(stories_ids[i]):
+                            raise StorylensError(f"story {i}: name start {p} is outside 1..{len(stories_ids[i]) - 1}")
+                        is_name[r, p - 1] = True
+                name_sel = is_name[scored]  # over the scored positions, in order
+                n_name += int(name_sel.sum())
+                n_other += int((~name_sel).sum())
+                sums["baseline"] += _name_other_sums(lm, ids, scored, name_sel)
+                for c in conditions:
+                    with ablate_heads(lm, c.heads, c.mode, means):
+                        sums[f"{c.label}/{c.mode}"] += _name_other_sums(lm, ids, scored, name_sel)
+                if bar is not None:
+                    bar.update(len(idx))
+                lines.update(len(idx))
+        finally:
             if bar is not None:
-                bar.update(len(idx))
-            lines.update(len(idx))
-    finally:
-        lm.module.train(was_training)
-        if bar is not None:
-            bar.close()
+                bar.close()
     return sums, n_name, n_other
 
 
@@ -366,7 +358,7 @@ def ablation_loss_table(
 
     ``stories_ids``: each story's ids (``[marker] + tokens``, within the window).
     ``name_starts[i]``: the positions in story i holding the first token of a mention
-    of its main character (see :func:`mention_first_tokens`); a story with none counts
+    of its main character (see :func:`storylens.analysis.encode.mention_first_tokens`); a story with none counts
     only towards the other positions. Position ``t`` is a name position when ``t + 1``
     is a name start; every other scored position (``0 .. T-2``) is an other position.
     Losses are pooled: the mean over all positions of that kind, every position
@@ -382,11 +374,11 @@ def ablation_loss_table(
     model = wrap(model)
     conditions = single_head_conditions(model, modes, heads)
     for g in groups:
-        g = tuple(dict.fromkeys(normalise_heads(model, [x])[0] for x in g))  # checked, order kept
-        if not g:
+        group = tuple(dict.fromkeys(normalise_heads(model, [x])[0] for x in g))  # checked, order kept
+        if not group:
             raise StorylensError("groups: an empty group")
         for m in modes:
-            conditions.append(Condition(group_label(g), g, m))
+            conditions.append(Condition(group_label(group), group, m))
     if "mean" in modes and means is None:
         means = head_output_means(model, stories_ids, batch_size=batch_size)
     t0 = time.perf_counter()

@@ -176,30 +176,30 @@ def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN) -> torch.Tensor:
     return sum((diagonal(pattern, k) for k in range(2, span + 1)), diagonal(pattern, 1))
 
 
-def prev_is_argmax(att: torch.Tensor) -> torch.Tensor:
+def prev_is_argmax(pattern: torch.Tensor) -> torch.Tensor:
     """``[..., query]`` float: 1 where key ``q - 1`` is the query's most-attended key, ties going
-    to the earliest key (exactly ``att.argmax(-1) == q - 1``; 0 for query 0).
+    to the earliest key (exactly ``pattern.argmax(-1) == q - 1``; 0 for query 0).
 
     Computed with one ``amax`` instead of ``argmax`` (which tracks indices and is four times slower
     here): key q - 1 wins when its weight is at least query q's own (a later key, which it beats
     on a tie) and above every key before it. Keys after q hold exactly 0 and never win (every
     weight the softmax gives is above 0). To take the maximum over keys 0 .. q-2 without a copy
     of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
-    ``att`` leaves this function bit for bit as it came in.
+    ``pattern`` leaves this function bit for bit as it came in.
     """
-    T = att.shape[-1]
-    prev = att.diagonal(offset=-1, dim1=-2, dim2=-1)  # views: [..., T - 1]
-    own = att.diagonal(dim1=-2, dim2=-1)
+    T = pattern.shape[-1]
+    prev = pattern.diagonal(offset=-1, dim1=-2, dim2=-1)  # views: [..., T - 1]
+    own = pattern.diagonal(dim1=-2, dim2=-1)
     saved_prev, saved_own = prev.clone(), own.clone()
     prev.zero_()
     own.zero_()
     try:
-        earlier = att.amax(-1)  # [..., query]: the largest weight on keys 0 .. q-2
+        earlier = pattern.amax(-1)  # [..., query]: the largest weight on keys 0 .. q-2
     finally:
         prev.copy_(saved_prev)
         own.copy_(saved_own)
     wins = (saved_prev >= saved_own[..., 1:]) & (saved_prev > earlier[..., 1:])
-    return F.pad(wins.to(att.dtype), (1, 0))[..., :T]
+    return F.pad(wins.to(pattern.dtype), (1, 0))[..., :T]
 
 
 def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

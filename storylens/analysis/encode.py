@@ -15,7 +15,7 @@ from itertools import islice
 import torch
 
 from storylens.analysis.names import MainCharacter, main_character, name_vocabulary, pronoun_positions, pronoun_spans
-from storylens.core.errors import StorylensError
+from storylens.core.batching import length_batches, pad_batch, valid_mask
 
 Span = tuple[int, int]
 
@@ -90,18 +90,17 @@ def make_batch(
     device: torch.device | str = "cpu",
     stories: Sequence[EncodedStory] = (),
 ) -> StoryBatch:
-    """Pad ``ids`` at the end (with the marker id) and build the position masks."""
-    B, T = len(ids), max(len(x) for x in ids)
-    grid = torch.full((B, T), marker_id, dtype=torch.long)
+    """Pad ``ids`` at the end with the marker id (:func:`~storylens.core.batching.pad_batch`) and build
+    the position masks."""
+    grid, lengths = pad_batch(ids, marker_id)
+    B, T = grid.shape
     name_mask = torch.zeros(B, T, dtype=torch.bool)
     first = torch.full((B,), -1, dtype=torch.long)
-    for b, (x, mc) in enumerate(zip(ids, mains)):
-        grid[b, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-        if mc is not None and mc.positions:
+    for b, mc in enumerate(mains):
+        if mc is not None and mc.positions and mc.first_mention is not None:
             name_mask[b, list(mc.positions)] = True
             first[b] = mc.first_mention
-    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
-    valid = torch.arange(T)[None, :] < lengths[:, None]
+    valid = valid_mask(lengths, T)
     return StoryBatch(
         ids=grid.to(device),
         lengths=lengths.to(device),
@@ -123,14 +122,6 @@ def batch_of(stories: Sequence[EncodedStory], marker_id: int, device, first_limi
         device,
         stories,
     )
-
-
-def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Story indices, longest first (stable), in chunks of ``batch_size``: little padding."""
-    if batch_size < 1:
-        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 # Stories per forward pass. Peak memory follows the largest batch's maps (batch x heads x window x

@@ -55,9 +55,9 @@ from storylens.core.heads import head_label
 from storylens.lm import wrap
 
 
-def _as_blocks(attn: torch.Tensor) -> torch.Tensor:
+def _as_blocks(pattern: torch.Tensor) -> torch.Tensor:
     """``[head, T, T]`` or ``[block, head, T, T]`` -> ``[block, head, T, T]`` float64 (cpu)."""
-    a = torch.as_tensor(attn).detach()
+    a = torch.as_tensor(pattern).detach()
     if a.dim() == 3:
         a = a[None]
     if a.dim() != 4 or a.shape[-1] != a.shape[-2]:
@@ -108,7 +108,7 @@ def _widen(x: torch.Tensor, D: int) -> torch.Tensor:
 
 
 def distance_sums(
-    attn: torch.Tensor,
+    pattern: torch.Tensor,
     name_positions: Iterable[int],
     first_mention: int | None = None,
     *,
@@ -117,12 +117,12 @@ def distance_sums(
 ) -> DistanceSums | None:
     """The per-distance sums of one story; None when it has no query.
 
-    ``attn``: the story's attention, ``[head, T, T]`` or ``[block, head, T, T]``
+    ``pattern``: the story's attention, ``[head, T, T]`` or ``[block, head, T, T]``
     (query, key); ``length`` cuts it to the story's real tokens when it is padded.
     ``name_positions``: the main character's name tokens (marker = 0);
     ``first_mention`` defaults to the smallest of them.
     """
-    a = _as_blocks(attn)
+    a = _as_blocks(pattern)
     T = a.shape[-1] if length is None else int(length)
     a = a[..., :T, :T]
     names = {int(p) for p in name_positions if 0 <= int(p) < T}
@@ -247,7 +247,7 @@ def summarise(sums: DistanceSums) -> PositionControl:
 
 
 def position_control(
-    attn: torch.Tensor,
+    pattern: torch.Tensor,
     name_positions: Iterable[int],
     first_mention: int | None = None,
     *,
@@ -255,7 +255,7 @@ def position_control(
     skip_marker: bool = True,
 ) -> PositionControl | None:
     """One story's name mass and matched-distance control (its own profile); None: no query."""
-    s = distance_sums(attn, name_positions, first_mention, length=length, skip_marker=skip_marker)
+    s = distance_sums(pattern, name_positions, first_mention, length=length, skip_marker=skip_marker)
     return None if s is None else summarise(s)
 
 
@@ -277,14 +277,14 @@ class PositionControlAccumulator:
 
     def add(
         self,
-        attn: torch.Tensor,
+        pattern: torch.Tensor,
         name_positions: Iterable[int],
         first_mention: int | None = None,
         *,
         length: int | None = None,
     ) -> bool:
         """Add one story (``[head, T, T]`` or ``[block, head, T, T]``); False if it has no query."""
-        s = distance_sums(attn, name_positions, first_mention, length=length, skip_marker=self.skip_marker)
+        s = distance_sums(pattern, name_positions, first_mention, length=length, skip_marker=self.skip_marker)
         if s is None:
             return False
         if s.name_sum.shape[:2] != self.sums.name_sum.shape[:2]:
@@ -297,16 +297,16 @@ class PositionControlAccumulator:
 
     def add_batch(
         self,
-        attentions: Sequence[torch.Tensor],
+        patterns: Sequence[torch.Tensor],
         lengths: Sequence[int],
         name_positions: Sequence[Iterable[int] | None],
         first_mentions: Sequence[int | None] | None = None,
     ) -> int:
-        """Add a batch: one ``[batch, head, T, T]`` per block (as ``GPTOutput.attentions``).
+        """Add a batch: one ``[batch, head, T, T]`` per block (as ``GPTOutput.patterns``).
 
         Stories with ``name_positions`` None or empty are skipped. Returns how many counted.
         """
-        stacked = torch.stack([a.detach() for a in attentions], dim=1)  # [batch, block, head, T, T]
+        stacked = torch.stack([a.detach() for a in patterns], dim=1)  # [batch, block, head, T, T]
         n = 0
         for i, L in enumerate(lengths):
             names = name_positions[i]

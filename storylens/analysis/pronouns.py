@@ -49,7 +49,7 @@ class StoryPronouns:
 
 
 def story_pronoun_mass(
-    attn: torch.Tensor,
+    pattern: torch.Tensor,
     name_positions: Iterable[int],
     pronoun_positions: Iterable[int],
     first_mention: int | None = None,
@@ -60,7 +60,7 @@ def story_pronoun_mass(
 
     None when the story has no counted pronoun query or no other query.
     """
-    a = _as_blocks(attn)
+    a = _as_blocks(pattern)
     T = a.shape[-1] if length is None else int(length)
     a = a[..., :T, :T]
     names = sorted({int(p) for p in name_positions if 0 <= int(p) < T})
@@ -151,7 +151,7 @@ class PronounAccumulator:
 
     def add(
         self,
-        attn: torch.Tensor,
+        pattern: torch.Tensor,
         name_positions: Iterable[int],
         pronoun_positions: Iterable[int],
         first_mention: int | None = None,
@@ -159,7 +159,7 @@ class PronounAccumulator:
         length: int | None = None,
     ) -> bool:
         """Add one story; False (nothing added) when it does not count."""
-        s = story_pronoun_mass(attn, name_positions, pronoun_positions, first_mention, length=length)
+        s = story_pronoun_mass(pattern, name_positions, pronoun_positions, first_mention, length=length)
         if s is None:
             return False
         if s.pronoun_mass.shape != self.pronoun_total.shape:
@@ -177,20 +177,21 @@ class PronounAccumulator:
 
     def add_batch(
         self,
-        attentions: Sequence[torch.Tensor],
+        patterns: Sequence[torch.Tensor],
         lengths: Sequence[int],
         name_positions: Sequence[Iterable[int] | None],
         pronoun_positions: Sequence[Iterable[int]],
         first_mentions: Sequence[int | None] | None = None,
     ) -> int:
         """Add a batch: one ``[batch, head, T, T]`` per block. Returns how many stories counted."""
-        stacked = torch.stack([a.detach() for a in attentions], dim=1)
+        stacked = torch.stack([a.detach() for a in patterns], dim=1)
         n = 0
         for i, L in enumerate(lengths):
-            if not name_positions[i]:
+            names = name_positions[i]
+            if not names:
                 continue
             first = None if first_mentions is None else first_mentions[i]
-            n += self.add(stacked[i, :, :, :L, :L], name_positions[i], pronoun_positions[i], first)
+            n += self.add(stacked[i, :, :, :L, :L], names, pronoun_positions[i], first)
         return n
 
     # --- a measure for storylens.analysis.record: fed block by block from the one recording

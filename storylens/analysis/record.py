@@ -1,17 +1,17 @@
 """The one recording driver: run the stories through the model once, in batches, and hand every
-block's attention map to every measure the moment it exists.
+block's pattern (its attention probabilities) to every measure the moment it exists.
 
 A *measure* is any object with three methods (an accumulator):
 
 ``begin(batch)``
     a new :class:`~storylens.analysis.encode.StoryBatch` is about to run;
 ``block(layer, pattern)``
-    block ``layer``'s ``[batch, head, query, key]`` map (read it; it is freed with its block);
+    block ``layer``'s pattern ``[batch, head, query, key]`` (read it; it is freed with its block);
 ``end()``
     the batch is done.
 
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
-control and the pronoun measure from the same maps.
+control and the pronoun measure from the same patterns.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import torch
 from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
 from storylens.analysis.names import name_vocabulary
 from storylens.core.errors import StorylensError
+from storylens.core.modes import eval_mode
+from storylens.lm import Hook
 
 
 class Measure(Protocol):
@@ -32,7 +34,7 @@ class Measure(Protocol):
 
     def block(self, layer: int, pattern: torch.Tensor) -> None: ...
 
-    def end(self) -> None: ...
+    def end(self) -> object: ...  # what it returns is not read
 
 
 @dataclass(frozen=True)
@@ -84,43 +86,35 @@ def record(
             raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")
         names = name_vocabulary(stories)
 
-    def feed(layer):
-        def fn(pattern):
-            for m in measures:
-                m.block(layer, pattern)
-
-        return fn
+    def feed(pattern: torch.Tensor, hook: Hook) -> None:
+        for m in measures:
+            m.block(hook.layer, pattern)
 
     n = n_cut = n_main = 0
-    module = lm.module
-    was_training = module.training
-    module.eval()
     if total is None and isinstance(stories, Sequence):
         total = start + len(stories)
-    try:
-        with (
-            torch.inference_mode(),
-            lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed(i)) for i in range(lm.n_layer)]),
-            tqdm(
-                total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
-            ) as bar,
-        ):  # None: terminals only
-            for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
-                n += len(chunk)
-                n_cut += sum(s.cut for s in chunk)
-                n_main += sum(s.main is not None for s in chunk)
-                for idx in length_batches([len(s.ids) for s in chunk], batch_size):
-                    batch = batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)
-                    for m in measures:
-                        m.begin(batch)
-                    lm.forward(batch.ids, patterns=True, logits=False)
-                    for m in measures:
-                        m.end()
-                    bar.update(len(idx))
-                if on_chunk is not None:
-                    on_chunk(RecordStats(n, n_cut, n_main))
-    finally:
-        module.train(was_training)
+    with (
+        eval_mode(lm.module),
+        torch.inference_mode(),
+        lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]),
+        tqdm(
+            total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
+        ) as bar,
+    ):  # None: terminals only
+        for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
+            n += len(chunk)
+            n_cut += sum(s.cut for s in chunk)
+            n_main += sum(s.main is not None for s in chunk)
+            for idx in length_batches([len(s.ids) for s in chunk], batch_size):
+                batch = batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)
+                for m in measures:
+                    m.begin(batch)
+                lm.forward(batch.ids, record_attention=True, logits=False)
+                for m in measures:
+                    m.end()
+                bar.update(len(idx))
+            if on_chunk is not None:
+                on_chunk(RecordStats(n, n_cut, n_main))
     if n == 0:
         raise StorylensError("stories: nothing to score (no story)")
     return RecordStats(n, n_cut, n_main)

@@ -58,8 +58,8 @@ from pathlib import Path
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks, Detector, masked_mean, prev_is_argmax  # noqa: F401
-from storylens.analysis.encode import CHUNK_STORIES, StoryBatch, length_batches, make_batch  # noqa: F401
+from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks, Detector, masked_mean
+from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.record import record
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -142,7 +142,7 @@ class HeadScoreAccumulator:
         missing = [i for i, b in enumerate(self._blocks) if b is None]
         if self._masks is None or missing:
             raise RuntimeError(f"end(): no map for blocks {missing}")
-        masks, blocks = self._masks, self._blocks
+        masks, blocks = self._masks, [b for b in self._blocks if b is not None]  # none is missing
         self._masks, self._blocks = None, []
         batch = masks.batch
         out = {}
@@ -157,10 +157,10 @@ class HeadScoreAccumulator:
             self.name_baseline.add(name_baseline(batch, masks.name_queries), masks.name_queries.any(-1))
         return out
 
-    def update(self, attentions: Sequence[torch.Tensor], batch: StoryBatch) -> dict[str, torch.Tensor]:
-        self.begin(batch, attentions[0].dtype)
-        for layer, att in enumerate(attentions):
-            self.block(layer, att)
+    def update(self, patterns: Sequence[torch.Tensor], batch: StoryBatch) -> dict[str, torch.Tensor]:
+        self.begin(batch, patterns[0].dtype)
+        for layer, pattern in enumerate(patterns):
+            self.block(layer, pattern)
         return self.end()
 
     def merge(self, other: HeadScoreAccumulator) -> HeadScoreAccumulator:
@@ -214,10 +214,11 @@ class HeadScoreAccumulator:
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:
         """Every score as a ``[layer, head]`` float64 tensor (None: not computed)."""
         cols: dict[str, torch.Tensor | None] = {k: a.mean() for k, a in self.means.items()}
-        if "name_mass" in cols:
+        mass = cols.get("name_mass")
+        if mass is not None:
             base = self.name_baseline.mean()
-            cols["name_baseline"] = base.expand_as(cols["name_mass"])
-            cols["name_ratio"] = cols["name_mass"] / base
+            cols["name_baseline"] = base.expand_as(mass)
+            cols["name_ratio"] = mass / base
         for k, a in self.first.items():
             cols[f"{k}_first"] = a.mean() if with_first else None
         return cols
@@ -325,8 +326,8 @@ class HeadScores:
 
     def top(self, name: str = "name_mass", k: int = 6, *, largest: bool = True) -> list[HeadScore]:
         """The ``k`` heads with the largest (or smallest) ``name``; ties keep block-major order."""
-        col = self.column(name)
-        if any(v is None for v in col):
+        col = [v for v in self.column(name) if v is not None]
+        if len(col) < len(self.heads):
             raise ValueError(f"{name}: not computed (pass max_stories_prev to score_heads)")
         order = sorted(range(len(col)), key=lambda i: -col[i] if largest else col[i])
         return [self.heads[i] for i in order[:k]]
@@ -393,7 +394,8 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
                 label=head.label,
                 block=head.layer + 1,
                 head=head.head + 1,
-                **{k: vals.get(k) for k in SCORE_COLUMNS},
+                # the lesson's columns are always computed; only those typed `float | None` may be None
+                **{k: vals.get(k) for k in SCORE_COLUMNS},  # type: ignore[arg-type]
                 extra={k: v for k, v in vals.items() if k not in known},
             )
         )
@@ -421,7 +423,7 @@ def score_table(acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, 
 
 def score_heads(
     model,
-    stories: Sequence[str],
+    stories: Sequence[str] | Sequence[EncodedStory],
     *,
     batch_size: int = 16,
     max_stories_prev: int | None = None,

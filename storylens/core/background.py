@@ -55,7 +55,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         chunk = os.read(fd, 1 << 16)
         if not chunk:

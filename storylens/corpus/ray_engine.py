@@ -60,7 +60,7 @@ class ChunkScorer:
 
     def _score(self, batch: dict) -> dict:
 
-        out = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
+        out: dict[str, list] = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
             acc = HeadScoreAccumulator(self.lm.n_layer, self.lm.n_head, self.detectors)
@@ -124,7 +124,7 @@ def _actor_failure(e: BaseException) -> str:
 def _ray_failure(e: BaseException) -> str:
     """One line for an error Ray raised in the driver: an actor's own :class:`StorylensError` line
     where there is one, else the last line of Ray's text (a remote traceback ends with the error)."""
-    x = e
+    x: BaseException | None = e
     for _ in range(20):  # the chain of causes, as Ray wraps them
         if x is None:
             break
@@ -143,7 +143,7 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _check_address(address: str) -> None:
+def check_address(address: str) -> None:
     """Fail within seconds where nothing listens at ``address`` (``ray.init`` retries for minutes).
     Only a ``[ray://]HOST:PORT`` is checked; ``auto`` and the like are left to Ray."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -206,7 +206,7 @@ def _init_ray(ray, address: str | None) -> None:
     loopback address only (Ray 2.60 binds every interface unless its node address is 127.0.0.1, which
     on Linux it only takes when told there is no cluster: its ``ENABLE_RAY_CLUSTER``)."""
     if address:
-        _check_address(address)
+        check_address(address)
     if ray.is_initialized():
         return
     from ray._private import ray_constants

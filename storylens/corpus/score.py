@@ -167,7 +167,7 @@ def _score_into(
             raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
         try:
             done = _checked_stats(saved.get("stats"), n_total)
-            acc.load_state(saved.get("state"), max_stories=done.n_stories)
+            acc.load_state(saved.get("state") or {}, max_stories=done.n_stories)
         except ValueError as e:
             raise StorylensError(f"{ckpt}: not a valid checkpoint ({e}); delete it to start again") from None
 

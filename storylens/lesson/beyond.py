@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storylens.analysis.ablation import generation_divergence, name_ablation_table
-from storylens.analysis.position import PositionControlAccumulator
-from storylens.analysis.pronouns import PronounAccumulator
+from storylens.analysis.ablation import AblationTable, Divergence, generation_divergence, name_ablation_table
+from storylens.analysis.position import PositionControl, PositionControlAccumulator
+from storylens.analysis.pronouns import PronounAccumulator, PronounAttention
 from storylens.analysis.record import record
 from storylens.lesson.figures import DIVERGENCE_PROMPT
 from storylens.lm import wrap
@@ -18,10 +18,10 @@ from storylens.lm import wrap
 
 @dataclass
 class Beyond:
-    ablation: object  # AblationTable
-    position: object  # PositionControl
-    pronouns: object  # PronounAttention
-    divergence: object  # Divergence
+    ablation: AblationTable
+    position: PositionControl
+    pronouns: PronounAttention
+    divergence: Divergence
     top_heads: list[str]
 
 

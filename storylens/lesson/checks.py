@@ -43,15 +43,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from storylens.lesson.figures import LESSON_FIGURES
 from storylens.model.gpt import KVCache
 from storylens.model.tokenizer import eot_id
 
 LAMBDA = 4.0  # safety constant of the probabilistic rounding bound (see the module docstring)
 
 # What the lesson states (for display next to the learner's own numbers).
-LESSON = {
-    "fused_vs_explicit": 2e-5,
-    "kv_cache_vs_recompute": 3e-7,
+LESSON = {  # the lesson's figures for two of the checks (storylens.lesson.figures)
+    "fused_vs_explicit": LESSON_FIGURES.fused_vs_explicit,
+    "kv_cache_vs_recompute": LESSON_FIGURES.kv_cache_vs_recompute,
 }
 
 
@@ -123,10 +124,10 @@ def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -
         T = len(ids)
         longest = max(longest, T)
         above = torch.ones(T, T, dtype=torch.bool).triu(1)
-        for att in explicit.attentions:
-            worst_row = max(worst_row, (att.sum(-1) - 1).abs().max().item())
+        for pattern in explicit.patterns:
+            worst_row = max(worst_row, (pattern.sum(-1) - 1).abs().max().item())
             if T > 1:
-                upper = max(upper, att[..., above].abs().max().item())
+                upper = max(upper, pattern[..., above].abs().max().item())
     n = len(stories_ids)
     return [
         Check(
@@ -162,6 +163,7 @@ def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
     worst = scale = 0.0
     for b in range(m.config.n_layer):
         for a, f in ((prefix.key[b], full.key[b]), (prefix.value[b], full.value[b])):
+            assert a is not None and f is not None  # every block ran
             worst = max(worst, (a - f[:, :, :n]).abs().max().item())
             scale = max(scale, f.abs().max().item())
     return Check(

@@ -26,7 +26,7 @@ from storylens.lm.interface import wrap
 class RecordedGeneration:
     ids: list[int]  # the marker, the prompt's tokens, then the new tokens
     prompt_len: int  # how many of ``ids`` were given (the marker included)
-    attention: torch.Tensor  # [block, head, query, key]; row q recorded when token q was read
+    patterns: torch.Tensor  # [block, head, query, key]; row q recorded when token q was read
     stopped_at_marker: bool  # generation ended on the end-of-story marker (not part of ids)
 
 
@@ -59,12 +59,12 @@ def record_generation(
     device = lm.device
     idx = torch.tensor([ids], device=device)
     # the prompt's rows: one forward pass with the flag on (the same pass generation starts with)
-    prompt_maps = lm.attention(idx)
+    prompt_patterns = lm.patterns(idx)
     L, H = lm.n_layer, lm.n_head
     total = len(ids) + max_new_tokens
-    att = torch.zeros(L, H, total, total, dtype=prompt_maps[0].dtype, device=device)
-    for b, a in enumerate(prompt_maps):
-        att[b, :, : len(ids), : len(ids)] = a[0]
+    patterns = torch.zeros(L, H, total, total, dtype=prompt_patterns[0].dtype, device=device)
+    for b, p in enumerate(prompt_patterns):
+        patterns[b, :, : len(ids), : len(ids)] = p[0]
     gen = torch.Generator(device=device).manual_seed(seed)  # sampling draws on the model's device
     new: list[int] = []
     stopped = False
@@ -76,8 +76,8 @@ def record_generation(
     )
     for i, step in enumerate(steps):
         q = len(ids) - 1 + i  # the query this step read: the prompt's last token, then each new one
-        for b, row in enumerate(step.attention):
-            att[b, :, q, : q + 1] = row
+        for b, row in enumerate(step.pattern_rows or ()):
+            patterns[b, :, q, : q + 1] = row
         if len(new) == max_new_tokens:
             break
         if stop_at_marker and step.token == marker:
@@ -87,13 +87,13 @@ def record_generation(
     else:
         if new and n_steps <= max_new_tokens:  # the window had no room for the extra step
             seq = torch.tensor([ids + new], device=device)
-            last = lm.attention(seq)
+            last = lm.patterns(seq)
             q = len(ids) + len(new) - 1
-            for b, a in enumerate(last):
-                att[b, :, q, : q + 1] = a[0, :, q, : q + 1]
+            for b, p in enumerate(last):
+                patterns[b, :, q, : q + 1] = p[0, :, q, : q + 1]
     n = len(ids) + len(new)
     return RecordedGeneration(
-        ids=ids + new, prompt_len=len(ids), attention=att[:, :, :n, :n].contiguous(), stopped_at_marker=stopped
+        ids=ids + new, prompt_len=len(ids), patterns=patterns[:, :, :n, :n].contiguous(), stopped_at_marker=stopped
     )
 
 

@@ -10,11 +10,17 @@ Both give the same handful of things: sizes (``n_layer``, ``n_head``, ``window``
 named hook points in TransformerLens's spirit, through torch's own hooks:
 
 ``blocks.{l}.attn.hook_pattern``
-    ``[batch, head, query, key]`` attention probabilities of block ``l`` (0-based), read the
-    moment they exist (on the native model only on its explicit path: ``patterns=True``).
+    the *pattern* of block ``l`` (0-based): its ``[batch, head, query, key]`` attention
+    probabilities, read the moment they exist (on the native model only on its explicit path:
+    ``record_attention=True``).
 ``blocks.{l}.attn.hook_z``
     ``[batch, query, head, head_size]``: each head's output before the output projection.
     A hook that returns a tensor replaces it (how heads are switched off).
+
+A hook function is called ``fn(tensor, hook)`` (TransformerLens's convention): ``hook`` is a
+:class:`Hook`, which carries the point's ``name`` and its block, ``layer``, so one function serves
+every block (the native model hands its :class:`~storylens.model.gpt.HookPoint` module, a
+transformers model a :class:`HookSite`).
 
 :func:`load_lm` opens a storylens model folder, a transformers model folder, or (with
 ``allow_download``) a hub id; :func:`wrap` wraps a model already in memory.
@@ -28,18 +34,43 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
 from storylens.model.gpt import GPT, GenerationStep, sample_next
 from storylens.model.hub import hub_offline, load_model
 from storylens.model.tokenizer import eot_id, text_only
 
-HookFn = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+class Hook(Protocol):
+    """What a hook function is handed beside the tensor: the hook point's TransformerLens ``name``
+    (``"blocks.3.attn.hook_pattern"``) and its block, ``layer`` (3, from 0)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layer(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class HookSite:
+    """A :class:`Hook` of a transformers model (its hook points are places in its modules, not modules)."""
+
+    name: str
+    layer: int
+
+
+HookFn = Callable[[torch.Tensor, Hook], "torch.Tensor | None"]
+_M = TypeVar("_M", bound=nn.Module)
 _HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(hook_pattern|hook_z)$")
 
 
@@ -47,7 +78,7 @@ class AttentionLM:
     """The interface (see the module docstring). Subclasses set the attributes in ``__init__``."""
 
     module: nn.Module
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     marker_id: int
     n_layer: int
     n_head: int
@@ -73,7 +104,7 @@ class AttentionLM:
         """``[marker] + text's tokens``: how storylens feeds every story and prompt."""
         return [self.marker_id] + text_only(self.tokenizer).encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
     # --- hooks
@@ -89,15 +120,15 @@ class AttentionLM:
             )
         return int(m.group(1)), m.group(2)
 
-    def add_hook(self, name: str, fn: HookFn):
-        """Call ``fn(tensor)`` at hook point ``name`` on every forward pass; returns a handle with
-        ``.remove()``."""
+    def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
+        """Call ``fn(tensor, hook)`` at hook point ``name`` on every forward pass (a returned tensor
+        replaces a ``hook_z``); returns a handle with ``.remove()``."""
         raise NotImplementedError
 
     @contextlib.contextmanager
     def hooks(self, hooks: list[tuple[str, HookFn]]) -> Iterator[None]:
         """``with lm.hooks([(name, fn), ...]):`` the hooks live for the ``with`` block only."""
-        handles = []
+        handles: list[RemovableHandle] = []
         try:
             for name, fn in hooks:
                 handles.append(self.add_hook(name, fn))
@@ -107,27 +138,24 @@ class AttentionLM:
                 h.remove()
 
     # --- running
-    def forward(self, ids: torch.Tensor, *, patterns: bool = False, logits: bool = True) -> torch.Tensor | None:
-        """Run ``ids [batch, tokens]`` (stories padded at the end). ``patterns=True`` makes every
-        ``hook_pattern`` fire; ``logits=False`` may skip the output head. Returns the logits
+    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
+        """Run ``ids [batch, tokens]`` (stories padded at the end). ``record_attention=True`` makes
+        every ``hook_pattern`` fire; ``logits=False`` may skip the output head. Returns the logits
         ``[batch, tokens, vocab]`` or None."""
         raise NotImplementedError
 
-    def attention(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Every block's ``[batch, head, query, key]`` map for ``ids`` (one call, all kept)."""
-        maps: list[torch.Tensor | None] = [None] * self.n_layer
+    def patterns(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Every block's pattern ``[batch, head, query, key]`` for ``ids`` (one call, all kept)."""
+        patterns: dict[int, torch.Tensor] = {}
 
-        def keep(layer):
-            def fn(t):
-                maps[layer] = t.detach()
+        def keep(pattern: torch.Tensor, hook: Hook) -> None:
+            patterns[hook.layer] = pattern.detach()
 
-            return fn
+        with self.hooks([(f"blocks.{i}.attn.hook_pattern", keep) for i in range(self.n_layer)]):
+            self.forward(ids, record_attention=True, logits=False)
+        return [patterns[i] for i in range(self.n_layer)]
 
-        with self.hooks([(f"blocks.{i}.attn.hook_pattern", keep(i)) for i in range(self.n_layer)]):
-            self.forward(ids, patterns=True, logits=False)
-        return maps  # type: ignore[return-value]
-
-    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> Iterator[GenerationStep]:
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> Iterator[GenerationStep]:
         raise NotImplementedError
 
 
@@ -135,7 +163,9 @@ class AttentionLM:
 
 
 class NativeLM(AttentionLM):
-    def __init__(self, model: GPT, tokenizer=None, name: str = "Tiny Storyteller"):
+    module: GPT
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer | None = None, name: str = "Tiny Storyteller"):
 
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if tokenizer is None:
@@ -152,15 +182,15 @@ class NativeLM(AttentionLM):
         self.name = name
         self.source_folder = getattr(model, "source_folder", None)
 
-    def add_hook(self, name, fn):
+    def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         self._parse_hook(name)
-        return self.module.hook_points()[name].register_forward_hook(lambda m, i, o: fn(o))
+        return self.module.hook_points()[name].add_hook(fn)
 
-    def forward(self, ids, *, patterns=False, logits=True):
-        out = self.module(ids, record_attention=patterns, keep_attention=False, compute_logits=logits)
+    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
+        out = self.module(ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits)
         return out.logits
 
-    def generate_stream(self, idx, max_new_tokens, **kw):
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> Iterator[GenerationStep]:
         return self.module.generate_stream(idx, max_new_tokens, **kw)
 
 
@@ -200,7 +230,9 @@ class TransformersLM(AttentionLM):
     """A transformers causal LM, run with eager attention (the implementation that forms the
     probabilities). Sizes come from its config; the marker is its BOS token (else EOS)."""
 
-    def __init__(self, model: nn.Module, tokenizer, name: str | None = None):
+    module: Any  # a transformers PreTrainedModel (transformers is imported only when one is loaded)
+
+    def __init__(self, model: Any, tokenizer: Any, name: str | None = None):
         cfg = model.config
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("eager")
@@ -228,32 +260,32 @@ class TransformersLM(AttentionLM):
         self._attn = [_attention_of(layer) for layer in self.layers]
         self._proj = [_output_projection(a) for a in self._attn]
 
-    def add_hook(self, name, fn):
+    def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         layer, kind = self._parse_hook(name)
+        site = HookSite(name, layer)
         if kind == "hook_pattern":
 
-            def read(module, inputs, output):
-                weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-                if weights is None:
+            def read(module: nn.Module, inputs: tuple, output: Any) -> None:
+                pattern = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+                if pattern is None:
                     raise StorylensError(
                         f"{type(module).__name__}: returned no attention weights (storylens needs eager attention)"
                     )
-                fn(weights)
+                fn(pattern, site)
 
             return self._attn[layer].register_forward_hook(read)
 
         H = self.n_head
 
-        def z(module, args):
+        def z(module: nn.Module, args: tuple) -> tuple | None:
             x = args[0]
             B, T, C = x.shape
-            out = fn(x.view(B, T, H, C // H))
-            if out is not None:
-                return (out.reshape(B, T, C),) + tuple(args[1:])
+            out = fn(x.view(B, T, H, C // H), site)
+            return None if out is None else (out.reshape(B, T, C),) + tuple(args[1:])
 
         return self._proj[layer].register_forward_pre_hook(z)
 
-    def forward(self, ids, *, patterns=False, logits=True):
+    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
         if not logits:  # the decoder only: no output head (for a 50k vocabulary, the largest tensor by far)
             getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
             return None
@@ -266,7 +298,7 @@ class TransformersLM(AttentionLM):
         from transformers import DynamicCache
 
         try:
-            params = inspect.signature(self.module.forward).parameters
+            params: Mapping[str, inspect.Parameter] = inspect.signature(self.module.forward).parameters
         except (TypeError, ValueError):
             params = {}
         name = "cache" if "cache" in params else "past_key_values"
@@ -293,29 +325,24 @@ class TransformersLM(AttentionLM):
             raise ValueError(f"{idx.shape[1] + max_new_tokens} tokens do not fit the {self.window}-token window")
         cache = self._new_cache() if use_kv_cache else {}
         feed, seq, done = idx.to(self.device), idx.to(self.device), 0
+        last_rows: dict[int, torch.Tensor] = {}  # per block, this step's newest query's row [head, key]
+
+        def keep_row(pattern: torch.Tensor, hook: Hook) -> None:
+            last_rows[hook.layer] = pattern[0, :, -1]
+
+        keep = [(f"blocks.{i}.attn.hook_pattern", keep_row) for i in range(self.n_layer)] if record_attention else []
         with torch.inference_mode():
             for _ in range(max_new_tokens):
-                rows: list[torch.Tensor] = []
-                handles = (
-                    [
-                        self.add_hook(f"blocks.{i}.attn.hook_pattern", lambda t: rows.append(t[0, :, -1]))
-                        for i in range(self.n_layer)
-                    ]
-                    if record_attention
-                    else []
-                )
-                try:
+                with self.hooks(keep):  # only while the model runs: none is left in it between steps
                     if use_kv_cache:
                         out = self.module(input_ids=feed, use_cache=True, **cache)  # the cache fills in place
                     else:
                         out = self.module(input_ids=seq, use_cache=False)
-                finally:
-                    for h in handles:
-                        h.remove()
                 done += feed.shape[1] if use_kv_cache else seq.shape[1]
                 logits = out.logits[:, -1].float()
                 token = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
-                yield GenerationStep(int(token), logits[0], rows if record_attention else None, done)
+                rows = [last_rows.pop(i) for i in range(self.n_layer)] if record_attention else None
+                yield GenerationStep(int(token), logits[0], rows, done)
                 if eos_id is not None and int(token) == eos_id:
                     return
                 feed = token.view(1, 1).to(self.device)
@@ -428,11 +455,13 @@ def load_lm(
     return NativeLM(model)
 
 
-def _move(model: nn.Module, source: str, dtype, device) -> nn.Module:
+def _move(model: _M, source: str, dtype: torch.dtype | None, device: torch.device | None) -> _M:
     if dtype is None and device is None:
         return model
     try:
-        return model.to(**{k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
+        if device is not None:
+            model = model.to(device=device)
+        return model if dtype is None else model.to(dtype=dtype)
     except (RuntimeError, TypeError) as e:  # float64 on MPS, out of device memory, ...
         what = " as ".join(str(x).replace("torch.", "") for x in (device, dtype) if x is not None)
         raise StorylensError(f"{source}: cannot run on {what} ({_one_line(e)[:200]})") from None
@@ -613,7 +642,7 @@ def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> T
         try:
             tok = AutoTokenizer.from_pretrained(source, **kw)
             # safetensors only (nothing is unpickled); a wrong shape is reported below, not raised
-            model, info = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 source,
                 config=config,
                 attn_implementation="eager",
@@ -626,6 +655,7 @@ def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> T
             raise StorylensError(
                 f"{source}: cannot load as a transformers causal LM ({type(e).__name__}: {_one_line(e)[:200]})"
             ) from None
+    model, info = loaded  # output_loading_info: (model, loading info)
     _check_loading_info(source, model, info)
     _check_finite(model, _weights_file(source))
     model.eval()

@@ -9,23 +9,24 @@ One file, in the spirit of nanoGPT's ``model.py``:
   attention probabilities as ``[batch, head, query, key]``;
 * ``KVCache`` - "Ella's shelf": the keys and values of every token already seen,
   so that generation computes only the newest token's query, key and value;
-* ``GPT`` - embeddings, six blocks, tied output head, and ``generate``.
+* ``GPT`` - embeddings, six blocks, tied output head, and ``generate`` (each new token through
+  the same blocks, with the KV cache).
 
 Heads are 0-indexed in tensors. People-facing labels count from 1 (``L5H3`` is
-block index 4, head index 2): see :func:`head_label`.
+block index 4, head index 2): see :func:`storylens.core.heads.head_label`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-
-from storylens.core.heads import head_label, parse_head_label  # noqa: F401  (re-exported: the labels people read)
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
@@ -133,12 +134,12 @@ class KVCache:
         """Append this step's keys and values for ``layer``; return every key and value so far."""
         n, T = self._len[layer], key.shape[2]
         buf_k, buf_v = self._key[layer], self._value[layer]
-        if buf_k is None or n + T > buf_k.shape[2]:
+        if buf_k is None or buf_v is None or n + T > buf_k.shape[2]:
             size = max(n + T, self.capacity or 0, 2 * buf_k.shape[2] if buf_k is not None else 0)
             B, H, _, D = key.shape
             new_k = key.new_empty(B, H, size, D)
             new_v = value.new_empty(B, H, size, D)
-            if n:
+            if n and buf_k is not None and buf_v is not None:
                 new_k[:, :, :n] = buf_k[:, :, :n]
                 new_v[:, :, :n] = buf_v[:, :, :n]
             self._key[layer], self._value[layer] = buf_k, buf_v = new_k, new_v
@@ -160,12 +161,24 @@ class KVCache:
 class HookPoint(nn.Identity):
     """A named place in the forward pass where torch's own hooks can read an activation.
 
-    ``model.transformer.h[4].attn.hook_pattern.register_forward_hook(fn)`` calls
-    ``fn(module, (pattern,), pattern)`` with block 5's attention probabilities
-    ``[batch, head, query, key]`` as soon as they exist (TransformerLens calls the same
-    place ``blocks.4.attn.hook_pattern``). It runs only on the explicit path
+    It knows its TransformerLens name (``name``, e.g. ``"blocks.4.attn.hook_pattern"``) and its
+    block (``layer``, from 0), so one hook function serves every block: :meth:`add_hook` calls
+    ``fn(tensor, hook)`` with this point as ``hook`` (TransformerLens's convention), and a tensor
+    ``fn`` returns replaces the activation. ``hook_pattern`` fires only on the explicit path
     (``record_attention=True``): the fused kernel never forms the probabilities.
     """
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.layer = int(name.split(".")[1])
+
+    def add_hook(self, fn: Callable[[torch.Tensor, HookPoint], torch.Tensor | None]) -> RemovableHandle:
+        """Call ``fn(tensor, self)`` on every forward pass; returns a handle with ``.remove()``."""
+        return self.register_forward_hook(lambda module, args, output: fn(output, self))
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
 
 
 def causal_mask(T: int, Tk: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -179,8 +192,8 @@ def causal_mask(T: int, Tk: int, past: int, dtype: torch.dtype, device) -> torch
 class GPTOutput:
     logits: torch.Tensor | None  # [batch, tokens, vocab]
     loss: torch.Tensor | None = None
-    # one [batch, head, query, key] tensor per block, when record_attention=True
-    attentions: list[torch.Tensor] | None = None
+    # one pattern [batch, head, query, key] per block, when record_attention=True
+    patterns: list[torch.Tensor] | None = None
 
 
 class CausalSelfAttention(nn.Module):
@@ -199,8 +212,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = p_att
         # Named hook points (TransformerLens's names, torch's own forward hooks; a hook that returns a
         # tensor replaces the value): blocks.{l}.attn.hook_pattern, blocks.{l}.attn.hook_z.
-        self.hook_pattern = HookPoint()  # [batch, head, query, key] probabilities, on the explicit path
-        self.hook_z = HookPoint()  # [batch, query, head, head_size]: each head's output, before c_proj
+        self.hook_pattern = HookPoint(f"blocks.{layer_idx}.attn.hook_pattern")  # [batch, head, query, key]
+        self.hook_z = HookPoint(f"blocks.{layer_idx}.attn.hook_z")  # [batch, query, head, head_size], before c_proj
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # [batch, tokens, n_embd] -> [batch, head, tokens, head_size]
@@ -211,7 +224,10 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         record_attention: bool = False,
         kv_cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``mask``: the additive causal mask of the explicit path, ``[tokens, past + tokens]``
+        (:func:`causal_mask`; :meth:`GPT.forward` builds it once for every block)."""
         B, T, C = x.shape
         query = self._split_heads(self.query(x))
         key = self._split_heads(self.key(x))
@@ -223,18 +239,20 @@ class CausalSelfAttention(nn.Module):
             key, value = kv_cache.update(self.layer_idx, key, value)
         Tk = key.shape[2]
 
-        att = None
+        pattern = None
         if record_attention:
             # The long way: score every earlier token, mask the future, softmax, blend.
             #   scores = query @ key^T / sqrt(head_size), the future set to -inf
             # done as one call (baddbmm adds the mask while it multiplies, and the query is scaled
             # first), so that only one [query, key] temporary is made per block.
-            mask = causal_mask(T, Tk, past, query.dtype, x.device).expand(B * self.n_head, T, Tk)
+            if mask is None:
+                mask = causal_mask(T, Tk, past, query.dtype, x.device)
+            mask = mask.to(query.dtype).expand(B * self.n_head, T, Tk)
             scaled_query = (query * (1.0 / math.sqrt(self.head_size))).reshape(B * self.n_head, T, self.head_size)
             scores = torch.baddbmm(mask, scaled_query, key.reshape(B * self.n_head, Tk, self.head_size).transpose(1, 2))
-            att = scores.view(B, self.n_head, T, Tk).softmax(dim=-1)  # [batch, head, query, key]; rows sum to 1
-            att = self.hook_pattern(att)
-            y = self.attn_dropout(att) @ value
+            pattern = scores.view(B, self.n_head, T, Tk).softmax(dim=-1)  # [batch, head, query, key]; rows sum to 1
+            pattern = self.hook_pattern(pattern)
+            y = self.attn_dropout(pattern) @ value
         else:
             # The fused kernel: same maths, no probabilities kept.
             drop = self.dropout if self.training else 0.0
@@ -248,7 +266,7 @@ class CausalSelfAttention(nn.Module):
 
         z = self.hook_z(y.transpose(1, 2))  # [batch, query, head, head_size]
         y = z.contiguous().view(B, T, C)  # heads side by side again
-        return self.resid_dropout(self.c_proj(y)), att
+        return self.resid_dropout(self.c_proj(y)), pattern
 
 
 class MLP(nn.Module):
@@ -271,18 +289,40 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, record_attention=False, kv_cache=None):
-        a, att = self.attn(self.ln_1(x), record_attention=record_attention, kv_cache=kv_cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        record_attention: bool = False,
+        kv_cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+        attention_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [batch, tokens, n_embd]`` -> the residual stream after this block, and its pattern
+        (``record_attention``). ``attention_only``: stop after the attention (its MLP would feed
+        only later blocks and the logits) and return ``x`` as it came."""
+        a, pattern = self.attn(self.ln_1(x), record_attention=record_attention, kv_cache=kv_cache, mask=mask)
+        if attention_only:
+            return x, pattern
         x = x + a
         x = x + self.mlp(self.ln_2(x))
-        return x, att
+        return x, pattern
+
+
+class Transformer(nn.ModuleDict):
+    """GPT-2's ``transformer``: the modules by their GPT-2 names (the weights' names)."""
+
+    wte: nn.Embedding  # token embedding, tied to the output head
+    wpe: nn.Embedding  # position embedding
+    drop: nn.Dropout
+    h: nn.ModuleList  # the blocks
+    ln_f: nn.LayerNorm
 
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
+        self.transformer = Transformer(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -311,19 +351,11 @@ class GPT(nn.Module):
         """Every distinct parameter (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    @property
-    def attentions(self) -> list[CausalSelfAttention]:
-        return [block.attn for block in self.transformer.h]
-
     def hook_points(self) -> dict[str, HookPoint]:
-        """TransformerLens's names for this model's hook points: ``blocks.{l}.attn.hook_pattern``
+        """This model's hook points by their TransformerLens names: ``blocks.{l}.attn.hook_pattern``
         (``[batch, head, query, key]``, explicit path only) and ``blocks.{l}.attn.hook_z``
         (``[batch, query, head, head_size]``), ``l`` from 0."""
-        return {
-            f"blocks.{i}.attn.{name}": getattr(a, name)
-            for i, a in enumerate(self.attentions)
-            for name in ("hook_pattern", "hook_z")
-        }
+        return {m.name: m for m in self.modules() if isinstance(m, HookPoint)}
 
     def forward(
         self,
@@ -333,11 +365,11 @@ class GPT(nn.Module):
         record_attention: bool = False,
         kv_cache: KVCache | None = None,
         compute_logits: bool = True,
-        keep_attention: bool = True,
+        keep_patterns: bool = True,
     ) -> GPTOutput:
         """``record_attention=True`` takes the explicit path, whose probabilities are returned as
-        ``attentions`` (one ``[batch, head, query, key]`` per block) and passed to each block's
-        ``attn.hook_pattern``; ``keep_attention=False`` leaves them to the hooks only, so no map
+        ``patterns`` (one ``[batch, head, query, key]`` per block) and passed to each block's
+        ``attn.hook_pattern``; ``keep_patterns=False`` leaves them to the hooks only, so no pattern
         outlives its block (how :func:`storylens.analysis.score_heads` streams).
         ``compute_logits=False`` returns no logits and stops after the last block's attention:
         its MLP and the output head feed only the logits (for callers that read attention or the
@@ -348,24 +380,25 @@ class GPT(nn.Module):
             raise ValueError(f"{past + T} tokens do not fit the {self.config.block_size}-token window")
         pos = torch.arange(past, past + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        attentions = [] if record_attention and keep_attention else None
+        # the explicit path's causal mask, built once for every block: [tokens, past + tokens]
+        mask = causal_mask(T, past + T, past, x.dtype, idx.device) if record_attention else None
+        patterns: list[torch.Tensor] | None = [] if record_attention and keep_patterns else None
         last = len(self.transformer.h) - 1
         for i, block in enumerate(self.transformer.h):
-            if not compute_logits and i == last:  # the attention is all that is read from here on
-                _, att = block.attn(block.ln_1(x), record_attention=record_attention, kv_cache=kv_cache)
-            else:
-                x, att = block(x, record_attention=record_attention, kv_cache=kv_cache)
-            if attentions is not None:
-                attentions.append(att)
+            # without logits, the last block's attention is all that is read from here on
+            attention_only = not compute_logits and i == last
+            x, pattern = block(x, record_attention, kv_cache, mask, attention_only=attention_only)
+            if patterns is not None and pattern is not None:
+                patterns.append(pattern)
         if kv_cache is not None:
             kv_cache.kv_computed += T
         if not compute_logits:
-            return GPTOutput(logits=None, attentions=attentions)
+            return GPTOutput(logits=None, patterns=patterns)
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
-        return GPTOutput(logits=logits, loss=loss, attentions=attentions)
+        return GPTOutput(logits=logits, loss=loss, patterns=patterns)
 
     @torch.inference_mode()
     def generate_stream(
@@ -397,30 +430,25 @@ class GPT(nn.Module):
                 f"passes the {self.config.block_size}-token window; ask for fewer tokens"
             )
         cache = KVCache.empty(self.config.n_layer, capacity=total) if use_kv_cache else None
-        # one new token at a time: the lean step (below) when nothing is hooked into the modules
-        fast = use_kv_cache and not self.training and not self._hooked()
-        weights = self._decode_weights() if fast else None
         recomputed = 0
         seq = idx
-        feed = idx
-        for step in range(max_new_tokens):
-            if fast and step > 0:
-                logits, rows = self._decode_step(int(feed), cache, weights, record_attention)
+        feed = idx  # the prompt first, then one new token at a time: the same blocks as any forward pass
+        for _ in range(max_new_tokens):
+            if cache is not None:
+                out = self(feed, record_attention=record_attention, kv_cache=cache)
             else:
-                if use_kv_cache:
-                    out = self(feed, record_attention=record_attention, kv_cache=cache)
-                else:
-                    out = self(seq, record_attention=record_attention)
-                    recomputed += seq.shape[1]
-                logits = out.logits[:, -1, :]
-                rows = None
-                if record_attention:  # the newest query's row, per block: [head, key]
-                    rows = [a[0, :, -1, :] for a in out.attentions]
+                out = self(seq, record_attention=record_attention)
+                recomputed += seq.shape[1]
+            assert out.logits is not None  # compute_logits is on
+            logits = out.logits[:, -1, :]
+            rows = None
+            if out.patterns is not None:  # the newest query's row, per block: [head, key]
+                rows = [p[0, :, -1, :] for p in out.patterns]
             token = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
             yield GenerationStep(
                 token=int(token),
                 logits=logits[0],
-                attention=rows,
+                pattern_rows=rows,
                 kv_computed=cache.kv_computed if cache is not None else recomputed,
             )
             if eos_id is not None and int(token) == eos_id:
@@ -428,82 +456,7 @@ class GPT(nn.Module):
             feed = token.view(1, 1)
             seq = torch.cat([seq, feed], dim=1)
 
-    def _hooked(self) -> bool:
-        """Is anything hooked into the forward pass (a torch hook on any module)?"""
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules())
-
-    def _decode_weights(self) -> list[tuple]:
-        """Per block, the tensors one new token needs, query, key and value stacked into one matrix
-        (a copy of 0.75 MB per block, made once per generation)."""
-        out = []
-        for block in self.transformer.h:
-            a, mlp = block.attn, block.mlp
-            qkv_b = None if a.query.bias is None else torch.cat([a.query.bias, a.key.bias, a.value.bias])
-            out.append(
-                (
-                    block.ln_1.weight,
-                    block.ln_1.bias,
-                    block.ln_1.eps,
-                    torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-                    qkv_b,
-                    a.c_proj.weight,
-                    a.c_proj.bias,
-                    block.ln_2.weight,
-                    block.ln_2.bias,
-                    block.ln_2.eps,
-                    mlp.c_fc.weight,
-                    mlp.c_fc.bias,
-                    mlp.gelu.approximate,
-                    mlp.c_proj.weight,
-                    mlp.c_proj.bias,
-                )
-            )
-        return out
-
-    def _decode_step(self, token: int, cache: KVCache, weights: list[tuple], record: bool):
-        """One new token through every block with the KV cache: the same maths as ``forward``
-        (tests hold the two together), written for a single query: no module dispatch, no mask
-        (the newest token may see every key), query, key and value from one product.
-        Returns its logits ``[1, vocab]`` and, when ``record``, its attention row per block."""
-        C, H, D = self.config.n_embd, self.config.n_head, self.config.head_size
-        pos = len(cache)
-        x = (self.transformer.wte.weight[token] + self.transformer.wpe.weight[pos]).view(1, 1, C)
-        rows = [] if record else None
-        for i, (
-            ln1_w,
-            ln1_b,
-            ln1_eps,
-            qkv_w,
-            qkv_b,
-            proj_w,
-            proj_b,
-            ln2_w,
-            ln2_b,
-            ln2_eps,
-            fc_w,
-            fc_b,
-            approximate,
-            fc_proj_w,
-            fc_proj_b,
-        ) in enumerate(weights):
-            h = F.layer_norm(x, (C,), ln1_w, ln1_b, ln1_eps)
-            query, key, value = F.linear(h, qkv_w, qkv_b).view(1, 1, 3, H, D).transpose(1, 3).unbind(2)
-            key, value = cache.update(i, key, value)  # [1, head, tokens so far, head_size]
-            if record:
-                att = ((query * (1.0 / math.sqrt(D))) @ key.transpose(-2, -1)).softmax(dim=-1)
-                rows.append(att[0, :, 0, :])
-                y = att @ value
-            else:
-                y = F.scaled_dot_product_attention(query, key, value)
-            x = x + F.linear(y.transpose(1, 2).reshape(1, 1, C), proj_w, proj_b)
-            h = F.layer_norm(x, (C,), ln2_w, ln2_b, ln2_eps)
-            x = x + F.linear(F.gelu(F.linear(h, fc_w, fc_b), approximate=approximate), fc_proj_w, fc_proj_b)
-        cache.kv_computed += 1
-        ln_f = self.transformer.ln_f
-        logits = F.linear(F.layer_norm(x[:, -1], (C,), ln_f.weight, ln_f.bias, ln_f.eps), self.lm_head.weight)
-        return logits, rows
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> torch.Tensor:
         """Return the prompt followed by the generated tokens, ``[1, tokens]``."""
         new = [s.token for s in self.generate_stream(idx, max_new_tokens, **kw)]
         return torch.cat([idx, torch.tensor([new], dtype=idx.dtype, device=idx.device)], dim=1)
@@ -513,7 +466,7 @@ class GPT(nn.Module):
 class GenerationStep:
     token: int
     logits: torch.Tensor  # [vocab] the logits this token was drawn from
-    attention: list[torch.Tensor] | None  # per block, [head, key]: the new query's row
+    pattern_rows: list[torch.Tensor] | None  # per block, [head, key]: the new query's row of the pattern
     kv_computed: int  # key/value computations so far (cache) or positions recomputed so far
 
 

@@ -27,7 +27,7 @@ from storylens.core.offline import hub_offline
 from storylens.core.publish import publish_folder
 from storylens.data.stories import EOT
 from storylens.model.gpt import GPT, GPTConfig
-from storylens.model.tokenizer import load_tokenizer
+from storylens.model.tokenizer import eot_id, load_tokenizer
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "pretrained" / "tiny-storyteller"
 WEIGHTS = "model.safetensors"
@@ -255,6 +255,9 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
     except ImportError:
         raise StorylensError(f"export-hf needs transformers: {install_hint('hf')}") from None
 
+    if model.tokenizer is None:
+        raise StorylensError("export-hf: the model has no tokenizer to write beside it")
+    marker = eot_id(model.tokenizer)
     c = model.config
     hf_config = GPT2Config(
         vocab_size=c.vocab_size,
@@ -268,8 +271,8 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         layer_norm_epsilon=1e-5,
-        bos_token_id=model.tokenizer.token_to_id(EOT),
-        eos_token_id=model.tokenizer.token_to_id(EOT),
+        bos_token_id=marker,
+        eos_token_id=marker,
         tie_word_embeddings=True,
     )
     hf = GPT2LMHeadModel(hf_config)

@@ -60,19 +60,24 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def eot_id(tok: Tokenizer) -> int:
-    return tok.token_to_id(EOT)
+    i = tok.token_to_id(EOT)
+    if i is None:
+        raise StorylensError(f"tokenizer: has no end-of-story marker {EOT}")
+    return i
 
 
 @dataclass(frozen=True)
-class EncodedStory:
+class StoryIds:
+    """One story as the model reads it: its ids cut to the window."""
+
     ids: list[int]  # [marker] + story tokens, at most `window` of them
     cut: bool  # True when the story did not fit and was cut
     full_length: int  # tokens before cutting (marker included)
 
 
-def encode_story(tok: Tokenizer, text: str, window: int = 256) -> EncodedStory:
+def encode_story(tok: Tokenizer, text: str, window: int = 256) -> StoryIds:
     ids = [eot_id(tok)] + text_only(tok).encode(text).ids
-    return EncodedStory(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
+    return StoryIds(ids=ids[:window], cut=len(ids) > window, full_length=len(ids))
 
 
 def encode_stream(tok: Tokenizer, stories: Iterable[str]) -> list[int]:

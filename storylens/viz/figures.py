@@ -133,7 +133,7 @@ def _tick_positions(n: int, max_labels: int) -> list[int]:
 
 
 def all_heads_figure(
-    attentions,
+    patterns,
     tokens: Sequence[str],
     *,
     max_tokens: int | None = 32,
@@ -145,25 +145,25 @@ def all_heads_figure(
 ) -> Figure:
     """Every head's attention map on one story, as a blocks x heads grid (6 x 4 here).
 
-    ``attentions`` is ``[block, head, query, key]`` (or ``model(...).attentions``),
+    ``patterns`` is ``[block, head, query, key]`` (or ``model(...).patterns``),
     ``tokens`` the display text of each position. Only the first ``max_tokens``
     positions are drawn (``None`` = all); at most ``max_labels`` tokens are named along
     the left and bottom edges (every k-th token when there are more). Colours use a power
     scale (``gamma``; 1 = linear) so small shares stay visible; the dark upper triangle is
     the causal mask.
 
-    The grid is one image on one axes (the maps side by side with gaps), labelled with
+    The grid is one image on one axes (the patterns side by side with gaps), labelled with
     plain texts, in a layout fixed in inches: 24 separate axes took several times longer to
     make and draw. ``fig.head_panels`` maps each head label (``"L5H3"``) to its panel's
     ``(row, column)`` slice of ``fig.grid_image`` (``[rows, columns, RGBA]``), and
     ``fig.head_maps`` to the attention drawn there (a masked ``[query, key]`` array).
     """
-    att = to_numpy_attention(attentions)
-    n_block, n_head, T, _ = att.shape
+    patterns = to_numpy_attention(patterns)
+    n_block, n_head, T, _ = patterns.shape
     if len(tokens) != T:
         raise ValueError(f"{len(tokens)} tokens but the attention covers {T} positions")
     n = T if max_tokens is None else min(T, max_tokens)
-    att = att[:, :, :n, :n]
+    patterns = patterns[:, :, :n, :n]
     labels = [tick_label(t, 10) for t in tokens[:n]]
     ticks = _tick_positions(n, max_labels)
     cell = cell_inches or (3.6 if n <= 40 else 3.2)
@@ -177,13 +177,13 @@ def all_heads_figure(
     upper = np.triu(np.ones((n, n), bool), 1)
     image = np.ones((rows, cols, 4))  # white between the panels
     mask_rgba = np.array(to_rgba(MASK_COLOR))
-    panels, maps = {}, {}
+    panels, head_maps = {}, {}
     for b in range(n_block):
         for h in range(n_head):
             r0, c0 = vgap + b * (n + vgap), h * (n + gap)
             lab = head_label(b, h)
-            maps[lab] = np.ma.masked_array(att[b, h], mask=upper)
-            rgba = cmap(norm(np.clip(att[b, h], 0.0, 1.0)))
+            head_maps[lab] = np.ma.masked_array(patterns[b, h], mask=upper)
+            rgba = cmap(norm(np.clip(patterns[b, h], 0.0, 1.0)))
             rgba[upper] = mask_rgba
             image[r0 : r0 + n, c0 : c0 + n] = rgba
             panels[lab] = (slice(r0, r0 + n), slice(c0, c0 + n))
@@ -194,8 +194,11 @@ def all_heads_figure(
     width, height = left + cols * per_cell + right, top + rows * per_cell + bottom
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
-    fig.label_fontsize = fs  # points: what a page needs to know how large the token labels show
-    fig.grid_image, fig.head_panels, fig.head_maps = image, panels, maps
+    # what a page and the tests read besides the drawing: Figure has no such attributes of its own
+    fig.label_fontsize = fs  # type: ignore[attr-defined]  # points: how large the token labels show
+    fig.grid_image = image  # type: ignore[attr-defined]
+    fig.head_panels = panels  # type: ignore[attr-defined]
+    fig.head_maps = head_maps  # type: ignore[attr-defined]
     ax = fig.add_axes((left / width, bottom / height, cols * per_cell / width, rows * per_cell / height))
     ax.imshow(image, interpolation="nearest", aspect="equal")
     ax.set_xlim(-0.5, cols - 0.5)
@@ -504,8 +507,8 @@ def name_head_figure(
     H = title_h + text_h + gap + cbar_h + below_cbar
     fig = Figure(figsize=(W, H))
     FigureCanvasAgg(fig)
-    ax = fig.add_axes([margin / W, (below_cbar + cbar_h + gap) / H, text_w / W, text_h / H])
-    cax = fig.add_axes([margin / W, below_cbar / H, text_w / W, cbar_h / H])
+    ax = fig.add_axes((margin / W, (below_cbar + cbar_h + gap) / H, text_w / W, text_h / H))
+    cax = fig.add_axes((margin / W, below_cbar / H, text_w / W, cbar_h / H))
     ax.set_xlim(-0.5, line_chars + 0.5)
     ax.set_ylim(n_rows, 0)
     ax.axis("off")
@@ -551,7 +554,7 @@ def name_head_figure(
     cb = fig.colorbar(ScalarMappable(norm=norm, cmap=_truncated_blues()), cax=cax, orientation="horizontal")
     cb.set_label(
         "attention share received (mean over queries after the first mention)"
-        + (f"; ≥ {norm.vmax:.3g} darkest" if float(w[:n].max()) > norm.vmax else ""),
+        + (f"; ≥ {norm.vmax:.3g} darkest" if norm.vmax is not None and float(w[:n].max()) > norm.vmax else ""),
         fontsize=8,
     )
     cax.tick_params(labelsize=7)

@@ -49,26 +49,26 @@ def tick_label(text: str, limit: int = 12) -> str:
     return t
 
 
-def to_numpy_attention(attentions) -> np.ndarray:
+def to_numpy_attention(patterns) -> np.ndarray:
     """``[block, head, query, key]`` float array from what the model or a caller gives.
 
-    Accepts a 4-D array or tensor, or a list with one entry per block of
-    ``[head, query, key]`` or ``[1, head, query, key]`` (``model(...).attentions``).
+    Accepts a 4-D array or tensor, or a list with one pattern per block,
+    ``[head, query, key]`` or ``[1, head, query, key]`` (``model(...).patterns``).
     """
-    if isinstance(attentions, (list, tuple)):
+    if isinstance(patterns, (list, tuple)):
         blocks = []
-        for a in attentions:
-            a = _as_numpy(a)
-            if a.ndim == 4:
-                if a.shape[0] != 1:
-                    raise ValueError(f"expected a batch of one story, got batch size {a.shape[0]}")
-                a = a[0]
-            if a.ndim != 3:
-                raise ValueError(f"each block's attention must be [head, query, key], got {a.shape}")
-            blocks.append(a)
+        for pattern in patterns:
+            pattern = _as_numpy(pattern)
+            if pattern.ndim == 4:
+                if pattern.shape[0] != 1:
+                    raise ValueError(f"expected a batch of one story, got batch size {pattern.shape[0]}")
+                pattern = pattern[0]
+            if pattern.ndim != 3:
+                raise ValueError(f"each block's attention must be [head, query, key], got {pattern.shape}")
+            blocks.append(pattern)
         arr = np.stack(blocks)
     else:
-        arr = _as_numpy(attentions)
+        arr = _as_numpy(patterns)
     if arr.ndim != 4:
         raise ValueError(f"attention must be [block, head, query, key], got shape {arr.shape}")
     if arr.shape[2] != arr.shape[3]:

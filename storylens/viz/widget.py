@@ -67,7 +67,7 @@ TOY_QUERY = 7  # "He": who is "he"?
 
 @cache
 def _static(name: str) -> str:
-    text = resources.files("storylens.viz").joinpath("static", name).read_text(encoding="utf-8")
+    text = (resources.files("storylens.viz") / "static" / name).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():
         raise RuntimeError(f"static/{name} must not contain a closing script or style tag")
     return text
@@ -145,8 +145,8 @@ class AttentionWidget(_HtmlView):
     """Click a token, see its attention over the earlier tokens.
 
     ``tokens``: display text per position (see :func:`storylens.viz.tokens.token_texts`).
-    ``attentions``: ``[block, head, query, key]`` (array or tensor), or the model's
-    ``attentions`` list. ``block``/``head`` (0-indexed) and ``query`` (a position;
+    ``patterns``: ``[block, head, query, key]`` (array or tensor), or the model's
+    ``patterns`` list. ``block``/``head`` (0-indexed) and ``query`` (a position;
     default the last) set what is shown first. ``decimals`` is the precision of the
     embedded weights.
     """
@@ -156,7 +156,7 @@ class AttentionWidget(_HtmlView):
     def __init__(
         self,
         tokens: Sequence[str],
-        attentions,
+        patterns,
         title: str = "Attention",
         *,
         block: int = 0,
@@ -166,14 +166,14 @@ class AttentionWidget(_HtmlView):
         replay_start: int | None = None,
     ):
         super().__init__(title)
-        att = to_numpy_attention(attentions)
-        n_block, n_head, T, _ = att.shape
+        patterns = to_numpy_attention(patterns)
+        n_block, n_head, T, _ = patterns.shape
         tokens = [str(t) for t in tokens]
         if len(tokens) != T:
             raise ValueError(f"{len(tokens)} tokens but the attention covers {T} positions")
         if T == 0:
             raise ValueError("no tokens")
-        if not np.all(np.isfinite(att)):
+        if not np.all(np.isfinite(patterns)):
             raise ValueError("attention has non-finite values")
         if not (0 <= block < n_block and 0 <= head < n_head):
             raise ValueError(f"block {block}, head {head} out of range ({n_block} x {n_head})")
@@ -186,12 +186,12 @@ class AttentionWidget(_HtmlView):
             raise ValueError(f"replay_start {replay_start} out of range (1..{T})")
         self.replay_start = replay_start
         self.tokens = tokens
-        self.attentions = att
+        self.patterns = patterns
         self.block, self.head, self.query = int(block), int(head), query
         self.decimals = int(decimals)
 
     @classmethod
-    def from_recording(cls, text: str, tokens, att, enc, title: str | None = None, **kw) -> AttentionWidget:
+    def from_recording(cls, text: str, tokens, patterns, enc, title: str | None = None, **kw) -> AttentionWidget:
         """The widget for what :func:`storylens.recording.story_attention` recorded."""
         if title is None:
             words = text.split()
@@ -199,11 +199,11 @@ class AttentionWidget(_HtmlView):
             title = f"Attention: “{title}”"
             if enc.cut:
                 title += f" (first {len(enc.ids)} of {enc.full_length} tokens)"
-        return cls(tokens, att, title=title, **kw)
+        return cls(tokens, patterns, title=title, **kw)
 
     def data(self) -> dict:
         scale = 10**self.decimals
-        q = np.rint(self.attentions * scale).astype(np.int64)
+        q = np.rint(self.patterns * scale).astype(np.int64)
         n_block, n_head, T, _ = q.shape
         rows = [[[q[b, h, i, : i + 1].tolist() for i in range(T)] for h in range(n_head)] for b in range(n_block)]
         return {
@@ -231,7 +231,7 @@ def replay_widget(run, tok, title: str | None = None, **kw) -> AttentionWidget:
     if title is None:
         n_new = len(run.ids) - run.prompt_len
         title = f"Watch it write: {n_new} new tokens after a {run.prompt_len}-token prompt"
-    return AttentionWidget(tokens, run.attention, title=title, replay_start=run.prompt_len, **kw)
+    return AttentionWidget(tokens, run.patterns, title=title, replay_start=run.prompt_len, **kw)
 
 
 class ToyWidget(_HtmlView):

@@ -38,7 +38,7 @@ def argmax_allowance(model, stories_ids, tol: float) -> np.ndarray:
     total = torch.zeros(model.config.n_layer, model.config.n_head, dtype=torch.float64)
     with torch.no_grad():
         for ids in stories_ids:
-            maps = model(torch.tensor([ids]), record_attention=True).attentions
+            maps = model(torch.tensor([ids]), record_attention=True).patterns
             length = torch.tensor([len(ids)])
             total += torch.stack([near_tie_share(a, length, tol)[0] for a in maps])
     return (total / len(stories_ids)).numpy() + mean_rounding(model.config.block_size)

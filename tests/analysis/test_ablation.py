@@ -12,9 +12,9 @@ from storylens.analysis.ablation import (
     first_difference,
     generation_divergence,
     head_output_means,
-    mention_first_tokens,
     name_ablation_table,
 )
+from storylens.analysis.encode import mention_first_tokens
 from storylens.core.errors import StorylensError
 from storylens.lesson.checks import rounding_bound
 

@@ -23,8 +23,9 @@ except Exception as e:  # any import failure means "not available"
 
 from argmax_ties import mean_rounding, near_tie_share  # noqa: E402  (tests/analysis)
 
+from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import find_main_characters
-from storylens.analysis.scores import HeadScoreAccumulator, length_batches, make_batch, score_heads
+from storylens.analysis.scores import HeadScoreAccumulator, score_heads
 from storylens.lesson.checks import probability_bound
 from storylens.model.gpt import GPTConfig
 from storylens.model.hub import export_hf
@@ -93,7 +94,7 @@ def max_pattern_difference(model, bridge, ids, batch=BATCH):
             x = torch.zeros(len(idx), T, dtype=torch.long)
             for r, i in enumerate(idx):
                 x[r, : len(ids[i])] = torch.tensor(ids[i])
-            a = model(x, record_attention=True).attentions
+            a = model(x, record_attention=True).patterns
             b = patterns(bridge, x, model.config.n_layer)
             for blk, (p, q) in enumerate(zip(a, b)):
                 assert p.shape == q.shape and q.dtype == p.dtype, blk
@@ -125,7 +126,7 @@ def test_patterns_and_prev_token_score_equal_storylens(bridge, shipped_model, co
     with torch.inference_mode():
         for idx in length_batches([len(x) for x in ids], BATCH):
             batch = make_batch([ids[i] for i in idx], [mains[i] for i in idx], [True] * len(idx), marker)
-            a = model(batch.ids, record_attention=True).attentions
+            a = model(batch.ids, record_attention=True).patterns
             b = patterns(bridge, batch.ids, model.config.n_layer)
             ties += torch.stack([near_tie_share(x, batch.lengths, TOL_F32).sum(0) for x in a])
             for blk, (x, y) in enumerate(zip(a, b)):

@@ -235,9 +235,7 @@ def reference_scores(model, stories, names):
     for story, mc in zip(stories, mains):
         ids = encode_story(tok, story, W).ids
         with torch.no_grad():
-            maps = np.stack(
-                [a[0].double().numpy() for a in model(torch.tensor([ids]), record_attention=True).attentions]
-            )
+            maps = np.stack([a[0].double().numpy() for a in model(torch.tensor([ids]), record_attention=True).patterns])
         T = len(ids)
         s = {k: np.zeros((L, H)) for k in ("prev", "argmax", "prev4", "marker", "name")}
         for q in range(1, T):
@@ -298,7 +296,7 @@ def test_real_model_sanity(shipped_model, corpus_split):
     T = max(map(len, idx))
     batch = torch.tensor([x + [0] * (T - len(x)) for x in idx])
     with torch.inference_mode():
-        maps = shipped_model(batch, record_attention=True).attentions
+        maps = shipped_model(batch, record_attention=True).patterns
     assert len(maps) == shipped_model.config.n_layer
     for a in maps:
         assert a.shape == (3, shipped_model.config.n_head, T, T)
@@ -348,11 +346,11 @@ def test_bad_arguments(shipped_model):
 
 
 def test_prev_is_argmax_equals_argmax_and_leaves_the_map_as_it_was(shipped_model, quiz_ids):
-    from storylens.analysis.scores import prev_is_argmax
+    from storylens.analysis.detectors import prev_is_argmax
 
     ids = torch.tensor([quiz_ids[0]])
     with torch.no_grad():
-        maps = shipped_model(ids, record_attention=True).attentions
+        maps = shipped_model(ids, record_attention=True).patterns
     T = ids.shape[1]
     prev_key = torch.arange(T) - 1
     for att in maps:
@@ -397,7 +395,7 @@ def test_block_by_block_scoring_equals_scoring_the_stored_maps(shipped_model, co
     with torch.no_grad():
         for idx in length_batches([len(x) for x in ids], 8):
             batch = make_batch([ids[i] for i in idx], [mains[i] for i in idx], [i < 10 for i in idx], eot_id(tok))
-            acc.update(shipped_model(batch.ids, record_attention=True).attentions, batch)
+            acc.update(shipped_model(batch.ids, record_attention=True).patterns, batch)
     stored = build_table(acc, True)
     # the same batches: the same numbers; other batches (other padding): within rounding
     bound = probability_bound(shipped_model.config, torch.float32)
@@ -407,4 +405,4 @@ def test_block_by_block_scoring_equals_scoring_the_stored_maps(shipped_model, co
             scale = 1 / a.name_baseline if col == "name_ratio" else 1  # a ratio of means: the mass's error / baseline
             assert abs(getattr(a, col) - getattr(c, col)) <= bound * scale, (a.label, col)
     assert hooked.counts() == chunked.counts()
-    assert not any(a.hook_pattern._forward_hooks for a in shipped_model.attentions)  # hooks removed
+    assert not any(p._forward_hooks for p in shipped_model.hook_points().values())  # hooks removed

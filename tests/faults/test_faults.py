@@ -266,7 +266,7 @@ def train(out, stories, *extra, env=None, popen=False):
 
 
 def test_train_killed_while_replacing_a_checkpoint(tmp_path, slice_file):
-    from storylens.model.checkpoint import load_checkpoint
+    from storylens.training.checkpoint import load_checkpoint
 
     out = tmp_path / "run"
     r = train(out, slice_file, env={"STORYLENS_INJECT_KILL": "checkpoint-before-replace"})

@@ -62,7 +62,7 @@ def story_run(model, story):
     enc = encode_story(tok, text, window=model.config.block_size)
     with torch.no_grad():
         out = model(torch.tensor([enc.ids]), record_attention=True)
-    att = torch.stack([a[0] for a in out.attentions]).double().numpy()
+    att = torch.stack([a[0] for a in out.patterns]).double().numpy()
     tokens = token_texts(tok, enc.ids)
     names = [i for i, t in enumerate(tokens) if t.strip() == name]
     return enc.ids, tokens, att, names

@@ -87,7 +87,7 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
             ".slw-tokens .slw-tok[data-weight]", "els => els.map(e => parseFloat(e.dataset.weight))"
         )
         # the page embeds 5 decimals: within 5e-6 of the model's weights
-        np.testing.assert_allclose(shown, run.attention[b, h, q, : q + 1].numpy(), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(shown, run.patterns[b, h, q, : q + 1].numpy(), atol=1e-5, rtol=0)
     _assert_drawn(page.screenshot())
     page.click(".slw-rp-last")
     assert int(page.get_attribute(root, "data-written")) == len(run.ids) - 1 and visible() == len(run.ids)
@@ -99,7 +99,7 @@ def test_recorded_rows_equal_a_full_forward_of_the_story(model):
     from storylens.lm.generate import record_generation
 
     run = record_generation(model, "Lily found a shiny stone.", 40, seed=1)
-    full = model(torch.tensor([run.ids]), record_attention=True).attentions
-    worst = max((run.attention[b] - full[b][0]).abs().max().item() for b in range(model.config.n_layer))
+    full = model(torch.tensor([run.ids]), record_attention=True).patterns
+    worst = max((run.patterns[b] - full[b][0]).abs().max().item() for b in range(model.config.n_layer))
     assert worst <= probability_bound(model.config, torch.float32)
-    assert run.attention.shape[-1] == len(run.ids) > run.prompt_len
+    assert run.patterns.shape[-1] == len(run.ids) > run.prompt_len

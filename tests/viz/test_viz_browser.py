@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from storylens.model.gpt import head_label
+from storylens.core.heads import head_label
 from storylens.recording import attention_widget
 from storylens.viz import AttentionWidget, toy_widget
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from storylens.model.gpt import head_label
+from storylens.core.heads import head_label
 from storylens.viz import (
     all_heads_figure,
     causal_mask_figure,

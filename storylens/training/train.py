@@ -18,16 +18,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.modes import eval_mode
 from storylens.core.publish import file_lock, os_error, write_text_atomic
 from storylens.data.leakage import check_leakage
 from storylens.data.stories import LEAKAGE_FILE, QUIZ_FILE, Split, quiz_file_bytes
-from storylens.model.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, validate_state
+from storylens.model.evaluate import next_token_perplexity
 from storylens.model.gpt import GPT, GPTConfig
 from storylens.model.hub import save_model_folder
-from storylens.model.tokenizer import encode_story, encode_stream, load_tokenizer, train_tokenizer
+from storylens.model.tokenizer import encode_story, encode_stream, eot_id, load_tokenizer, train_tokenizer
+from storylens.training.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, validate_state
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -90,27 +93,12 @@ def get_batch(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator):
     return x, y
 
 
-@torch.no_grad()
-def quiz_perplexity(model: GPT, tok, quiz: list[str], batch_size: int = 16) -> float:
-    """exp(mean next-token loss) over every quiz story fed as ``[marker] + story`` (cut to the window)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
+def quiz_perplexity(model: GPT, tok: Tokenizer, quiz: list[str], batch_size: int = 16) -> float:
+    """exp(mean next-token loss) over every quiz story fed as ``[marker] + story`` (cut to the window):
+    :func:`storylens.model.evaluate.next_token_perplexity`, as ``storylens perplexity`` computes it."""
     encoded = [encode_story(tok, s, model.config.block_size).ids for s in quiz]
-    for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i : i + batch_size]
-        T = max(len(e) for e in chunk)
-        x = torch.zeros(len(chunk), T - 1, dtype=torch.long)
-        y = torch.full((len(chunk), T - 1), -1, dtype=torch.long)
-        for j, e in enumerate(chunk):
-            x[j, : len(e) - 1] = torch.tensor(e[:-1])
-            y[j, : len(e) - 1] = torch.tensor(e[1:])
-        out = model(x, y)
-        n = int((y >= 0).sum())
-        total += float(out.loss) * n
-        count += n
-    model.train(was_training)
-    return math.exp(total / count)
+    with eval_mode(model):
+        return next_token_perplexity(lambda x: model(x).logits, encoded, pad_id=eot_id(tok), batch_size=batch_size)
 
 
 def _validate_optimizer(path: Path, opt_sd: dict, optimizer) -> None:
@@ -296,7 +284,8 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
         if ema_sd is not None:
             ema_model.load_state_dict(ema_sd)
         ema_model.eval()
-        ema_params, raw_params = list(ema_model.parameters()), list(model.parameters())
+        ema_params: list[torch.Tensor] = list(ema_model.parameters())
+        raw_params: list[torch.Tensor] = list(model.parameters())
 
     stream = torch.tensor(encode_stream(tok, split.train), dtype=torch.long)
     if len(stream) < cfg.block_size + 2:
@@ -385,7 +374,7 @@ def lesson_files(split: Split) -> dict[str, bytes]:
     from importlib import resources
 
     leakage = check_leakage(split.quiz, split.train)
-    licence = resources.files("storylens").joinpath("licenses", "CDLA-Sharing-1.0.txt").read_text(encoding="utf-8")
+    licence = (resources.files("storylens") / "licenses" / "CDLA-Sharing-1.0.txt").read_text(encoding="utf-8")
     notice = f"""# Data licence
 
 This folder holds {len(split.quiz)} stories of TinyStories (`{QUIZ_FILE}`, the quiz the model never trained on)
