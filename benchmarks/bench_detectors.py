@@ -309,10 +309,15 @@ def memory_child(side: str, model: str, work: str, batch_size: int, full_cache: 
     stories, batches = load_inputs(work)
     if side == "storylens":
         lm = load_storylens(model, work)
-        run = lambda: storylens_side(lm, stories, batch_size)  # noqa: E731
+
+        def run():
+            return storylens_side(lm, stories, batch_size)
     else:
         bridge = load_tl(work)
-        run = lambda: tl_side(bridge, batches, full_cache)  # noqa: E731
+
+        def run():
+            return tl_side(bridge, batches, full_cache)
+
     gc.collect()
     loaded = status_mb("VmRSS")
     t = time.perf_counter()

@@ -181,7 +181,7 @@ def memory_child(n: int) -> None:
     print(json.dumps({"n": n, "seconds": seconds, "rss_loaded_mb": before, "rss_peak_mb": peak_rss_mb()}))
 
 
-from storylens.corpus.ray_engine import peak_rss_mb  # noqa: E402  (the one definition)
+from storylens.corpus.ray_engine import peak_rss_mb
 
 
 def bench_memory() -> dict:

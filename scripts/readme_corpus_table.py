@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_tables import README, replace_between  # noqa: E402
+from scripts.readme_tables import README, replace_between
 
 
 def table(r: dict) -> str:

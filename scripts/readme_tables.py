@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_check_table import table as check_table  # noqa: E402
-from storylens.lesson.report import LESSON_TABLE, lesson_table  # noqa: E402
-from storylens.lesson.summary import BeyondSummary, load  # noqa: E402
+from scripts.readme_check_table import table as check_table
+from storylens.lesson.report import LESSON_TABLE, lesson_table
+from storylens.lesson.summary import BeyondSummary, load
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -17,13 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.readme_tables import README, replace_between  # noqa: E402
-from storylens.core.publish import write_text_atomic  # noqa: E402
-from storylens.data.stories import load_split  # noqa: E402
-from storylens.lesson.figures import LESSON_FIGURES  # noqa: E402
-from storylens.model.hub import load_model  # noqa: E402
-from storylens.training.checkpoint import load_checkpoint  # noqa: E402
-from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights  # noqa: E402
+from scripts.readme_tables import README, replace_between
+from storylens.core.publish import write_text_atomic
+from storylens.data.stories import load_split
+from storylens.lesson.figures import LESSON_FIGURES
+from storylens.model.hub import load_model
+from storylens.training.checkpoint import load_checkpoint
+from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights
 
 
 def cpu() -> str:

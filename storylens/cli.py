@@ -32,6 +32,7 @@ from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_devi
 from storylens.lm.generate import record_generation, stream_text
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import encode_story, eot_id
+from storylens.training.timeline import TIMELINE_FILE
 from storylens.training.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
 from storylens.viz import replay_widget
 
@@ -220,9 +221,15 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; continue with --resume", file=sys.stderr)
         return 130
-    evals = result["state"]["evals"]
+    state = result["state"]
+    evals = state["evals"]
     if evals:
-        print(f"quiz perplexity {evals[-1]['quiz_perplexity']:.3f} after {result['state']['step']} steps")
+        print(f"quiz perplexity {evals[-1]['quiz_perplexity']:.3f} after {state['step']} steps")
+        share = state.get("timeline_seconds", 0.0) / max(state["train_seconds"], 1e-9)
+        print(
+            f"head timeline: {len(evals)} evaluations in {Path(args.out) / TIMELINE_FILE} "
+            f"({state.get('timeline_seconds', 0.0):.1f} s, {100 * share:.1f}% of the training steps' time)"
+        )
     if args.export:
         folder = export_checkpoint(Path(args.out), _out_path(args.export, "--export"), lesson_files(split))
         print(f"model folder written to {folder}")
@@ -380,7 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="use only the corpus's first N stories (the lesson: --stories tinystories --first 20000)",
     )
     d = TrainConfig()
-    for name in ("max_steps", "batch_size", "eval_every", "seed", "warmup_steps", "vocab_size"):
+    for name in (
+        "max_steps",
+        "batch_size",
+        "eval_every",
+        "seed",
+        "warmup_steps",
+        "vocab_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+    ):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
     for name in ("lr", "min_lr", "weight_decay", "dropout", "attn_dropout", "ema_decay", "checkpoint_minutes"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(d, name)}")

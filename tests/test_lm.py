@@ -11,13 +11,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis import score_heads  # noqa: E402
-from storylens.analysis.ablation import ablate_heads  # noqa: E402
-from storylens.analysis.names import main_character, name_vocabulary  # noqa: E402
-from storylens.core.heads import Head  # noqa: E402
-from storylens.lesson.inputs import lesson_quiz  # noqa: E402
-from storylens.lm import NativeLM, TransformersLM, load_lm  # noqa: E402
-from storylens.model.hub import export_hf, load_model  # noqa: E402
+from storylens.analysis import score_heads
+from storylens.analysis.ablation import ablate_heads
+from storylens.analysis.names import main_character, name_vocabulary
+from storylens.core.heads import Head
+from storylens.lesson.inputs import lesson_quiz
+from storylens.lm import NativeLM, TransformersLM, load_lm
+from storylens.model.hub import export_hf, load_model
 
 WINDOW = 96
 N_STORIES = 10

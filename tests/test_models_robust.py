@@ -13,14 +13,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
-from safetensors.torch import load_file, save_file  # noqa: E402
+from cli_lines import one_line
+from safetensors.torch import load_file, save_file
 
-from storylens.cli import build_parser, main  # noqa: E402
-from storylens.core.errors import StorylensError, UsageError  # noqa: E402
-from storylens.data.stories import EOT  # noqa: E402
-from storylens.lm import load_lm  # noqa: E402
-from storylens.model.hub import load_model  # noqa: E402
+from storylens.cli import build_parser, main
+from storylens.core.errors import StorylensError, UsageError
+from storylens.data.stories import EOT
+from storylens.lm import load_lm
+from storylens.model.hub import load_model
 
 WINDOW = 64
 

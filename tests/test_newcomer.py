@@ -277,7 +277,7 @@ def _notebook_namespace():
     """Run the notebook's setup cell here (no kernel): ``model``, ``tok``, ``quiz``."""
     setup = next(_src(c) for c in _cells() if c["cell_type"] == "code" and "load_model()" in _src(c))
     ns: dict = {}
-    exec("\n".join(x for x in setup.splitlines() if not x.lstrip().startswith("%")), ns)  # noqa: S102
+    exec("\n".join(x for x in setup.splitlines() if not x.lstrip().startswith("%")), ns)  # noqa: S102  (the notebook's own cells, run as Jupyter runs them)
     return ns
 
 
@@ -296,7 +296,7 @@ def test_the_notebook_leakage_cell_prints_a_short_summary(capsys):
     ns = _notebook_namespace()
     cell = next(_src(c) for c in _cells() if c["cell_type"] == "code" and "lesson_leakage" in _src(c))
     capsys.readouterr()
-    exec(cell, ns)  # noqa: S102
+    exec(cell, ns)  # noqa: S102  (the notebook's own cells, run as Jupyter runs them)
     out = capsys.readouterr().out
     assert len(out.splitlines()) <= 6 and len(out) < 600, out
     assert "identical to a training story: 0" in out and 'mentioning "Momo": 0' in out
@@ -308,7 +308,7 @@ def test_the_notebook_shows_the_record_attention_flag(capsys):
     assert "model(ids, record_attention=True)" in src
     ns = _notebook_namespace()
     capsys.readouterr()
-    exec(src, ns)  # noqa: S102
+    exec(src, ns)  # noqa: S102  (the notebook's own cells, run as Jupyter runs them)
     out = capsys.readouterr().out
     m = re.search(r"largest logit difference, fused vs recorded: (\S+)", out)
     assert m and float(m.group(1)) < 1e-3, out

@@ -10,11 +10,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from storylens.analysis.names import name_vocabulary  # noqa: E402
-from storylens.analysis.record import record  # noqa: E402
-from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
-from storylens.corpus.ray_engine import score_with_ray  # noqa: E402
-from storylens.lm import NativeLM  # noqa: E402
+from storylens.analysis.names import name_vocabulary
+from storylens.analysis.record import record
+from storylens.analysis.scores import HeadScoreAccumulator
+from storylens.corpus.ray_engine import score_with_ray
+from storylens.lm import NativeLM
 
 BATCH, CHUNK = 4, 8
 

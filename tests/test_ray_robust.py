@@ -11,14 +11,14 @@ import time
 import pytest
 
 ray = pytest.importorskip("ray")
-import psutil  # noqa: E402  (requirements-dev.txt)
-from cli_lines import one_line  # noqa: E402  (tests/cli_lines.py)
-from test_ray import BATCH, CHUNK, single  # noqa: E402  (one process as each actor runs it: one torch thread)
+import psutil
+from cli_lines import one_line
+from test_ray import BATCH, CHUNK, single
 
-from storylens.analysis.names import name_vocabulary  # noqa: E402
-from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
-from storylens.corpus.ray_engine import score_with_ray  # noqa: E402
-from storylens.data.stories import EOT  # noqa: E402
+from storylens.analysis.names import name_vocabulary
+from storylens.analysis.scores import HeadScoreAccumulator
+from storylens.corpus.ray_engine import score_with_ray
+from storylens.data.stories import EOT
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 

@@ -16,6 +16,7 @@ from storylens.training.checkpoint import load_checkpoint
 from storylens.training.train import CHECKPOINT, TrainConfig, lr_at
 
 STEPS = 10
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def _train_cmd(slice_file, out, *extra):
         "0",
         "--vocab-size",
         "1024",
+        *SMALL,  # a 2-block model: the same recipe and code, a fraction of the time
         *extra,
     ]
 

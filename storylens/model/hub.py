@@ -34,7 +34,7 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 MODEL_FOLDER_FILES = frozenset(
-    {CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json", "LICENSE-DATA.md"}
+    {CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json", "LICENSE-DATA.md", "heads_timeline.jsonl"}
 )
 
 

@@ -31,6 +31,7 @@ from storylens.model.gpt import GPT, GPTConfig
 from storylens.model.hub import save_model_folder
 from storylens.model.tokenizer import encode_story, encode_stream, eot_id, load_tokenizer, train_tokenizer
 from storylens.training.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, validate_state
+from storylens.training.timeline import TIMELINE_FILE, read_timeline, timeline_entry, write_timeline
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -251,6 +252,7 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
             "losses": [],
             "evals": [],
             "train_seconds": 0.0,
+            "timeline_seconds": 0.0,
             "train_config": asdict(cfg),
             "fingerprints": prints,
         }
@@ -294,6 +296,14 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
             f"{cfg.block_size}-token window; give more stories"
         )
     tokens_per_step = cfg.batch_size * cfg.block_size
+    # the head timeline: the entries up to the checkpoint's step (a later one is measured again)
+    timeline_path = out_dir / TIMELINE_FILE
+    timeline = (
+        [e for e in read_timeline(timeline_path) if e["step"] <= state["step"]]
+        if resume and timeline_path.exists()
+        else []
+    )
+    write_timeline(timeline_path, timeline)
 
     def checkpoint():
         save_checkpoint(
@@ -346,6 +356,13 @@ def _train_locked(split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, p
                 if ema_model is not None:
                     row["quiz_perplexity_ema"] = quiz_perplexity(ema_model, tok, split.quiz)
                 state["evals"].append(row)
+                # the weights this run would ship if it stopped here (shipped_weights' rule)
+                weights = shipped_weights({"evals": [row]})
+                shipped = ema_model if weights == "ema" and ema_model is not None else model
+                entry = timeline_entry(state["step"], row["tokens"], weights, shipped, tok, split.quiz)
+                timeline.append(entry)
+                write_timeline(timeline_path, timeline)
+                state["timeline_seconds"] = state.get("timeline_seconds", 0.0) + entry["seconds"]
                 if progress:
                     ema_txt = f" (EMA {row['quiz_perplexity_ema']:.3f})" if ema_model is not None else ""
                     tqdm.write(f"step {state['step']}: quiz perplexity {ppl:.3f}{ema_txt}")
@@ -404,7 +421,7 @@ def shipped_weights(state: dict) -> str:
 
 def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes] | None = None) -> Path:
     """Turn a training run's checkpoint into a model folder (config, safetensors, tokenizer, and
-    ``extra_files``, e.g. :func:`lesson_files`), published in one step. The weights are the run's
+    ``extra_files``, e.g. :func:`lesson_files`, and the run's head timeline), published in one step. The weights are the run's
     EMA when its last evaluation found them no worse than the raw ones (:func:`shipped_weights`)."""
 
     run_dir = Path(run_dir)
@@ -414,4 +431,7 @@ def export_checkpoint(run_dir: Path, folder: Path, extra_files: dict[str, bytes]
     mcfg.dropout, mcfg.attn_dropout = 0.0, None  # inference folder: dropout off
     model = GPT(mcfg)
     model.load_state_dict(ema_sd if ema_sd is not None and shipped_weights(state) == "ema" else model_sd)
-    return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder, extra_files)
+    extra = dict(extra_files or {})
+    if (run_dir / TIMELINE_FILE).is_file():  # the run's head timeline ships with its model
+        extra[TIMELINE_FILE] = (run_dir / TIMELINE_FILE).read_bytes()
+    return save_model_folder(model, load_tokenizer(run_dir / "tokenizer.json"), folder, extra)

@@ -21,7 +21,7 @@ except Exception as e:  # any import failure means "not available"
         allow_module_level=True,
     )
 
-from argmax_ties import mean_rounding, near_tie_share  # noqa: E402  (tests/analysis)
+from argmax_ties import mean_rounding, near_tie_share
 
 from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import find_main_characters

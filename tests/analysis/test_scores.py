@@ -8,14 +8,13 @@ import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
 from storylens.analysis.detectors import BatchMasks
+from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
 from storylens.analysis.scores import (
     SCORE_COLUMNS,
     HeadScoreAccumulator,
     HeadScores,
     build_table,
-    length_batches,
-    make_batch,
     name_baseline,
     score_heads,
 )
@@ -40,10 +39,10 @@ B_HEAD1 = [
     [0.2, 0.2, 0.2, 0.2, 0.2],  # padding queries: must be ignored
     [0.2, 0.2, 0.2, 0.2, 0.2],
 ]
-from argmax_ties import argmax_allowance  # noqa: E402  (a helper beside this file, after the test data it reads)
+from argmax_ties import argmax_allowance
 
-from storylens.lesson.checks import probability_bound, row_sum_bound  # noqa: E402  (kept beside the helper)
-from storylens.model.gpt import GPTConfig as _Cfg  # noqa: E402  (kept beside the helper)
+from storylens.lesson.checks import probability_bound, row_sum_bound
+from storylens.model.gpt import GPTConfig as _Cfg
 
 F32_TOL = probability_bound(_Cfg(), torch.float32)  # derived in storylens.lesson.checks
 

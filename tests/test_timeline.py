@@ -1,0 +1,214 @@
+"""The head timeline of a training run: one entry per evaluation, kept whole across a kill and a
+resume, equal to `storylens score` of the exported model; the induction probe on a hand-built
+copier; the model size options."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from storylens.cli import main
+from storylens.core.errors import StorylensError
+from storylens.data.stories import EOT
+from storylens.training.checkpoint import load_checkpoint
+from storylens.training.timeline import (
+    TIMELINE_FILE,
+    PositionLosses,
+    in_context_score,
+    induction_sequences,
+    induction_test,
+    read_timeline,
+)
+from storylens.training.train import CHECKPOINT
+
+STEPS, EVERY = 12, 4
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
+
+
+@pytest.fixture(scope="module")
+def slice_files(tmp_path_factory, corpus_split):
+    """60 real training stories and the 200 quiz stories: the run's corpus, and the quiz alone."""
+    folder = tmp_path_factory.mktemp("timeline")
+    stories = corpus_split.train[:60] + corpus_split.quiz
+    corpus = folder / "slice.txt"
+    corpus.write_text("".join(f"{s}\n{EOT}\n" for s in stories))
+    quiz = folder / "quiz.txt"
+    quiz.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz))
+    return corpus, quiz
+
+
+def _train(corpus, out, *extra):
+    cmd = [sys.executable, "-m", "storylens", "train", "--stories", str(corpus), "--out", str(out)]
+    cmd += ["--max-steps", str(STEPS), "--eval-every", str(EVERY), "--batch-size", "2", "--vocab-size", "1024"]
+    return cmd + ["--checkpoint-minutes", "0", *SMALL, *extra]
+
+
+def _step(path: Path) -> int:
+    try:
+        return load_checkpoint(path)[2]["step"]
+    except StorylensError:
+        return -1  # being replaced this instant
+
+
+def _without_seconds(entries):
+    return [{k: v for k, v in e.items() if k != "seconds"} for e in entries]
+
+
+@pytest.fixture(scope="module")
+def reference_run(slice_files, tmp_path_factory):
+    corpus, _ = slice_files
+    out = tmp_path_factory.mktemp("ref") / "run"
+    export = out.parent / "model"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(_train(corpus, out, "--export", str(export)), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out, export, done.stdout
+
+
+def test_one_entry_per_evaluation(reference_run):
+    out, _, printed = reference_run
+    entries = read_timeline(out / TIMELINE_FILE)
+    assert [e["step"] for e in entries] == list(range(EVERY, STEPS + 1, EVERY))
+    state = json.loads((out / "train_state.json").read_text())
+    assert [e["step"] for e in state["evals"]] == [e["step"] for e in entries]
+    for e, row in zip(entries, state["evals"]):
+        assert e["tokens"] == row["tokens"] == e["step"] * 2 * 256
+        assert e["weights"] in ("ema", "raw")
+        labels = [h["label"] for h in e["heads"]]
+        assert labels == [f"L{b}H{h}" for b in (1, 2) for h in (1, 2)]
+        for h in e["heads"]:
+            for col in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"):
+                assert 0.0 <= h[col] <= 1.0, (col, h)
+        assert math.isclose(e["quiz_perplexity"], math.exp(e["quiz_loss"]))
+        # the weights measured are the ones the run would ship: their quiz perplexity is the eval's
+        shipped = row["quiz_perplexity_ema"] if e["weights"] == "ema" else row["quiz_perplexity"]
+        assert math.isclose(e["quiz_perplexity"], shipped, rel_tol=1e-5)
+        assert e["in_context"]["early"] == [16, 31] and e["in_context"]["late_tokens"] > 0
+    assert "head timeline: 3 evaluations" in printed and "% of the training steps' time" in printed
+
+
+def test_the_timeline_ships_with_the_exported_model(reference_run):
+    out, export, _ = reference_run
+    assert (export / TIMELINE_FILE).read_bytes() == (out / TIMELINE_FILE).read_bytes()
+
+
+def test_a_killed_run_resumes_with_the_same_timeline(reference_run, slice_files, tmp_path):
+    ref_out, _, _ = reference_run
+    corpus, _ = slice_files
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_train(corpus, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and _step(run / CHECKPOINT) < EVERY + 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = _step(run / CHECKPOINT)
+    assert EVERY < killed_at < STEPS
+    assert [e["step"] for e in read_timeline(run / TIMELINE_FILE)][0] == EVERY
+    done = subprocess.run(_train(corpus, run, "--resume"), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    resumed = read_timeline(run / TIMELINE_FILE)
+    assert [e["step"] for e in resumed] == list(range(EVERY, STEPS + 1, EVERY))  # none twice, none missing
+    assert _without_seconds(resumed) == _without_seconds(read_timeline(ref_out / TIMELINE_FILE))
+
+
+def test_an_entry_past_the_checkpoint_is_dropped_on_resume(slice_files, tmp_path):
+    """A kill between an evaluation and the next checkpoint leaves an entry the checkpoint has not
+    reached: the resumed run drops it (and measures that step again when it gets there)."""
+    corpus, _ = slice_files
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    cmd = _train(corpus, run)
+    cmd[cmd.index("--max-steps") + 1] = str(EVERY + 1)
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    entries = read_timeline(run / TIMELINE_FILE)
+    assert [e["step"] for e in entries] == [EVERY, EVERY + 1]  # every eval_every steps, and the last step
+    fake = dict(entries[-1], step=EVERY + 4)  # as if step 8 had been measured after the last checkpoint
+    (run / TIMELINE_FILE).write_text("".join(json.dumps(e) + "\n" for e in entries + [fake]))
+    subprocess.run(cmd + ["--resume"], env=env, check=True, capture_output=True)
+    assert _without_seconds(read_timeline(run / TIMELINE_FILE)) == _without_seconds(entries)
+
+
+def test_the_last_entry_is_storylens_score_of_the_exported_model(reference_run, slice_files, tmp_path):
+    out, export, _ = reference_run
+    _, quiz = slice_files
+    last = read_timeline(out / TIMELINE_FILE)[-1]
+    scored = tmp_path / "score"
+    assert main(["score", "--model", str(export), "--stories", str(quiz), "--out", str(scored), "--no-progress"]) == 0
+    table = json.loads((scored / "heads.json").read_text())
+    rows = {h["label"]: h for h in table["heads"]}
+    assert len(rows) == len(last["heads"]) == 4
+    for h in last["heads"]:
+        for col, value in h.items():
+            if isinstance(value, float) and col in rows[h["label"]]:
+                assert abs(value - rows[h["label"]][col]) <= 1e-6, (h["label"], col)
+    assert last["counts"]["n_stories"] == table["counts"]["n_stories"] == 200
+
+
+class Copier:
+    """A hand-built model that copies perfectly: at every position past the first copy it puts a
+    logit of ``gap`` on the token ``length`` places back's successor, 0 on every other token."""
+
+    def __init__(self, vocab: int, length: int, gap: float):
+        self.vocab, self.length, self.gap = vocab, length, gap
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        logits = torch.zeros(B, T, self.vocab, dtype=torch.float64)
+        for t in range(self.length + 1, T):  # query t predicts token t + 1 = token t + 1 - length
+            logits[torch.arange(B), t, ids[:, t + 1 - self.length]] = self.gap
+        return logits
+
+
+def test_the_induction_probe_on_a_perfect_copier():
+    vocab, length, gap = 50, 10, 7.0
+    seqs = induction_sequences(vocab, [0], length=length, n=5, seed=3, marker=0)
+    assert seqs.shape == (5, 1 + 2 * length) and (seqs[:, 1 : 1 + length] == seqs[:, 1 + length :]).all()
+    assert (seqs[:, 1:] != 0).all()  # the marker is never drawn
+    r = induction_test(Copier(vocab, length, gap), seqs, batch_size=2)
+    assert r["length"] == length and r["sequences"] == 5
+    assert math.isclose(r["first_copy_loss"], math.log(vocab), rel_tol=1e-12)  # uniform: ln V
+    expected = math.log(1 + (vocab - 1) * math.exp(-gap))  # -log softmax of the right token
+    assert math.isclose(r["second_copy_loss"], expected, rel_tol=1e-9)
+    assert math.isclose(r["score"], math.log(vocab) - expected, rel_tol=1e-9)
+
+
+def test_the_in_context_score_is_late_minus_early():
+    sums = torch.zeros(256, dtype=torch.float64)
+    counts = torch.zeros(256, dtype=torch.long)
+    sums[16:32], counts[16:32] = 3.0 * 2, 2  # mean 3 early
+    sums[112:128], counts[112:128] = 1.5, 1  # mean 1.5 late
+    s = in_context_score(PositionLosses(sums, counts))
+    assert s["early_loss"] == 3.0 and s["late_loss"] == 1.5 and s["score"] == -1.5 and s["late_tokens"] == 16
+    counts[112:128] = 0
+    assert in_context_score(PositionLosses(sums, counts))["score"] is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n-layer", "0"], "storylens: error: --n-layer: must be a whole number of at least 1 (got 0)"),
+        (["--n-head", "3"], "storylens: error: --n-embd: 256 is not divisible by n_head=3"),
+        (["--n-embd", "-64"], "storylens: error: --n-embd: must be a whole number of at least 1 (got -64)"),
+    ],
+)
+def test_size_options_are_checked_in_one_line(argv, message, tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "r"), *argv]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_broken_timeline_is_one_line(tmp_path):
+    with pytest.raises(StorylensError, match="no head timeline here"):
+        read_timeline(tmp_path)
+    (tmp_path / TIMELINE_FILE).write_text('{"step": 4, "heads": []}\nnot json\n')
+    with pytest.raises(StorylensError, match=r"heads_timeline.jsonl:2: not a timeline entry"):
+        read_timeline(tmp_path)
