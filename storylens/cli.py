@@ -32,6 +32,7 @@ from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_devi
 from storylens.lm.generate import record_generation, stream_text
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import encode_story, eot_id
+from storylens.training.page import write_timeline_page
 from storylens.training.timeline import TIMELINE_FILE
 from storylens.training.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
 from storylens.viz import replay_widget
@@ -236,6 +237,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_timeline(args) -> int:
+    if args.heads < 1:
+        raise UsageError(f"--heads: at least 1 (got {args.heads})")
+    out = write_timeline_page(args.runs, _out_path(args.out), k=args.heads)
+    print(f"head timeline of {len(args.runs)} run(s) written to {out / 'timeline.html'}")
+    return 0
+
+
 def cmd_export_hf(args) -> int:
 
     model = _load_native(args, "export-hf")
@@ -405,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)"
     )
     t.set_defaults(func=cmd_train)
+
+    tl = sub.add_parser("timeline", help="figures and a page of heads forming over training runs")
+    tl.add_argument("runs", nargs="+", help="training run folders (or their heads_timeline.jsonl, or exported models)")
+    tl.add_argument("--out", default="timeline", help="folder for timeline.html and the PNG/SVG figures")
+    tl.add_argument("--heads", type=int, default=3, help="strongest heads drawn per detector (default 3)")
+    tl.set_defaults(func=cmd_timeline)
 
     e = sub.add_parser("export-hf", help="export to a transformers GPT2LMHeadModel folder")
     e.add_argument("dir", help="the folder to write (new, empty, or an earlier export)")

@@ -312,4 +312,4 @@ def test_the_notebook_shows_the_record_attention_flag(capsys):
     out = capsys.readouterr().out
     m = re.search(r"largest logit difference, fused vs recorded: (\S+)", out)
     assert m and float(m.group(1)) < 1e-3, out
-    assert re.search(r"attentions: 6 blocks, each \[1, 4, \d+, \d+\]", out), out
+    assert re.search(r"patterns: 6 blocks, each \[1, 4, \d+, \d+\]", out), out

@@ -491,7 +491,7 @@ def test_one_long_story_on_a_many_head_model_is_drawn_within_a_budget(tmp_path, 
     # a model with more heads than any story can be drawn for is refused in one line
     from storylens.core.errors import StorylensError
 
-    with pytest.raises(StorylensError, match=r"heads are too many to draw one story's maps within 0 MB"):
+    with pytest.raises(StorylensError, match=r"heads are too many to draw one story's patterns within 0 MB"):
         story_attention(lm, story, budget=1000)
 
 

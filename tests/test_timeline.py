@@ -212,3 +212,51 @@ def test_a_broken_timeline_is_one_line(tmp_path):
     (tmp_path / TIMELINE_FILE).write_text('{"step": 4, "heads": []}\nnot json\n')
     with pytest.raises(StorylensError, match=r"heads_timeline.jsonl:2: not a timeline entry"):
         read_timeline(tmp_path)
+
+
+def test_storylens_timeline_draws_a_run_and_compares_two(reference_run, tmp_path):
+    out, export, _ = reference_run
+    page = tmp_path / "page"
+    assert main(["timeline", str(out), "--out", str(page)]) == 0
+    html = (page / "timeline.html").read_text()
+    for column in ("prev_token", "name_mass", "induction", "duplicate_token", "marker"):
+        assert (page / f"run-{column}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (page / f"run-{column}.svg").read_text().lstrip().startswith("<?xml")
+    assert "2 blocks x 2 heads" in html and html.count('<img src="data:image/png;base64,') == 5
+    assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # offline
+    # an exported model folder holds the same timeline: two runs side by side
+    both = tmp_path / "both"
+    assert main(["timeline", str(out), str(export), "--out", str(both)]) == 0
+    html = (both / "timeline.html").read_text()
+    assert "The runs side by side" in html and "<td>run</td>" in html and "<td>model</td>" in html
+
+
+def test_timeline_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "o")]) == 1
+    assert "no head timeline here" in capsys.readouterr().err
+    assert main(["timeline", str(tmp_path), "--heads", "0", "--out", str(tmp_path / "o")]) == 2
+
+
+def _entry(step, induction_score, quiz_loss, prev):
+    heads = [
+        {"label": "L1H1", "block": 1, "head": 1, "prev_token": prev},
+        {"label": "L2H1", "block": 2, "head": 1, "prev_token": 0.1},
+    ]
+    return {
+        "step": step,
+        "tokens": step * 100,
+        "quiz_loss": quiz_loss,
+        "heads": heads,
+        "induction": {"score": induction_score},
+    }
+
+
+def test_reading_a_timeline_induction_bumps_and_formation():
+    from storylens.training.timeline import formation, induction_step, loss_bumps
+
+    entries = [_entry(1, 0.0, 5.0, 0.1), _entry(2, 0.2, 4.0, 0.2), _entry(3, 1.5, 4.1, 0.6), _entry(4, 1.6, 3.0, 0.7)]
+    assert induction_step(entries) == {"step": 3, "tokens": 300, "rise": 1.3}
+    assert [b["step"] for b in loss_bumps(entries)] == [3]
+    f = formation(entries, "prev_token")
+    assert f["head"] == "L1H1" and f["block"] == 1 and f["half_way_step"] == 3  # 0.1 -> 0.7: half way is 0.4
+    assert induction_step(entries[:1]) is None

@@ -222,3 +222,48 @@ def read_timeline(path: str | Path) -> list[dict]:
 def write_timeline(path: Path, entries: Sequence[dict]) -> None:
     """The whole file, atomically (a kill leaves the old one)."""
     write_text_atomic(path, "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries))
+
+
+# ---------------------------------------------------------------- reading a timeline
+
+
+def induction_step(entries: Sequence[dict]) -> dict | None:
+    """Where induction appears: the evaluation after the largest rise of the induction score
+    (first-copy minus second-copy loss) between two evaluations. None with fewer than two."""
+    if len(entries) < 2:
+        return None
+    rises = [(b["induction"]["score"] - a["induction"]["score"], b) for a, b in zip(entries, entries[1:])]
+    rise, at = max(rises, key=lambda r: r[0])
+    return {"step": at["step"], "tokens": at["tokens"], "rise": rise}
+
+
+def loss_bumps(entries: Sequence[dict]) -> list[dict]:
+    """Every evaluation whose quiz loss is higher than the one before (a bump in the loss)."""
+    return [
+        {"step": b["step"], "tokens": b["tokens"], "rise": b["quiz_loss"] - a["quiz_loss"]}
+        for a, b in zip(entries, entries[1:])
+        if b["quiz_loss"] > a["quiz_loss"]
+    ]
+
+
+def formation(entries: Sequence[dict], column: str) -> dict | None:
+    """When and where a kind of head forms: the head with the highest ``column`` at the last
+    evaluation, its block (from 1), and the first evaluation at which its score is at least half
+    way from its first value to its last (the midpoint crossing)."""
+    if not entries:
+        return None
+    rows = [h for h in entries[-1]["heads"] if isinstance(h.get(column), (int, float))]
+    if not rows:
+        return None
+    best = max(rows, key=lambda h: h[column])
+    values = [next(h[column] for h in e["heads"] if h["label"] == best["label"]) for e in entries]
+    half = values[0] + (values[-1] - values[0]) / 2
+    at = next(e for e, v in zip(entries, values) if (v >= half if values[-1] >= values[0] else v <= half))
+    return {
+        "head": best["label"],
+        "block": best["block"],
+        "first": values[0],
+        "last": values[-1],
+        "half_way_step": at["step"],
+        "half_way_tokens": at["tokens"],
+    }

@@ -1,0 +1,106 @@
+"""``storylens timeline RUN [RUN ...] --out DIR``: a training run's head timeline as figures and one
+self-contained page; several runs side by side.
+
+For each run: one figure per detector (its strongest heads over training tokens, above the quiz
+loss and the induction test), with the step where the induction score rose most marked, written
+as PNG and SVG; ``timeline.html`` shows every figure (embedded) and a table per run of when and
+where each kind of head formed. Nothing here trains or runs a model: it reads the timelines.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+from storylens.core.errors import StorylensError
+from storylens.core.publish import publish_folder
+from storylens.training.timeline import TIMELINE_FILE, formation, induction_step, loss_bumps, read_timeline
+from storylens.viz.figures import figure_png_bytes
+from storylens.viz.timeline import figure_svg, timeline_figure
+
+COLUMNS = ("prev_token", "name_mass", "induction", "duplicate_token", "marker")  # one figure each
+KINDS = {"prev_token": "previous-token", "name_mass": "name", "induction": "induction"}  # the formation table
+
+_ENV = Environment(loader=PackageLoader("storylens.training", "templates"), autoescape=True, undefined=StrictUndefined)
+
+
+def _run_name(path: Path) -> str:
+    path = path.resolve()
+    return path.parent.name if path.name == TIMELINE_FILE else path.name
+
+
+def run_summary(name: str, entries: Sequence[dict]) -> dict:
+    """What the page says about one run, as data."""
+    last = entries[-1]
+    labels = [h["label"] for h in last["heads"]]
+    blocks = max(h["block"] for h in last["heads"])
+    return {
+        "name": name,
+        "blocks": blocks,
+        "heads_per_block": len(labels) // blocks,
+        "evaluations": len(entries),
+        "tokens": last["tokens"],
+        "quiz_perplexity": last["quiz_perplexity"],
+        "second_copy_loss": last["induction"]["second_copy_loss"],
+        "first_copy_loss": last["induction"]["first_copy_loss"],
+        "in_context": last["in_context"]["score"],
+        "induction_step": induction_step(entries),
+        "loss_bumps": loss_bumps(entries),
+        "formation": {kind: formation(entries, col) for col, kind in KINDS.items()},
+    }
+
+
+def write_timeline_page(runs: Sequence[str | Path], out: str | Path, *, k: int = 3) -> Path:
+    """Read each run's timeline and publish the figures and ``timeline.html`` into ``out``."""
+    if not runs:
+        raise StorylensError("timeline: give at least one training run folder")
+    named = []
+    for run in runs:
+        path = Path(run)
+        entries = read_timeline(path)
+        if not entries:
+            raise StorylensError(f"{path}: the head timeline has no evaluation yet")
+        named.append((_run_name(path), entries))
+    if len({n for n, _ in named}) < len(named):
+        raise StorylensError("timeline: two runs share a folder name; give folders with different names")
+    out = Path(out)
+    with publish_folder(out, "timeline") as tmp:
+        views = []
+        for name, entries in named:
+            summary = run_summary(name, entries)
+            mark = summary["induction_step"]
+            figures = []
+            for column in COLUMNS:
+                fig = timeline_figure(
+                    entries,
+                    column,
+                    k=k,
+                    mark_tokens=mark["tokens"] if mark else None,
+                    mark_label=f"induction score's largest rise ({mark['rise']:+.2f} nats)" if mark else "",
+                    title=f"{name}: {column}, the {k} strongest heads at the end",
+                )
+                stem = f"{name}-{column}"
+                png = figure_png_bytes(fig, dpi=110)
+                (tmp / f"{stem}.png").write_bytes(png)
+                (tmp / f"{stem}.svg").write_text(figure_svg(fig), encoding="utf-8")
+                figures.append(
+                    {
+                        "column": column,
+                        "stem": stem,
+                        "uri": "data:image/png;base64," + base64.b64encode(png).decode("ascii"),
+                    }
+                )
+            views.append({**summary, "figures": figures})
+        page = _ENV.get_template("timeline.html.j2").render(runs=views, columns=COLUMNS, k=k, fmt=_fmt)
+        (tmp / "timeline.html").write_text(page, encoding="utf-8")
+    return out
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return format(x, spec)
