@@ -35,7 +35,7 @@ import torch
 from torch.nn import functional as F
 
 from storylens.analysis.detectors import BUILTIN_DETECTORS
-from storylens.analysis.encode import encode_stories
+from storylens.analysis.encode import BATCH_STORIES, encode_stories
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.scores import score_heads
 from storylens.core.batching import length_batches, pad_batch
@@ -156,11 +156,12 @@ def induction_test(forward: Forward, sequences: torch.Tensor, *, batch_size: int
 
 
 def measure(model: GPT, tokenizer, quiz: Sequence[str], *, batch_size: int = 16) -> dict:
-    """Everything a timeline entry holds about ``model`` (in evaluation mode inside)."""
+    """Everything a timeline entry holds about ``model`` (in evaluation mode inside). The head table
+    is scored in ``storylens score``'s batches (``BATCH_STORIES``), so the two give the same numbers."""
     lm = NativeLM(model, tokenizer)
     with eval_mode(model):
         encoded = encode_stories(lm, quiz, name_vocabulary(quiz))
-        scores = score_heads(lm, encoded, batch_size=batch_size, detectors=BUILTIN_DETECTORS, progress=False)
+        scores = score_heads(lm, encoded, batch_size=BATCH_STORIES, detectors=BUILTIN_DETECTORS, progress=False)
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             logits = model(ids).logits
