@@ -39,27 +39,21 @@ from storylens.core.errors import StorylensError
 PREV_SPAN = 4  # prev4: attention on the last four positions together
 
 # every column the head table already has: a user detector may not take one of these names
-RESERVED_COLUMNS = frozenset(
-    (
-        "label",
-        "block",
-        "head",
-        "layer",
-        "extra",
-        "name_mass",
-        "name_baseline",
-        "name_ratio",
-        "prev_token",
-        "prev_argmax",
-        "prev4",
-        "prev_token_first",
-        "prev_argmax_first",
-        "prev4_first",
-        "marker",
-        "duplicate_token",
-        "induction",
-    )
+SCORE_COLUMNS = (  # the head table's score columns, in order (storylens.analysis.scores)
+    "name_mass",
+    "name_baseline",
+    "name_ratio",
+    "prev_token",
+    "prev_argmax",
+    "prev4",
+    "prev_token_first",
+    "prev_argmax_first",
+    "prev4_first",
+    "marker",
+    "duplicate_token",
+    "induction",
 )
+RESERVED_COLUMNS = frozenset(("label", "block", "head", "layer", "extra", *SCORE_COLUMNS))
 
 
 # ---------------------------------------------------------------- what a batch offers

@@ -58,27 +58,13 @@ from pathlib import Path
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks, Detector, masked_mean
+from storylens.analysis.detectors import BUILTIN_DETECTORS, SCORE_COLUMNS, BatchMasks, Detector, masked_mean
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.record import record
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.lm import wrap
 
-SCORE_COLUMNS = (
-    "name_mass",
-    "name_baseline",
-    "name_ratio",
-    "prev_token",
-    "prev_argmax",
-    "prev4",
-    "prev_token_first",
-    "prev_argmax_first",
-    "prev4_first",
-    "marker",
-    "duplicate_token",
-    "induction",
-)
 _COUNT_FIELDS = (
     "n_stories",
     "n_cut",
