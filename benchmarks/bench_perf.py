@@ -86,6 +86,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
     import torch
 
     from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
+    from storylens.analysis.faithful import head_norms, key_norms, ov_gram
     from storylens.analysis.scores import HeadScoreAccumulator, score_heads
     from storylens.lm import NativeLM
     from storylens.model.hub import export_hf, load_model
@@ -104,10 +105,29 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
     lm = NativeLM(model)
 
+    grams = [ov_gram(lm.head_output_weights(i)) for i in range(L)]
+
     @torch.inference_mode()
-    def record_and_score(detectors=LESSON_DETECTORS):  # the lesson's measures, as TransformerLens gets below
-        acc = HeadScoreAccumulator(L, H, detectors)
+    def record_and_score(detectors=LESSON_DETECTORS, faithful: bool = False, examples: int = 0):
+        """The lesson's measures (as TransformerLens gets below); ``faithful``: also every detector on the
+        norm-weighted map and the output norms (hook_v, hook_z); ``examples``: the top examples too."""
+        acc = HeadScoreAccumulator(L, H, detectors, faithful=faithful, examples=examples)
         feed = [(f"blocks.{i}.attn.hook_pattern", lambda p, hook: acc.block(hook.layer, p)) for i in range(L)]
+        if faithful:
+            feed += [
+                (
+                    f"blocks.{i}.attn.hook_v",
+                    lambda v, hook: acc.value_norms(hook.layer, key_norms(v, grams[hook.layer])),
+                )
+                for i in range(L)
+            ]
+            feed += [
+                (
+                    f"blocks.{i}.attn.hook_z",
+                    lambda z, hook: acc.output_norms(hook.layer, head_norms(z, grams[hook.layer])),
+                )
+                for i in range(L)
+            ]
         with lm.hooks(feed):
             for b in batches:
                 acc.begin(b)
@@ -119,6 +139,8 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
         "bare fused forward": bare,
         "storylens record + score": record_and_score,
         "storylens record + score, every detector": lambda: record_and_score(BUILTIN_DETECTORS),
+        "... and norm-weighted, output norms": lambda: record_and_score(BUILTIN_DETECTORS, faithful=True),
+        "... and the top 8 examples": lambda: record_and_score(BUILTIN_DETECTORS, faithful=True, examples=8),
         "storylens score_heads (all)": lambda: score_heads(model, quiz, max_stories_prev=100, progress=False),
     }
     agree = None
@@ -136,7 +158,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
         @torch.inference_mode()
         def tl():
-            acc = HeadScoreAccumulator(L, H, LESSON_DETECTORS)
+            acc = HeadScoreAccumulator(L, H, LESSON_DETECTORS, faithful=False)
             for b in batches:
                 _, cache = bridge.run_with_cache(b.ids, names_filter=lambda n: n in names)
                 acc.update([cache[n] for n in names], b)

@@ -368,6 +368,26 @@ off, the model relies on that head for names, not just looks with it. `storylens
 runs this for every head (and a position control and a pronoun test); the head that attends most
 to the name is not always the one whose loss hurts most.
 
+### Where a head looks, and what it moves
+
+A head can put most of its attention on a token whose value vector is tiny, and then pass on
+almost nothing: attention is where it looks, not what it moves. `score_heads` also scores every
+detector on the **norm-weighted** map (each key's attention times the size of what that key
+carries through the head's output projection, renormalised; Kobayashi et al. 2020) and measures
+each head's **output share** of its block. The next cell puts the three side by side with the loss
+change when each detector's strongest heads are switched off, and says in numbers where they
+agree and where they part.
+"""),
+    code("""
+from storylens.analysis.truth import truth_table
+truth = truth_table(model, scores, quiz)
+for r in truth.rows:
+    print(f"{r.detector:16} {r.head}  raw {r.raw:.3f}  norm-weighted {r.norm:.3f}  "
+          f"share {r.share:.0%}  loss +{r.zero_increase:.3f} (zero) on {r.where}")
+print()
+print("\\n".join(truth.sentences))
+"""),
+    md("""
 ## Check yourself
 
 The number to reproduce with this notebook: the top name-mass head, its mass, the baseline and

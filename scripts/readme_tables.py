@@ -4,7 +4,7 @@
     python scripts/readme_tables.py report/summary.json check.json
 
 Replaces the text between <!-- lesson-table:start/end --> (from summary.json), <!-- beyond:start/end -->
-(when the report ran --beyond) and, if a check JSON is given, <!-- check:start/end -->. tests/test_report.py fails when the README's lesson table and a
+(when the report ran --beyond), <!-- truth:start/end --> (the faithfulness table) and, if a check JSON is given, <!-- check:start/end -->. tests/test_report.py fails when the README's lesson table and a
 fresh report disagree.
 """
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.readme_check_table import table as check_table
 from storylens.lesson.report import LESSON_TABLE, lesson_table
-from storylens.lesson.summary import BeyondSummary, load
+from storylens.lesson.summary import BeyondSummary, Faithfulness, load
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -63,12 +63,36 @@ def beyond_paragraph(b: BeyondSummary) -> str:
     return text
 
 
+def truth_table(f: Faithfulness) -> str:
+    """The README's "what heads move" table, from the report's faithfulness section."""
+    rho = {a.detector: a.rho for a in f.agreements}
+    lines = [
+        "| detector | head | raw | norm-weighted | output share | loss + switched off (zero / mean) | rank correlation |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in f.rows:
+        corr = "" if rho.get(r.detector) is None else f"{rho[r.detector]:.2f}"
+        lines.append(
+            f"| {r.detector} | {r.head} | {r.raw:.3f} | {r.norm:.3f} | {r.share:.1%} | "
+            f"{r.zero_increase:+.3f} / {r.mean_increase:+.3f} on {r.where} | {corr} |"
+        )
+    flagged = ", ".join(f"{h} ({d})" for h, d in f.flagged) or "none"
+    lines.append("")
+    lines.append(
+        f"Ablations on the first {f.n_stories} quiz stories. Heads that look without moving (strong on a detector, "
+        f"under a quarter of an even share of their block's output): {flagged}."
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
     text = README.read_text()
     summary = load(sys.argv[1])
     text = replace_between(text, LESSON_TABLE, lesson_table(summary))
     if summary.beyond is not None:
         text = replace_between(text, "beyond", beyond_paragraph(summary.beyond))
+    if summary.faithfulness is not None:
+        text = replace_between(text, "truth", truth_table(summary.faithfulness))
     if len(sys.argv) > 2:
         text = replace_between(text, "check", check_table(json.loads(Path(sys.argv[2]).read_text())))
     README.write_text(text)

@@ -15,13 +15,14 @@ from storylens.analysis.ablation import generation_divergence, name_ablation_tab
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.perplexity import perplexity
+from storylens.analysis.truth import TRUTH_STORIES
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
 from storylens.core.progress import progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
 from storylens.corpus.ray_engine import check_address
-from storylens.corpus.score import score_corpus
+from storylens.corpus.score import EXAMPLES, score_corpus
 from storylens.data.sources import open_source
 from storylens.data.stories import download_tinystories, load_split
 from storylens.lesson.checks import run_checks
@@ -516,6 +517,15 @@ def print_summary(report, file=None) -> None:
 def add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
     _add_model(r)
+    _add_examples(r)
+    r.add_argument(
+        "--truth-stories",
+        type=int,
+        default=TRUTH_STORIES,
+        metavar="N",
+        help="switch each detector's strongest heads off on the first N quiz stories, for the table of what "
+        f"heads look at, move and matter for (default {TRUTH_STORIES}; 0: leave the table out)",
+    )
     r.add_argument(
         "--stories",
         default=None,
@@ -588,6 +598,8 @@ def _cmd_report(args) -> int:
         beyond=args.beyond,
         progress=not args.no_progress,
         detectors=detectors,
+        examples=args.examples,
+        truth_stories=args.truth_stories,
     )
     print_summary(report)
     return 0
@@ -698,9 +710,20 @@ def add_score_parser(sub) -> None:
     s.add_argument("--workers", type=int, default=2, help="with --engine ray: how many actors (default 2)")
     s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
+    _add_examples(s)
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_model(s)
     s.set_defaults(func=cmd_score)
+
+
+def _add_examples(s) -> None:
+    s.add_argument(
+        "--examples",
+        type=int,
+        default=EXAMPLES,
+        metavar="K",
+        help=f"keep the K queries where each head fires most, per detector, in examples.json (default {EXAMPLES}; 0: none)",
+    )
 
 
 def cmd_score(args) -> int:
@@ -731,6 +754,7 @@ def cmd_score(args) -> int:
         model_source=args.model,
         detectors=detectors,
         progress=not args.no_progress,
+        examples=args.examples,
     )
     s = run.summary
     st = s["stories"]

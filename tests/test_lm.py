@@ -94,10 +94,14 @@ def _reference(model, ids: list[int], marker: int, name_pos: list[int], first: i
     """Per-story means ``[layer, head]`` of every built-in detector, from ``output_attentions``."""
     with torch.no_grad():
         atts = model(torch.tensor([ids]), output_attentions=True).attentions
+    return _reference_on([att[0] for att in atts], ids, marker, name_pos, first)
+
+
+def _reference_on(maps: list[torch.Tensor], ids: list[int], marker: int, name_pos: list[int], first: int | None):
+    """The same per-story means from any per-layer maps ``[head, q, k]``."""
     T = len(ids)
     out = {k: [] for k in ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")}
-    for att in atts:
-        a = att[0]  # [head, q, k], float64
+    for a in maps:  # [head, q, k], float64
         H = a.shape[0]
         rows = {k: [] for k in out}
         for h in range(H):
@@ -121,6 +125,16 @@ def _reference(model, ids: list[int], marker: int, name_pos: list[int], first: i
     return out
 
 
+def _story(lm, text: str, names) -> tuple[list[int], list[int], int | None]:
+    """A story as the reference reads it: ``[marker] + tokens`` cut to the window, the main
+    character's name positions and its first mention (None without one)."""
+    enc = lm.tokenizer.encode(text, add_special_tokens=False)
+    ids = ([lm.marker_id] + enc.ids)[:WINDOW]
+    mc = main_character(text, enc.offsets, names, WINDOW)
+    pos = list(mc.positions) if mc is not None else []
+    return ids, pos, mc.first_mention if mc is not None and pos else None
+
+
 def test_every_score_equals_transformers_output_attentions(tiny_folder, quiz):
     lm = load_lm(tiny_folder, dtype=torch.float64)
     assert isinstance(lm, TransformersLM) and lm.window == WINDOW and lm.n_layer == 2 and lm.n_head == 4
@@ -130,11 +144,7 @@ def test_every_score_equals_transformers_output_attentions(tiny_folder, quiz):
     names = name_vocabulary(stories)
     sums: dict[str, list] = {}
     for i, text in enumerate(stories):
-        enc = lm.tokenizer.encode(text, add_special_tokens=False)
-        ids = ([lm.marker_id] + enc.ids)[:WINDOW]
-        mc = main_character(text, enc.offsets, names, WINDOW)
-        pos = list(mc.positions) if mc is not None else []
-        first = mc.first_mention if mc is not None and pos else None
+        ids, pos, first = _story(lm, text, names)
         ref = _reference(lm.module, ids, lm.marker_id, pos, first)
         for k, grid in ref.items():
             for layer, row in enumerate(grid):
@@ -202,6 +212,12 @@ def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):
     assert "of 8 heads below the baseline" in r.stdout
     html = (out / "report.html").read_text()
     assert "All 8 heads" in html and "Not run for this model" in html
+    # what the heads move and where they fire, on every model kind
+    assert all(isinstance(h["norm_marker"], float) and 0 < h["output_share"] < 1 for h in heads)
+    assert "Does attention tell the truth here?" in html
+    examples = json.loads((out / "examples.json").read_text())
+    assert [h["label"] for h in examples["heads"]] == [h["label"] for h in heads]
+    assert all(len(h["examples"]["prev_token"]) == 8 for h in examples["heads"])
 
 
 def test_report_on_the_export(native, tmp_path):
@@ -243,3 +259,108 @@ def test_commands_on_a_transformers_folder(tiny_folder, tmp_path):
         timeout=600,
     )
     assert r.returncode == 1 and "storylens's own models" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- what a head moves (norm-weighted attention)
+
+
+def _value_and_output(attn, kind: str, hidden: torch.Tensor, n_head: int):
+    """Reference value vectors ``[T, head, d]`` (each query head's group) and ``W_O`` per head
+    ``[head, d, d_model]``, read from the module's own projections, written per architecture."""
+    if kind == "gpt2":
+        C = hidden.shape[-1]
+        v = attn.c_attn(hidden)[..., 2 * C :]  # c_attn: q | k | v
+        w_o = attn.c_proj.weight  # Conv1D: y = x @ W, W [H * d, d_model]
+        return v.view(-1, n_head, C // n_head), w_o.view(n_head, C // n_head, -1)
+    if kind == "gpt_neo":
+        self_attn = attn.attention
+        v = self_attn.v_proj(hidden)
+        w_o = self_attn.out_proj.weight.T  # Linear: y = x @ W.T
+        return v.view(v.shape[0], n_head, -1), w_o.reshape(n_head, -1, w_o.shape[1])
+    cfg = attn.config
+    groups, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    v = attn.v_proj(hidden).view(-1, groups, d)
+    v = torch.stack([v[:, h // (n_head // groups)] for h in range(n_head)], 1)  # head h reads group h // 2
+    w_o = attn.o_proj.weight.T
+    return v, w_o.reshape(n_head, d, -1)
+
+
+def _attention_inputs(model, ids: list[int]):
+    """Each layer's attention probabilities ``[head, q, k]`` (``output_attentions``) and the hidden
+    states its attention module was handed."""
+    from storylens.lm.interface import _attention_of, _decoder_layers
+
+    seen: dict[int, torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        attn = _attention_of(layer)
+
+        def grab(module, args, kwargs, i=i):
+            seen[i] = (args[0] if args else kwargs["hidden_states"])[0]
+
+        handles.append(attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            atts = model(torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        for h in handles:
+            h.remove()
+    return [a[0] for a in atts], [seen[i] for i in range(len(atts))]
+
+
+def test_norm_weighted_scores_and_output_norms_equal_the_direct_computation(tiny_folder, quiz):
+    """Kobayashi et al.'s norm-weighted map w_ij = a_ij |f_j| / sum_k a_ik |f_k|, f_j = W_O^h v_j,
+    computed here from transformers' own probabilities and the modules' own value and output
+    projections; storylens's norm_* columns and output norms equal it in float64."""
+    from storylens.lm.interface import _attention_of, _decoder_layers
+
+    lm = load_lm(tiny_folder, dtype=torch.float64)
+    kind = lm.module.config.model_type
+    stories = quiz[:N_STORIES]
+    got = score_heads(lm, stories, batch_size=4, progress=False, examples=3)
+    names = name_vocabulary(stories)
+    sums: dict[str, dict] = {}
+    out_norms: dict[tuple[int, int], list[float]] = {}
+    prev: dict[tuple[int, int], list[tuple[float, int, int]]] = {}  # every (value, story, query) of prev_token
+    for i, text in enumerate(stories):
+        ids, pos, first = _story(lm, text, names)
+        atts, hidden = _attention_inputs(lm.module, ids)
+        weighted = []
+        for layer, (a, x) in enumerate(zip(atts, hidden)):
+            attn = _attention_of(_decoder_layers(lm.module)[layer])
+            with torch.no_grad():
+                v, w_o = _value_and_output(attn, kind, x, lm.n_head)
+                f = torch.einsum("thd,hde->hte", v, w_o)  # [head, key, d_model]
+            norms = f.norm(dim=-1)  # [head, key]
+            w = a * norms[:, None, :]
+            weighted.append(w / w.sum(-1, keepdim=True))
+            moved = torch.einsum("hqk,hke->hqe", a, f).norm(dim=-1)  # |sum_j a_ij f_j|  [head, query]
+            for h in range(lm.n_head):
+                out_norms.setdefault((layer, h), []).append(float(moved[h, 1:].mean()))
+                prev.setdefault((layer, h), []).extend((float(a[h, q, q - 1]), i, q) for q in range(1, len(ids)))
+        for k, grid in _reference_on(weighted, ids, lm.marker_id, pos, first).items():
+            for layer, row in enumerate(grid):
+                for h, val in enumerate(row):
+                    if val is not None:
+                        sums.setdefault(k, {}).setdefault((layer, h), []).append(val)
+    checked = 0
+    for k, per_head in sums.items():
+        for (layer, h), vals in per_head.items():
+            have = getattr(got.at(Head(layer, h)), "norm_" + k)
+            assert abs(have - sum(vals) / len(vals)) <= 1e-9, (k, Head(layer, h).label)
+            checked += 1
+    assert checked == 7 * 2 * 4
+    for (layer, h), vals in out_norms.items():
+        row = got.at(Head(layer, h))
+        assert abs(row.output_norm - sum(vals) / len(vals)) <= 1e-9 * max(1.0, row.output_norm)
+        layer_sum = sum(sum(out_norms[(layer, g)]) / len(vals) for g in range(lm.n_head))
+        assert abs(row.output_share - sum(vals) / len(vals) / layer_sum) <= 1e-9
+    for (layer, h), every in prev.items():  # where each head fires: the top 3 over all the stories
+        want = sorted(every, key=lambda e: (-e[0], e[1], e[2]))[:3]
+        have = got.examples.entries(layer, h, "prev_token")
+        assert [(e.story, e.query) for e in have] == [(s, q) for _, s, q in want], Head(layer, h).label
+        assert all(abs(e.value - w[0]) <= 1e-9 for e, w in zip(have, want))
+        assert all(e.key_weight >= e.value for e in have)  # the most-attended key holds at least this share
+    moved_most = max(abs(getattr(r, "norm_" + k) - getattr(r, k)) for r in got.heads for k in sums)
+    print(f"{kind}: the norm weighting moves a score by up to {moved_most:.2e}")
+    assert moved_most > 1e-6  # the weighting is not the identity here, so the comparison tests it

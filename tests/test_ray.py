@@ -17,6 +17,7 @@ from storylens.corpus.ray_engine import score_with_ray
 from storylens.lm import NativeLM
 
 BATCH, CHUNK = 4, 8
+EXAMPLES = 8
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def single(model, stories):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        acc = HeadScoreAccumulator(6, 4)
+        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
         stats = record(NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False)
     finally:
         torch.set_num_threads(threads)
@@ -42,7 +43,7 @@ def single(model, stories):
 
 
 def on_ray(stories, workers):
-    acc = HeadScoreAccumulator(6, 4)
+    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
     stats = score_with_ray(
         None,
         stories,
@@ -52,6 +53,7 @@ def on_ray(stories, workers):
         batch_size=BATCH,
         chunk_stories=CHUNK,
         progress=False,
+        examples=EXAMPLES,
     )
     return acc, stats
 
@@ -61,6 +63,8 @@ def assert_same(a, b):
         y = b.columns(True)[k]
         assert (x - y).abs().nan_to_num(0.0).max().item() <= 1e-9, k
     assert {k: v.count for k, v in a.means.items()} == {k: v.count for k, v in b.means.items()}
+    # the top examples: a top k of the union, so the very same lists whatever the order of merging
+    assert a.examples.state() == b.examples.state()
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])

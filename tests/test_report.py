@@ -175,3 +175,36 @@ def test_a_user_detector_from_a_file(tmp_path, capsys):
         capsys, ["report", "--detector", str(tmp_path / "none.py"), "--out", str(tmp_path / "y")]
     )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_faithfulness_section_is_the_head_table(report_dir):
+    """Where heads look, what they move, what they matter for: the rows are the top heads of the head
+    table itself, with its raw and norm-weighted columns; the README's table is this report's."""
+    import math
+    import sys
+
+    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS
+
+    f = load(report_dir).faithfulness
+    heads = {h["label"]: h for h in json.loads((report_dir / "heads.json").read_text())["heads"]}
+    for d in DETECTORS:
+        rows = [r for r in f.rows if r.detector == d]
+        top = sorted(heads.values(), key=lambda h: -h[d])[:TRUTH_HEADS]
+        assert [r.head for r in rows] == [h["label"] for h in top], d
+        for r in rows:
+            h = heads[r.head]
+            assert (r.raw, r.norm, r.share) == (h[d], h["norm_" + d], h["output_share"])
+            assert math.isfinite(r.zero_increase) and math.isfinite(r.mean_increase)
+            assert r.where == ("name tokens" if d == "name_mass" else "next tokens")
+            assert r.flagged == (d in h["looks_without_moving"].split(","))
+    assert {a.detector for a in f.agreements} == set(DETECTORS)
+    assert all(a.rho is None or -1 <= a.rho <= 1 for a in f.agreements)
+    assert len(f.sentences) == len(DETECTORS) + 1 and f.n_stories == 50
+    examples = json.loads((report_dir / "examples.json").read_text())
+    assert [h["label"] for h in examples["heads"]] == list(heads)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.readme_tables import truth_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme[readme.index("<!-- truth:start -->") + 20 : readme.index("<!-- truth:end -->")].strip()
+    assert shown == truth_table(f), "regenerate the README with scripts/readme_tables.py"

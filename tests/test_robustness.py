@@ -413,7 +413,19 @@ def test_a_detector_that_misbehaves_is_one_line(corpus_file, tmp_path, capsys, n
 
 
 @pytest.mark.parametrize(
-    "name", ["name_ratio", "name_baseline", "prev_token_first", "label", "block", "head", "marker"]
+    "name",
+    [
+        "name_ratio",
+        "name_baseline",
+        "prev_token_first",
+        "label",
+        "block",
+        "head",
+        "marker",
+        "norm_marker",
+        "output_share",
+        "looks_without_moving",
+    ],
 )
 def test_a_detector_name_that_is_already_a_column(tmp_path, corpus_file, capsys, name):
     f = tmp_path / "d.py"
@@ -421,6 +433,15 @@ def test_a_detector_name_that_is_already_a_column(tmp_path, corpus_file, capsys,
     assert one_line(capsys, _score(tmp_path / "o", "--stories", str(corpus_file), "--detector", str(f))) == (
         f"storylens: error: --detector {f}: detector name {name!r} is already a column of the head table; "
         "choose another NAME"
+    )
+
+
+def test_a_detector_name_kept_for_a_norm_weighted_column(tmp_path, corpus_file, capsys):
+    f = tmp_path / "d.py"
+    f.write_text("NAME = 'norm_mine'\ndef pattern(ids):\n    return None\n")
+    assert one_line(capsys, _score(tmp_path / "o", "--stories", str(corpus_file), "--detector", str(f))) == (
+        f"storylens: error: --detector {f}: detector name 'norm_mine' starts with 'norm_', kept for the "
+        "norm-weighted columns; choose another NAME"
     )
 
 

@@ -127,6 +127,8 @@ def test_a_killed_run_resumes_to_the_same_numbers(files, tmp_path):
     r = subprocess.run(_cli(*common, "--out", str(out), "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "heads.json").read_text()) == json.loads((whole / "heads.json").read_text())
+    examples = json.loads((out / "examples.json").read_text())
+    assert examples == json.loads((whole / "examples.json").read_text()) and examples["k"] == 8
     assert json.loads((out / "summary.json").read_text())["engine"]["resumed_from"] == done
     assert not ckpt.exists()
 

@@ -42,11 +42,15 @@ class MeanAccumulator:
         return {"total": self.total.tolist(), "count": self.count}
 
     @classmethod
-    def from_state(cls, state: dict, shape: tuple[int, ...], *, max_count: int | None = None) -> MeanAccumulator:
+    def from_state(
+        cls, state: dict, shape: tuple[int, ...], *, max_count: int | None = None, bounded: bool = True
+    ) -> MeanAccumulator:
         """The accumulator :meth:`state` wrote, every number checked: a whole count from 0 to
         ``max_count``, finite sums of per-story values in [0, 1] (every score storylens keeps is a
         share of attention), so each sum lies in [0, count] up to float64 rounding (a sum of n
-        terms is off by at most n^2 u for terms of magnitude up to 1, u = 2^-53: allowed twice)."""
+        terms is off by at most n^2 u for terms of magnitude up to 1, u = 2^-53: allowed twice).
+        ``bounded=False``: per-story values 0 or more with no upper bound (a head's output norm),
+        so only finite sums of at least 0 (no story can make a sum negative)."""
         acc = cls(shape)
         if not isinstance(state, dict) or set(state) != {"total", "count"}:
             raise ValueError("not a {total, count} object")
@@ -65,6 +69,12 @@ class MeanAccumulator:
         if total.shape != acc.total.shape:
             raise ValueError(f"shape {tuple(total.shape)}, expected {tuple(acc.total.shape)}")
         slack = 2 * count * count * 2.0**-53
+        if not bounded:
+            bad = ~torch.isfinite(total) | (total < 0)
+            if bad.any():
+                raise ValueError(f"a sum of {total[bad].flatten()[0].item():g} over {count} stories is not 0 or more")
+            acc.total, acc.count = total, count
+            return acc
         bad = ~torch.isfinite(total) | (total < -slack) | (total > count + slack)
         if bad.any():
             raise ValueError(f"a sum of {total[bad].flatten()[0].item():g} over {count} stories is outside 0..{count}")

@@ -53,7 +53,16 @@ SCORE_COLUMNS = (  # the head table's score columns, in order (storylens.analysi
     "duplicate_token",
     "induction",
 )
-RESERVED_COLUMNS = frozenset(("label", "block", "head", "layer", "extra", *SCORE_COLUMNS))
+NORM_PREFIX = "norm_"  # norm_<detector>: the same detector on the norm-weighted map (storylens.analysis.faithful)
+NORM_COLUMNS = tuple(
+    NORM_PREFIX + c
+    for c in ("name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
+)
+MOVE_COLUMNS = ("output_norm", "output_share")  # what each head writes (storylens.analysis.faithful)
+FLAG_COLUMN = "looks_without_moving"  # the detectors a head is strong on while it writes almost nothing
+RESERVED_COLUMNS = frozenset(
+    ("label", "block", "head", "layer", "extra", FLAG_COLUMN, *SCORE_COLUMNS, *NORM_COLUMNS, *MOVE_COLUMNS)
+)
 
 
 # ---------------------------------------------------------------- what a batch offers
@@ -264,6 +273,10 @@ def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> D
         raise ValueError(f"detector name {name!r}: use letters, digits and _ (it becomes a column)")
     if name in RESERVED_COLUMNS:
         raise ValueError(f"detector name {name!r} is already a column of the head table; choose another NAME")
+    if name.startswith(NORM_PREFIX):
+        raise ValueError(
+            f"detector name {name!r} starts with {NORM_PREFIX!r}, kept for the norm-weighted columns; choose another NAME"
+        )
     cache_key = f"_pattern_{name}"
 
     def keys(m: BatchMasks) -> torch.Tensor:

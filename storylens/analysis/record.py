@@ -10,6 +10,13 @@ A *measure* is any object with three methods (an accumulator):
 ``end()``
     the batch is done.
 
+A measure with ``faithful = True`` and two more methods, ``value_norms(layer, norms)`` and
+``output_norms(layer, norms)``, is handed,
+from the same pass, ``|f_j|`` for every key before the block's pattern (``norms [batch, head, key]``,
+each value vector through its head's slice of the output projection, from ``hook_v``) and the size
+of what each head writes at every query after it (``[batch, head, query]``, from ``hook_z``): see
+:mod:`storylens.analysis.faithful`.
+
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns.
 """
@@ -18,11 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
+from storylens.analysis.faithful import head_norms, key_norms, ov_gram
 from storylens.analysis.names import name_vocabulary
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
@@ -90,13 +98,33 @@ def record(
         for m in measures:
             m.block(hook.layer, pattern)
 
+    hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]]
+    hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
+    movers: list[Any] = [m for m in measures if getattr(m, "faithful", False)]
+    if movers:
+        with torch.inference_mode():
+            grams = [ov_gram(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
+
+        def values(v: torch.Tensor, hook: Hook) -> None:
+            norms = key_norms(v, grams[hook.layer])
+            for m in movers:
+                m.value_norms(hook.layer, norms)
+
+        def outputs(z: torch.Tensor, hook: Hook) -> None:
+            norms = head_norms(z, grams[hook.layer])
+            for m in movers:
+                m.output_norms(hook.layer, norms)
+
+        hooks += [(f"blocks.{i}.attn.hook_v", values) for i in range(lm.n_layer)]
+        hooks += [(f"blocks.{i}.attn.hook_z", outputs) for i in range(lm.n_layer)]
+
     n = n_cut = n_main = 0
     if total is None and isinstance(stories, Sequence):
         total = start + len(stories)
     with (
         eval_mode(lm.module),
         torch.inference_mode(),
-        lm.hooks([(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]),
+        lm.hooks(hooks),
         tqdm(
             total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
         ) as bar,

@@ -58,8 +58,20 @@ from pathlib import Path
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import BUILTIN_DETECTORS, SCORE_COLUMNS, BatchMasks, Detector, masked_mean
+from storylens.analysis.detectors import (
+    BUILTIN_DETECTORS,
+    FLAG_COLUMN,
+    MOVE_COLUMNS,
+    NORM_COLUMNS,
+    NORM_PREFIX,
+    SCORE_COLUMNS,
+    BatchMasks,
+    Detector,
+    masked_mean,
+)
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
+from storylens.analysis.examples import TopExamples
+from storylens.analysis.faithful import looks_without_moving, norm_weighted, shares
 from storylens.analysis.record import record
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -94,9 +106,22 @@ class HeadScoreAccumulator:
     """Every detector's per-story means, summed and counted batch by batch (a measure for
     :func:`storylens.analysis.record.record`): :meth:`begin` a batch, :meth:`block` for every
     block's map as the model makes it (no map outlives its block), :meth:`end`. Mergeable:
-    :meth:`merge` adds another accumulator's sums and counts (float64), in any order."""
+    :meth:`merge` adds another accumulator's sums and counts (float64), in any order.
 
-    def __init__(self, n_layer: int, n_head: int, detectors: Sequence[Detector] = BUILTIN_DETECTORS):
+    ``faithful`` (default): also every detector on the norm-weighted map and each head's output
+    norm (:mod:`storylens.analysis.faithful`), from the value vectors and head outputs that
+    :func:`~storylens.analysis.record.record` hands over (:meth:`value_norms`, :meth:`output_norms`);
+    a batch recorded without them adds to the raw columns only."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        detectors: Sequence[Detector] = BUILTIN_DETECTORS,
+        *,
+        faithful: bool = True,
+        examples: int = 0,
+    ):
         names = [d.name for d in detectors]
         if len(set(names)) != len(names):
             raise StorylensError(f"detectors: names must differ ({', '.join(names)})")
@@ -106,20 +131,55 @@ class HeadScoreAccumulator:
         self.means = {d.name: MeanAccumulator(shape) for d in self.detectors}
         self.first = {d.name: MeanAccumulator(shape) for d in self.detectors if d.first_columns}
         self.name_baseline = MeanAccumulator(())
+        self.faithful = faithful
+        self.norm = {d.name: MeanAccumulator(shape) for d in self.detectors} if faithful else {}
+        self.output = MeanAccumulator(shape)
+        # where each head fires: the top `examples` queries per head and detector (0: not kept)
+        self.examples = TopExamples(n_layer, n_head, names, examples) if examples else None
         self._masks: BatchMasks | None = None
         self._blocks: list[dict[str, torch.Tensor] | None] = []
+        self._key_norms: dict[int, torch.Tensor] = {}
+        self._norm_blocks: list[dict[str, torch.Tensor] | None] = []
+        self._out_blocks: list[torch.Tensor | None] = []
 
     def begin(self, batch: StoryBatch, dtype: torch.dtype = torch.float32) -> None:
         self._masks = BatchMasks(batch, dtype)
         self._blocks = [None] * self.n_layer
+        self._key_norms = {}
+        self._norm_blocks = [None] * self.n_layer
+        self._out_blocks = [None] * self.n_layer
+
+    def value_norms(self, layer: int, norms: torch.Tensor) -> None:
+        """``|f_j|`` of block ``layer``'s keys ``[batch, head, key]`` (before its pattern)."""
+        if self.faithful:
+            self._key_norms[layer] = norms
+
+    def output_norms(self, layer: int, norms: torch.Tensor) -> None:
+        """``|sum_j alpha_ij f_j|`` of block ``layer`` ``[batch, head, query]`` (after its pattern)."""
+        if self._masks is None:
+            raise RuntimeError("output_norms() before begin(batch)")
+        self._out_blocks[layer] = masked_mean(norms, self._masks.queries)  # may come before the pattern
 
     def block(self, layer: int, pattern: torch.Tensor) -> None:
         if self._masks is None:
             raise RuntimeError("block() before begin(batch)")
         if self._masks.dtype != pattern.dtype:
             self._masks = BatchMasks(self._masks.batch, pattern.dtype)
-        self._blocks[layer] = {d.name: d.story_means(pattern, self._masks) for d in self.detectors}
-        self._masks.__dict__.pop("_column_mass", None)  # nothing of this block's map is kept
+        masks = self._masks
+        means, offers = {}, []
+        for d in self.detectors:
+            values, counted = d.values(pattern, masks), d.queries(masks)
+            means[d.name] = masked_mean(values, counted)
+            offers.append((d.name, values, counted))
+        if self.examples is not None:  # where each head fires: every detector's values in one selection
+            self.examples.add_block(layer, offers, pattern, masks.batch)
+        self._blocks[layer] = means
+        norms = self._key_norms.pop(layer, None)
+        if norms is not None:
+            weighted = norm_weighted(pattern, norms)  # [B, H, q, k], freed below
+            self._norm_blocks[layer] = {d.name: d.story_means(weighted, masks) for d in self.detectors}
+            del weighted
+        masks.__dict__.pop("_column_mass", None)  # nothing of this block's maps is kept
 
     update_block = block
 
@@ -129,7 +189,9 @@ class HeadScoreAccumulator:
         if self._masks is None or missing:
             raise RuntimeError(f"end(): no map for blocks {missing}")
         masks, blocks = self._masks, [b for b in self._blocks if b is not None]  # none is missing
-        self._masks, self._blocks = None, []
+        normed = [b for b in self._norm_blocks if b is not None]
+        outs = [o for o in self._out_blocks if o is not None]
+        self._masks, self._blocks, self._norm_blocks, self._out_blocks = None, [], [], []
         batch = masks.batch
         out = {}
         for d in self.detectors:
@@ -138,7 +200,11 @@ class HeadScoreAccumulator:
             self.means[d.name].add(values, counted)
             if d.first_columns:
                 self.first[d.name].add(values, counted & batch.in_first)
+            if self.faithful and len(normed) == self.n_layer:  # a batch counts in every block or none
+                self.norm[d.name].add(torch.stack([b[d.name] for b in normed], dim=1), counted)
             out[d.name] = values
+        if len(outs) == self.n_layer:
+            self.output.add(torch.stack(outs, dim=1), masks.queries.any(-1))
         if "name_mass" in self.means:
             self.name_baseline.add(name_baseline(batch, masks.name_queries), masks.name_queries.any(-1))
         return out
@@ -154,9 +220,16 @@ class HeadScoreAccumulator:
             d.name for d in self.detectors
         ]:
             raise ValueError("merge: the accumulators score different heads or detectors")
+        if other.faithful != self.faithful or (other.examples is None) != (self.examples is None):
+            raise ValueError("merge: one accumulator has the norm-weighted scores or the examples and the other not")
         for k, acc in [*self.means.items(), *(("first/" + k, v) for k, v in self.first.items())]:
             theirs = other.means[k] if not k.startswith("first/") else other.first[k[6:]]
             acc.merge(theirs)
+        for k, acc in self.norm.items():
+            acc.merge(other.norm[k])
+        self.output.merge(other.output)
+        if self.examples is not None and other.examples is not None:
+            self.examples.merge(other.examples)
         self.name_baseline.merge(other.name_baseline)
         return self
 
@@ -167,6 +240,9 @@ class HeadScoreAccumulator:
             "detectors": [d.name for d in self.detectors],
             "means": {k: a.state() for k, a in self.means.items()},
             "first": {k: a.state() for k, a in self.first.items()},
+            "norm": {k: a.state() for k, a in self.norm.items()},
+            "output": self.output.state(),
+            "examples": None if self.examples is None else self.examples.state(),
             "name_baseline": self.name_baseline.state(),
         }
 
@@ -174,12 +250,25 @@ class HeadScoreAccumulator:
         """Take the sums and counts of :meth:`state` (the same heads and detectors), every number
         checked (:meth:`MeanAccumulator.from_state`; counts at most ``max_stories``). A state
         that is not what :meth:`state` writes raises ValueError saying which part is wrong."""
-        if not isinstance(state, dict) or set(state) != {"shape", "detectors", "means", "first", "name_baseline"}:
+        if not isinstance(state, dict) or set(state) != {
+            "shape",
+            "detectors",
+            "means",
+            "first",
+            "norm",
+            "output",
+            "examples",
+            "name_baseline",
+        }:
             raise ValueError("state: not an accumulator's state")
         if state["shape"] != [self.n_layer, self.n_head] or state["detectors"] != [d.name for d in self.detectors]:
             raise ValueError("state: other heads or detectors than this accumulator's")
         shape = (self.n_layer, self.n_head)
-        parts = {"means": (state["means"], self.means), "first": (state["first"], self.first)}
+        parts = {
+            "means": (state["means"], self.means),
+            "first": (state["first"], self.first),
+            "norm": (state["norm"], self.norm),
+        }
         loaded: dict[str, dict] = {}
         for part, (given, mine) in parts.items():
             if not isinstance(given, dict) or set(given) != set(mine):
@@ -194,7 +283,23 @@ class HeadScoreAccumulator:
             baseline = MeanAccumulator.from_state(state["name_baseline"], (), max_count=max_stories)
         except ValueError as e:
             raise ValueError(f"state: name_baseline: {e}") from None
-        self.means, self.first, self.name_baseline = loaded["means"], loaded["first"], baseline
+        try:
+            output = MeanAccumulator.from_state(state["output"], shape, max_count=max_stories, bounded=False)
+        except ValueError as e:
+            raise ValueError(f"state: output: {e}") from None
+        examples = None
+        if self.examples is not None or state["examples"] is not None:
+            if self.examples is None or state["examples"] is None:
+                raise ValueError("state: examples kept in one of the state and this accumulator only")
+            try:
+                examples = TopExamples.from_state(state["examples"])
+            except ValueError as e:
+                raise ValueError(f"state: {e}") from None
+            if (examples.k, examples.detectors) != (self.examples.k, self.examples.detectors):
+                raise ValueError("state: examples of another size or other detectors")
+        self.examples = examples
+        self.means, self.first, self.norm = loaded["means"], loaded["first"], loaded["norm"]
+        self.name_baseline, self.output = baseline, output
         return self
 
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:
@@ -207,6 +312,13 @@ class HeadScoreAccumulator:
             cols["name_ratio"] = mass / base
         for k, a in self.first.items():
             cols[f"{k}_first"] = a.mean() if with_first else None
+        for k, a in self.norm.items():
+            cols[NORM_PREFIX + k] = a.mean()
+        norm_mass = cols.get(NORM_PREFIX + "name_mass")
+        if norm_mass is not None:
+            cols[NORM_PREFIX + "name_ratio"] = norm_mass / self.name_baseline.mean()
+        output = self.output.mean()
+        cols["output_norm"], cols["output_share"] = output, shares(output)
         return cols
 
 
@@ -232,7 +344,22 @@ class HeadScore:
     marker: float
     duplicate_token: float | None = None
     induction: float | None = None
-    extra: dict = field(default_factory=dict, hash=False)  # user detectors: {name: score}
+    # the same detectors on the norm-weighted map, and what the head writes (storylens.analysis.faithful)
+    norm_name_mass: float | None = None
+    norm_name_ratio: float | None = None
+    norm_prev_token: float | None = None
+    norm_prev_argmax: float | None = None
+    norm_prev4: float | None = None
+    norm_marker: float | None = None
+    norm_duplicate_token: float | None = None
+    norm_induction: float | None = None
+    output_norm: float | None = None
+    output_share: float | None = None
+    looks_without_moving: str = ""  # the detectors it is strong on while writing almost nothing, comma-separated
+    extra: dict = field(default_factory=dict, hash=False)  # user detectors: {name: score, norm_name: score}
+
+
+TABLE_COLUMNS = SCORE_COLUMNS + NORM_COLUMNS + MOVE_COLUMNS + (FLAG_COLUMN,)
 
 
 def _clean(x: float | None) -> float | None:
@@ -251,6 +378,7 @@ class HeadScores:
     max_stories_prev: int | None  # the limit asked for the *_first columns
     n_prev_first: int | None  # stories behind the *_first columns
     window: int
+    examples: TopExamples | None = field(default=None, compare=False, repr=False)  # where each head fires
 
     @property
     def name_baseline(self) -> float:
@@ -287,11 +415,12 @@ class HeadScores:
             rows.append(row)
         return rows
 
-    def column(self, name: str) -> list[float | None]:
+    def column(self, name: str) -> list:
+        """One column, block-major (a score column's values are floats or None)."""
         if name in self.extra_columns:
             return [h.extra[name] for h in self.heads]
-        if name not in SCORE_COLUMNS:
-            raise KeyError(f"{name!r} is not a score column (one of {', '.join(SCORE_COLUMNS + self.extra_columns)})")
+        if name not in TABLE_COLUMNS:
+            raise KeyError(f"{name!r} is not a score column (one of {', '.join(TABLE_COLUMNS + self.extra_columns)})")
         return [getattr(h, name) for h in self.heads]
 
     def at(self, head: Head) -> HeadScore:
@@ -358,7 +487,9 @@ class HeadScores:
             doc = json.loads(path.read_text())
             keys = [f.name for f in fields(HeadScore) if f.name != "extra"]
             heads = tuple(
-                HeadScore(**{k: row.get(k) for k in keys}, extra={k: v for k, v in row.items() if k not in keys})
+                HeadScore(
+                    **{k: row[k] for k in keys if k in row}, extra={k: v for k, v in row.items() if k not in keys}
+                )
                 for row in doc["heads"]
             )
             c = doc["counts"]
@@ -372,6 +503,12 @@ class HeadScores:
 def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore, ...]:
     cols = acc.columns(with_first)
     known = {f.name for f in fields(HeadScore)}
+    flags = None
+    if acc.output.count:
+        raw = {d.name: v for d in acc.detectors if (v := cols[d.name]) is not None}
+        share = cols["output_share"]
+        assert share is not None  # computed whenever an output was counted
+        flags = looks_without_moving(raw, share)
     rows = []
     for head in Head.every(acc.n_layer, acc.n_head):
         vals = {k: (None if v is None else _clean(float(v[head]))) for k, v in cols.items()}  # NaN: nothing counted
@@ -381,7 +518,8 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
                 block=head.layer + 1,
                 head=head.head + 1,
                 # the lesson's columns are always computed; only those typed `float | None` may be None
-                **{k: vals.get(k) for k in SCORE_COLUMNS},  # type: ignore[arg-type]
+                **{k: vals.get(k) for k in SCORE_COLUMNS + NORM_COLUMNS + MOVE_COLUMNS},  # type: ignore[arg-type]
+                looks_without_moving=",".join(flags[head.layer][head.head]) if flags else "",
                 extra={k: v for k, v in vals.items() if k not in known},
             )
         )
@@ -404,6 +542,7 @@ def score_table(acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, 
         max_stories_prev=max_stories_prev,
         n_prev_first=first.count if with_first and first is not None else None,
         window=window,
+        examples=acc.examples,
     )
 
 
@@ -419,6 +558,7 @@ def score_heads(
     progress: bool = True,
     chunk_stories: int = CHUNK_STORIES,
     tokenizer=None,
+    examples: int = 0,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories) with every detector.
 
@@ -426,7 +566,9 @@ def score_heads(
     :class:`~storylens.lm.AttentionLM`. ``names`` defaults to the name vocabulary of ``stories``
     themselves (the whole set scored, as the lesson defines it): a first pass over the texts.
     ``max_stories_prev`` adds the ``*_first`` previous-token columns over the first that many
-    stories, in the same single pass. ``measures``: more accumulators fed by the same recording
+    stories, in the same single pass. ``examples``: also keep, per head and detector, that many
+    queries where it fires most (:class:`~storylens.analysis.examples.TopExamples`, in
+    :attr:`HeadScores.examples`). ``measures``: more accumulators fed by the same recording
     (see :mod:`storylens.analysis.record`). Stories are encoded ``chunk_stories`` at a time, each
     chunk's stories go through the model longest first, ``batch_size`` at a time, padded at the
     end (causal attention: padding never changes an earlier position), and each block's map is
@@ -436,7 +578,7 @@ def score_heads(
     if max_stories_prev is not None and max_stories_prev < 1:
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors)
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples)
     stats = record(
         lm,
         stories,

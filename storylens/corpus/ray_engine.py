@@ -43,7 +43,7 @@ GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second a
 class ChunkScorer:
     """A Ray Data actor: the model, loaded once; each call scores one chunk of stories."""
 
-    def __init__(self, model_source, names, batch_size: int, detectors=None):
+    def __init__(self, model_source, names, batch_size: int, detectors=None, examples: int = 0):
         import torch
 
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
@@ -51,6 +51,7 @@ class ChunkScorer:
         self.names = frozenset(names)
         self.batch_size = batch_size
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
+        self.examples = examples
 
     def __call__(self, batch: dict) -> dict:
         try:
@@ -63,7 +64,7 @@ class ChunkScorer:
         out: dict[str, list] = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
-            acc = HeadScoreAccumulator(self.lm.n_layer, self.lm.n_head, self.detectors)
+            acc = HeadScoreAccumulator(self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples)
             stats = record(
                 self.lm,
                 texts,
@@ -257,6 +258,7 @@ def score_with_ray(
     total: int | None = None,
     progress: bool = True,
     detectors=None,
+    examples: int = 0,
     details: dict | None = None,
     start: int = 0,
     on_window=None,
@@ -282,7 +284,13 @@ def score_with_ray(
         ctx.execution_options.preserve_order = False
         ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
         pieces = chunked(source, chunk_stories, start)
-        kwargs = {"model_source": model_source, "names": names, "batch_size": batch_size, "detectors": detectors}
+        kwargs = {
+            "model_source": model_source,
+            "names": names,
+            "batch_size": batch_size,
+            "detectors": detectors,
+            "examples": examples,
+        }
         with tqdm(
             total=total,
             initial=start,
@@ -305,7 +313,7 @@ def score_with_ray(
                         if start in seen:  # Ray Data returns each chunk once; a repeat would be a bug, not a sum
                             raise StorylensError(f"ray: chunk at story {start} came back twice")
                         seen.add(start)
-                        part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors)
+                        part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=examples)
                         acc.merge(part.load_state(json.loads(row["state"])))
                         stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
                         pid = int(row["pid"])

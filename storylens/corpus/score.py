@@ -33,6 +33,7 @@ from storylens.analysis.scores import HeadScoreAccumulator, score_table
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.publish import check_target_folder, publish_folder, write_text_atomic
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.viz.tokens import token_text
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
 
@@ -42,6 +43,19 @@ class ScoreRun:
     out: Path
     scores: object  # HeadScores
     summary: dict
+
+
+EXAMPLES = 8  # queries kept per head and detector, where it fires most (examples.json)
+
+
+def check_examples(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise UsageError(f"--examples: a whole number, 0 or more (got {k!r})")
+
+
+def write_examples(examples, lm, path: Path) -> Path:
+    """examples.json: the kept queries with their tokens as text (:func:`storylens.viz.tokens.token_text`)."""
+    return examples.to_json(path, lambda i: token_text(lm.tokenizer, i))
 
 
 def checkpoint_path(out: Path) -> Path:
@@ -88,12 +102,15 @@ def score_corpus(
     model_source: str | None = None,
     detectors=None,
     progress: bool = True,
+    examples: int = EXAMPLES,
 ) -> ScoreRun:
     """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
     docstring). ``model_source`` is what each Ray actor loads (a folder or hub id; None: the shipped
-    model)."""
+    model). ``examples``: the queries kept per head and detector where it fires most (examples.json;
+    0: none)."""
 
     detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
+    check_examples(examples)
     if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
         raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
     if engine not in ("local", "ray"):
@@ -116,6 +133,7 @@ def score_corpus(
             model_source=model_source,
             detectors=detectors,
             progress=progress,
+            examples=examples,
         )
     ckpt = checkpoint_path(out)
     if ckpt.exists():
@@ -139,6 +157,7 @@ def _score_into(
     model_source,
     detectors,
     progress,
+    examples,
 ):
 
     ckpt = checkpoint_path(out)
@@ -146,10 +165,15 @@ def _score_into(
     vocab, n_total = first_pass(source, progress=progress)
     names = vocab.names()
     t_names = time.perf_counter() - t0
-    settings = {"batch_size": batch_size, "chunk_stories": chunk_stories, "detectors": [d.name for d in detectors]}
+    settings = {
+        "batch_size": batch_size,
+        "chunk_stories": chunk_stories,
+        "detectors": [d.name for d in detectors],
+        "examples": examples,
+    }
     fingerprint = _fingerprint(lm, source, names, settings)
 
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors)
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples)
     done = RecordStats(0, 0, 0)
     if ckpt.exists():
         if not resume:
@@ -202,6 +226,7 @@ def _score_into(
             total=n_total,
             progress=progress,
             detectors=detectors,
+            examples=examples,
             start=done.n_stories,
             on_window=progress_made,
         )
@@ -246,6 +271,8 @@ def _score_into(
     }
     scores.to_csv(tmp / "heads.csv")
     scores.to_json(tmp / "heads.json")
+    if acc.examples is not None:
+        write_examples(acc.examples, lm, tmp / "examples.json")
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary, scores
 

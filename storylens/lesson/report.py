@@ -31,11 +31,13 @@ from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
 from storylens.analysis.scores import score_heads
+from storylens.analysis.truth import TRUTH_STORIES, truth_table
 from storylens.core.background import run_beside
-from storylens.core.errors import StorylensError
+from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import parse_head_label
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import check_target_folder, publish_folder
+from storylens.corpus.score import EXAMPLES, check_examples, write_examples
 from storylens.data.stories import QUIZ_FILE
 from storylens.lesson.beyond import beyond_summary, run_beyond
 from storylens.lesson.checks import run_checks
@@ -45,6 +47,7 @@ from storylens.lesson.summary import (
     ArgmaxAll,
     ArgmaxFirst,
     BeyondSummary,
+    Faithfulness,
     HeadMass,
     Leakage,
     LeakageStats,
@@ -161,6 +164,8 @@ def build_report(
     progress: bool = True,
     check_stories: int = CHECK_STORIES,
     check_tokens: int = CHECK_TOKENS,
+    examples: int = EXAMPLES,
+    truth_stories: int = TRUTH_STORIES,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``.
 
@@ -184,6 +189,8 @@ def build_report(
             progress=progress,
             check_stories=check_stories,
             check_tokens=check_tokens,
+            examples=examples,
+            truth_stories=truth_stories,
         )
 
 
@@ -203,10 +210,15 @@ def _build_report(
     progress,
     check_stories,
     check_tokens,
+    examples,
+    truth_stories,
 ) -> Report:
 
     timings: dict = {}
     t_start = time.perf_counter()
+    check_examples(examples)
+    if isinstance(truth_stories, bool) or not isinstance(truth_stories, int) or truth_stories < 0:
+        raise UsageError(f"--truth-stories: a whole number, 0 or more (got {truth_stories!r})")
     out = _check_writable(Path(out))
     # one lock and one temporary folder for the whole run: a second run into the same --out is
     # refused at once, and a kill at any moment leaves the old report (see storylens.core.publish)
@@ -227,6 +239,7 @@ def _build_report(
                 detectors=BUILTIN_DETECTORS + tuple(detectors),
                 max_stories_prev=min(prev_limit, len(quiz_stories)),
                 progress=progress,
+                examples=examples,
             )
         if scores.n_name_scored == 0:
             raise StorylensError(
@@ -266,11 +279,20 @@ def _build_report(
             with _timer(timings, "beyond"):
                 past, beyond_figs = _beyond_section(lm, quiz_stories, encoded, scores, measures, tmp, progress=progress)
                 figs.update(beyond_figs)
+        truth = None
+        if truth_stories:
+            with _timer(timings, "faithfulness"):  # the top heads switched off, on the first quiz stories
+                truth = truth_table(
+                    lm, scores, encoded, n_stories=truth_stories, batch_size=batch_size, progress=progress
+                )
         summary = _summary(lm, scores, leakage, quiz_source, data, story_info)
+        summary.faithfulness = Faithfulness.of(truth) if truth is not None else None
         summary.numerics = [NumericRow.from_dict(c.to_dict()) for c in checks]
         summary.beyond = past
         scores.to_csv(tmp / "heads.csv")
         scores.to_json(tmp / "heads.json")
+        if scores.examples is not None:
+            write_examples(scores.examples, lm, tmp / "examples.json")
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings
         (tmp / "report.html").write_text(
@@ -587,6 +609,9 @@ def _head_rows(scores) -> list[list[str]]:
             _f(h.prev_argmax),
             _f(h.prev4),
             _f(h.marker),
+            _f(h.norm_marker),
+            "" if h.output_share is None else f"{h.output_share:.1%}",
+            h.looks_without_moving,
         ]
         for h in scores.heads
     ]
@@ -655,7 +680,29 @@ def _page(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_
         "extra_columns": list(scores.extra_columns),
         "all_rows": _head_rows(scores),
         "beyond": _beyond_rows(s.beyond),
+        "truth_rows": _truth_rows(s.faithfulness),
     }
+
+
+def _truth_rows(t: Faithfulness | None) -> list[list[str]]:
+    """The faithfulness table's cells: detector, head, raw, norm-weighted, output share, loss change
+    switched off (zero, mean) and where, and the flag."""
+    if t is None:
+        return []
+    return [
+        [
+            r.detector,
+            r.head,
+            _f(r.raw),
+            _f(r.norm),
+            "" if r.share is None else f"{r.share:.1%}",
+            f"{r.zero_increase:+.4f}",
+            f"{r.mean_increase:+.4f}",
+            r.where,
+            "looks without moving" if r.flagged else "",
+        ]
+        for r in t.rows
+    ]
 
 
 def _html(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_html: str) -> str:

@@ -302,6 +302,51 @@ class BeyondSummary(Plain):
 
 
 @dataclass
+class TruthRow(Plain):
+    detector: str
+    head: str
+    raw: float
+    norm: float | None
+    share: float | None
+    zero_increase: float
+    mean_increase: float
+    where: str
+    flagged: bool
+
+
+@dataclass
+class Agreement(Plain):
+    detector: str
+    rho: float | None
+    moves: list  # [head, raw rank, norm-weighted rank]
+
+
+@dataclass
+class Faithfulness(Plain):
+    """Where heads look, what they move, what they matter for: :func:`storylens.analysis.truth.truth_table`."""
+
+    rows: list[TruthRow]
+    agreements: list[Agreement]
+    n_stories: int
+    n_name_positions: int
+    n_other_positions: int
+    flagged: list  # [head, detectors]
+    sentences: list[str]
+
+    @classmethod
+    def of(cls, t) -> Faithfulness:
+        return cls(
+            rows=[TruthRow(**r.__dict__) for r in t.rows],
+            agreements=[Agreement(a.detector, a.rho, [list(m) for m in a.moves]) for a in t.agreements],
+            n_stories=t.n_stories,
+            n_name_positions=t.n_name_positions,
+            n_other_positions=t.n_other_positions,
+            flagged=[list(f) for f in t.flagged],
+            sentences=list(t.sentences),
+        )
+
+
+@dataclass
 class ReportSummary(Plain):
     model: ModelInfo
     quiz: QuizInfo
@@ -313,12 +358,14 @@ class ReportSummary(Plain):
     number_to_reproduce: NumberToReproduce
     numerics: list[NumericRow] = field(default_factory=list)
     beyond: BeyondSummary | None = None  # only with --beyond (no key in JSON without it)
+    faithfulness: Faithfulness | None = None  # where heads look, what they move (no key when not run)
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = super().to_dict()
-        if self.beyond is None:
-            del d["beyond"]
+        for key in ("beyond", "faithfulness"):
+            if d[key] is None:
+                del d[key]
         return d
 
     def to_json(self) -> str:

@@ -9,6 +9,9 @@ Both give the same handful of things: sizes (``n_layer``, ``n_head``, ``window``
 ``marker_id``, the end-of-story marker / beginning-of-sequence token), a forward pass, and
 named hook points in TransformerLens's spirit, through torch's own hooks:
 
+``blocks.{l}.attn.hook_v``
+    ``[batch, key, kv_head, head_size]``: the value vectors of block ``l`` (with grouped key/value
+    heads, ``kv_head`` counts the groups: query head ``h`` reads group ``h // (n_head // n_kv_head)``).
 ``blocks.{l}.attn.hook_pattern``
     the *pattern* of block ``l`` (0-based): its ``[batch, head, query, key]`` attention
     probabilities, read the moment they exist (on the native model only on its explicit path:
@@ -37,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -71,7 +74,8 @@ class HookSite:
 
 HookFn = Callable[[torch.Tensor, Hook], "torch.Tensor | None"]
 _M = TypeVar("_M", bound=nn.Module)
-_HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(hook_pattern|hook_z)$")
+HOOK_KINDS = ("hook_v", "hook_pattern", "hook_z")
+_HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(" + "|".join(HOOK_KINDS) + r")$")
 
 
 class AttentionLM:
@@ -82,6 +86,7 @@ class AttentionLM:
     marker_id: int
     n_layer: int
     n_head: int
+    n_kv_head: int  # key/value heads (groups); n_head without grouped attention
     window: int
     vocab_size: int
     name: str
@@ -109,14 +114,14 @@ class AttentionLM:
 
     # --- hooks
     def hook_names(self) -> list[str]:
-        return [f"blocks.{i}.attn.{k}" for i in range(self.n_layer) for k in ("hook_pattern", "hook_z")]
+        return [f"blocks.{i}.attn.{k}" for i in range(self.n_layer) for k in HOOK_KINDS]
 
     def _parse_hook(self, name: str) -> tuple[int, str]:
         m = _HOOK_NAME.match(name)
         if not m or not 0 <= int(m.group(1)) < self.n_layer:
             raise StorylensError(
                 f"hook {name!r}: no such hook point (blocks.0 .. blocks.{self.n_layer - 1}, "
-                "attn.hook_pattern or attn.hook_z)"
+                "attn.hook_v, attn.hook_pattern or attn.hook_z)"
             )
         return int(m.group(1)), m.group(2)
 
@@ -136,6 +141,12 @@ class AttentionLM:
         finally:
             for h in handles:
                 h.remove()
+
+    def head_output_weights(self, layer: int) -> torch.Tensor:
+        """``[head, head_size, d_model]``: each head's slice of block ``layer``'s output projection,
+        ``W_O^h`` (no bias), so that head ``h``'s share of the block's output at a query is
+        ``z[..., h, :] @ W_O^h``."""
+        raise NotImplementedError
 
     # --- running
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
@@ -179,8 +190,14 @@ class NativeLM(AttentionLM):
             cfg.block_size,
             cfg.vocab_size,
         )
+        self.n_kv_head = cfg.n_head
         self.name = name
         self.source_folder = getattr(model, "source_folder", None)
+
+    def head_output_weights(self, layer: int) -> torch.Tensor:
+        proj = cast(nn.Linear, self.module.get_submodule(f"transformer.h.{layer}.attn.c_proj"))
+        w = proj.weight  # [d_model, head * head_size]: y = z @ w.T
+        return w.T.reshape(self.n_head, -1, w.shape[0])
 
     def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         self._parse_hook(name)
@@ -226,6 +243,26 @@ def _output_projection(attn: nn.Module) -> nn.Module:
     raise StorylensError(f"{type(attn).__name__}: cannot find its output projection (o_proj, c_proj, out_proj)")
 
 
+def _value_projection(attn: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose output holds the value vectors, and how they sit in it: ``"v"`` (a value
+    projection of its own: Llama-style, GPT-Neo), ``"qkv"`` (GPT-2's ``c_attn``: queries, keys,
+    values side by side) or ``"neox"`` (GPT-NeoX's ``query_key_value``: per head, q, k, v)."""
+    inner = getattr(attn, "attention", None)  # GPT-Neo
+    for m in (attn, inner):
+        if m is None:
+            continue
+        for attr, kind in (("v_proj", "v"), ("c_attn", "qkv"), ("query_key_value", "neox")):
+            p = getattr(m, attr, None)
+            if isinstance(p, nn.Module):
+                return p, kind
+    raise StorylensError(f"{type(attn).__name__}: cannot find its value projection (v_proj, c_attn, query_key_value)")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D``: a linear layer that stores its weight as ``[in, out]`` (``y = x @ W + b``)."""
+    return type(module).__name__ == "Conv1D"
+
+
 class TransformersLM(AttentionLM):
     """A transformers causal LM, run with eager attention (the implementation that forms the
     probabilities). Sizes come from its config; the marker is its BOS token (else EOS)."""
@@ -254,11 +291,42 @@ class TransformersLM(AttentionLM):
         self.layers = _decoder_layers(model)
         self.n_layer = len(self.layers)
         self.n_head = int(cfg.num_attention_heads)
+        self.n_kv_head = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
         self.window = int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(cfg.vocab_size)
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
         self._attn = [_attention_of(layer) for layer in self.layers]
         self._proj = [_output_projection(a) for a in self._attn]
+        self._value: list[tuple[nn.Module, str]] | None = None  # found when hook_v is first asked for
+
+    def head_output_weights(self, layer: int) -> torch.Tensor:
+        proj = self._proj[layer]
+        w = cast(torch.Tensor, proj.weight)
+        w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
+        return w.reshape(self.n_head, -1, w.shape[1])
+
+    def _value_hook(self, layer: int, site: HookSite, fn: HookFn) -> RemovableHandle:
+        if self._value is None:
+            self._value = [_value_projection(a) for a in self._attn]
+        module, kind = self._value[layer]
+        G = self.n_kv_head
+
+        def read(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            B, T, C = out.shape
+            if kind == "v":  # [B, T, G * d]
+                v = fn(out.view(B, T, G, C // G), site)
+                return None if v is None else v.reshape(B, T, C)
+            if kind == "qkv":  # [B, T, 3 * H * d]: q | k | v
+                third = C // 3
+                v = fn(out[..., 2 * third :].view(B, T, G, third // G), site)
+                return None if v is None else torch.cat([out[..., : 2 * third], v.reshape(B, T, third)], -1)
+            per_head = out.view(B, T, G, 3, C // (3 * G))  # neox: per head [q, k, v]
+            v = fn(per_head[..., 2, :], site)
+            if v is None:
+                return None
+            return torch.cat([per_head[..., :2, :], v.unsqueeze(-2)], -2).reshape(B, T, C)
+
+        return module.register_forward_hook(read)
 
     def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         layer, kind = self._parse_hook(name)
@@ -274,6 +342,8 @@ class TransformersLM(AttentionLM):
                 fn(pattern, site)
 
             return self._attn[layer].register_forward_hook(read)
+        if kind == "hook_v":
+            return self._value_hook(layer, site, fn)
 
         H = self.n_head
 

@@ -211,7 +211,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = p_att
         # Named hook points (TransformerLens's names, torch's own forward hooks; a hook that returns a
-        # tensor replaces the value): blocks.{l}.attn.hook_pattern, blocks.{l}.attn.hook_z.
+        # tensor replaces the value): blocks.{l}.attn.hook_v, hook_pattern, hook_z.
+        self.hook_v = HookPoint(f"blocks.{layer_idx}.attn.hook_v")  # [batch, key, head, head_size]: value vectors
         self.hook_pattern = HookPoint(f"blocks.{layer_idx}.attn.hook_pattern")  # [batch, head, query, key]
         self.hook_z = HookPoint(f"blocks.{layer_idx}.attn.hook_z")  # [batch, query, head, head_size], before c_proj
 
@@ -231,7 +232,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         query = self._split_heads(self.query(x))
         key = self._split_heads(self.key(x))
-        value = self._split_heads(self.value(x))
+        value = self.hook_v(self.value(x).view(B, T, self.n_head, self.head_size)).transpose(1, 2)
 
         past = 0
         if kv_cache is not None:  # append this step's keys and values to the shelf, attend to all of them
@@ -352,7 +353,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def hook_points(self) -> dict[str, HookPoint]:
-        """This model's hook points by their TransformerLens names: ``blocks.{l}.attn.hook_pattern``
+        """This model's hook points by their TransformerLens names: ``blocks.{l}.attn.hook_v``
+        (``[batch, key, head, head_size]``, the value vectors), ``blocks.{l}.attn.hook_pattern``
         (``[batch, head, query, key]``, explicit path only) and ``blocks.{l}.attn.hook_z``
         (``[batch, query, head, head_size]``), ``l`` from 0."""
         return {m.name: m for m in self.modules() if isinstance(m, HookPoint)}

@@ -1,0 +1,453 @@
+"""Where a head fires: for every head and every detector, the ``k`` queries with the highest
+per-query value over every story recorded, kept as the recording streams (memory stays flat:
+only ``k`` entries per head and detector ever exist).
+
+:class:`TopExamples` is fed, block by block, the per-query values a detector already computed
+(``values [batch, head, query]``, the counted queries ``[batch, query]``) together with the
+block's attention map, so no detector is computed twice. For every kept query it records the
+story (its index in source order), the query position (0 = the opening marker), the value, the
+most-attended key (``argmax`` over keys, ties to the earliest key) and its weight, and the
+token ids around the query and around that key. Ids only: text is decoded when the examples
+are written (:meth:`TopExamples.to_json`).
+
+**Order.** Value descending, then story index ascending, then query position ascending; a
+``(story, query)`` pair appears at most once. It is a total order, so the top ``k`` of a set
+does not depend on how the set was split: one process, a run resumed from a checkpointed
+:meth:`~TopExamples.state`, and any number of workers :meth:`~TopExamples.merge`-d in any order
+give identical lists, ties included (a 0/1 detector gives thousands of queries with value 1;
+the earliest stories and positions win, never whatever ``torch.topk`` happens to return).
+
+**Values** are kept as Python floats equal to the tensor's values (half precision is widened
+exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storylens.core.errors import StorylensError
+from storylens.core.heads import head_label
+from storylens.core.publish import write_text_atomic
+
+KEY_BEFORE = 3  # key_tokens: the key's window is key - 3 .. key + 3
+KEY_AFTER = 4
+QUERY_AFTER = 3  # tokens: the query's window is query - context .. query + 2
+EXAMPLE_FIELDS = ("story", "query", "value", "key", "key_weight", "tokens", "query_at", "key_tokens", "key_at")
+_STATE_KEYS = {"k", "context", "shape", "detectors", "examples"}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One kept query of one head for one detector. Positions count the opening marker as 0.
+
+    ``tokens`` are the story's ids from ``max(0, query - context)`` to ``min(length, query + 3)``
+    (exclusive), the query at ``tokens[query_at]``; ``key_tokens`` the ids from ``max(0, key - 3)``
+    to ``min(length, key + 4)``, the key at ``key_tokens[key_at]``."""
+
+    story: int  # the story's index in source order
+    query: int  # query position
+    value: float  # the detector's value at this query
+    key: int  # the most-attended key position (ties: the earliest)
+    key_weight: float  # the attention weight on that key
+    tokens: tuple[int, ...]
+    query_at: int
+    key_tokens: tuple[int, ...]
+    key_at: int
+
+    @property
+    def order(self) -> tuple[float, int, int]:
+        """The sort key: best first is smallest."""
+        return (-self.value, self.story, self.query)
+
+    def to_state(self) -> dict:
+        return {
+            "story": self.story,
+            "query": self.query,
+            "value": self.value,
+            "key": self.key,
+            "key_weight": self.key_weight,
+            "tokens": list(self.tokens),
+            "query_at": self.query_at,
+            "key_tokens": list(self.key_tokens),
+            "key_at": self.key_at,
+        }
+
+
+def _best(examples, k: int) -> list[Example]:
+    """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best)."""
+    out: list[Example] = []
+    seen: set[tuple[int, int]] = set()
+    for e in sorted(examples, key=lambda e: e.order):
+        if (e.story, e.query) in seen:
+            continue
+        seen.add((e.story, e.query))
+        out.append(e)
+        if len(out) == k:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class _BatchView:
+    batch: Any
+    Q: int
+    device: torch.device
+    rows: list[list[int]]  # each story's real token ids
+    story_index: list[int]  # per batch row
+    perm: torch.Tensor | None  # the rows in story order (None: already)
+    inside: torch.Tensor  # [B, Q] real positions, rows in story order
+    story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
+    query_of: torch.Tensor  # [1, B * Q] query position of each flat position
+
+
+def _at_most(xs: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """Each float as the largest ``dtype`` value not above it (exact when it is one), on the CPU:
+    a worst value kept from a float64 run still admits every query that beats it."""
+    exact = torch.tensor(xs, dtype=torch.float64)
+    near = exact.to(dtype)
+    return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
+
+
+def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple[int, ...], int]:
+    start = max(0, at - before)
+    return tuple(ids[start : min(len(ids), at + after)]), at - start
+
+
+class TopExamples:
+    """For every head (layer, head) and every detector name, the k queries with the highest
+    per-query value over everything added: story index (source order), query position, the value,
+    the most-attended key position, and token ids around the query and around that key.
+
+    Feed it with :meth:`add` (one call per block and detector), combine with :meth:`merge`,
+    checkpoint with :meth:`state` / :meth:`load_state`, read with :meth:`entries`, write with
+    :meth:`to_json`. See the module docstring for the order."""
+
+    def __init__(self, n_layer: int, n_head: int, detectors: Sequence[str], k: int = 8, context: int = 8):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise StorylensError(f"examples: k must be a whole number of at least 1, got {k!r}")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise StorylensError(f"examples: context must be a whole number of at least 0, got {context!r}")
+        if n_layer < 1 or n_head < 1:
+            raise StorylensError(f"examples: need at least one head, got {n_layer} layers of {n_head} heads")
+        names = [str(d) for d in detectors]
+        if len(set(names)) != len(names):
+            raise StorylensError(f"examples: detector names must differ ({', '.join(names)})")
+        self.n_layer, self.n_head, self.k, self.context = n_layer, n_head, k, context
+        self.detectors = tuple(names)
+        self._kept: dict[str, list[list[list[Example]]]] = {name: self._empty() for name in self.detectors}
+        self._view: _BatchView | None = None  # the current batch's ids and story order
+
+    def __getstate__(self) -> dict:  # pickled or copied: the examples, not the last batch's tensors
+        return {**self.__dict__, "_view": None}
+
+    def _empty(self) -> list[list[list[Example]]]:
+        return [[[] for _ in range(self.n_head)] for _ in range(self.n_layer)]
+
+    # ---------------------------------------------------------------- feeding
+
+    def _batch_view(self, batch, Q: int, device: torch.device) -> _BatchView:
+        """What every call on ``batch`` shares, made once per batch (the last batch is kept)."""
+        last = self._view
+        if last is not None and last.batch is batch and last.Q == Q and last.device == device:
+            return last
+        stories = getattr(batch, "stories", ())
+        B = batch.ids.shape[0]
+        if len(stories) != B:
+            raise ValueError(
+                f"examples: the batch names {len(stories)} stories for {B} rows; "
+                "make it with storylens.analysis.encode.batch_of (the story indices are needed)"
+            )
+        story_index = [int(s.index) for s in stories]
+        lengths = [int(n) for n in batch.lengths.tolist()]
+        rows = [row[:n] for row, n in zip(batch.ids.tolist(), lengths)]
+        order = sorted(range(B), key=lambda b: story_index[b])
+        perm = None if order == list(range(B)) else torch.tensor(order, dtype=torch.long, device=device)
+        s_sorted = torch.tensor([story_index[b] for b in order], dtype=torch.long, device=device)
+        n_sorted = torch.tensor([lengths[b] for b in order], dtype=torch.long, device=device)
+        pos = torch.arange(Q, device=device)
+        inside = pos[None, :] < n_sorted[:, None]  # [B, Q]: never a padding query
+        story_of = s_sorted[:, None].expand(B, Q).reshape(1, B * Q)
+        query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
+        self._view = _BatchView(batch, Q, device, rows, story_index, perm, inside, story_of, query_of)
+        return self._view
+
+    def add(
+        self, layer: int, name: str, values: torch.Tensor, counted: torch.Tensor, pattern: torch.Tensor, batch
+    ) -> None:
+        """Offer one block's per-query values of detector ``name``: ``values [B, H, Q]``, ``counted
+        [B, Q]`` (only counted queries qualify), ``pattern [B, H, Q, K]`` (for the most-attended
+        key), ``batch`` a :class:`~storylens.analysis.encode.StoryBatch` with its ``stories``."""
+        self.add_block(layer, [(name, values, counted)], pattern, batch)
+
+    def add_block(self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern, batch) -> None:
+        """:meth:`add` for several detectors of one block at once, ``offers = [(name, values, counted),
+        ...]``: one selection over every (detector, head) row, so a block costs a few tensor calls
+        whatever the number of detectors."""
+        if not offers:
+            return
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"examples: no layer {layer} (0 .. {self.n_layer - 1})")
+        first = offers[0][1]
+        if first.dim() != 3 or first.shape[1] != self.n_head:
+            raise ValueError(f"examples: values of shape {tuple(first.shape)}; expected [batch, {self.n_head}, query]")
+        B, H, Q = first.shape
+        for name, values, counted in offers:
+            if name not in self._kept:
+                raise ValueError(f"examples: no detector {name!r} (this one keeps {', '.join(self.detectors)})")
+            if tuple(values.shape) != (B, H, Q):
+                raise ValueError(f"examples: values of shape {tuple(values.shape)}; expected {(B, H, Q)}")
+            if tuple(counted.shape) != (B, Q):
+                raise ValueError(f"examples: counted of shape {tuple(counted.shape)}; expected {(B, Q)}")
+        if pattern.dim() != 4 or tuple(pattern.shape[:3]) != (B, H, Q):
+            raise ValueError(f"examples: pattern of shape {tuple(pattern.shape)}; expected [{B}, {H}, {Q}, key]")
+        if B == 0 or Q == 0:
+            return
+        D = len(offers)
+        kept = [self._kept[name][layer][h] for name, _, _ in offers for h in range(H)]  # row r = d * H + h
+        k = self.k
+        dev = first.device
+        view = self._batch_view(batch, Q, dev)
+
+        v = torch.stack([values.detach() for _, values, _ in offers])  # [D, B, H, Q]
+        if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
+            v = v.to(torch.float32)  # exact: every half value is a float32
+        c = torch.stack([counted.detach().to(device=dev, dtype=torch.bool) for _, _, counted in offers])  # [D, B, Q]
+        if view.perm is not None:  # rows in story order, so that a flat index b * Q + q runs in (story, query) order
+            v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
+        R = D * H
+        v = v.transpose(1, 2).reshape(R, B * Q)  # [D * H, B * Q]
+        c = (c & view.inside).reshape(D, 1, B * Q).expand(D, H, B * Q).reshape(R, B * Q)
+        eligible = c & v.isfinite()
+        full = [len(kept[r]) == k for r in range(R)]
+        if any(full):  # a row that keeps k examples takes only queries that beat its worst one
+            worst = [kept[r][-1] if full[r] else None for r in range(R)]
+            wv = _at_most([e.value if e else -math.inf for e in worst], v.dtype).to(dev)[:, None]
+            ws = torch.tensor([e.story if e else -1 for e in worst], dtype=torch.long, device=dev)[:, None]
+            wq = torch.tensor([e.query if e else -1 for e in worst], dtype=torch.long, device=dev)[:, None]
+            earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [R, B * Q]
+            eligible &= (v > wv) | ((v == wv) & earlier)
+        # per row, the first k of the eligible queries under the order: every value above the k-th
+        # largest, then as many of the values equal to it as fit, earliest (story, query) first
+        masked = torch.where(eligible, v, torch.tensor(-math.inf, dtype=v.dtype, device=dev))
+        kth = masked.topk(min(k, B * Q), dim=-1).values[:, -1:]  # [R, 1]; -inf: fewer than k eligible
+        above = eligible & (v > kth)
+        tied = eligible & (v == kth)
+        room = k - above.sum(-1, keepdim=True)
+        take = above | (tied & (tied.cumsum(-1) <= room))
+        ri, fi = take.nonzero(as_tuple=True)  # at most k per row
+        if ri.numel() == 0:
+            return
+        val = v[ri, fi]
+        hi = ri % H
+        bs, qi = fi // Q, fi % Q  # bs: the row in story order
+        bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
+        # the most-attended key of each kept query: the earliest key holding the row's maximum
+        K = pattern.shape[-1]
+        flat_rows = (bi * H + hi) * Q + qi
+        if pattern.is_contiguous():
+            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, flat_rows.to(pattern.device))
+        else:
+            rowmaps = pattern.detach()[bi, hi, qi]
+        keys = torch.arange(K, device=rowmaps.device)
+        top = rowmaps.amax(-1, keepdim=True)
+        key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
+        weight = rowmaps.gather(-1, key[:, None])[:, 0]
+
+        new: list[list[Example]] = [[] for _ in range(R)]
+        rows, story_index = view.rows, view.story_index
+        for r, b, q, x, kk, w in zip(
+            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist()
+        ):
+            ids = rows[b]
+            tokens, query_at = _window(ids, q, self.context, QUERY_AFTER)
+            key_tokens, key_at = _window(ids, kk, KEY_BEFORE, KEY_AFTER)
+            new[r].append(Example(story_index[b], q, float(x), kk, float(w), tokens, query_at, key_tokens, key_at))
+        for r in range(R):
+            if new[r]:
+                name = offers[r // H][0]
+                self._kept[name][layer][r % H] = _best(kept[r] + new[r], k)
+
+    # ---------------------------------------------------------------- combining and checkpoints
+
+    def _same_kind(self, other: TopExamples, what: str) -> None:
+        mine = (self.n_layer, self.n_head, self.detectors, self.k, self.context)
+        theirs = (other.n_layer, other.n_head, other.detectors, other.k, other.context)
+        if mine != theirs:
+            raise ValueError(
+                f"{what}: other heads, detectors, k or context ({theirs[0]}x{theirs[1]} heads, "
+                f"{', '.join(theirs[2])}, k={theirs[3]}, context={theirs[4]}) than this one's "
+                f"({mine[0]}x{mine[1]} heads, {', '.join(mine[2])}, k={mine[3]}, context={mine[4]})"
+            )
+
+    def merge(self, other: TopExamples) -> TopExamples:
+        """Keep the top k of the union of both (``other`` is left as it is); returns ``self``."""
+        self._same_kind(other, "merge")
+        for name in self.detectors:
+            for mine, theirs in zip(self._kept[name], other._kept[name]):
+                for h in range(self.n_head):
+                    if theirs[h]:
+                        mine[h] = _best(mine[h] + theirs[h], self.k)
+        return self
+
+    def state(self) -> dict:
+        """Everything kept, as plain data (ints, floats, strings, lists, dicts): a checkpoint, or
+        what a worker sends to be merged. ``examples[detector][layer][head]`` lists the examples
+        best first."""
+        return {
+            "k": self.k,
+            "context": self.context,
+            "shape": [self.n_layer, self.n_head],
+            "detectors": list(self.detectors),
+            "examples": {
+                name: [[[e.to_state() for e in head] for head in layer] for layer in self._kept[name]]
+                for name in self.detectors
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> TopExamples:
+        """A new instance holding ``state`` (its sizes, detectors, k and context read from it)."""
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
+            raise ValueError(_not_a_state(state))
+        try:
+            n_layer, n_head = state["shape"]
+            made = cls(n_layer, n_head, state["detectors"], state["k"], state["context"])
+        except (TypeError, ValueError, StorylensError) as e:
+            raise ValueError(f"examples state: bad shape, detectors, k or context ({e})") from None
+        return made.load_state(state)
+
+    def load_state(self, state: dict) -> TopExamples:
+        """Take the examples of :meth:`state` (the same heads, detectors, k and context), every
+        field checked; a state that is not what :meth:`state` writes raises ValueError saying which
+        part is wrong, and changes nothing. Returns ``self``."""
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
+            raise ValueError(_not_a_state(state))
+        given = (state["shape"], state["detectors"], state["k"], state["context"])
+        mine = ([self.n_layer, self.n_head], list(self.detectors), self.k, self.context)
+        if given != mine or any(isinstance(x, bool) for x in (*given[0], given[2], given[3])):
+            raise ValueError(
+                f"examples state: shape {given[0]!r}, detectors {given[1]!r}, k {given[2]!r}, context {given[3]!r}; "
+                f"expected {mine[0]}, {mine[1]}, {mine[2]}, {mine[3]}"
+            )
+        examples = state["examples"]
+        if not isinstance(examples, dict) or set(examples) != set(self.detectors):
+            got = ", ".join(map(str, examples)) if isinstance(examples, dict) else type(examples).__name__
+            raise ValueError(
+                f"examples state: examples are for {got or 'nothing'}; expected {', '.join(self.detectors)}"
+            )
+        loaded = {}
+        for name in self.detectors:
+            layers = examples[name]
+            where = f"examples state: examples.{name}"
+            if not isinstance(layers, list) or len(layers) != self.n_layer:
+                raise ValueError(f"{where}: expected a list of {self.n_layer} layers")
+            out = self._empty()
+            for li, heads in enumerate(layers):
+                if not isinstance(heads, list) or len(heads) != self.n_head:
+                    raise ValueError(f"{where}[{li}]: expected a list of {self.n_head} heads")
+                for hi, items in enumerate(heads):
+                    out[li][hi] = self._check_list(items, f"{where}[{li}][{hi}]")
+            loaded[name] = out
+        self._kept = loaded
+        return self
+
+    def _check_list(self, items, where: str) -> list[Example]:
+        if not isinstance(items, list) or len(items) > self.k:
+            raise ValueError(f"{where}: expected a list of at most k={self.k} examples")
+        out = [self._check_example(x, f"{where}[{i}]") for i, x in enumerate(items)]
+        if out != _best(out, self.k):
+            raise ValueError(f"{where}: the examples are not best first, or a (story, query) repeats")
+        return out
+
+    def _check_example(self, x, where: str) -> Example:
+        if not isinstance(x, dict) or set(x) != set(EXAMPLE_FIELDS):
+            raise ValueError(f"{where}: expected an example with fields {', '.join(EXAMPLE_FIELDS)}")
+
+        def whole(field: str, low: int = 0) -> int:
+            v = x[field]
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{where}.{field}: expected a whole number >= {low}, got {v!r}")
+            return v
+
+        def number(field: str) -> float:
+            v = x[field]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{where}.{field}: expected a finite number, got {v!r}")
+            return float(v)
+
+        def ids(field: str) -> tuple[int, ...]:
+            v = x[field]
+            if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
+                raise ValueError(f"{where}.{field}: expected a list of token ids")
+            return tuple(v)
+
+        story, query, key, query_at, key_at = (whole(f) for f in ("story", "query", "key", "query_at", "key_at"))
+        tokens, key_tokens = ids("tokens"), ids("key_tokens")
+        if query_at != query - max(0, query - self.context) or query_at >= len(tokens):
+            raise ValueError(f"{where}.query_at: {query_at} does not place query {query} in its tokens")
+        if key_at != key - max(0, key - KEY_BEFORE):
+            raise ValueError(f"{where}.key_at: {key_at} does not place key {key} in its key_tokens")
+        return Example(story, query, number("value"), key, number("key_weight"), tokens, query_at, key_tokens, key_at)
+
+    # ---------------------------------------------------------------- reading
+
+    def entries(self, layer: int, head: int, name: str) -> list[Example]:
+        """The kept examples of head ``(layer, head)`` (0-based) for detector ``name``, best first."""
+        if name not in self._kept:
+            raise KeyError(f"{name!r}: no such detector ({', '.join(self.detectors)})")
+        if not (0 <= layer < self.n_layer and 0 <= head < self.n_head):
+            raise KeyError(f"head ({layer}, {head}): no such head ({self.n_layer} layers of {self.n_head})")
+        return list(self._kept[name][layer][head])
+
+    def as_json(self, decode: Callable[[int], str], label: Callable[[int, int], str] = head_label) -> dict:
+        """What :meth:`to_json` writes: every head, layer-major (``layer`` and ``head`` counted from 1,
+        like its label), its examples per detector with the token ids decoded one by one
+        (``decode(id) -> str``)."""
+        texts: dict[int, str] = {}
+
+        def text(ids: Sequence[int]) -> list[str]:
+            out = []
+            for t in ids:
+                if t not in texts:
+                    texts[t] = str(decode(t))
+                out.append(texts[t])
+            return out
+
+        heads = []
+        for layer in range(self.n_layer):
+            for head in range(self.n_head):
+                per = {}
+                for name in self.detectors:
+                    per[name] = [
+                        {**e.to_state(), "tokens": text(e.tokens), "key_tokens": text(e.key_tokens)}
+                        for e in self._kept[name][layer][head]
+                    ]
+                heads.append({"label": label(layer, head), "layer": layer + 1, "head": head + 1, "examples": per})
+        return {"k": self.k, "detectors": list(self.detectors), "heads": heads}
+
+    def to_json(
+        self,
+        path: str | os.PathLike,
+        decode: Callable[[int], str],
+        label: Callable[[int, int], str] = head_label,
+    ) -> Path:
+        """Write :meth:`as_json` to ``path`` atomically (a folder: ``path/examples.json``); returns
+        the file written. ``label(layer, head)`` names each head (default ``L{layer+1}H{head+1}``)."""
+        target = Path(path)
+        if target.is_dir() and not target.is_symlink():
+            target = target / "examples.json"
+        text = json.dumps(self.as_json(decode, label), ensure_ascii=False, allow_nan=False, indent=1)
+        return write_text_atomic(target, text + "\n")
+
+
+def _not_a_state(state) -> str:
+    got = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+    return f"examples state: not a TopExamples state (got {got or 'an empty dict'}; expected {', '.join(sorted(_STATE_KEYS))})"

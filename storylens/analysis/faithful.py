@@ -1,0 +1,140 @@
+"""What a head moves, not only where it looks: norm-weighted attention (Kobayashi et al. 2020,
+"Attention is not only a weight"), each head's output size, and how far raw attention and the two
+agree. Pure functions of one block's tensors; :class:`~storylens.analysis.scores.HeadScoreAccumulator`
+streams them in the same recording pass as the raw scores.
+
+For head ``h`` of a block, query ``i`` and key ``j``: ``alpha_ij`` is the attention probability and
+``f_j = v_j W_O^h`` is key ``j``'s value vector carried through the head's own slice of the output
+projection (no bias; with grouped key/value heads, the value of the group head ``h`` reads).
+
+``w_ij = alpha_ij |f_j| / sum_k alpha_ik |f_k|``
+    the *norm-weighted* map (a row still sums to 1). Every detector is also computed on it: the
+    ``norm_<detector>`` columns, with the same queries and means as the raw column.
+``output_norm``
+    the mean over queries (``q >= 1``, as the marker and previous-token scores count them) of
+    ``|sum_j alpha_ij f_j|``: the size of what the head writes into the residual stream.
+``output_share``
+    a head's ``output_norm`` over the sum of its block's heads' ``output_norm``.
+``looks_without_moving``
+    the detectors on which a head ranks among the strongest by its raw score (the top
+    :data:`TOP_SHARE` of heads, at least one) while its output share is negligible (below
+    :data:`NEGLIGIBLE_SHARE` of an even share, ``1 / n_head``): it looks there and writes almost
+    nothing, as an attention sink does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+TOP_SHARE = 0.1  # "among the strongest": the top tenth of heads on a detector's raw score
+NEGLIGIBLE_SHARE = 0.25  # "negligible": under a quarter of an even share of the block's head outputs
+
+
+def ov_gram(w_o: torch.Tensor) -> torch.Tensor:
+    """``[head, d, d]``: ``W_O^h W_O^h^T`` of :meth:`~storylens.lm.AttentionLM.head_output_weights`
+    ``[head, d, d_model]``, so that ``|x W_O^h|^2 = x M_h x^T`` costs ``d^2`` per vector, not ``d * d_model``."""
+    return w_o @ w_o.transpose(-1, -2)
+
+
+def per_query_head(v: torch.Tensor, n_head: int) -> torch.Tensor:
+    """``[batch, key, kv_head, d] -> [batch, key, head, d]``: each query head's value vectors (query
+    head ``h`` reads group ``h // (n_head // kv_head)``, as transformers' ``repeat_kv``)."""
+    groups = v.shape[2]
+    if groups == n_head:
+        return v
+    if n_head % groups:
+        raise ValueError(f"{n_head} query heads cannot share {groups} key/value heads evenly")
+    return v.repeat_interleave(n_head // groups, dim=2)
+
+
+def head_norms(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``|x[b, t, h] W_O^h|`` for ``x [batch, tokens, head, d]`` and ``gram = ov_gram(W_O)``: ``[batch, head, tokens]``."""
+    sq = torch.einsum("bthd,hde,bthe->bht", x, gram.to(x.dtype), x)
+    return sq.clamp(min=0).sqrt()  # rounding can leave a zero vector's square a hair below 0
+
+
+def key_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``|f_j|`` per query head: ``[batch, head, key]`` from ``hook_v``'s ``[batch, key, kv_head, d]``."""
+    return head_norms(per_query_head(v, gram.shape[0]), gram)
+
+
+def norm_weighted(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """``w [batch, head, query, key]`` from ``pattern`` (same shape) and ``norms [batch, head, key]``.
+    A row whose keys all carry zero vectors stays all zero (nothing is moved, so nothing is shared out)."""
+    weighted = pattern * norms[:, :, None, :].to(pattern.dtype)
+    total = weighted.sum(-1, keepdim=True)
+    return weighted / torch.where(total > 0, total, torch.ones((), dtype=total.dtype))
+
+
+def shares(output_norm: torch.Tensor) -> torch.Tensor:
+    """``[layer, head]``: each head's share of its block's summed head-output norms."""
+    return output_norm / output_norm.sum(-1, keepdim=True)
+
+
+def looks_without_moving(
+    raw: Mapping[str, torch.Tensor],
+    share: torch.Tensor,
+    *,
+    top: float = TOP_SHARE,
+    negligible: float = NEGLIGIBLE_SHARE,
+) -> list[list[tuple[str, ...]]]:
+    """``[layer][head]``: the detectors (of ``raw``, each ``[layer, head]``) on which the head is among
+    the top ``top`` share of heads by raw score while its output ``share`` is under ``negligible`` of
+    an even share (see the module docstring)."""
+    n_layer, n_head = share.shape
+    k = max(1, math.ceil(top * n_layer * n_head))
+    quiet = share < negligible / n_head
+    flags: list[list[list[str]]] = [[[] for _ in range(n_head)] for _ in range(n_layer)]
+    for name, scores in raw.items():
+        flat = torch.nan_to_num(scores.flatten().to(torch.float64), nan=-math.inf)
+        if not torch.isfinite(flat).any():
+            continue
+        strong = torch.zeros(flat.shape, dtype=torch.bool)
+        strong[sorted(range(len(flat)), key=lambda i: (-float(flat[i]), i))[:k]] = True
+        for i in torch.nonzero(strong.view(n_layer, n_head) & quiet).tolist():
+            flags[i[0]][i[1]].append(name)
+    return [[tuple(f) for f in row] for row in flags]
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """Ranks from 1 (smallest), ties given their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            out[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def rank_correlation(a: Sequence[float | None], b: Sequence[float | None]) -> float | None:
+    """Spearman's rank correlation of two columns over the heads where both exist (None when fewer
+    than three, or one column is constant there)."""
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    if len(pairs) < 3:
+        return None
+    ra, rb = ranks([p[0] for p in pairs]), ranks([p[1] for p in pairs])
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
+
+
+def rank_moves(a: Sequence[float | None], b: Sequence[float | None], labels: Sequence[str], k: int = 3):
+    """The ``k`` heads whose rank (1 = strongest) moves most from column ``a`` to column ``b``:
+    ``[(label, rank in a, rank in b)]``, largest move first."""
+    idx = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x is not None and y is not None]
+    if not idx:
+        return []
+    n = len(idx)
+    ra = ranks([-float(a[i]) for i in idx])  # type: ignore[arg-type]
+    rb = ranks([-float(b[i]) for i in idx])  # type: ignore[arg-type]
+    moved = sorted(range(n), key=lambda t: (-abs(ra[t] - rb[t]), ra[t]))[:k]
+    return [(labels[idx[t]], ra[t], rb[t]) for t in moved]

@@ -1,0 +1,178 @@
+"""Does attention tell the truth here? For the strongest heads of every detector: where the head
+looks (the raw score), what it moves there (the norm-weighted score, :mod:`storylens.analysis.faithful`),
+how much it writes (its output share), and what the model loses without it (zero and mean ablation
+through ``hook_z``, :mod:`storylens.analysis.ablation`) where the detector says the head matters:
+the name's tokens for the name detector, every next token for the others. Then, per detector, the
+rank correlation across heads between raw and norm-weighted scores and the heads whose rank moves
+most, and a few sentences that say it in measured words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from storylens.analysis.ablation import MODES, ablation_loss_table, head_output_means
+from storylens.analysis.detectors import NORM_PREFIX
+from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
+from storylens.analysis.faithful import rank_correlation, rank_moves
+from storylens.analysis.names import name_vocabulary
+from storylens.lm import wrap
+
+TRUTH_HEADS = 2  # the strongest heads of each detector that are switched off
+TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on
+DETECTORS = ("name_mass", "prev_token", "prev4", "marker", "duplicate_token", "induction")
+AGREE, PART = 0.8, 0.5  # Spearman's rho at or above AGREE: "agree"; below PART: "part"
+
+
+@dataclass(frozen=True)
+class TruthRow:
+    detector: str
+    head: str  # L{block}H{head}
+    raw: float
+    norm: float | None
+    share: float | None
+    zero_increase: float  # loss increase with the head's output set to zero (nats)
+    mean_increase: float  # ... set to its mean output
+    where: str  # "name tokens" or "next tokens"
+    flagged: bool  # looks without moving on this detector
+
+
+@dataclass(frozen=True)
+class Agreement:
+    detector: str
+    rho: float | None  # Spearman's rank correlation, raw vs norm-weighted, over every head
+    moves: tuple[tuple[str, float, float], ...]  # (head, raw rank, norm-weighted rank), 1 = strongest
+
+
+@dataclass(frozen=True)
+class Truth:
+    rows: tuple[TruthRow, ...]
+    agreements: tuple[Agreement, ...]
+    n_stories: int  # stories the ablations ran on
+    n_name_positions: int
+    n_other_positions: int
+    flagged: tuple[tuple[str, str], ...]  # (head, detectors) of every head that looks without moving
+    sentences: tuple[str, ...]
+
+
+def _detectors(scores) -> list[str]:
+    return [d for d in DETECTORS if all(v is not None for v in scores.column(d))]
+
+
+def truth_table(
+    model,
+    scores,
+    stories: Sequence[str] | Sequence[EncodedStory],
+    *,
+    k: int = TRUTH_HEADS,
+    n_stories: int = TRUTH_STORIES,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> Truth:
+    """The table for ``scores`` (a :class:`~storylens.analysis.scores.HeadScores` with its norm-weighted
+    columns) of ``model`` on ``stories`` (the same stories, as texts or already encoded); the ablations
+    run on the first ``n_stories``."""
+    lm = wrap(model)
+    given: list = list(stories)  # texts, or the records of encode_stories
+    encoded: list[EncodedStory] = given if is_encoded(given) else encode_stories(lm, given, name_vocabulary(given))
+    detectors = _detectors(scores)
+    top = {d: [h.label for h in scores.top(d, k)] for d in detectors}
+    heads = list(dict.fromkeys(label for labels in top.values() for label in labels))
+    chosen = list(encoded[:n_stories])
+    ids = [e.ids for e in chosen]
+    table = ablation_loss_table(
+        lm,
+        ids,
+        [e.mention_starts for e in chosen],
+        heads=heads,
+        modes=MODES,
+        means=head_output_means(lm, ids, batch_size=batch_size),
+        batch_size=batch_size,
+        progress=progress,
+    )
+    n_name, n_other = table.n_name_positions, table.n_other_positions
+
+    def increase(label: str, mode: str, detector: str) -> float:
+        r = table.row(label, mode)
+        if detector == "name_mass":
+            return r.name_increase
+        if n_name + n_other == 0:
+            return math.nan
+        name = r.name_increase if n_name else 0.0
+        return (n_name * name + n_other * r.other_increase) / (n_name + n_other)
+
+    rows = []
+    for d in detectors:
+        for label in top[d]:
+            h = scores.head(label)
+            rows.append(
+                TruthRow(
+                    detector=d,
+                    head=label,
+                    raw=getattr(h, d),
+                    norm=getattr(h, NORM_PREFIX + d),
+                    share=h.output_share,
+                    zero_increase=increase(label, "zero", d),
+                    mean_increase=increase(label, "mean", d),
+                    where="name tokens" if d == "name_mass" else "next tokens",
+                    flagged=d in h.looks_without_moving.split(","),
+                )
+            )
+    labels = [h.label for h in scores.heads]
+    agreements = tuple(
+        Agreement(
+            d,
+            rank_correlation(scores.column(d), scores.column(NORM_PREFIX + d)),
+            tuple(rank_moves(scores.column(d), scores.column(NORM_PREFIX + d), labels)),
+        )
+        for d in detectors
+    )
+    flagged = tuple((h.label, h.looks_without_moving) for h in scores.heads if h.looks_without_moving)
+    truth = Truth(tuple(rows), agreements, len(chosen), n_name, n_other, flagged, ())
+    return Truth(**{**truth.__dict__, "sentences": tuple(sentences(truth))})
+
+
+def _verdict(rho: float | None) -> str:
+    if rho is None:
+        return "cannot be compared (a constant column)"
+    if rho >= AGREE:
+        return f"agree (Spearman's rho {rho:.2f})"
+    if rho >= PART:
+        return f"partly agree (rho {rho:.2f})"
+    return f"part (rho {rho:.2f})"
+
+
+def sentences(t: Truth) -> list[str]:
+    """Where raw attention, the norm-weighted score and ablation agree and where they part, in the
+    table's own numbers."""
+    out = []
+    for a in t.agreements:
+        rows = [r for r in t.rows if r.detector == a.detector]
+        if not rows:
+            continue
+        best = rows[0]
+        hurts = max(rows, key=lambda r: r.zero_increase if not math.isnan(r.zero_increase) else -math.inf)
+        s = f"{a.detector}: raw and norm-weighted rankings {_verdict(a.rho)}."
+        if best.norm is not None and best.share is not None:
+            s += (
+                f" Its strongest head, {best.head}, scores {best.raw:.3f} raw and {best.norm:.3f} norm-weighted"
+                f" and writes {best.share:.0%} of its block's head output;"
+                f" switching it off changes the loss on {best.where} by {best.zero_increase:+.3f} nats"
+                f" (mean ablation {best.mean_increase:+.3f})."
+            )
+        if hurts is not best and hurts.zero_increase > best.zero_increase:
+            s += f" Of its top {len(rows)}, {hurts.head} matters more ({hurts.zero_increase:+.3f})."
+        if a.moves and a.moves[0][1] != a.moves[0][2]:
+            label, r_raw, r_norm = a.moves[0]
+            s += f" The weighting moves {label} most, from rank {r_raw:g} to {r_norm:g}."
+        out.append(s)
+    if t.flagged:
+        out.append(
+            f"{len(t.flagged)} head(s) look without moving (strong on a detector, under a quarter of an even"
+            f" share of their block's output): " + ", ".join(f"{h} ({d})" for h, d in t.flagged) + "."
+        )
+    else:
+        out.append("No head looks without moving: every head strong on a detector writes a fair share of its block.")
+    return out

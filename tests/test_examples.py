@@ -1,0 +1,319 @@
+"""TopExamples: the k strongest queries per head and detector, against a brute force over the real
+model's maps; merged, resumed and split runs identical; ties; malformed states."""
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks
+from storylens.analysis.encode import EncodedStory, batch_of, encode_stories, length_batches
+from storylens.analysis.examples import TopExamples
+from storylens.analysis.names import name_vocabulary
+from storylens.analysis.record import record
+from storylens.core.errors import StorylensError
+from storylens.lm import wrap
+
+NAMES = [d.name for d in BUILTIN_DETECTORS]
+K = 8
+
+
+# ---------------------------------------------------------------- the real model's maps, recorded once
+
+
+@pytest.fixture(scope="module")
+def recorded(shipped_model, corpus_split):
+    """24 quiz stories in batches of 4, longest first (so story indices come out of order), every
+    block's map and every built-in detector's per-query values and counted queries."""
+    lm = wrap(shipped_model)
+    stories = corpus_split.quiz[:24]
+    encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    batches = []
+    with torch.inference_mode():
+        for idx in length_batches([len(s.ids) for s in encoded], 4):
+            batch = batch_of([encoded[i] for i in idx], lm.marker_id, lm.device)
+            patterns = lm.patterns(batch.ids)
+            masks = BatchMasks(batch, patterns[0].dtype)
+            blocks = []
+            for layer, pattern in enumerate(patterns):
+                per = {d.name: (d.values(pattern, masks), d.queries(masks)) for d in BUILTIN_DETECTORS}
+                masks.__dict__.pop("_column_mass", None)
+                blocks.append((layer, pattern, per))
+            batches.append((batch, blocks))
+    return lm, encoded, batches
+
+
+def fill(lm, batches, top=None):
+    top = top if top is not None else TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
+    for batch, blocks in batches:
+        for layer, pattern, per in blocks:
+            for name, (values, counted) in per.items():
+                top.add(layer, name, values, counted, pattern, batch)
+    return top
+
+
+def test_one_call_per_block_equals_one_call_per_detector(recorded):
+    """add_block (every detector of a block in one selection, as the head scores feed it) keeps exactly
+    what one add per detector keeps."""
+    lm, _, batches = recorded
+    per_detector = fill(lm, batches)
+    per_block = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
+    for batch, blocks in batches:
+        for layer, pattern, per in blocks:
+            per_block.add_block(layer, [(name, v, c) for name, (v, c) in per.items()], pattern, batch)
+    assert per_block.state() == per_detector.state()
+
+
+def brute_force(batches, layer, head, name, k=K):
+    """Every counted query of every story, sorted by (-value, story, query), the first k."""
+    rows = []
+    for batch, blocks in batches:
+        _, pattern, per = blocks[layer]
+        values, counted = per[name]
+        for b, story in enumerate(batch.stories):
+            for q in range(len(story.ids)):
+                if counted[b, q]:
+                    rows.append((float(values[b, head, q]), story.index, q, b, pattern))
+    rows.sort(key=lambda r: (-r[0], r[1], r[2]))
+    out = []
+    for value, story, q, b, pattern in rows[:k]:
+        weights = pattern[b, head, q].tolist()
+        key = weights.index(max(weights))  # the first (earliest) maximum
+        out.append((story, q, value, key, weights[key]))
+    return out, rows
+
+
+def test_top_examples_equal_a_brute_force_over_every_query(recorded):
+    lm, encoded, batches = recorded
+    assert [s.index for s in batches[0][0].stories] != sorted(s.index for s in batches[0][0].stories)
+    top = fill(lm, batches)
+    for name in ("prev_token", "prev_argmax", "induction", "name_mass"):
+        for layer, head in ((0, 0), (1, 2), (5, 3)):
+            want, rows = brute_force(batches, layer, head, name)
+            got = top.entries(layer, head, name)
+            assert [(e.story, e.query, e.value, e.key, e.key_weight) for e in got] == want, (name, layer, head)
+            for e in got:
+                ids = list(encoded[e.story].ids)
+                assert list(e.tokens) == ids[max(0, e.query - 8) : e.query + 3]
+                assert e.tokens[e.query_at] == ids[e.query]
+                assert list(e.key_tokens) == ids[max(0, e.key - 3) : e.key + 4]
+                assert e.key_tokens[e.key_at] == ids[e.key] and e.key <= e.query
+            if name == "prev_argmax":  # a 0/1 value: far more than k queries tie at the top
+                assert sum(r[0] == want[0][2] for r in rows) > 5 * K
+    # every head and detector keeps exactly k counted queries, best first
+    for name in NAMES:
+        for layer in range(lm.n_layer):
+            for head in range(lm.n_head):
+                got = top.entries(layer, head, name)
+                assert len(got) == K
+                keys = [(-e.value, e.story, e.query) for e in got]
+                assert keys == sorted(keys) and len(set(keys)) == K
+
+
+def test_split_merged_and_resumed_runs_are_identical(recorded, tmp_path):
+    lm, _, batches = recorded
+    one = fill(lm, batches)
+    halves = fill(lm, batches[:3]), fill(lm, batches[3:])
+    assert copy.deepcopy(halves[0]).merge(halves[1]).state() == one.state()
+    assert copy.deepcopy(halves[1]).merge(halves[0]).state() == one.state()
+    thirds = [fill(lm, batches[4:]), fill(lm, batches[:2]), fill(lm, batches[2:4])]
+    assert thirds[2].merge(thirds[0]).merge(thirds[1]).state() == one.state()
+    # a worker's state through JSON, merged; a run resumed from a checkpoint of its first half
+    sent = json.loads(json.dumps(halves[1].state()))
+    assert TopExamples(lm.n_layer, lm.n_head, NAMES, k=K).load_state(sent).merge(halves[0]).state() == one.state()
+    resumed = TopExamples.from_state(json.loads(json.dumps(halves[0].state())))
+    assert fill(lm, batches[3:], resumed).state() == one.state()
+    assert copy.deepcopy(one).merge(one).state() == one.state()  # a (story, query) is kept once
+
+    # examples.json: the layout, values exactly as kept, ids decoded one by one
+    path = one.to_json(tmp_path, lambda i: lm.decode([i]))
+    assert path == tmp_path / "examples.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["k"] == K and data["detectors"] == NAMES and len(data["heads"]) == lm.n_layer * lm.n_head
+    h = data["heads"][lm.n_head + 2]
+    assert (h["label"], h["layer"], h["head"]) == ("L2H3", 2, 3)
+    for name in NAMES:
+        for x, e in zip(h["examples"][name], one.entries(1, 2, name), strict=True):
+            assert (x["story"], x["query"], x["value"], x["key"], x["key_weight"]) == (
+                e.story,
+                e.query,
+                e.value,
+                e.key,
+                e.key_weight,
+            )
+            assert x["tokens"] == [lm.decode([t]) for t in e.tokens] and x["query_at"] == e.query_at
+            assert x["key_tokens"] == [lm.decode([t]) for t in e.key_tokens] and x["key_at"] == e.key_at
+
+
+def test_fed_by_the_recording_hooks(shipped_model, recorded):
+    """Called from inside a measure's block() as the model makes each map (freed with its block):
+    the same lists as from the kept maps of the same batches."""
+    lm, _, batches = recorded
+
+    class Feed:
+        def __init__(self):
+            self.top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
+
+        def begin(self, batch):
+            self.batch, self.masks = batch, None
+
+        def block(self, layer, pattern):
+            if self.masks is None:
+                self.masks = BatchMasks(self.batch, pattern.dtype)
+            for d in BUILTIN_DETECTORS:
+                self.top.add(layer, d.name, d.values(pattern, self.masks), d.queries(self.masks), pattern, self.batch)
+            self.masks.__dict__.pop("_column_mass", None)
+
+        def end(self):
+            pass
+
+    first = batches[:2]  # their stories, longest first: record() makes the same two batches of them
+    feed = Feed()
+    record(lm, [s for batch, _ in first for s in batch.stories], [feed], batch_size=4, progress=False)
+    assert feed.top.state() == fill(lm, first).state()
+
+
+# ---------------------------------------------------------------- ties and dtypes, by hand
+
+
+def hand_batch(indices, length=6, ids=None):
+    stories = [EncodedStory(i, tuple(ids or range(10 * i, 10 * i + length)), False, None, (), ()) for i in indices]
+    return batch_of(stories, marker_id=0, device="cpu")
+
+
+def uniform(B, H, T):
+    """Every query spreads its attention evenly over keys 0 .. q: the earliest key is the argmax."""
+    rows = torch.ones(T, T).tril()
+    return (rows / rows.sum(-1, keepdim=True)).expand(B, H, T, T).contiguous()
+
+
+def test_massive_ties_keep_the_earliest_stories_and_positions():
+    T = 6
+    first, second = hand_batch([5, 2]), hand_batch([0, 7])
+    counted = torch.ones(2, T, dtype=torch.bool)
+    counted[:, 0] = False  # query 0 never counts
+    values = torch.ones(2, 2, T)  # head 0: every query ties at 1.0
+    values[:, 1] = torch.tensor([0.5, 0.25, 0.5, 0.5, 0.25, 0.5])  # head 1: ties at 0.5
+    values[1, 1, 4] = 0.75  # ... but story 2 (row 1 of the first batch) has one 0.75 at query 4
+    pattern = uniform(2, 2, T)
+    pattern[0, 0, 3] = torch.tensor([0.1, 0.2, 0.35, 0.35, 0, 0])  # row 0, query 3: keys 2 and 3 tie
+
+    def run(order):
+        top = TopExamples(1, 2, ["d"], k=3, context=2)
+        for batch in order:
+            top.add(0, "d", values, counted, pattern, batch)
+        return top
+
+    a, b = run([first, second]), run([second, first])
+    assert a.state() == b.state()
+    assert [(e.story, e.query, e.value) for e in a.entries(0, 0, "d")] == [(0, 1, 1.0), (0, 2, 1.0), (0, 3, 1.0)]
+    assert [(e.story, e.query, e.value) for e in a.entries(0, 1, "d")] == [(2, 4, 0.75), (7, 4, 0.75), (0, 2, 0.5)]
+    # story 0 is row 0 of `second`: query 1 spreads evenly over keys 0 and 1 (key 0), query 3 is the
+    # map's own tie between keys 2 and 3 (the earliest, 2)
+    e1, _, e3 = a.entries(0, 0, "d")
+    assert (e1.key, e1.key_weight) == (0, 0.5)
+    assert (e3.key, e3.key_weight) == (2, float(torch.tensor(0.35)))
+    assert (e3.tokens, e3.query_at, e3.key_tokens, e3.key_at) == ((1, 2, 3, 4, 5), 2, (0, 1, 2, 3, 4, 5), 2)
+    # without story 0: story 2 (row 1 of `first`) before story 5, its uniform map's key 0
+    alone = run([first]).entries(0, 0, "d")
+    assert [(e.story, e.query, e.key, e.key_weight) for e in alone] == [
+        (2, 1, 0, 0.5),
+        (2, 2, 0, float(torch.tensor(1 / 3))),
+        (2, 3, 0, 0.25),
+    ]
+
+    # thousands of equal values across batches and merges: the earliest always win
+    T = 300
+    big = [hand_batch([9, 3, 6], T), hand_batch([4, 1, 8], T)]
+    ones = torch.ones(3, 2, T)
+    cnt = torch.ones(3, T, dtype=torch.bool)
+    cnt[:, :7] = False
+    pat = uniform(3, 2, T)
+    whole = TopExamples(1, 2, ["d"], k=5)
+    parts = [TopExamples(1, 2, ["d"], k=5) for _ in big]
+    for batch, part in zip(big, parts):
+        whole.add(0, "d", ones, cnt, pat, batch)
+        part.add(0, "d", ones, cnt, pat, batch)
+    assert [(e.story, e.query) for e in whole.entries(0, 1, "d")] == [(1, q) for q in range(7, 12)]
+    assert parts[1].merge(parts[0]).state() == whole.state()
+
+
+def test_values_of_other_dtypes_keep_the_exact_order():
+    b = hand_batch([5], 3)
+    counted = torch.tensor([[False, True, True]])
+    pattern = uniform(1, 1, 3)
+    top = TopExamples(1, 1, ["d"], k=1)
+    top.add(0, "d", torch.tensor([[[0.0, 0.1, 0.0]]], dtype=torch.float64), counted, pattern, b)
+    assert top.entries(0, 0, "d")[0].value == 0.1
+    # float32(0.1) is 0.10000000149..., above the float64 0.1 kept: it must win although the
+    # float64 value rounds to it in float32, and story 9 comes after story 5
+    top.add(0, "d", torch.tensor([[[0.0, 0.1, 0.0]]]), counted, pattern, hand_batch([9], 3))
+    assert (top.entries(0, 0, "d")[0].story, top.entries(0, 0, "d")[0].value) == (9, float(torch.tensor(0.1)))
+    # half precision is kept exactly, a NaN never qualifies
+    half = TopExamples(1, 1, ["d"], k=2)
+    half.add(0, "d", torch.tensor([[[0.0, float("nan"), 0.3]]], dtype=torch.float16), counted, pattern, b)
+    assert [(e.query, e.value) for e in half.entries(0, 0, "d")] == [(2, float(torch.tensor(0.3, dtype=torch.float16)))]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_k_and_bad_states_are_refused_with_one_clear_line():
+    for k in (0, -1, True, 1.5):
+        with pytest.raises(StorylensError, match=r"^examples: k must be a whole number of at least 1, got "):
+            TopExamples(2, 2, ["a"], k=k)
+    with pytest.raises(StorylensError, match="detector names must differ"):
+        TopExamples(2, 2, ["a", "a"])
+
+    b = hand_batch([3, 1], 5)
+    top = TopExamples(1, 2, ["a", "b"], k=2)
+    vals = torch.arange(20.0).reshape(2, 2, 5) / 20
+    for name in ("a", "b"):
+        top.add(0, name, vals, torch.ones(2, 5, dtype=torch.bool), uniform(2, 2, 5), b)
+    good = top.state()
+    assert json.loads(json.dumps(good)) == good
+
+    def broken(change):
+        s = copy.deepcopy(good)
+        change(s)
+        return s
+
+    def ex(s):
+        return s["examples"]["a"][0][1][0]
+
+    cases = [
+        ([1, 2], r"not a TopExamples state \(got list"),
+        (broken(lambda s: s.pop("context")), r"not a TopExamples state"),
+        (broken(lambda s: s.update(k=3)), r"k 3, context 8; expected \[1, 2\], \['a', 'b'\], 2, 8"),
+        (broken(lambda s: s.update(shape=[1, 3])), r"shape \[1, 3\]"),
+        (broken(lambda s: s["examples"].pop("b")), r"examples are for a; expected a, b"),
+        (broken(lambda s: s["examples"]["a"].append([])), r"examples\.a: expected a list of 1 layers"),
+        (broken(lambda s: s["examples"]["a"][0].pop()), r"examples\.a\[0\]: expected a list of 2 heads"),
+        (broken(lambda s: ex(s).update(value="high")), r"examples\.a\[0\]\[1\]\[0\]\.value: expected a finite number"),
+        (broken(lambda s: ex(s).update(value=float("nan"))), r"\.value: expected a finite number, got nan"),
+        (broken(lambda s: ex(s).update(story=True)), r"\[0\]\.story: expected a whole number >= 0, got True"),
+        (broken(lambda s: ex(s).update(query=-1)), r"\.query: expected a whole number >= 0, got -1"),
+        (broken(lambda s: ex(s).pop("key_at")), r"\[0\]: expected an example with fields story, query"),
+        (broken(lambda s: ex(s).update(tokens=[1, "x"])), r"\.tokens: expected a list of token ids"),
+        (broken(lambda s: ex(s).update(query_at=0)), r"\.query_at: 0 does not place query 4 in its tokens"),
+        (broken(lambda s: ex(s).update(key_at=2)), r"\.key_at: 2 does not place key 0 in its key_tokens"),
+        (broken(lambda s: s["examples"]["a"][0][1].reverse()), r"\[0\]\[1\]: the examples are not best first"),
+        (broken(lambda s: s["examples"]["a"][0][1].append(ex(s))), r"expected a list of at most k=2 examples"),
+    ]
+    for state, message in cases:
+        fresh = TopExamples(1, 2, ["a", "b"], k=2)
+        with pytest.raises(ValueError, match=message):
+            fresh.load_state(state)
+        assert fresh.state() == TopExamples(1, 2, ["a", "b"], k=2).state()  # nothing taken
+        if isinstance(state, dict) and "context" in state and state.get("shape") == [1, 2] and state["k"] == 2:
+            with pytest.raises(ValueError, match="examples state"):
+                TopExamples.from_state(state)
+    assert TopExamples.from_state(good).state() == good
+    with pytest.raises(ValueError, match="merge: other heads, detectors, k or context"):
+        top.merge(TopExamples(1, 2, ["a", "b"], k=3))
+    with pytest.raises(ValueError, match="the batch names 0 stories for 2 rows"):
+        top.add(0, "a", vals, torch.ones(2, 5, dtype=torch.bool), uniform(2, 2, 5), replace(b, stories=()))
+    with pytest.raises(ValueError, match="no detector 'c'"):
+        top.add(0, "c", vals, torch.ones(2, 5, dtype=torch.bool), uniform(2, 2, 5), b)
