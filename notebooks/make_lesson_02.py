@@ -383,7 +383,7 @@ from storylens.analysis.truth import truth_table
 truth = truth_table(model, scores, quiz)
 for r in truth.rows:
     print(f"{r.detector:16} {r.head}  raw {r.raw:.3f}  norm-weighted {r.norm:.3f}  "
-          f"share {r.share:.0%}  loss +{r.zero_increase:.3f} (zero) on {r.where}")
+          f"share {r.share:.0%}  loss {r.zero_increase:+.3f} (zero) on {r.where}")
 print()
 print("\\n".join(truth.sentences))
 """),

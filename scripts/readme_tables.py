@@ -72,10 +72,14 @@ def truth_table(f: Faithfulness) -> str:
     ]
     for r in f.rows:
         corr = "" if rho.get(r.detector) is None else f"{rho[r.detector]:.2f}"
-        lines.append(
-            f"| {r.detector} | {r.head} | {r.raw:.3f} | {r.norm:.3f} | {r.share:.1%} | "
-            f"{r.zero_increase:+.3f} / {r.mean_increase:+.3f} on {r.where} | {corr} |"
+        norm = "" if r.norm is None else f"{r.norm:.3f}"
+        share = "" if r.share is None else f"{r.share:.1%}"
+        off = (
+            "not measured"
+            if r.zero_increase is None or r.mean_increase is None
+            else f"{r.zero_increase:+.3f} / {r.mean_increase:+.3f} on {r.where}"
         )
+        lines.append(f"| {r.detector} | {r.head} | {r.raw:.3f} | {norm} | {share} | {off} | {corr} |")
     flagged = ", ".join(f"{h} ({d})" for h, d in f.flagged) or "none"
     lines.append("")
     lines.append(

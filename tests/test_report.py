@@ -166,7 +166,12 @@ def test_a_user_detector_from_a_file(tmp_path, capsys):
     # <= 256 keys and averaging <= 256 queries of totals <= 1: each within 2 * 256 * u of the exact mean
     tol = 2 * (2 * 256 * unit_roundoff(torch.float32))
     assert all(abs(h["opening"] - h["marker"]) <= tol for h in heads)
-    assert "Detector opening" in (out / "report.html").read_text()
+    # its norm-weighted twin is a column too (the marker's, the same keys), not a second user detector
+    assert all(abs(h["norm_opening"] - h["norm_marker"]) <= tol for h in heads)
+    page = (out / "report.html").read_text()
+    assert "Detector opening" in page and "Detector norm_opening" not in page
+    summary = load(out)
+    assert {r.detector for r in summary.faithfulness.rows} >= {"opening", "prev_argmax"}
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('no')\n")
     assert "--detector" in _err(capsys, ["report", "--detector", str(bad), "--out", str(tmp_path / "x")])
@@ -200,6 +205,8 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     assert {a.detector for a in f.agreements} == set(DETECTORS)
     assert all(a.rho is None or -1 <= a.rho <= 1 for a in f.agreements)
     assert len(f.sentences) == len(DETECTORS) + 1 and f.n_stories == 50
+    page = (report_dir / "report.html").read_text()
+    assert "rank correlation" in page and all(f"{a.rho:.3f}" in page for a in f.agreements if a.rho is not None)
     examples = json.loads((report_dir / "examples.json").read_text())
     assert [h["label"] for h in examples["heads"]] == list(heads)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -450,6 +450,7 @@ def name_ablation_table(
             lm,
             stories,
             batch_size=batch_size,
+            faithful=False,  # only the name heads are wanted here
             progress=progress,
             measures=(ProgressLines("scoring", len(stories), enabled=progress),),
         )

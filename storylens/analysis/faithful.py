@@ -29,13 +29,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from storylens.core.errors import StorylensError
+
 TOP_SHARE = 0.1  # "among the strongest": the top tenth of heads on a detector's raw score
 NEGLIGIBLE_SHARE = 0.25  # "negligible": under a quarter of an even share of the block's head outputs
 
 
 def ov_gram(w_o: torch.Tensor) -> torch.Tensor:
     """``[head, d, d]``: ``W_O^h W_O^h^T`` of :meth:`~storylens.lm.AttentionLM.head_output_weights`
-    ``[head, d, d_model]``, so that ``|x W_O^h|^2 = x M_h x^T`` costs ``d^2`` per vector, not ``d * d_model``."""
+    ``[head, d, d_model]``, so that ``|x W_O^h|^2 = x M_h x^T`` costs ``d^2`` per vector, not ``d * d_model``;
+    in float32 at least (float64 stays float64)."""
+    w_o = w_o.to(torch.promote_types(w_o.dtype, torch.float32))
     return w_o @ w_o.transpose(-1, -2)
 
 
@@ -46,13 +50,15 @@ def per_query_head(v: torch.Tensor, n_head: int) -> torch.Tensor:
     if groups == n_head:
         return v
     if n_head % groups:
-        raise ValueError(f"{n_head} query heads cannot share {groups} key/value heads evenly")
+        raise StorylensError(f"{n_head} query heads cannot share {groups} key/value heads evenly")
     return v.repeat_interleave(n_head // groups, dim=2)
 
 
 def head_norms(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """``|x[b, t, h] W_O^h|`` for ``x [batch, tokens, head, d]`` and ``gram = ov_gram(W_O)``: ``[batch, head, tokens]``."""
-    sq = torch.einsum("bthd,hde,bthe->bht", x, gram.to(x.dtype), x)
+    """``|x[b, t, h] W_O^h|`` for ``x [batch, tokens, head, d]`` and ``gram = ov_gram(W_O)``: ``[batch, head, tokens]``,
+    in ``gram``'s dtype (float32 at least: a half-precision square overflows or keeps three digits)."""
+    x = x.to(gram.dtype)
+    sq = torch.einsum("bthd,hde,bthe->bht", x, gram, x)
     return sq.clamp(min=0).sqrt()  # rounding can leave a zero vector's square a hair below 0
 
 

@@ -23,6 +23,7 @@ control and the pronoun measure from the same patterns.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -101,6 +102,10 @@ def record(
     hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]]
     hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
     movers: list[Any] = [m for m in measures if getattr(m, "faithful", False)]
+    why_not = lm.moving_unsupported() if movers else None
+    if why_not is not None:  # raw scores still; the norm-weighted columns stay empty
+        print(f"storylens: note: {why_not}; the norm-weighted columns and output norms are left empty", file=sys.stderr)
+        movers = []
     if movers:
         with torch.inference_mode():
             grams = [ov_gram(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]

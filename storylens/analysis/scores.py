@@ -191,6 +191,10 @@ class HeadScoreAccumulator:
         masks, blocks = self._masks, [b for b in self._blocks if b is not None]  # none is missing
         normed = [b for b in self._norm_blocks if b is not None]
         outs = [o for o in self._out_blocks if o is not None]
+        if 0 < len(normed) < self.n_layer or 0 < len(outs) < self.n_layer:
+            raise RuntimeError(
+                f"end(): value vectors or head outputs for only some blocks ({len(normed)}, {len(outs)})"
+            )
         self._masks, self._blocks, self._norm_blocks, self._out_blocks = None, [], [], []
         batch = masks.batch
         out = {}
@@ -315,7 +319,8 @@ class HeadScoreAccumulator:
         for k, a in self.norm.items():
             cols[NORM_PREFIX + k] = a.mean()
         norm_mass = cols.get(NORM_PREFIX + "name_mass")
-        if norm_mass is not None:
+        if norm_mass is not None and self.norm["name_mass"].count == self.means["name_mass"].count:
+            # the same stories behind both means (a batch recorded without value vectors would not be)
             cols[NORM_PREFIX + "name_ratio"] = norm_mass / self.name_baseline.mean()
         output = self.output.mean()
         cols["output_norm"], cols["output_share"] = output, shares(output)
@@ -395,8 +400,9 @@ class HeadScores:
 
     @property
     def extra_columns(self) -> tuple[str, ...]:
-        """The user detectors' columns, in the order given."""
-        return tuple(self.heads[0].extra) if self.heads else ()
+        """The user detectors' columns, in the order given (their norm-weighted ``norm_<name>`` twins
+        are in :attr:`HeadScore.extra` too, and in :meth:`column`)."""
+        return tuple(k for k in self.heads[0].extra if not k.startswith(NORM_PREFIX)) if self.heads else ()
 
     @property
     def n_layer(self) -> int:
@@ -417,7 +423,7 @@ class HeadScores:
 
     def column(self, name: str) -> list:
         """One column, block-major (a score column's values are floats or None)."""
-        if name in self.extra_columns:
+        if self.heads and name in self.heads[0].extra:
             return [h.extra[name] for h in self.heads]
         if name not in TABLE_COLUMNS:
             raise KeyError(f"{name!r} is not a score column (one of {', '.join(TABLE_COLUMNS + self.extra_columns)})")
@@ -559,6 +565,7 @@ def score_heads(
     chunk_stories: int = CHUNK_STORIES,
     tokenizer=None,
     examples: int = 0,
+    faithful: bool = True,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories) with every detector.
 
@@ -569,7 +576,8 @@ def score_heads(
     stories, in the same single pass. ``examples``: also keep, per head and detector, that many
     queries where it fires most (:class:`~storylens.analysis.examples.TopExamples`, in
     :attr:`HeadScores.examples`). ``measures``: more accumulators fed by the same recording
-    (see :mod:`storylens.analysis.record`). Stories are encoded ``chunk_stories`` at a time, each
+    (see :mod:`storylens.analysis.record`); ``faithful=False`` leaves out the norm-weighted columns and
+    output norms (:mod:`storylens.analysis.faithful`). Stories are encoded ``chunk_stories`` at a time, each
     chunk's stories go through the model longest first, ``batch_size`` at a time, padded at the
     end (causal attention: padding never changes an earlier position), and each block's map is
     scored as soon as it exists: memory does not grow with the number of stories.
@@ -578,7 +586,7 @@ def score_heads(
     if max_stories_prev is not None and max_stories_prev < 1:
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples)
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful)
     stats = record(
         lm,
         stories,

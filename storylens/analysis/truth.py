@@ -22,7 +22,7 @@ from storylens.lm import wrap
 
 TRUTH_HEADS = 2  # the strongest heads of each detector that are switched off
 TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on
-DETECTORS = ("name_mass", "prev_token", "prev4", "marker", "duplicate_token", "induction")
+DETECTORS = ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
 AGREE, PART = 0.8, 0.5  # Spearman's rho at or above AGREE: "agree"; below PART: "part"
 
 
@@ -33,8 +33,8 @@ class TruthRow:
     raw: float
     norm: float | None
     share: float | None
-    zero_increase: float  # loss increase with the head's output set to zero (nats)
-    mean_increase: float  # ... set to its mean output
+    zero_increase: float | None  # loss increase with the head's output set to zero (nats); None: no position
+    mean_increase: float | None  # ... set to its mean output
     where: str  # "name tokens" or "next tokens"
     flagged: bool  # looks without moving on this detector
 
@@ -57,8 +57,10 @@ class Truth:
     sentences: tuple[str, ...]
 
 
-def _detectors(scores) -> list[str]:
-    return [d for d in DETECTORS if all(v is not None for v in scores.column(d))]
+def truth_detectors(scores) -> list[str]:
+    """The built-in detectors computed for every head, then the user detectors with a norm-weighted twin."""
+    extra = [c for c in scores.extra_columns if scores.heads and NORM_PREFIX + c in scores.heads[0].extra]
+    return [d for d in (*DETECTORS, *extra) if all(v is not None for v in scores.column(d))]
 
 
 def truth_table(
@@ -77,7 +79,7 @@ def truth_table(
     lm = wrap(model)
     given: list = list(stories)  # texts, or the records of encode_stories
     encoded: list[EncodedStory] = given if is_encoded(given) else encode_stories(lm, given, name_vocabulary(given))
-    detectors = _detectors(scores)
+    detectors = truth_detectors(scores)
     top = {d: [h.label for h in scores.top(d, k)] for d in detectors}
     heads = list(dict.fromkeys(label for labels in top.values() for label in labels))
     chosen = list(encoded[:n_stories])
@@ -94,14 +96,15 @@ def truth_table(
     )
     n_name, n_other = table.n_name_positions, table.n_other_positions
 
-    def increase(label: str, mode: str, detector: str) -> float:
+    def increase(label: str, mode: str, detector: str) -> float | None:
         r = table.row(label, mode)
         if detector == "name_mass":
-            return r.name_increase
+            return r.name_increase if n_name else None
         if n_name + n_other == 0:
-            return math.nan
+            return None
         name = r.name_increase if n_name else 0.0
-        return (n_name * name + n_other * r.other_increase) / (n_name + n_other)
+        other = r.other_increase if n_other else 0.0
+        return (n_name * name + n_other * other) / (n_name + n_other)
 
     rows = []
     for d in detectors:
@@ -111,8 +114,8 @@ def truth_table(
                 TruthRow(
                     detector=d,
                     head=label,
-                    raw=getattr(h, d),
-                    norm=getattr(h, NORM_PREFIX + d),
+                    raw=scores.column(d)[scores.heads.index(h)],
+                    norm=scores.column(NORM_PREFIX + d)[scores.heads.index(h)],
                     share=h.output_share,
                     zero_increase=increase(label, "zero", d),
                     mean_increase=increase(label, "mean", d),
@@ -153,16 +156,26 @@ def sentences(t: Truth) -> list[str]:
         if not rows:
             continue
         best = rows[0]
-        hurts = max(rows, key=lambda r: r.zero_increase if not math.isnan(r.zero_increase) else -math.inf)
+        hurts = max(rows, key=lambda r: r.zero_increase if r.zero_increase is not None else -math.inf)
         s = f"{a.detector}: raw and norm-weighted rankings {_verdict(a.rho)}."
         if best.norm is not None and best.share is not None:
             s += (
                 f" Its strongest head, {best.head}, scores {best.raw:.3f} raw and {best.norm:.3f} norm-weighted"
-                f" and writes {best.share:.0%} of its block's head output;"
-                f" switching it off changes the loss on {best.where} by {best.zero_increase:+.3f} nats"
-                f" (mean ablation {best.mean_increase:+.3f})."
+                f" and writes {best.share:.0%} of its block's head output"
             )
-        if hurts is not best and hurts.zero_increase > best.zero_increase:
+            if best.zero_increase is not None and best.mean_increase is not None:
+                s += (
+                    f"; switching it off changes the loss on {best.where} by {best.zero_increase:+.3f} nats"
+                    f" (mean ablation {best.mean_increase:+.3f})."
+                )
+            else:
+                s += f"; the {t.n_stories} stories switched off hold no {best.where} to measure it on."
+        if (
+            hurts is not best
+            and hurts.zero_increase is not None
+            and best.zero_increase is not None
+            and hurts.zero_increase > best.zero_increase
+        ):
             s += f" Of its top {len(rows)}, {hurts.head} matters more ({hurts.zero_increase:+.3f})."
         if a.moves and a.moves[0][1] != a.moves[0][2]:
             label, r_raw, r_norm = a.moves[0]

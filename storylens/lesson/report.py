@@ -681,7 +681,27 @@ def _page(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_
         "all_rows": _head_rows(scores),
         "beyond": _beyond_rows(s.beyond),
         "truth_rows": _truth_rows(s.faithfulness),
+        "agreement_rows": _agreement_rows(s.faithfulness),
     }
+
+
+def _signed(x: float | None) -> str:
+    return "" if x is None else f"{x:+.4f}"
+
+
+def _agreement_rows(t: Faithfulness | None) -> list[list[str]]:
+    """Per detector: Spearman's rho between the raw and norm-weighted columns over every head, and the
+    heads whose rank moves most (raw rank -> norm-weighted rank, 1 = strongest)."""
+    if t is None:
+        return []
+    return [
+        [
+            a.detector,
+            "" if a.rho is None else f"{a.rho:.3f}",
+            ", ".join(f"{h} {r_raw:g} \u2192 {r_norm:g}" for h, r_raw, r_norm in a.moves),
+        ]
+        for a in t.agreements
+    ]
 
 
 def _truth_rows(t: Faithfulness | None) -> list[list[str]]:
@@ -696,8 +716,8 @@ def _truth_rows(t: Faithfulness | None) -> list[list[str]]:
             _f(r.raw),
             _f(r.norm),
             "" if r.share is None else f"{r.share:.1%}",
-            f"{r.zero_increase:+.4f}",
-            f"{r.mean_increase:+.4f}",
+            _signed(r.zero_increase),
+            _signed(r.mean_increase),
             r.where,
             "looks without moving" if r.flagged else "",
         ]

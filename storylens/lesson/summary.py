@@ -308,8 +308,8 @@ class TruthRow(Plain):
     raw: float
     norm: float | None
     share: float | None
-    zero_increase: float
-    mean_increase: float
+    zero_increase: float | None
+    mean_increase: float | None
     where: str
     flagged: bool
 

@@ -146,7 +146,16 @@ class AttentionLM:
         """``[head, head_size, d_model]``: each head's slice of block ``layer``'s output projection,
         ``W_O^h`` (no bias), so that head ``h``'s share of the block's output at a query is
         ``z[..., h, :] @ W_O^h``."""
-        raise NotImplementedError
+        raise StorylensError(f"{type(self).__name__}: no output projection weights to weigh attention by")
+
+    def moving_unsupported(self) -> str | None:
+        """Why this model's value vectors or output weights cannot be read (None: they can), so that
+        the norm-weighted columns are left empty rather than a run failing."""
+        try:
+            self.head_output_weights(0)
+        except StorylensError as e:
+            return str(e)
+        return None
 
     # --- running
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
@@ -304,6 +313,13 @@ class TransformersLM(AttentionLM):
         w = cast(torch.Tensor, proj.weight)
         w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
         return w.reshape(self.n_head, -1, w.shape[1])
+
+    def moving_unsupported(self) -> str | None:
+        try:
+            self._value = self._value or [_value_projection(a) for a in self._attn]
+        except StorylensError as e:
+            return str(e)
+        return super().moving_unsupported()
 
     def _value_hook(self, layer: int, site: HookSite, fn: HookFn) -> RemovableHandle:
         if self._value is None:

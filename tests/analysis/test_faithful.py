@@ -1,7 +1,8 @@
 """Norm-weighted attention on the native model, against the same quantities written out plainly
 from its own modules in float64; the pure functions on hand-built cases."""
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,17 +31,23 @@ def native64(shipped_model):
 
 def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, corpus_split):
     """w_ij = a_ij |f_j| / sum_k a_ik |f_k| with f_j = v_j W_O^h, from the model's own value and
-    output projections; the previous-token and marker scores and the output norm, per story, in float64."""
+    output projections; every detector on w (the reference of tests/test_lm.py, written plainly),
+    the output norm and share, per story, in float64."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_lm import _reference_on
+
     lm = NativeLM(native64)
     stories = corpus_split.quiz[:6]
     got = score_heads(lm, stories, batch_size=3, progress=False)
     H, d = lm.n_head, native64.config.head_size
     names = name_vocabulary(stories)
-    per = {k: {} for k in ("prev_token", "marker", "name_mass", "output_norm")}
+    per: dict[str, dict] = {}
     for text in stories:
         ids = lm.encode(text)[: lm.window]
         enc = text_only(lm.tokenizer).encode(text, add_special_tokens=False)
         mc = main_character(text, enc.offsets, names, lm.window)
+        pos = list(mc.positions) if mc is not None else []
+        first = mc.first_mention if mc is not None and pos else None
         inputs = {}
         hooks = [
             blk.attn.register_forward_pre_hook(lambda m, a, i=i, seen=inputs: seen.__setitem__(i, a[0][0]))
@@ -53,32 +60,56 @@ def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, 
             for h in hooks:
                 h.remove()
         T = len(ids)
+        weighted = []
         for layer, blk in enumerate(native64.transformer.h):
             a = patterns[layer][0]  # [head, q, k]
             with torch.no_grad():
                 v = blk.attn.value(inputs[layer]).view(T, H, d)
                 w_o = blk.attn.c_proj.weight  # [d_model, head * d]
                 f = torch.stack([v[:, h] @ w_o[:, h * d : (h + 1) * d].T for h in range(H)])  # [head, key, d_model]
-            n = f.norm(dim=-1)
-            w = a * n[:, None, :]
-            w = w / w.sum(-1, keepdim=True)
+            w = a * f.norm(dim=-1)[:, None, :]
+            weighted.append(w / w.sum(-1, keepdim=True))
             moved = torch.einsum("hqk,hke->hqe", a, f).norm(dim=-1)
             for h in range(H):
-                key = (layer, h)
-                per["prev_token"].setdefault(key, []).append(float(sum(w[h, q, q - 1] for q in range(1, T)) / (T - 1)))
-                per["marker"].setdefault(key, []).append(float(w[h, 1:, 0].mean()))
-                per["output_norm"].setdefault(key, []).append(float(moved[h, 1:].mean()))
-                if mc is not None and mc.positions:
-                    qs = [q for q in range(T) if q > mc.first_mention and q not in mc.positions]
-                    if qs:
-                        mass = [sum(float(w[h, q, k]) for k in mc.positions if k <= q) for q in qs]
-                        per["name_mass"].setdefault(key, []).append(sum(mass) / len(mass))
+                per.setdefault("output_norm", {}).setdefault((layer, h), []).append(float(moved[h, 1:].mean()))
+        for k, grid in _reference_on(weighted, ids, lm.marker_id, pos, first).items():
+            for layer, row in enumerate(grid):
+                for h, val in enumerate(row):
+                    if val is not None:
+                        per.setdefault(k, {}).setdefault((layer, h), []).append(val)
+    assert len(per) == 8  # seven detectors and the output norm
     for col, heads in per.items():
         assert len(heads) == lm.n_layer * H, col
         for (layer, h), vals in heads.items():
             row = got.at(Head(layer, h))
             have = row.output_norm if col == "output_norm" else getattr(row, "norm_" + col)
             assert abs(have - sum(vals) / len(vals)) <= 1e-9 * max(1.0, abs(have)), (col, row.label)
+    for layer in range(lm.n_layer):
+        norms = [sum(per["output_norm"][(layer, h)]) for h in range(H)]
+        for h in range(H):
+            assert abs(got.at(Head(layer, h)).output_share - norms[h] / sum(norms)) <= 1e-9
+
+
+def test_a_head_that_writes_nothing_looks_without_moving(shipped_model, corpus_split):
+    """Zero one strong previous-token head's slice of the output projection: it still looks where it
+    looked (raw scores unchanged), but every key now carries nothing through it, so its norm-weighted
+    scores are 0, its output share 0, and the head table flags it as looking without moving."""
+    import copy
+
+    model = copy.deepcopy(shipped_model)
+    before = score_heads(model, corpus_split.quiz[:12], batch_size=4, progress=False)
+    target = before.best("prev_token")
+    layer, head = target.block - 1, target.head - 1
+    d = model.config.head_size
+    with torch.no_grad():
+        model.transformer.h[layer].attn.c_proj.weight[:, head * d : (head + 1) * d] = 0.0
+    after = score_heads(model, corpus_split.quiz[:12], batch_size=4, progress=False)
+    row = after.at(Head(layer, head))
+    assert row.prev_token == target.prev_token and row.prev4 == target.prev4  # it looks the same
+    assert row.norm_prev_token == 0.0 and row.output_norm == 0.0 and row.output_share == 0.0
+    assert "prev_token" in row.looks_without_moving.split(",")
+    assert not before.at(Head(layer, head)).looks_without_moving
+    assert sum(bool(h.looks_without_moving) for h in after.heads) == 1
 
 
 def test_raw_columns_are_unchanged_by_the_norm_weighting(shipped_model, corpus_split):
@@ -148,4 +179,3 @@ def test_looks_without_moving_flags_a_strong_head_that_writes_nothing():
     assert flags[1][2] == () and flags[0][0] == ()  # L2H3 is strongest but writes 30%; L1H1 not in the top 1
     flags = looks_without_moving(raw, share, top=0.25)  # the top 2: L2H3 and L1H1
     assert flags[0][0] == ("marker",) and sum(len(f) for row in flags for f in row) == 1
-    assert math.isclose(0.25 / 4, 0.0625)
