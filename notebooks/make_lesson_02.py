@@ -188,12 +188,16 @@ small square is one head's attention map: row = the word looking back, column = 
 at. The colour map is viridis on a power scale: brighter (towards yellow) = a larger share, dark
 purple = almost none, and every map uses the same scale, 0 to 1; the flat dark grey upper-right
 triangle is the causal mask. Some heads spread their attention thinly; some fix on the very first
-token (the end-of-story marker that opens every story); a few pick out particular words.
+token (the end-of-story marker that opens every story); a few pick out particular words. Every
+figure is a matplotlib figure: `save_figure(fig, "name")` writes it as PNG and SVG, and every
+interactive view below has PNG and SVG buttons of its own.
 """),
     code(
         """
-from storylens.viz import all_heads_figure
-display(all_heads_figure(att, tokens, max_tokens=32))
+from storylens.viz import all_heads_figure, save_figure
+fig = all_heads_figure(att, tokens, max_tokens=32)
+save_figure(fig, "all_heads")  # all_heads.png and all_heads.svg beside the notebook, for slides or a paper
+display(fig)
 """,
         "figure",
     ),

@@ -48,9 +48,19 @@ def story_attention(model, text: str, window: int | None = None, tokenizer=None,
     return token_texts(lm.tokenizer, enc.ids), to_numpy_attention(patterns), enc
 
 
-def attention_widget(model, text: str, title: str | None = None, *, window: int | None = None, tokenizer=None, **kw):
-    """Record ``text`` (see :func:`story_attention`) and build the clickable
+def attention_widget(
+    model,
+    text: str,
+    title: str | None = None,
+    *,
+    window: int | None = None,
+    tokenizer=None,
+    memory_budget: int | None = None,
+    **kw,
+):
+    """Record ``text`` (see :func:`story_attention`; ``memory_budget`` is its ``budget``: raise it
+    to show more tokens of a large model) and build the clickable
     :class:`~storylens.viz.AttentionWidget` for it."""
 
-    tokens, patterns, enc = story_attention(model, text, window=window, tokenizer=tokenizer)
+    tokens, patterns, enc = story_attention(model, text, window=window, tokenizer=tokenizer, budget=memory_budget)
     return AttentionWidget.from_recording(text, tokens, patterns, enc, title, **kw)

@@ -67,7 +67,8 @@ def test_one_call_per_block_equals_one_call_per_detector(recorded):
 
 
 def brute_force(batches, layer, head, name, k=K):
-    """Every counted query of every story, sorted by (-value, story, query), the first k."""
+    """Every counted query of every story, sorted by (-value, story, query), the first k: (story,
+    query, value, most-attended key, its weight, the weights on keys max(0, q - 8) .. q rounded)."""
     rows = []
     for batch, blocks in batches:
         _, pattern, per = blocks[layer]
@@ -81,7 +82,8 @@ def brute_force(batches, layer, head, name, k=K):
     for value, story, q, b, pattern in rows[:k]:
         weights = pattern[b, head, q].tolist()
         key = weights.index(max(weights))  # the first (earliest) maximum
-        out.append((story, q, value, key, weights[key]))
+        seen = [round(float(w), 4) for w in weights[max(0, q - 8) : q + 1]]
+        out.append((story, q, value, key, weights[key], seen))
     return out, rows
 
 
@@ -93,13 +95,18 @@ def test_top_examples_equal_a_brute_force_over_every_query(recorded):
         for layer, head in ((0, 0), (1, 2), (5, 3)):
             want, rows = brute_force(batches, layer, head, name)
             got = top.entries(layer, head, name)
-            assert [(e.story, e.query, e.value, e.key, e.key_weight) for e in got] == want, (name, layer, head)
+            assert [(e.story, e.query, e.value, e.key, e.key_weight, list(e.weights)) for e in got] == want, (
+                name,
+                layer,
+                head,
+            )
             for e in got:
                 ids = list(encoded[e.story].ids)
                 assert list(e.tokens) == ids[max(0, e.query - 8) : e.query + 3]
                 assert e.tokens[e.query_at] == ids[e.query]
                 assert list(e.key_tokens) == ids[max(0, e.key - 3) : e.key + 4]
                 assert e.key_tokens[e.key_at] == ids[e.key] and e.key <= e.query
+                assert len(e.weights) == e.query_at + 1 == len(e.tokens[: e.query_at + 1])
             if name == "prev_argmax":  # a 0/1 value: far more than k queries tie at the top
                 assert sum(r[0] == want[0][2] for r in rows) > 5 * K
     # every head and detector keeps exactly k counted queries, best first
@@ -145,6 +152,7 @@ def test_split_merged_and_resumed_runs_are_identical(recorded, tmp_path):
             )
             assert x["tokens"] == [lm.decode([t]) for t in e.tokens] and x["query_at"] == e.query_at
             assert x["key_tokens"] == [lm.decode([t]) for t in e.key_tokens] and x["key_at"] == e.key_at
+            assert x["weights"] == list(e.weights) and len(x["weights"]) == x["query_at"] + 1
 
 
 def test_fed_by_the_recording_hooks(shipped_model, recorded):
@@ -216,6 +224,8 @@ def test_massive_ties_keep_the_earliest_stories_and_positions():
     assert (e1.key, e1.key_weight) == (0, 0.5)
     assert (e3.key, e3.key_weight) == (2, float(torch.tensor(0.35)))
     assert (e3.tokens, e3.query_at, e3.key_tokens, e3.key_at) == ((1, 2, 3, 4, 5), 2, (0, 1, 2, 3, 4, 5), 2)
+    # the weights on its window's keys up to itself (keys 1 .. 3 of the hand-set row), 4 decimals
+    assert e3.weights == (0.2, 0.35, 0.35) and e1.weights == (0.5, 0.5)
     # without story 0: story 2 (row 1 of `first`) before story 5, its uniform map's key 0
     alone = run([first]).entries(0, 0, "d")
     assert [(e.story, e.query, e.key, e.key_weight) for e in alone] == [
@@ -299,6 +309,9 @@ def test_bad_k_and_bad_states_are_refused_with_one_clear_line():
         (broken(lambda s: ex(s).update(tokens=[1, "x"])), r"\.tokens: expected a list of token ids"),
         (broken(lambda s: ex(s).update(query_at=0)), r"\.query_at: 0 does not place query 4 in its tokens"),
         (broken(lambda s: ex(s).update(key_at=2)), r"\.key_at: 2 does not place key 0 in its key_tokens"),
+        (broken(lambda s: ex(s)["weights"].pop()), r"\.weights: expected 5 weights between 0 and 1, one per key seen"),
+        (broken(lambda s: ex(s)["weights"].__setitem__(0, 1.5)), r"\.weights: expected 5 weights between 0 and 1"),
+        (broken(lambda s: ex(s).pop("weights")), r"\[0\]: expected an example with fields story, query"),
         (broken(lambda s: s["examples"]["a"][0][1].reverse()), r"\[0\]\[1\]: the examples are not best first"),
         (broken(lambda s: s["examples"]["a"][0][1].append(ex(s))), r"expected a list of at most k=2 examples"),
     ]

@@ -34,6 +34,9 @@ def test_report_files_and_labels(report_dir):
         "name_mass.png",
         "top_name_head.png",
         "widget.html",
+        "explore.html",
+        "all_heads.svg",
+        "name_mass.svg",
     ):
         assert (report_dir / name).stat().st_size > 0, name
     rows = list(csv.DictReader(open(report_dir / "heads.csv")))
@@ -61,13 +64,17 @@ def test_report_html_is_self_contained(report_dir):
     assert "<script src" not in page
     srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", page)
     assert len(srcs) >= 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
-    # the eight score heatmaps (six lesson scores, duplicate-token, induction) are tables, every
-    # cell the head's score as heads.json has it
+    # the overview: a grid per column (the eight detectors raw, then norm-weighted, then the output
+    # share); the sections' eight score heatmaps after it. Every cell the head's value in heads.json
+    overview = dict(re.findall(r'<div class="sl-ov" data-col="([a-z0-9_]+)">(.*?)</div>', page, flags=re.S))
+    raw = ["name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"]
+    assert list(overview) == [*raw, *(f"norm_{c}" for c in raw), "output_share"]
     tables = re.findall(r'<table class="slh">(.*?)</table>', page, flags=re.S)
-    assert len(tables) == 8
+    assert len(tables) == len(overview) + 8
     heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
-    cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', tables[0]))  # name mass
-    assert list(cells) == list(heads) and all(float(v) == heads[k]["name_mass"] for k, v in cells.items())
+    for col, grid in [*overview.items(), ("name_mass", tables[len(overview)])]:
+        cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', grid))
+        assert list(cells) == list(heads) and all(float(v) == heads[k][col] for k, v in cells.items()), col
 
 
 def _err(capsys, argv):

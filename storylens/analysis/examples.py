@@ -7,8 +7,9 @@ only ``k`` entries per head and detector ever exist).
 block's attention map, so no detector is computed twice. For every kept query it records the
 story (its index in source order), the query position (0 = the opening marker), the value, the
 most-attended key (``argmax`` over keys, ties to the earliest key) and its weight, and the
-token ids around the query and around that key. Ids only: text is decoded when the examples
-are written (:meth:`TopExamples.to_json`).
+token ids around the query and around that key, and the query's attention weights over its own
+window up to itself (4 decimals: what a page shades the tokens by). Ids only: text is decoded when
+the examples are written (:meth:`TopExamples.to_json`).
 
 **Order.** Value descending, then story index ascending, then query position ascending; a
 ``(story, query)`` pair appears at most once. It is a total order, so the top ``k`` of a set
@@ -40,7 +41,19 @@ from storylens.core.publish import write_text_atomic
 KEY_BEFORE = 3  # key_tokens: the key's window is key - 3 .. key + 3
 KEY_AFTER = 4
 QUERY_AFTER = 3  # tokens: the query's window is query - context .. query + 2
-EXAMPLE_FIELDS = ("story", "query", "value", "key", "key_weight", "tokens", "query_at", "key_tokens", "key_at")
+WEIGHT_DECIMALS = 4  # weights: the query's attention over its window, rounded (enough to shade by)
+EXAMPLE_FIELDS = (
+    "story",
+    "query",
+    "value",
+    "key",
+    "key_weight",
+    "tokens",
+    "query_at",
+    "key_tokens",
+    "key_at",
+    "weights",
+)
 _STATE_KEYS = {"k", "context", "shape", "detectors", "examples"}
 
 
@@ -50,7 +63,9 @@ class Example:
 
     ``tokens`` are the story's ids from ``max(0, query - context)`` to ``min(length, query + 3)``
     (exclusive), the query at ``tokens[query_at]``; ``key_tokens`` the ids from ``max(0, key - 3)``
-    to ``min(length, key + 4)``, the key at ``key_tokens[key_at]``."""
+    to ``min(length, key + 4)``, the key at ``key_tokens[key_at]``. ``weights[i]`` is the attention
+    the query gives ``tokens[i]``, for ``i`` up to and including ``query_at`` (the keys it can see),
+    rounded to :data:`WEIGHT_DECIMALS` decimals."""
 
     story: int  # the story's index in source order
     query: int  # query position
@@ -61,6 +76,7 @@ class Example:
     query_at: int
     key_tokens: tuple[int, ...]
     key_at: int
+    weights: tuple[float, ...]
 
     @property
     def order(self) -> tuple[float, int, int]:
@@ -78,6 +94,7 @@ class Example:
             "query_at": self.query_at,
             "key_tokens": list(self.key_tokens),
             "key_at": self.key_at,
+            "weights": list(self.weights),
         }
 
 
@@ -116,6 +133,15 @@ def _at_most(xs: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
 
 
+def _seen_weights(rowmaps: torch.Tensor, queries: torch.Tensor, context: int) -> list[list[float]]:
+    """Each kept query's attention on the ``context + 1`` keys from ``max(0, query - context)`` on,
+    rounded to :data:`WEIGHT_DECIMALS` decimals (``rowmaps [N, key]``, ``queries [N]``); the caller
+    keeps those up to the query itself. One gather and one copy for every kept query of a block."""
+    start = (queries - context).clamp(min=0)
+    keys = (start[:, None] + torch.arange(context + 1, device=rowmaps.device)).clamp(max=rowmaps.shape[-1] - 1)
+    return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in rowmaps.gather(-1, keys).tolist()]
+
+
 def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple[int, ...], int]:
     start = max(0, at - before)
     return tuple(ids[start : min(len(ids), at + after)]), at - start
@@ -124,7 +150,8 @@ def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple
 class TopExamples:
     """For every head (layer, head) and every detector name, the k queries with the highest
     per-query value over everything added: story index (source order), query position, the value,
-    the most-attended key position, and token ids around the query and around that key.
+    the most-attended key position, token ids around the query and around that key, and the
+    query's rounded attention over its window.
 
     Feed it with :meth:`add` (one call per block and detector), combine with :meth:`merge`,
     checkpoint with :meth:`state` / :meth:`load_state`, read with :meth:`entries`, write with
@@ -260,16 +287,20 @@ class TopExamples:
         top = rowmaps.amax(-1, keepdim=True)
         key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
         weight = rowmaps.gather(-1, key[:, None])[:, 0]
+        seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context)
 
         new: list[list[Example]] = [[] for _ in range(R)]
         rows, story_index = view.rows, view.story_index
-        for r, b, q, x, kk, w in zip(
-            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist()
+        for r, b, q, x, kk, w, ws in zip(
+            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist(), seen
         ):
             ids = rows[b]
             tokens, query_at = _window(ids, q, self.context, QUERY_AFTER)
             key_tokens, key_at = _window(ids, kk, KEY_BEFORE, KEY_AFTER)
-            new[r].append(Example(story_index[b], q, float(x), kk, float(w), tokens, query_at, key_tokens, key_at))
+            weights = tuple(ws[: query_at + 1])
+            new[r].append(
+                Example(story_index[b], q, float(x), kk, float(w), tokens, query_at, key_tokens, key_at, weights)
+            )
         for r in range(R):
             if new[r]:
                 name = offers[r // H][0]
@@ -383,6 +414,16 @@ class TopExamples:
                 raise ValueError(f"{where}.{field}: expected a finite number, got {v!r}")
             return float(v)
 
+        def weights() -> tuple[float, ...]:
+            v = x["weights"]
+            if (
+                not isinstance(v, list)
+                or len(v) != query_at + 1
+                or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1 for w in v)
+            ):
+                raise ValueError(f"{where}.weights: expected {query_at + 1} weights between 0 and 1, one per key seen")
+            return tuple(float(w) for w in v)
+
         def ids(field: str) -> tuple[int, ...]:
             v = x[field]
             if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
@@ -395,7 +436,8 @@ class TopExamples:
             raise ValueError(f"{where}.query_at: {query_at} does not place query {query} in its tokens")
         if key_at != key - max(0, key - KEY_BEFORE):
             raise ValueError(f"{where}.key_at: {key_at} does not place key {key} in its key_tokens")
-        return Example(story, query, number("value"), key, number("key_weight"), tokens, query_at, key_tokens, key_at)
+        value, key_weight = number("value"), number("key_weight")
+        return Example(story, query, value, key, key_weight, tokens, query_at, key_tokens, key_at, weights())
 
     # ---------------------------------------------------------------- reading
 

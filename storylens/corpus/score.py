@@ -1,5 +1,7 @@
 """``storylens score``: every head over any corpus, streamed in flat memory, checkpointed, on one
-machine or on a Ray cluster. Writes the head table (heads.csv, heads.json) and summary.json.
+machine or on a Ray cluster. Writes the head table (heads.csv, heads.json), summary.json, the top
+examples (examples.json) and explore.html, an offline page to explore them
+(:mod:`storylens.viz.explorer`).
 
 Two passes over the source (:mod:`storylens.data.sources`), both streamed:
 
@@ -33,6 +35,7 @@ from storylens.analysis.scores import HeadScoreAccumulator, score_table
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.publish import check_target_folder, publish_folder, write_text_atomic
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.viz.explorer import write_explorer_for
 from storylens.viz.tokens import token_text
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
@@ -274,7 +277,18 @@ def _score_into(
     if acc.examples is not None:
         write_examples(acc.examples, lm, tmp / "examples.json")
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_explorer_for(tmp, title=f"storylens explorer: {lm.name}", meta=explorer_meta(summary, examples))
     return summary, scores
+
+
+def explorer_meta(summary: dict, examples: int) -> dict:
+    """What explore.html says about the run, from its summary.json: the model, the stories, the examples kept."""
+    model, stories = summary["model"], summary["stories"]
+    return {
+        "model": f"{model['name']} ({model['blocks']} blocks x {model['heads']} heads)",
+        "stories": f"{stories['scored']:,} from {stories['source']}",
+        "examples": f"{examples} per head and detector" if examples else "not kept (--examples 0)",
+    }
 
 
 def _top(scores, column: str) -> dict | None:

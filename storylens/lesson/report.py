@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import os
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -78,13 +79,19 @@ from storylens.viz import (
     name_mass_bar_figure,
     toy_widget,
 )
-from storylens.viz.figures import figure_png_bytes, head_heatmap_figure
+from storylens.viz.explorer import write_explorer_for
+from storylens.viz.figures import figure_png_bytes, figure_svg_bytes, head_heatmap_figure
+from storylens.viz.widget import page_script
 
 CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
 CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
 
 GRID_TOKENS = 24  # the 24-head grid shows the first 24 tokens, every one labelled ...
 GRID_LABEL_PT = 8.5  # ... in 8.5-point type at 100 dpi (about 12 pixels), shown unscaled in the page
+LESSON_GRID_HEADS = 24  # up to this many heads, "all heads on one story" is the lesson's one picture;
+# past it the page shows the story's maps a block at a time, in the widget (drawn from its data)
+BARS_SHOWN = 40  # the name-mass bars show every head up to this many, else the strongest 40
+WIDGET_BUDGET = 4 * 2**20  # bytes of the widget's embedded attention in report.html (8 bits past it)
 GRID_DPI = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
 SCORE_TITLES = {
     "name_mass": "Name mass (share of attention on the main character's name)",
@@ -269,16 +276,20 @@ def _build_report(
                     fig_data["enc"],
                     block=story_info["block"],
                     head=story_info["head"],
+                    budget=WIDGET_BUDGET,
+                    mode="one" if fig_data["n_heads"] <= LESSON_GRID_HEADS else "maps",
                 )
                 (tmp / "widget.html").write_text(widget.to_html(), encoding="utf-8")
                 toy = toy_widget()
         fig_names, leakage, timings["figures"], timings["leakage"] = drawing.result
         figs = _data_uris(tmp, fig_names)
+        svgs = _svg_payloads(tmp, fig_names)
         past = None
         if beyond:
             with _timer(timings, "beyond"):
                 past, beyond_figs = _beyond_section(lm, quiz_stories, encoded, scores, measures, tmp, progress=progress)
                 figs.update(beyond_figs)
+                svgs.update(_svg_payloads(tmp, list(beyond_figs)))
         truth = None
         if truth_stories:
             with _timer(timings, "faithfulness"):  # the top heads switched off, on the first quiz stories
@@ -293,10 +304,18 @@ def _build_report(
         scores.to_json(tmp / "heads.json")
         if scores.examples is not None:
             write_examples(scores.examples, lm, tmp / "examples.json")
+        meta = {
+            "model": f"{summary.model.display_name} ({lm.n_layer} blocks x {lm.n_head} heads)",
+            "stories": f"{len(quiz_stories):,} quiz stories ({quiz_source})",
+            "examples": f"{examples} per head and detector"
+            if scores.examples is not None
+            else "not kept (--examples 0)",
+        }
+        write_explorer_for(tmp, title=f"storylens explorer: {summary.model.display_name}", meta=meta)
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings
         (tmp / "report.html").write_text(
-            _html(summary, scores, figs, widget._repr_html_(), toy._repr_html_()), encoding="utf-8"
+            _html(summary, scores, figs, svgs, widget._repr_html_(), toy._repr_html_()), encoding="utf-8"
         )
         (tmp / "summary.json").write_text(summary.to_json(), encoding="utf-8")
     timings["total"] = round(time.perf_counter() - t_start, 3)
@@ -349,36 +368,40 @@ def _figure_data(lm, quiz, encoded, scores) -> dict:
 
 
 def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
-    """Draw every figure once and write it as ``NAME.png`` into ``folder``; returns the names.
-    Pure drawing (numpy and matplotlib), so it can run in a child process beside the model work."""
+    """Draw every figure once and write it as ``NAME.png`` and ``NAME.svg`` into ``folder``; returns
+    the names. Pure drawing (numpy and matplotlib), so it can run in a child process beside the
+    model work."""
 
     names: list[str] = []
 
     def keep(name, fig, dpi=110):
         (folder / f"{name}.png").write_bytes(figure_png_bytes(fig, dpi=dpi))
+        (folder / f"{name}.svg").write_bytes(figure_svg_bytes(fig))
         names.append(name)
 
     tokens, att, main, info = data["tokens"], data["att"], data["main"], data["info"]
     keep(
         "causal_mask", causal_mask_figure(tokens[:8], title="The causal mask: later words are -inf before the softmax")
     )
-    grid = all_heads_figure(
-        att,
-        tokens,
-        max_tokens=GRID_TOKENS,
-        max_labels=GRID_TOKENS,
-        cell_inches=2.55,
-        label_fontsize=GRID_LABEL_PT,
-        title=f"All {data['n_heads']} heads on quiz story {info['index'] + 1} (first {GRID_TOKENS} tokens)",
-    )
-    keep("all_heads", grid, dpi=GRID_DPI)  # shown at its own size: labels GRID_LABEL_PT at GRID_DPI
+    if data["n_heads"] <= LESSON_GRID_HEADS:
+        grid = all_heads_figure(
+            att,
+            tokens,
+            max_tokens=GRID_TOKENS,
+            max_labels=GRID_TOKENS,
+            cell_inches=2.55,
+            label_fontsize=GRID_LABEL_PT,
+            title=f"All {data['n_heads']} heads on quiz story {info['index'] + 1} (first {GRID_TOKENS} tokens)",
+        )
+        keep("all_heads", grid, dpi=GRID_DPI)  # shown at its own size: labels GRID_LABEL_PT at GRID_DPI
     rows = [(h.label, h.name_mass) for h in scores.heads]
-    keep(
-        "name_mass",
-        name_mass_bar_figure(
-            rows, scores.name_baseline, title=f"Name mass per head over {scores.n_name_scored} quiz stories"
-        ),
-    )
+    title = f"Name mass per head over {scores.n_name_scored} quiz stories"
+    if len(rows) > BARS_SHOWN:  # past that a bar per head is unreadable: the strongest, in order
+        rows = sorted(rows, key=lambda r: -r[1])[:BARS_SHOWN]
+        title = (
+            f"Name mass: the {BARS_SHOWN} highest of {data['n_heads']} heads, over {scores.n_name_scored} quiz stories"
+        )
+    keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline, title=title))
     b, h = info["block"], info["head"]
     weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
     keep(
@@ -417,6 +440,11 @@ def _data_uri(png: bytes) -> str:
 def _data_uris(folder: Path, names: list[str]) -> dict[str, str]:
     """The PNGs as data URIs for report.html: the same bytes as the files."""
     return {n: _data_uri((folder / f"{n}.png").read_bytes()) for n in names}
+
+
+def _svg_payloads(folder: Path, names: list[str]) -> dict[str, str]:
+    """Each figure's SVG, zlib-deflated and base64-encoded, for the page's SVG buttons."""
+    return {n: base64.b64encode(zlib.compress((folder / f"{n}.svg").read_bytes(), 9)).decode("ascii") for n in names}
 
 
 def _num(x, spec: str = ".3f") -> str:
@@ -556,11 +584,28 @@ _ENV = Environment(
 _ENV.filters["num"] = _num
 
 
+def _column_title(col: str, marker: str) -> str:
+    if col.startswith("norm_"):
+        return "Norm-weighted: " + _column_title(col[len("norm_") :], marker).lower()
+    if col == "output_share":
+        return "Output share: the head's part of its block's head-output sizes"
+    return f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
+
+
+def _overview(scores, marker: str) -> list[dict]:
+    """The overview's grids: every detector raw, then norm-weighted, then the output share (the
+    columns this run has values for), each a block x head table."""
+    raw = [*SCORE_TITLES, *scores.extra_columns]
+    cols = [*raw, *(f"norm_{c}" for c in raw), "output_share"]
+    have = [c for c in cols if any(v is not None and v == v for v in scores.column(c))]
+    return [{"col": c, "title": _column_title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
+
+
 def _heat(scores, col: str, marker: str) -> dict:
     """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
     table is coloured over its own range, and its caption says so."""
 
-    title = f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
+    title = _column_title(col, marker)
     values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
     note = (
         f"Colours: this table's own range, {min(values):.3f} (black) to {max(values):.3f} (light yellow); "
@@ -647,7 +692,9 @@ def _beyond_rows(b: BeyondSummary | None) -> dict | None:
     }
 
 
-def _page(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_html: str) -> dict:
+def _page(
+    s: ReportSummary, scores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str
+) -> dict:
     """What the template reads: the summary, the lesson's figures, and the page's tables and fragments."""
 
     lesson = s.model.lesson_comparison  # the lesson's figures are Tiny Storyteller's: only beside its kind
@@ -667,6 +714,12 @@ def _page(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_
         "toy_html": Markup(toy_html),
         "widget_html": Markup(widget_html),
         "figs": {k: Markup(v) for k, v in figs.items()},
+        "svgs": svgs,
+        "lesson_grid": s.model.n_heads <= LESSON_GRID_HEADS,
+        "bars_shown": BARS_SHOWN,
+        "overview": _overview(scores, s.marker.called),
+        "page_js": Markup(page_script()),
+        "explore": True,
         "label_px": GRID_LABEL_PT * GRID_DPI / 72,
         "check_stories": CHECK_STORIES,
         "check_tokens": CHECK_TOKENS,
@@ -725,9 +778,9 @@ def _truth_rows(t: Faithfulness | None) -> list[list[str]]:
     ]
 
 
-def _html(s: ReportSummary, scores, figs: dict[str, str], widget_html: str, toy_html: str) -> str:
+def _html(s: ReportSummary, scores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str) -> str:
     """report.html: templates/report.html.j2 (and beyond.html.j2 with ``--beyond``), autoescaped."""
-    return _ENV.get_template("report.html.j2").render(_page(s, scores, figs, widget_html, toy_html))
+    return _ENV.get_template("report.html.j2").render(_page(s, scores, figs, svgs, widget_html, toy_html))
 
 
 LESSON_TABLE = "lesson-table"  # README markers: <!-- lesson-table:start --> ... <!-- lesson-table:end -->
@@ -790,7 +843,7 @@ def lesson_table(s: ReportSummary) -> str:
 
 
 def _beyond_section(lm, stories, encoded, scores, measures, tmp, *, progress: bool = True):
-    """(typed summary, {figure name: data URI}) for the report's section 8; its PNG written into ``tmp``."""
+    """(typed summary, {figure name: data URI}) for the report's section 8; its PNG and SVG written into ``tmp``."""
 
     position, pronouns = (m.result() for m in measures)  # fed by the scoring pass: no second recording
     b = run_beyond(lm, stories, scores, position=position, pronouns=pronouns, encoded=encoded, progress=progress)
@@ -804,4 +857,5 @@ def _beyond_section(lm, stories, encoded, scores, measures, tmp, *, progress: bo
     )
     png = figure_png_bytes(fig)
     (tmp / "ablation_name_loss.png").write_bytes(png)
+    (tmp / "ablation_name_loss.svg").write_bytes(figure_svg_bytes(fig))
     return s, {"ablation_name_loss": _data_uri(png)}

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -593,6 +594,29 @@ def save_png(fig: Figure, path: str | os.PathLike, *, dpi: int = DEFAULT_DPI) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(figure_png_bytes(fig, dpi=dpi))
     return path
+
+
+def figure_svg_bytes(fig: Figure) -> bytes:
+    """The figure as SVG bytes, its text kept as text (``svg.fonttype: none``): editable in a
+    paper or slides, and small. Heatmaps keep their cells as matplotlib's embedded image."""
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "storylens"}):
+        fig.savefig(buf, format="svg", facecolor="white")
+    return buf.getvalue()
+
+
+def save_svg(fig: Figure, path: str | os.PathLike) -> Path:
+    """Write the figure as an SVG (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(figure_svg_bytes(fig))
+    return path
+
+
+def save_figure(fig: Figure, stem: str | os.PathLike, *, dpi: int = DEFAULT_DPI) -> tuple[Path, Path]:
+    """Write ``STEM.png`` and ``STEM.svg`` (same figure, same colours and labels); returns both."""
+    stem = Path(stem)
+    return save_png(fig, stem.with_name(stem.name + ".png"), dpi=dpi), save_svg(fig, stem.with_name(stem.name + ".svg"))
 
 
 def figure_data_uri(fig: Figure, *, dpi: int = DEFAULT_DPI) -> str:

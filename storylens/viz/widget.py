@@ -11,19 +11,30 @@ at render time and the data is embedded as JSON, so the HTML works offline, in a
 saved file, and in Jupyter, VS Code and Colab output cells. Story text only ever
 reaches the page as JSON data and is put into the DOM with ``textContent``.
 
-Attention weights are embedded as integers in units of ``10**-decimals`` (default 5
-decimals: every shown weight is within 5e-6 of the model's; a 256-token story
-makes a page of about 3.5 MB). Each token the selected query can see carries its
-shown weight as ``data-weight``; the page root carries ``data-block``,
+Attention weights are embedded compactly: every head's lower triangle (query ``q``, keys
+``0..q``) quantised to ``bits`` bits (16: ``round(w * 65535)``; 8: ``round(w * 255)``), packed as
+one little-endian array, zlib-deflated and base64-encoded; the page inflates it with the
+browser's own ``DecompressionStream``. Every shown weight is within half a quantisation step
+(:attr:`AttentionWidget.max_error`: 7.6e-6 at 16 bits, 2.0e-3 at 8) of the recorded one. By
+default 16 bits, unless that payload would pass :data:`PAYLOAD_BUDGET`; then 8 (a 256-token story
+on 24 heads is about 1 MB; 1,024 tokens on 144 heads stays under 30 MB). Each token the selected
+query can see carries its shown weight as ``data-weight``; the page root carries ``data-block``,
 ``data-head``, ``data-query`` and ``data-mode``.
+
+Views of every size: "One head" shades the story, "All heads" shows the query's row for every
+head (a block at a time past :data:`ALL_AT_ONCE` heads), and "Maps" draws every head of one block
+as a map of a window of tokens, each token labelled. Every view can be saved as PNG and SVG
+(``static/export.js``) with the colours and labels shown.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
 import secrets
+import zlib
 from collections.abc import Sequence
 from functools import cache
 from importlib import resources
@@ -65,12 +76,43 @@ TOY_KEYS = [
 TOY_QUERY = 7  # "He": who is "he"?
 
 
+MODES = ("one", "all", "maps")  # the views a widget opens in: one head, every head's row, maps
+ALL_AT_ONCE = 48  # "All heads" shows every head up to this many, else one block at a time
+PAYLOAD_BUDGET = 24 * 2**20  # bytes of base64 attention: past it at 16 bits, 8 bits are used
+
+
+def quantised_triangles(patterns: np.ndarray, bits: int) -> np.ndarray:
+    """``[block, head, query, key]`` -> one array of every head's lower triangle (query-major:
+    query 0's key 0, query 1's keys 0..1, ...), block-major then head, as ``round(w * levels)``
+    with ``levels = 2**bits - 1``, little-endian ``uint8``/``uint16``. Computed a block at a time in
+    float64, so the only error is the rounding to the level (at most half a step)."""
+    levels = 2**bits - 1
+    n_block, n_head, T, _ = patterns.shape
+    rows, cols = np.tril_indices(T)
+    out = np.empty((n_block, n_head, rows.size), dtype="<u1" if bits == 8 else "<u2")
+    for b in range(n_block):
+        tri = np.asarray(patterns[b][:, rows, cols], dtype=np.float64)
+        out[b] = np.rint(np.clip(tri, 0.0, 1.0) * levels)
+    return out.reshape(-1)
+
+
+def packed(values: np.ndarray) -> str:
+    """base64 of the zlib-deflated bytes (what ``StorylensExport.inflate`` reverses)."""
+    return base64.b64encode(zlib.compress(values.tobytes(), 6)).decode("ascii")
+
+
 @cache
 def _static(name: str) -> str:
     text = (resources.files("storylens.viz") / "static" / name).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():
         raise RuntimeError(f"static/{name} must not contain a closing script or style tag")
     return text
+
+
+def page_script() -> str:
+    """The JavaScript a report page inlines once: PNG/SVG export (``export.js``) and the page's
+    own behaviour (``pages.js``: the head overview and a button pair on every figure)."""
+    return _static("export.js") + "\n" + _static("pages.js")
 
 
 def _json_for_script(data) -> str:
@@ -110,7 +152,7 @@ class _HtmlView:
             f'<div class="slw-loading">{html.escape(self.title)}: loading the interactive view… '
             "(if this message stays, JavaScript is off here, e.g. an untrusted notebook)</div></div>\n"
             f'<script type="application/json" id="{uid}-data">{payload}</script>\n'
-            f"<script{n}>{_static('widget.js')}\n{boot}</script>\n"
+            f"<script{n}>{_static('export.js')}\n{_static('widget.js')}\n{boot}</script>\n"
         )
 
     def _repr_html_(self) -> str:
@@ -148,7 +190,10 @@ class AttentionWidget(_HtmlView):
     ``patterns``: ``[block, head, query, key]`` (array or tensor), or the model's
     ``patterns`` list. ``block``/``head`` (0-indexed) and ``query`` (a position;
     default the last) set what is shown first. ``decimals`` is the precision of the
-    embedded weights.
+    embedded weights: 16 or 8 (default: 16 unless that payload would pass ``budget`` bytes,
+    :data:`PAYLOAD_BUDGET` unless given). ``mode``: the view it opens in, ``"one"`` (one head
+    shading the story), ``"all"`` (the query's row in every head) or ``"maps"`` (every head of the
+    block as a map of a window of tokens).
     """
 
     kind = "attention"
@@ -162,7 +207,9 @@ class AttentionWidget(_HtmlView):
         block: int = 0,
         head: int = 0,
         query: int | None = None,
-        decimals: int = 5,
+        bits: int | None = None,
+        budget: int = PAYLOAD_BUDGET,
+        mode: str = "one",
         replay_start: int | None = None,
     ):
         super().__init__(title)
@@ -177,8 +224,11 @@ class AttentionWidget(_HtmlView):
             raise ValueError("attention has non-finite values")
         if not (0 <= block < n_block and 0 <= head < n_head):
             raise ValueError(f"block {block}, head {head} out of range ({n_block} x {n_head})")
-        if not 1 <= decimals <= 9:
-            raise ValueError("decimals must be between 1 and 9")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        if bits not in (None, 8, 16):
+            raise ValueError(f"bits must be 8 or 16, not {bits!r}")
         query = T - 1 if query is None else int(query)
         if not 0 <= query < T:
             raise ValueError(f"query {query} out of range (0..{T - 1})")
@@ -188,7 +238,31 @@ class AttentionWidget(_HtmlView):
         self.tokens = tokens
         self.patterns = patterns
         self.block, self.head, self.query = int(block), int(head), query
-        self.decimals = int(decimals)
+        if budget <= 0:
+            raise ValueError(f"budget must be positive, not {budget}")
+        self._payload: dict | None = None
+        self.bits = bits if bits is not None else self._auto_bits(budget)
+
+    def _auto_bits(self, budget: int) -> int:
+        """16 bits where that payload fits ``budget`` bytes, else 8. 16-bit levels of real maps
+        deflate by at most about 3x (their low bits are noise), so past 4x the budget raw the
+        16-bit payload is not even built."""
+        n_block, n_head, T, _ = self.patterns.shape
+        if 2 * n_block * n_head * T * (T + 1) // 2 > 4 * budget:
+            return 8
+        self.bits = 16
+        return 16 if self._att()["size"] <= budget else 8
+
+    @property
+    def max_error(self) -> float:
+        """The most a shown weight can differ from the recorded one: half a quantisation step."""
+        return 0.5 / (2**self.bits - 1)
+
+    def _att(self) -> dict:
+        if self._payload is None or self._payload["bits"] != self.bits:
+            b64 = packed(quantised_triangles(self.patterns, self.bits))
+            self._payload = {"bits": self.bits, "levels": 2**self.bits - 1, "deflate": b64, "size": len(b64)}
+        return self._payload
 
     @classmethod
     def from_recording(cls, text: str, tokens, patterns, enc, title: str | None = None, **kw) -> AttentionWidget:
@@ -202,17 +276,18 @@ class AttentionWidget(_HtmlView):
         return cls(tokens, patterns, title=title, **kw)
 
     def data(self) -> dict:
-        scale = 10**self.decimals
-        q = np.rint(self.patterns * scale).astype(np.int64)
-        n_block, n_head, T, _ = q.shape
-        rows = [[[q[b, h, i, : i + 1].tolist() for i in range(T)] for h in range(n_head)] for b in range(n_block)]
+        n_block, n_head, T, _ = self.patterns.shape
+        att = self._att()
         return {
             "title": self.title,
             "tokens": self.tokens,
             "nBlock": n_block,
             "nHead": n_head,
-            "decimals": self.decimals,
-            "att": rows,  # att[block][head][query] = weights on keys 0..query, in 10**-decimals
+            # every head's lower triangle, quantised (see quantised_triangles), deflated, base64
+            "att": {k: att[k] for k in ("bits", "levels", "deflate")},
+            "maxError": self.max_error,
+            "allAtOnce": ALL_AT_ONCE,
+            "mode": self.mode,
             "block": self.block,
             "head": self.head,
             "query": self.query,

@@ -134,3 +134,39 @@ def page(browser):
     pg.route("**/*", guard)
     yield pg
     ctx.close()
+
+
+# ---------------------------------------------------------------- a model of the shape people study
+
+
+@pytest.fixture(scope="session")
+def llama_30x9(model, tmp_path_factory):
+    """A seeded random Llama-style transformers model of a real small model's shape (30 layers x
+    9 heads, grouped key/value heads: 3; hidden 576; about 135M parameters, most in the blocks),
+    saved with storylens's tokenizer: the views' sizes and legibility are tested on it."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    cfg = transformers.LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        vocab_size=model.tokenizer.get_vocab_size(),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sharper queries and keys than the default init, so heads differ from an even spread
+        for name, p in lm.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp("llama30x9")
+    lm.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

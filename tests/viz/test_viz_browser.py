@@ -13,7 +13,7 @@ from storylens.core.heads import head_label
 from storylens.recording import attention_widget
 from storylens.viz import AttentionWidget, toy_widget
 
-TOL = 1e-5  # the widget embeds 5 decimals: within 5e-6 of the model's weights
+TOL = 0.5 / 65535 * (1 + 1e-9)  # the widget embeds 16 bits: within half a step of the model's weights
 
 
 def _open(pg, path):
@@ -130,4 +130,9 @@ def test_toy_shares(page, tmp_path):
     toy.queries[9] = [3.0, 1.5]
     np.testing.assert_allclose(shares(), toy.shares(9), atol=1e-12)
     assert page.locator(".slw-q").first.evaluate("e => e === document.activeElement")
+    with page.expect_download() as d:  # taken away as SVG: the words and the shares on screen
+        page.click(".slw-toy .sl-export-svg")
+    svg = open(d.value.path(), encoding="utf-8").read()
+    assert d.value.suggested_filename == "toy-attention-it.svg" and svg.startswith("<svg")
+    assert f"it {100 * toy.shares(9)[9]:.2f}%" in svg or f"it {100 * toy.shares(9)[9]:.1f}%" in svg
     assert page.errors == [] and page.requests == []

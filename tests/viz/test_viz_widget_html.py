@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -41,14 +43,15 @@ def _strip_data(page: str) -> str:
 def test_no_remote_resources(model, story):
     w = attention_widget(model, story[0])
     for page in (w.to_html(), w._repr_html_(), toy_widget().to_html()):
-        code = _strip_data(page)
+        # the SVG namespace (exported figures) is a name, never fetched; no other URL
+        code = _strip_data(page).replace('"http://www.w3.org/2000/svg"', "")
         assert not URL.search(code), "the page itself names a URL"
         assert not re.search(r"<script[^>]*\bsrc\s*=", code, re.I)
         assert not re.search(r"<link\b", code, re.I)
         assert "@import" not in code and "url(" not in code and "@font-face" not in code
         assert "fetch(" not in code and "XMLHttpRequest" not in code
     css, js = _static("widget.css"), _static("widget.js")
-    assert css in w.to_html() and js in w.to_html()  # inlined, not linked
+    assert css in w.to_html() and js in w.to_html() and _static("export.js") in w.to_html()  # inlined, not linked
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "document.write" not in js
     assert "default-src 'none'" in w.to_html()  # the standalone page may not fetch anything
 
@@ -66,10 +69,36 @@ def test_data_is_escaped_and_complete(model, story_run):
     w = AttentionWidget(tokens, att, block=4, head=2, query=7)
     d = _payload(w.to_html())
     assert (d["nBlock"], d["nHead"], d["block"], d["head"], d["query"]) == (6, 4, 4, 2, 7)
-    rows = d["att"][4][2]
-    assert [len(r) for r in rows] == list(range(1, len(tokens) + 1))  # lower triangle only
-    scale = 10 ** d["decimals"]
-    np.testing.assert_allclose(np.array(rows[-1]) / scale, att[4, 2, -1], atol=0.5 / scale + 1e-9)
+    shown = _weights(d)
+    n = len(tokens)
+    assert shown.shape == (6, 4, n * (n + 1) // 2)  # lower triangles only
+    last = shown[4, 2, -n:]  # the last query's row: keys 0..n-1
+    assert d["att"]["bits"] == 16 and d["maxError"] == w.max_error == 0.5 / 65535
+    assert np.abs(last - att[4, 2, -1]).max() <= w.max_error * (1 + 1e-9)
+
+
+def _weights(d) -> np.ndarray:
+    """The page's embedded weights, decoded as its JavaScript does: base64, inflate, levels."""
+    raw = zlib.decompress(base64.b64decode(d["att"]["deflate"]))
+    levels = np.frombuffer(raw, dtype="<u2" if d["att"]["bits"] == 16 else "<u1")
+    return levels.reshape(d["nBlock"], d["nHead"], -1) / d["att"]["levels"]
+
+
+def test_every_weight_is_within_half_a_quantisation_step(story_run):
+    _, tokens, att, _ = story_run
+    rows, cols = np.tril_indices(len(tokens))
+    for bits in (16, 8):
+        w = AttentionWidget(tokens, att, bits=bits)
+        shown = _weights(_payload(w.to_html()))
+        err = np.abs(shown - att[:, :, rows, cols]).max()
+        # rounding to the nearest of 2**bits - 1 levels: at most half a step (float64 arithmetic)
+        assert w.max_error == 0.5 / (2**bits - 1) and err <= w.max_error * (1 + 1e-9), (bits, err)
+        assert err > 0.1 * w.max_error  # really quantised at this depth, not more finely
+    # past the payload budget the widget falls back to 8 bits, and says so in its data
+    assert AttentionWidget(tokens, att, budget=1_000).bits == 8
+    assert AttentionWidget(tokens, att).bits == 16
+    with pytest.raises(ValueError, match="bits must be 8 or 16"):
+        AttentionWidget(tokens, att, bits=12)
 
 
 def test_unique_ids_per_render(story_run):

@@ -52,20 +52,23 @@
     var tokens = data.tokens;
     var T = tokens.length;
     var nB = data.nBlock, nH = data.nHead;
-    var dec = data.decimals;
-    var scale = Math.pow(10, dec);
+    var levels = data.att.levels, vals = data.att.values;  // every head's lower triangle, quantised
+    var tri = T * (T + 1) / 2;
+    var dec = data.att.bits === 16 ? 5 : 3;  // shown decimals: the quantisation step's
     var state = {
-      block: data.block, head: data.head, query: data.query, mode: "one"
+      block: data.block, head: data.head, query: data.query, mode: data.mode || "one", from: 0
     };
+    var allAtOnce = nB * nH <= data.allAtOnce;
 
-    // weights of query q over keys 0..q, as numbers and as the exact embedded decimals
+    // weights of query q over keys 0..q, exactly as embedded (level / levels)
     function row(b, h, q) {
-      var ints = data.att[b][h][q];
-      var out = new Array(ints.length);
-      for (var i = 0; i < ints.length; i++) { out[i] = ints[i] / scale; }
+      var off = (b * nH + h) * tri + q * (q + 1) / 2;
+      var out = new Array(q + 1);
+      for (var i = 0; i <= q; i++) { out[i] = vals[off + i] / levels; }
       return out;
     }
     function fmt(w) { return w.toFixed(dec); }
+    function exact(w) { return String(w); }  // data-weight: the shown weight, every digit
 
     root.textContent = "";
     root.classList.add("slw-attention");
@@ -86,10 +89,13 @@
     lh.appendChild(selH);
     var badge = el("span", "slw-badge");
     var modeOne = el("button", "slw-mode slw-mode-one", "One head");
-    var modeAll = el("button", "slw-mode slw-mode-all", "All " + (nB * nH) + " heads");
-    modeOne.type = "button"; modeAll.type = "button";
+    var modeAll = el("button", "slw-mode slw-mode-all", allAtOnce ? "All " + (nB * nH) + " heads" : "All heads of the block");
+    var modeMaps = el("button", "slw-mode slw-mode-maps", "Maps");
+    modeMaps.title = "every head of the block as a map of a window of tokens";
+    modeOne.type = "button"; modeAll.type = "button"; modeMaps.type = "button";
     controls.appendChild(lb); controls.appendChild(lh); controls.appendChild(badge);
-    controls.appendChild(modeOne); controls.appendChild(modeAll);
+    controls.appendChild(modeOne); controls.appendChild(modeAll); controls.appendChild(modeMaps);
+    controls.appendChild(window.StorylensExport.buttons(viewSvg, viewName));
     root.appendChild(controls);
 
     var info = el("div", "slw-info");
@@ -153,7 +159,8 @@
 
     root.appendChild(el("div", "slw-note",
       "Shading is relative to the largest weight in the row; tokens after the query are " +
-      "masked (their share is exactly 0). Weights are shown to " + dec + " decimals."));
+      "masked (their share is exactly 0). Weights are embedded at " + data.att.bits + " bits: each is within " +
+      data.maxError.toExponential(1) + " of the recorded one."));
 
     // token spans
     var spans = new Array(T);
@@ -190,7 +197,7 @@
           s.style.backgroundColor = c.bg;
           s.classList.toggle("slw-dark", c.dark);
           s.classList.remove("slw-future");
-          s.setAttribute("data-weight", fmt(w[i]));
+          s.setAttribute("data-weight", exact(w[i]));
           s.title = describe(i, w[i]);
         } else {
           s.style.backgroundColor = "";
@@ -218,7 +225,7 @@
         var pos = order[r];
         var li = el("li", "slw-top-item");
         li.setAttribute("data-pos", String(pos));
-        li.setAttribute("data-weight", fmt(w[pos]));
+        li.setAttribute("data-weight", exact(w[pos]));
         li.appendChild(el("span", "slw-top-tok", compact(tokens[pos])));
         li.appendChild(el("span", "slw-top-pos", "#" + pos));
         var bar = el("span", "slw-bar");
@@ -243,6 +250,7 @@
       grid.style.gridTemplateColumns = "repeat(" + nH + ", minmax(0, 1fr))";
       var q = state.query;
       for (var b = 0; b < nB; b++) {
+        if (!allAtOnce && b !== state.block) { continue; }
         for (var h = 0; h < nH; h++) {
           var w = row(b, h, q);
           var max = 0, best = [];
@@ -260,7 +268,7 @@
             var cell = el("span", "slw-cell");
             cell.style.backgroundColor = shade(w[i], max).bg;
             cell.setAttribute("data-pos", String(i));
-            cell.setAttribute("data-weight", fmt(w[i]));
+            cell.setAttribute("data-weight", exact(w[i]));
             cell.title = headLabel(b, h) + ": " + describe(i, w[i]);
             strip.appendChild(cell);
           }
@@ -278,12 +286,138 @@
       }
     }
 
+    // ---- maps: every head of one block over a window of tokens, each token labelled
+    var MAP_N = Math.min(T, 32), CELL = 14, LABEL_PX = 11;
+    var maps = el("div", "slw-maps");
+    var mapNav = el("div", "slw-map-nav");
+    var mapPrev = el("button", "slw-mode slw-map-prev", "\u2190 earlier");
+    var mapNext = el("button", "slw-mode slw-map-next", "later \u2192");
+    var mapFrom = el("input", "slw-map-from");
+    mapFrom.type = "number"; mapFrom.min = "0"; mapFrom.max = String(T - MAP_N); mapFrom.value = "0";
+    var mapLab = el("label", "slw-ctl", "tokens from ");
+    mapLab.appendChild(mapFrom);
+    mapPrev.type = "button"; mapNext.type = "button";
+    mapNav.appendChild(mapPrev); mapNav.appendChild(mapLab); mapNav.appendChild(mapNext);
+    var mapInfo = el("span", "slw-map-info");
+    mapNav.appendChild(mapInfo);
+    var mapGrid = el("div", "slw-map-grid");
+    maps.appendChild(mapNav); maps.appendChild(mapGrid);
+    root.insertBefore(maps, grid);
+
+    // viridis (matplotlib's), 9 stops, on the report's power scale (gamma 0.5), 0 to 1
+    var VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+      [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
+    function viridis(w) {
+      var x = Math.sqrt(Math.max(0, Math.min(1, w))) * 8, i = Math.min(7, Math.floor(x)), f = x - i;
+      var a = VIRIDIS[i], b = VIRIDIS[i + 1];
+      return "rgb(" + [0, 1, 2].map(function (k) { return Math.round(a[k] + f * (b[k] - a[k])); }).join(",") + ")";
+    }
+    var MASKED = "#262626";
+    function mapLabels() {
+      var out = [];
+      for (var i = state.from; i < state.from + MAP_N; i++) { out.push(compact(tokens[i])); }
+      return out;
+    }
+    function mapFill(b, h) {
+      var cache = {};
+      return function (r, c) {
+        var q = state.from + r, k = state.from + c;
+        if (k > q) { return MASKED; }
+        if (!cache[q]) { cache[q] = row(b, h, q); }
+        return viridis(cache[q][k]);
+      };
+    }
+    function mapSpec(b, h) {
+      return { rows: MAP_N, cols: MAP_N, fill: mapFill(b, h), rowLabels: mapLabels(), colLabels: mapLabels(),
+        title: headLabel(b, h), cell: [CELL, CELL], size: LABEL_PX };
+    }
+    function renderMaps() {
+      maps.hidden = state.mode !== "maps";
+      if (maps.hidden) { return; }
+      mapFrom.value = String(state.from);
+      mapInfo.textContent = " block L" + (state.block + 1) + ", tokens " + state.from + " to " +
+        (state.from + MAP_N - 1) + " of " + T + "; rows: queries, columns: keys; viridis on a power scale, 0 to 1; " +
+        "dark grey: masked. Click a map to select its head.";
+      mapGrid.textContent = "";
+      for (var h = 0; h < nH; h++) {
+        var fig = el("div", "slw-map");
+        fig.setAttribute("data-block", String(state.block));
+        fig.setAttribute("data-head", String(h));
+        fig.setAttribute("data-label", headLabel(state.block, h));
+        if (h === state.head) { fig.classList.add("slw-panel-sel"); }
+        var img = new Image();
+        img.alt = headLabel(state.block, h) + ": attention map, tokens " + state.from + " to " + (state.from + MAP_N - 1);
+        img.src = "data:image/svg+xml;charset=utf-8," + encodeURIComponent(window.StorylensExport.gridSvg(mapSpec(state.block, h)));
+        fig.appendChild(img);
+        mapGrid.appendChild(fig);
+      }
+    }
+    function setFrom(v) {
+      state.from = Math.max(0, Math.min(T - MAP_N, isNaN(v) ? 0 : v));
+      render();
+    }
+    mapPrev.addEventListener("click", function () { setFrom(state.from - MAP_N); });
+    mapNext.addEventListener("click", function () { setFrom(state.from + MAP_N); });
+    mapFrom.addEventListener("change", function () { setFrom(parseInt(mapFrom.value, 10)); });
+    mapGrid.addEventListener("click", function (ev) {
+      var fig = ev.target && ev.target.closest ? ev.target.closest(".slw-map") : null;
+      if (!fig) { return; }
+      state.head = parseInt(fig.getAttribute("data-head"), 10);
+      render();
+    });
+
+    // ---- what the PNG and SVG buttons save: the view on screen
+    function viewName() {
+      var base = "attention-" + headLabel(state.block, state.head);
+      if (state.mode === "maps") { return "attention-maps-L" + (state.block + 1) + "-from" + state.from; }
+      return base + "-query" + state.query + (state.mode === "all" ? "-heads" : "");
+    }
+    function viewSvg() {
+      var X = window.StorylensExport, q = state.query;
+      if (state.mode === "maps") {
+        var svgs = [];
+        for (var h = 0; h < nH; h++) { svgs.push(X.gridSvg(mapSpec(state.block, h))); }
+        return stack(svgs, 2);
+      }
+      if (state.mode === "all") {
+        var heads = [];
+        for (var b = 0; b < nB; b++) {
+          if (!allAtOnce && b !== state.block) { continue; }
+          for (var hh = 0; hh < nH; hh++) { heads.push([b, hh, row(b, hh, q)]); }
+        }
+        var keys = [];
+        for (var k = 0; k <= q; k++) { keys.push(k % 10 === 0 ? String(k) : ""); }
+        return X.gridSvg({ rows: heads.length, cols: q + 1, cell: [Math.max(3, Math.min(14, 900 / (q + 1))), 14],
+          rowLabels: heads.map(function (x) { return headLabel(x[0], x[1]); }), colLabels: [], size: 11,
+          title: "Query \u201c" + compact(tokens[q]) + "\u201d (position " + q + "): its row in every head",
+          fill: function (r, c) { var w = heads[r][2], m = Math.max.apply(null, w); return shade(w[c], m).bg; } });
+      }
+      var w = row(state.block, state.head, q), max = Math.max.apply(null, w);
+      var items = [];
+      for (var i = 0; i < T; i++) {
+        items.push({ text: shown(tokens[i]), fill: i <= q ? shade(w[i], max).bg : "#f0f0f0", bold: i === q });
+      }
+      return X.tokensSvg(items, { title: data.title + ": " + headLabel(state.block, state.head) + ", query " + q, width: 900 });
+    }
+    // several SVG documents side by side, `per` to a row (sizes read from their own headers)
+    function stack(svgs, per) {
+      var X = window.StorylensExport, x = 0, y = 0, rowH = 0, width = 0, body = "";
+      svgs.forEach(function (s, i) {
+        var m = /width="(\d+)" height="(\d+)"/.exec(s), w = +m[1], hgt = +m[2];
+        if (i % per === 0 && i > 0) { y += rowH + 10; x = 0; rowH = 0; }
+        body += '<svg x="' + x + '" y="' + y + '"' + s.slice(4);
+        x += w + 10; rowH = Math.max(rowH, hgt); width = Math.max(width, x);
+      });
+      return X.doc(width, y + rowH, body);
+    }
+
     function render() {
       selB.value = String(state.block);
       selH.value = String(state.head);
       badge.textContent = headLabel(state.block, state.head);
       modeOne.setAttribute("aria-pressed", state.mode === "one" ? "true" : "false");
       modeAll.setAttribute("aria-pressed", state.mode === "all" ? "true" : "false");
+      modeMaps.setAttribute("aria-pressed", state.mode === "maps" ? "true" : "false");
       root.setAttribute("data-block", String(state.block));
       root.setAttribute("data-head", String(state.head));
       root.setAttribute("data-query", String(state.query));
@@ -306,6 +440,7 @@
       var w = renderTokens();
       renderSide(w);
       renderGrid();
+      renderMaps();
     }
 
     // Scroll the token box (only the box, never the page) so the query is in view.
@@ -360,6 +495,7 @@
     selH.addEventListener("change", function () { state.head = parseInt(selH.value, 10); render(); });
     modeOne.addEventListener("click", function () { state.mode = "one"; render(); });
     modeAll.addEventListener("click", function () { state.mode = "all"; render(); });
+    modeMaps.addEventListener("click", function () { state.mode = "maps"; render(); });
 
     render();
     reveal();
@@ -377,6 +513,14 @@
     root.classList.add("slw-toy");
     var header = el("div", "slw-header");
     header.appendChild(el("div", "slw-title", data.title));
+    header.appendChild(window.StorylensExport.buttons(function () {
+      // the shares as the page shows them: the query's row over the words it can see
+      var r = compute(), max = Math.max.apply(null, r.shares);
+      var items = words.map(function (w, j) {
+        return { text: j <= state.query ? w + " " + pct(r.shares[j]) : w, fill: j <= state.query ? shade(r.shares[j], max).bg : "#f0f0f0", bold: j === state.query };
+      });
+      return window.StorylensExport.tokensSvg(items, { title: data.title + ": the shares of \u201c" + words[state.query] + "\u201d", width: 900 });
+    }, function () { return "toy-attention-" + words[state.query]; }));
     root.appendChild(header);
     root.appendChild(el("div", "slw-info",
       "Click a word to make it the query. Each word has a query (the question it asks) and a " +
@@ -563,8 +707,18 @@
       return;
     }
     root.setAttribute("data-slw-mounted", "1");
-    if (data.kind === "toy") { mountToy(root, data); } else { mountAttention(root, data); }
-    root.setAttribute("data-slw-ready", "1");
+    if (data.kind === "toy") {
+      mountToy(root, data);
+      root.setAttribute("data-slw-ready", "1");
+      return;
+    }
+    window.StorylensExport.inflate(data.att.deflate).then(function (buf) {
+      data.att.values = data.att.bits === 16 ? new Uint16Array(buf) : new Uint8Array(buf);
+      mountAttention(root, data);
+      root.setAttribute("data-slw-ready", "1");
+    }).catch(function (e) {
+      root.textContent = "storylens widget: could not unpack its attention data (" + e.message + ")";
+    });
   }
 
   window.StorylensWidget = { version: VERSION, mount: mount };

@@ -1,0 +1,622 @@
+/* storylens corpus explorer. Inlined into explore.html by storylens.viz.explorer, after export.js;
+ * no network.
+ *
+ * Four views of one score run, all from the embedded JSON:
+ *   the head table  every column, sortable, filtered by an expression or by the flag;
+ *   the grid        one column over layers x heads, coloured, the value in each cell;
+ *   the examples    the chosen head's top examples for one detector, tokens shaded by attention;
+ *   the map         the chosen example's attention over its window, as a bar strip.
+ * Each view draws its SVG export from the same colour and label functions it draws the screen
+ * with. Story text reaches the DOM only through textContent.
+ */
+(function () {
+  "use strict";
+  if (window.StorylensExplorer) { return; }
+  var X = window.StorylensExport;
+  var WEIGHT_SCALE = 10000;  // weights are embedded as whole numbers of 1e-4
+  var CELL = [38, 28], CELL_FONT = 10;  // the grid: legible at 48 x 16 heads
+  var TOKEN_FONT = 14, BAR_FONT = 11, BAR_H = 90;
+  var VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"];
+  var SHADE = [253, 141, 60];  // a token's background at weight 1 (black text stays readable)
+  var NONE_FILL = "#eeeeee", NONE_INK = "#57606a";
+  var FLAG = "looks_without_moving";
+
+  // ------------------------------------------------------------------ small helpers
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) { e.className = cls; }
+    if (text !== undefined && text !== null) { e.textContent = String(text); }
+    return e;
+  }
+
+  function isNum(v) { return typeof v === "number" && isFinite(v); }
+
+  /* A table value for reading: 4 decimals for scores, fewer for large numbers, n/a for none. */
+  function fmt(v) {
+    if (!isNum(v)) { return v === null || v === undefined ? "n/a" : String(v); }
+    if (Number.isInteger(v)) { return String(v); }
+    var a = Math.abs(v);
+    return v.toFixed(a < 10 ? 4 : a < 1000 ? 2 : 0);
+  }
+
+  /* A grid cell's value: three characters or so, so it fits a 38 px cell. */
+  function cellText(v) {
+    if (!isNum(v)) { return "n/a"; }
+    var a = Math.abs(v);
+    return v.toFixed(a < 10 ? 2 : a < 100 ? 1 : 0);
+  }
+
+  /* A token's text made visible: newlines and tabs as symbols, an empty token as a sign. */
+  function shown(t) {
+    var s = String(t).replace(/\r/g, "").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+    return s.length ? s : "\u2205";
+  }
+
+  /* A token as a bar label: trimmed, a pure-space token as a visible space sign, at most 12 characters. */
+  function tick(t) {
+    var s = shown(t).trim();
+    if (!s.length) { return "\u2423"; }
+    return s.length > 12 ? s.slice(0, 11) + "\u2026" : s;
+  }
+
+  function hex(rgb) {
+    return "#" + rgb.map(function (x) { return ("0" + Math.round(x).toString(16)).slice(-2); }).join("");
+  }
+
+  function parseHex(h) { return [1, 3, 5].map(function (i) { return parseInt(h.slice(i, i + 2), 16); }); }
+
+  /* t in [0, 1] on the viridis scale, and the ink that reads on it. */
+  function viridis(t) {
+    t = Math.max(0, Math.min(1, t));
+    var x = t * (VIRIDIS.length - 1), i = Math.min(VIRIDIS.length - 2, Math.floor(x)), f = x - i;
+    var a = parseHex(VIRIDIS[i]), b = parseHex(VIRIDIS[i + 1]);
+    return hex([0, 1, 2].map(function (k) { return a[k] + f * (b[k] - a[k]); }));
+  }
+  function inkOn(t) { return t > 0.62 ? "#000000" : "#ffffff"; }
+
+  /* A token's background for attention weight w: white to orange. */
+  function shade(w) {
+    w = Math.max(0, Math.min(1, w));
+    return hex(SHADE.map(function (c) { return 255 + w * (c - 255); }));
+  }
+
+  function slug(s) { return String(s).replace(/[^A-Za-z0-9_.-]+/g, "-").replace(/^-+|-+$/g, "") || "view"; }
+
+  // ------------------------------------------------------------------ the filter language
+  /* "prev_token > 0.5", "norm_marker >= 0.1 and output_share < 0.02", "layer = 3",
+   * "looks_without_moving = prev_token" (the head is flagged on that detector), with and, or, not
+   * and parentheses. Returns a function of a row (column -> value), or throws an Error whose
+   * message is one line. A comparison with a missing value (n/a) is false. */
+  var LEX = /\s*(?:(<=|>=|==|!=|=|<|>)|([()])|"([^"]*)"|'([^']*)'|(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![A-Za-z_])|([A-Za-z_][A-Za-z0-9_]*))/y;
+  var ALIASES = { layer: "block" };
+
+  function lex(src) {
+    var out = [], re = new RegExp(LEX.source, "y"), m;
+    re.lastIndex = 0;
+    while (re.lastIndex < src.length) {
+      var at = re.lastIndex;
+      if (/^\s*$/.test(src.slice(at))) { break; }
+      m = re.exec(src);
+      if (!m) { throw new Error("cannot read \u201c" + src.slice(at).trim().slice(0, 20) + "\u201d"); }
+      if (m[1]) { out.push({ kind: "op", v: m[1] === "==" ? "=" : m[1] }); }
+      else if (m[2]) { out.push({ kind: m[2] }); }
+      else if (m[3] !== undefined || m[4] !== undefined) { out.push({ kind: "str", v: m[3] !== undefined ? m[3] : m[4] }); }
+      else if (m[5]) { out.push({ kind: "num", v: parseFloat(m[5]) }); }
+      else { out.push({ kind: "word", v: m[6] }); }
+    }
+    return out;
+  }
+
+  function compare(a, op, b) {
+    switch (op) {
+      case "<": return a < b;
+      case "<=": return a <= b;
+      case ">": return a > b;
+      case ">=": return a >= b;
+      case "=": return a === b;
+      default: return a !== b;
+    }
+  }
+
+  function flagsOf(v) {
+    if (Array.isArray(v)) { return v.map(String); }
+    return v ? String(v).split(",").map(function (s) { return s.trim(); }).filter(Boolean) : [];
+  }
+
+  function parseFilter(src, numeric, columns) {
+    var toks = lex(src), i = 0;
+    if (!toks.length) { return function () { return true; }; }
+    function peekWord(w) { return toks[i] && toks[i].kind === "word" && toks[i].v.toLowerCase() === w; }
+    function fail(what) {
+      var got = toks[i] ? (toks[i].v !== undefined ? String(toks[i].v) : toks[i].kind) : "the end";
+      throw new Error("expected " + what + ", got \u201c" + got + "\u201d");
+    }
+    function anyOf() {
+      var left = allOf();
+      while (peekWord("or")) { i++; left = (function (a, b) { return function (r) { return a(r) || b(r); }; })(left, allOf()); }
+      return left;
+    }
+    function allOf() {
+      var left = one();
+      while (peekWord("and")) { i++; left = (function (a, b) { return function (r) { return a(r) && b(r); }; })(left, one()); }
+      return left;
+    }
+    function one() {
+      if (peekWord("not")) { i++; var inner = one(); return function (r) { return !inner(r); }; }
+      if (toks[i] && toks[i].kind === "(") {
+        i++;
+        var e = anyOf();
+        if (!toks[i] || toks[i].kind !== ")") { fail("\u201c)\u201d"); }
+        i++;
+        return e;
+      }
+      return comparison();
+    }
+    function comparison() {
+      var t = toks[i];
+      if (!t || t.kind !== "word") { fail("a column name"); }
+      var asked = ALIASES[t.v.toLowerCase()] || t.v.toLowerCase();
+      var name = columns.filter(function (c) { return c.toLowerCase() === asked; })[0];
+      if (name === undefined) {
+        throw new Error("no column \u201c" + t.v + "\u201d (columns: " + columns.slice(0, 6).join(", ") + ", \u2026)");
+      }
+      i++;
+      var op = toks[i];
+      if (!op || op.kind !== "op") { fail("<, <=, >, >=, = or != after " + name); }
+      i++;
+      var val = toks[i];
+      if (!val || (val.kind !== "num" && val.kind !== "str" && val.kind !== "word")) { fail("a value after " + name + " " + op.v); }
+      i++;
+      if (numeric[name]) {
+        if (val.kind !== "num") { throw new Error(name + " holds numbers: compare it with a number"); }
+        return function (r) { var v = r[name]; return isNum(v) && compare(v, op.v, val.v); };
+      }
+      if (op.v !== "=" && op.v !== "!=") { throw new Error(name + " holds text: use = or !="); }
+      var want = String(val.v).toLowerCase();
+      if (name === FLAG) {
+        return function (r) {
+          var has = flagsOf(r[name]).some(function (f) { return f.toLowerCase() === want; });
+          return op.v === "=" ? has : !has;
+        };
+      }
+      return function (r) { return compare(String(r[name]).toLowerCase(), op.v, want); };
+    }
+    var pred = anyOf();
+    if (i < toks.length) { fail("and, or or the end"); }
+    return pred;
+  }
+
+  // ------------------------------------------------------------------ the page
+  function mount(id) {
+    var root = document.getElementById(id);
+    var data = JSON.parse(document.getElementById(id + "-data").textContent);
+    var cols = data.columns, nB = data.shape[0], nH = data.shape[1];
+    var heads = data.rows.map(function (vals, index) {
+      var r = { index: index };
+      cols.forEach(function (c, j) { r[c] = vals[j]; });
+      return r;
+    });
+    var numeric = {};
+    cols.forEach(function (c) {
+      numeric[c] = c !== "label" && c !== FLAG && heads.every(function (r) { return r[c] === null || isNum(r[c]); });
+    });
+    var gridColumns = cols.filter(function (c) { return numeric[c] && c !== "block" && c !== "head"; });
+    var byPlace = {};
+    heads.forEach(function (r) { byPlace[r.block + ":" + r.head] = r; });
+    var ex = data.examples;
+    var state = {
+      head: null, column: gridColumns.indexOf("prev_token") >= 0 ? "prev_token" : gridColumns[0],
+      detector: ex && ex.detectors.length ? ex.detectors[0] : null, example: 0,
+      sort: { col: null, dir: 1 }, pred: function () { return true; }
+    };
+
+    root.textContent = "";
+    root.appendChild(el("h1", "sle-title", data.title));
+    var meta = el("dl", "sle-meta");
+    Object.keys(data.meta).forEach(function (k) {
+      meta.appendChild(el("dt", null, k));
+      meta.appendChild(el("dd", null, data.meta[k]));
+    });
+    root.appendChild(meta);
+
+    // ---------------------------------------------------------------- the head table
+    var tableBox = el("section", "sle-section sle-table-box");
+    tableBox.appendChild(el("h2", null, "Every head"));
+    var controls = el("div", "sle-controls");
+    var filter = el("input", "sle-filter");
+    filter.type = "text";
+    filter.placeholder = "filter, e.g. prev_token > 0.5 and output_share < 0.02";
+    filter.setAttribute("aria-label", "filter the heads");
+    filter.spellcheck = false;
+    var flagBox = el("label", "sle-flag-label");
+    var flag = el("input", "sle-flagged");
+    flag.type = "checkbox";
+    flagBox.appendChild(flag);
+    flagBox.appendChild(document.createTextNode(" flagged: looks without moving"));
+    var count = el("span", "sle-count");
+    controls.appendChild(filter);
+    controls.appendChild(flagBox);
+    controls.appendChild(count);
+    tableBox.appendChild(controls);
+    var message = el("div", "sle-filter-msg");
+    message.setAttribute("role", "status");
+    tableBox.appendChild(message);
+    var scroller = el("div", "sle-table-scroll");
+    var table = el("table", "sle-table");
+    var thead = el("thead"), headRow = el("tr");
+    cols.forEach(function (c) {
+      var th = el("th", numeric[c] ? "sle-num" : null);
+      var b = el("button", "sle-sort", c);
+      b.type = "button";
+      b.dataset.col = c;
+      b.title = "sort by " + c + " (again: the other way)";
+      th.setAttribute("aria-sort", "none");
+      th.dataset.col = c;
+      th.appendChild(b);
+      headRow.appendChild(th);
+    });
+    thead.appendChild(headRow);
+    table.appendChild(thead);
+    var tbody = el("tbody");
+    heads.forEach(function (r) {
+      var tr = el("tr", "sle-row");
+      tr.dataset.label = r.label;
+      cols.forEach(function (c) {
+        var v = r[c];
+        var td = el("td", numeric[c] ? "sle-num" : null, c === FLAG ? flagsOf(v).join(", ") : fmt(v));
+        td.dataset.value = v === null || v === undefined ? "" : (Array.isArray(v) ? v.join(",") : String(v));
+        tr.appendChild(td);
+      });
+      r.tr = tr;
+      tr.addEventListener("click", function () { select(r); });
+      tbody.appendChild(tr);
+    });
+    table.appendChild(tbody);
+    scroller.appendChild(table);
+    tableBox.appendChild(scroller);
+    root.appendChild(tableBox);
+
+    function order() {
+      var c = state.sort.col, dir = state.sort.dir;
+      var rows = heads.slice();
+      if (c !== null && c !== "label") {
+        rows.sort(function (a, b) {
+          var x = a[c], y = b[c];
+          if (numeric[c]) {
+            var nx = !isNum(x), ny = !isNum(y);
+            if (nx || ny) { return nx === ny ? a.index - b.index : (nx ? 1 : -1); }  // none last, both ways
+            return x === y ? a.index - b.index : dir * (x - y);
+          }
+          var s = String(x === null ? "" : x).localeCompare(String(y === null ? "" : y));
+          return s === 0 ? a.index - b.index : dir * s;
+        });
+      } else if (c === "label" && dir < 0) {
+        rows.reverse();  // labels in block and head order, not as text (L10 after L9)
+      }
+      return rows;
+    }
+
+    function applyTable() {
+      var shownCount = 0;
+      order().forEach(function (r) {
+        var ok = state.pred(r) && (!flag.checked || flagsOf(r[FLAG]).length > 0);
+        r.tr.hidden = !ok;
+        if (ok) { shownCount++; }
+        tbody.appendChild(r.tr);
+      });
+      count.textContent = shownCount + " of " + heads.length + " heads match";
+      root.dataset.matches = String(shownCount);
+    }
+
+    thead.addEventListener("click", function (e) {
+      var b = e.target.closest("button.sle-sort");
+      if (!b) { return; }
+      var c = b.dataset.col;
+      state.sort = { col: c, dir: state.sort.col === c ? -state.sort.dir : (numeric[c] ? -1 : 1) };
+      Array.prototype.forEach.call(headRow.children, function (th) {
+        th.setAttribute("aria-sort", th.dataset.col !== c ? "none" : state.sort.dir > 0 ? "ascending" : "descending");
+      });
+      applyTable();
+    });
+
+    function onFilter() {
+      try {
+        state.pred = parseFilter(filter.value, numeric, cols);
+        message.textContent = "";
+        filter.classList.remove("sle-bad");
+      } catch (err) {
+        message.textContent = "Filter not applied: " + err.message;  // the table stays as it was
+        filter.classList.add("sle-bad");
+        return;
+      }
+      applyTable();
+    }
+    filter.addEventListener("input", onFilter);
+    flag.addEventListener("change", applyTable);
+
+    // ---------------------------------------------------------------- the grid
+    var gridBox = el("section", "sle-section sle-grid-box");
+    gridBox.appendChild(el("h2", null, "Every head at a glance"));
+    var gridControls = el("div", "sle-controls");
+    var colSelect = el("select", "sle-column");
+    colSelect.setAttribute("aria-label", "the column the grid shows");
+    gridColumns.forEach(function (c) {
+      var o = el("option", null, c);
+      o.value = c;
+      colSelect.appendChild(o);
+    });
+    colSelect.value = state.column;
+    gridControls.appendChild(el("span", "sle-ctl", "column"));
+    gridControls.appendChild(colSelect);
+    var legend = el("span", "sle-legend");
+    gridControls.appendChild(legend);
+    var gridExport = el("span", "sle-export-slot");
+    gridControls.appendChild(gridExport);
+    gridBox.appendChild(gridControls);
+    var gridScroll = el("div", "sle-grid-scroll");
+    var grid = el("div", "sle-grid");
+    grid.style.gridTemplateColumns = "auto repeat(" + nH + ", " + CELL[0] + "px)";
+    grid.style.gridAutoRows = CELL[1] + "px";
+    grid.appendChild(el("span", "sle-corner"));
+    for (var h = 1; h <= nH; h++) { grid.appendChild(el("span", "sle-col-label", "H" + h)); }
+    var cells = [];
+    for (var b = 1; b <= nB; b++) {
+      grid.appendChild(el("span", "sle-row-label", "L" + b));
+      for (h = 1; h <= nH; h++) {
+        var r = byPlace[b + ":" + h];
+        var cell = el("button", "sle-cell");
+        cell.type = "button";
+        if (r) {
+          cell.dataset.label = r.label;
+          cell.title = r.label;
+          cell.addEventListener("click", (function (row) { return function () { select(row); }; })(r));
+        } else {
+          cell.disabled = true;
+        }
+        grid.appendChild(cell);
+        cells.push({ el: cell, row: r || null, b: b, h: h });
+      }
+    }
+    gridScroll.appendChild(grid);
+    gridBox.appendChild(gridScroll);
+    root.appendChild(gridBox);
+
+    /* The chosen column's range, and each head's fill, ink and label: the screen and the SVG both. */
+    function scale(c) {
+      var vals = heads.map(function (r) { return r[c]; }).filter(isNum);
+      var lo = vals.length ? Math.min.apply(null, vals) : 0, hi = vals.length ? Math.max.apply(null, vals) : 1;
+      function t(v) { return hi > lo ? (v - lo) / (hi - lo) : 0.5; }
+      return {
+        lo: lo, hi: hi,
+        fill: function (r) { return r && isNum(r[c]) ? viridis(t(r[c])) : NONE_FILL; },
+        ink: function (r) { return r && isNum(r[c]) ? inkOn(t(r[c])) : NONE_INK; },
+        label: function (r) { return r ? cellText(r[c]) : ""; }
+      };
+    }
+
+    function drawGrid() {
+      var s = scale(state.column);
+      cells.forEach(function (x) {
+        x.el.style.background = s.fill(x.row);
+        x.el.style.color = s.ink(x.row);
+        x.el.textContent = s.label(x.row);
+        if (x.row) { x.el.dataset.value = isNum(x.row[state.column]) ? String(x.row[state.column]) : ""; }
+      });
+      legend.textContent = "colour from " + fmt(s.lo) + " (dark) to " + fmt(s.hi) + " (light)";
+      root.dataset.column = state.column;
+    }
+
+    function gridSvg() {
+      var s = scale(state.column);
+      function at(r, c) { return byPlace[(r + 1) + ":" + (c + 1)]; }
+      var rowLabels = [], colLabels = [];
+      for (var i = 1; i <= nB; i++) { rowLabels.push("L" + i); }
+      for (i = 1; i <= nH; i++) { colLabels.push("H" + i); }
+      return X.gridSvg({
+        rows: nB, cols: nH, cell: CELL, size: CELL_FONT, title: state.column, rowLabels: rowLabels, colLabels: colLabels,
+        fill: function (r, c) { return s.fill(at(r, c)); },
+        ink: function (r, c) { return s.ink(at(r, c)); },
+        label: function (r, c) { return s.label(at(r, c)); }
+      });
+    }
+    gridExport.appendChild(X.buttons(gridSvg, function () { return "grid-" + slug(state.column); }));
+    colSelect.addEventListener("change", function () { chooseColumn(colSelect.value); });
+
+    // ---------------------------------------------------------------- the chosen head
+    var detail = el("section", "sle-section sle-detail");
+    root.appendChild(detail);
+
+    function site(r, i) {
+      var e = ex.heads[r.index], pick = e.top[state.detector][i], s = e.sites[pick[0]];
+      return {
+        rank: i + 1, value: pick[1], story: s[0], query: s[1], queryAt: s[2], key: s[3], keyWeight: s[4],
+        keyToken: ex.tokens[s[5]], tokens: s[6].map(function (t) { return ex.tokens[t]; }),
+        weights: s[7].map(function (w) { return w / WEIGHT_SCALE; })
+      };
+    }
+
+    function exampleTitle(r, x) {
+      return r.label + " " + state.detector + " #" + x.rank + ": story " + x.story + ", query " + x.query +
+        ", value " + fmt(x.value);
+    }
+
+    /* The window as items {text, fill, bold}: what the screen and tokensSvg both draw. */
+    function tokenItems(x) {
+      return x.tokens.map(function (t, i) {
+        return { text: shown(t), fill: i <= x.queryAt ? shade(x.weights[i]) : "#ffffff", bold: i === x.queryAt };
+      });
+    }
+
+    function exampleView(r, x, i) {
+      var box = el("div", "sle-example");
+      box.dataset.rank = String(x.rank);
+      box.dataset.value = String(x.value);
+      box.dataset.story = String(x.story);
+      box.dataset.query = String(x.query);
+      box.tabIndex = 0;
+      var head = el("div", "sle-example-head");
+      head.appendChild(el("span", "sle-rank", "#" + x.rank));
+      head.appendChild(el("span", "sle-where", "story " + x.story + ", query " + x.query));
+      head.appendChild(el("span", "sle-value", state.detector + " " + fmt(x.value)));
+      var key = el("span", "sle-key-info", "most attended: ");
+      key.appendChild(el("span", "sle-key-tok", shown(x.keyToken)));
+      key.appendChild(document.createTextNode(" at " + x.key + ", weight " + fmt(x.keyWeight)));
+      head.appendChild(key);
+      head.appendChild(X.buttons(function () { return X.tokensSvg(tokenItems(x), { title: exampleTitle(r, x), size: TOKEN_FONT }); },
+        r.label + "-" + slug(state.detector) + "-example-" + x.rank));
+      box.appendChild(head);
+      var line = el("div", "sle-tokens");
+      var first = x.query - x.queryAt;
+      tokenItems(x).forEach(function (it, j) {
+        var s = el("span", "sle-tok", it.text);
+        s.style.background = it.fill;
+        if (j <= x.queryAt) { s.dataset.weight = String(x.weights[j]); s.title = "weight " + fmt(x.weights[j]); }
+        else { s.classList.add("sle-after"); }
+        if (it.bold) { s.classList.add("sle-query"); }
+        if (first + j === x.key) { s.classList.add("sle-key"); }
+        line.appendChild(s);
+      });
+      box.appendChild(line);
+      function choose(e) {
+        if (i === state.example || (e.target.closest && e.target.closest(".sl-export"))) { return; }
+        state.example = i;
+        drawDetail();
+      }
+      box.addEventListener("click", choose);
+      box.addEventListener("keydown", function (e) { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); choose(e); } });
+      return box;
+    }
+
+    /* The bar strip of one example: a column per key the query sees, as {x, w, h, fill, tick, weight}. */
+    function stripLayout(x) {
+      var left = 8, out = [];
+      for (var j = 0; j <= x.queryAt; j++) {
+        var tk = tick(x.tokens[j]), w = Math.max(34, Math.ceil(X.measure(tk, BAR_FONT)) + 10);
+        out.push({ x: left, w: w, h: Math.round(BAR_H * x.weights[j] * 10) / 10, fill: viridis(x.weights[j]),
+          tick: tk, weight: x.weights[j].toFixed(2), query: j === x.queryAt });
+        left += w + 2;
+      }
+      return { cols: out, width: left + 6 };
+    }
+
+    function mapTitle(r, x) { return r.label + " on story " + x.story + ", query " + x.query + ": attention over the window"; }
+
+    function stripSvg(r, x) {
+      var L = stripLayout(x), top = BAR_FONT * 2 + 18, base = top + BAR_FONT + 4 + BAR_H, body = "";
+      body += X.text(8, BAR_FONT + 6, mapTitle(r, x), BAR_FONT + 1, { weight: "bold" });
+      L.cols.forEach(function (c) {
+        var mid = c.x + c.w / 2;
+        body += X.rect(c.x, top + BAR_FONT + 4, c.w, BAR_H, "#f6f8fa");
+        body += X.rect(c.x, base - c.h, c.w, c.h, c.fill);
+        body += X.text(mid, top + BAR_FONT, c.weight, BAR_FONT, { anchor: "middle" });
+        body += X.text(mid, base + BAR_FONT + 4, c.tick, BAR_FONT, { anchor: "middle", weight: c.query ? "bold" : null });
+      });
+      return X.doc(Math.max(L.width, X.measure(mapTitle(r, x), BAR_FONT + 1) + 16), base + BAR_FONT + 12, body);
+    }
+
+    function mapView(r, x) {
+      var box = el("div", "sle-map");
+      var head = el("div", "sle-map-head");
+      head.appendChild(el("span", "sle-map-title", mapTitle(r, x)));
+      head.appendChild(X.buttons(function () { return stripSvg(r, x); }, r.label + "-" + slug(state.detector) + "-example-" + x.rank + "-map"));
+      box.appendChild(head);
+      var strip = el("div", "sle-strip");
+      stripLayout(x).cols.forEach(function (c, j) {
+        var col = el("div", "sle-bar-col" + (c.query ? " sle-query" : ""));
+        col.style.width = c.w + "px";
+        col.dataset.weight = String(x.weights[j]);
+        col.appendChild(el("span", "sle-bar-w", c.weight));
+        var well = el("div", "sle-bar-well");
+        well.style.height = BAR_H + "px";
+        var bar = el("div", "sle-bar");
+        bar.style.height = c.h + "px";
+        bar.style.background = c.fill;
+        well.appendChild(bar);
+        col.appendChild(well);
+        col.appendChild(el("span", "sle-bar-tok", c.tick));
+        strip.appendChild(col);
+      });
+      box.appendChild(strip);
+      return box;
+    }
+
+    function drawDetail() {
+      var r = state.head;
+      detail.textContent = "";
+      if (!r) {
+        detail.appendChild(el("p", "sle-hint", "Click a head in the table or the grid to see where it fires."));
+        return;
+      }
+      var title = el("h2", "sle-head-title", r.label);
+      detail.appendChild(title);
+      var stats = el("p", "sle-stats");
+      var shownCols = ex ? ex.detectors.filter(function (d) { return cols.indexOf(d) >= 0; }) : [];
+      ["output_share"].concat(shownCols).forEach(function (c) {
+        if (cols.indexOf(c) >= 0) { stats.appendChild(el("span", "sle-stat", c + " " + fmt(r[c]))); }
+      });
+      var flags = flagsOf(r[FLAG]);
+      if (flags.length) { stats.appendChild(el("span", "sle-stat sle-flag", "looks without moving: " + flags.join(", "))); }
+      detail.appendChild(stats);
+      if (!ex) {
+        detail.appendChild(el("p", "sle-hint", "No examples in this run (it was scored with --examples 0)."));
+        return;
+      }
+      var pick = el("div", "sle-controls");
+      pick.appendChild(el("span", "sle-ctl", "detector"));
+      var det = el("select", "sle-detector");
+      det.setAttribute("aria-label", "the detector whose top examples are shown");
+      ex.detectors.forEach(function (d) { var o = el("option", null, d); o.value = d; det.appendChild(o); });
+      det.value = state.detector;
+      det.addEventListener("change", function () { state.detector = det.value; state.example = 0; drawDetail(); });
+      pick.appendChild(det);
+      var n = ex.heads[r.index].top[state.detector].length;
+      pick.appendChild(el("span", "sle-ctl", n + " of at most " + ex.k + " examples: the queries where " + state.detector +
+        " is highest over the corpus; each earlier token shaded by the attention the query (outlined) gives it." +
+        " Click an example for its map."));
+      detail.appendChild(pick);
+      root.dataset.detector = state.detector;
+      if (!n) {
+        detail.appendChild(el("p", "sle-hint", "No counted query for " + state.detector + " in this run."));
+        return;
+      }
+      state.example = Math.min(state.example, n - 1);
+      root.dataset.example = String(state.example);
+      var list = el("div", "sle-examples");
+      for (var i = 0; i < n; i++) {
+        var x = site(r, i), v = exampleView(r, x, i);
+        if (i === state.example) {  // the chosen example opens on its map
+          v.classList.add("sle-chosen");
+          v.appendChild(mapView(r, x));
+        }
+        list.appendChild(v);
+      }
+      detail.appendChild(list);
+    }
+
+    function select(r) {
+      if (state.head) { state.head.tr.classList.remove("sle-selected"); }
+      cells.forEach(function (x) { x.el.classList.toggle("sle-selected", x.row === r); });
+      state.head = r;
+      state.example = 0;
+      r.tr.classList.add("sle-selected");
+      root.dataset.head = r.label;
+      drawDetail();
+    }
+
+    /* The grid's column chosen: its detector (prev_token for norm_prev_token too) becomes the one
+     * whose examples are shown, where examples were kept for it. */
+    function chooseColumn(c) {
+      state.column = c;
+      var d = c.replace(/^norm_/, "");
+      if (ex && ex.detectors.indexOf(d) >= 0) { state.detector = d; state.example = 0; }
+      drawGrid();
+      drawDetail();
+    }
+
+    applyTable();
+    chooseColumn(state.column);
+    root.dataset.ready = "1";
+  }
+
+  window.StorylensExplorer = { mount: mount, parseFilter: parseFilter };
+})();
