@@ -273,9 +273,22 @@ def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozense
             _swap_in(tmp, out)
         except OSError as e:
             raise os_error(out, e) from None
+        except StorylensError as e:  # a writer of its own (write_text_atomic) named a file in the build folder
+            raise _named_for(e, tmp, out) from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _named_for(e: StorylensError, tmp: Path, out: Path) -> StorylensError:
+    """``e`` as the user should read it: a file inside the build folder is ``out`` itself (the build
+    folder is never seen). Any other error is returned unchanged."""
+    msg = str(e)
+    if not msg.startswith(str(tmp)):
+        return e
+    rest = msg[len(str(tmp)) :]
+    cut = rest.find(": ")
+    return StorylensError(f"{out}{rest[cut:]}") if cut >= 0 else e
 
 
 def _fsync_tree(folder: Path) -> None:
