@@ -85,14 +85,40 @@ class BatchMasks:
         self.name_queries = self.inside & (first >= 0) & (pos > first) & ~batch.name_mask
         self.key_columns = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None].to(dtype)  # [B, 1, T, 2]
 
+    start = 0  # the first query row a pattern handed with these masks holds (RowMasks: a chunk's)
+
+    @property
+    def full(self) -> BatchMasks:
+        """The whole batch's masks: these (a :class:`RowMasks`' are its parent's)."""
+        return self
+
+    def rows(self, start: int, stop: int, keys: int) -> RowMasks:
+        """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a
+        detector reads with a chunk of a map (``[batch, head, stop - start, keys]``)."""
+        return RowMasks(self, start, stop, keys)
+
     def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
         """``[B, H, q, 2]``: attention on the name tokens and on the markers, one product for both
         (kept for the block being scored: the name and marker detectors share it)."""
         last = self.__dict__.get("_column_mass")
         if last is None or last[0] is not pattern:
-            last = (pattern, key_columns_mass(pattern, self.key_columns))
+            last = (pattern, columns_mass(pattern, *self.column_keys))
             self.__dict__["_column_mass"] = last
         return last[1]
+
+    @cached_property
+    def column_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The name and marker columns as indices: ``[B, m]`` key positions (inside each story) and
+        their ``[B, m, 2]`` 0/1 weights (name, marker), ``m`` the most such keys any story has. A
+        story's name and marker tokens are few, so gathering them reads a sliver of each row."""
+        cols = self.key_columns[:, 0] * self.inside[..., None].to(self.dtype)  # [B, T, 2]
+        keys = cols.sum(-1) > 0
+        m = max(int(keys.sum(-1).max()), 1)
+        pos = torch.arange(keys.shape[-1], device=keys.device)
+        ranked = torch.where(keys, pos, -1).topk(m, dim=-1).values  # [B, m]: key positions, -1 = none
+        index = ranked.clamp(min=0)
+        weight = cols.gather(1, index[..., None].expand(-1, -1, 2)) * (ranked >= 0)[..., None].to(self.dtype)
+        return index, weight
 
     @cached_property
     def duplicate_keys(self) -> torch.Tensor:
@@ -111,15 +137,17 @@ class BatchMasks:
 
     def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The key set ``name`` ("duplicate_keys" or "induction_keys") as indices: ``[B, 1, q, m]``
-        key positions and a ``[B, 1, q, m]`` 0/1 weight, ``m`` the most keys any query has. A
-        query's duplicates are few, so gathering them reads a sliver of each map (not all of it)."""
+        key positions, latest first, and a ``[B, 1, q, m]`` 0/1 weight, ``m`` the most keys any
+        query has. A query's duplicates are few, so gathering them reads a sliver of each map (not
+        all of it); they are found by sorting the tokens, so no ``[q, k]`` table is ever made."""
         key = f"_sparse_{name}"
         if key not in self.__dict__:
-            keys = getattr(self, name)  # [B, q, k] bool
-            m = max(int(keys.sum(-1).max()), 1)
-            pos = torch.arange(keys.shape[-1], device=keys.device)
-            ranked = torch.where(keys, pos, -1).topk(m, dim=-1).values  # [B, q, m]: key positions, -1 = none
-            self.__dict__[key] = (ranked.clamp(min=0)[:, None], (ranked >= 0)[:, None].to(self.dtype))
+            if name not in ("duplicate_keys", "induction_keys"):
+                raise ValueError(f"sparse_keys: no key set {name!r}")
+            index, valid = duplicate_index(self.batch.ids, self.inside)  # [B, q, m]
+            if name == "induction_keys":  # the position just after each earlier occurrence
+                index = torch.where(valid, index + 1, 0)
+            self.__dict__[key] = (index[:, None], valid[:, None].to(self.dtype))
         return self.__dict__[key]
 
     def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
@@ -161,25 +189,94 @@ class BatchMasks:
         return w
 
 
+class RowMasks:
+    """:class:`BatchMasks` cut to a chunk of query rows (``start .. stop - 1``) and the keys they
+    can see (``0 .. keys - 1``): the same attributes, for a detector handed that chunk of a map.
+    Every query-indexed mask is sliced from the batch's, so a chunk's values are the full map's."""
+
+    def __init__(self, full: BatchMasks, start: int, stop: int, keys: int):
+        self.full, self.batch, self.dtype = full, full.batch, full.dtype
+        self.start, self.stop, self.keys = start, stop, keys
+        self.inside = full.inside[:, start:stop]
+        self.queries = full.queries[:, start:stop]
+        self.name_queries = full.name_queries[:, start:stop]
+        self.key_columns = full.key_columns[:, :, :keys]
+        self._column_mass: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
+        """As :meth:`BatchMasks.column_mass`, for this chunk."""
+        last = self._column_mass
+        if last is None or last[0] is not pattern:
+            last = self._column_mass = (pattern, columns_mass(pattern, *self.full.column_keys))
+        return last[1]
+
+    def _cut(self, keys: torch.Tensor) -> torch.Tensor:  # [B, q, k] -> this chunk's rows and keys
+        return keys[:, self.start : self.stop, : self.keys]
+
+    @property
+    def duplicate_keys(self) -> torch.Tensor:
+        return self._cut(self.full.duplicate_keys)
+
+    @property
+    def induction_keys(self) -> torch.Tensor:
+        return self._cut(self.full.induction_keys)
+
+    def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        index, weight = self.full.sparse_keys(name)  # [B, 1, q, m]: key positions below each query
+        return index[:, :, self.start : self.stop], weight[:, :, self.start : self.stop]
+
+    def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
+        return self._cut(self.full.pattern_keys(fn, name))
+
+
+Masks = BatchMasks | RowMasks  # what a detector reads: a whole batch's masks or a chunk of rows
+
+
 # ---------------------------------------------------------------- the pure functions
 
 
-def diagonal(pattern: torch.Tensor, k: int) -> torch.Tensor:
-    """``out[..., q] = pattern[..., q, q - k]`` (0 for q < k)."""
-    T = pattern.shape[-2]
-    return F.pad(pattern.diagonal(offset=-k, dim1=-2, dim2=-1), (k, 0))[..., :T]
+def duplicate_index(ids: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's earlier positions holding its token (inside its story), latest first:
+    ``[B, q, m]`` positions and ``[B, q, m]`` bool (which are real), ``m`` the most any query has
+    (at least 1). The tokens are sorted (positions rising within a token), so a query's earlier
+    duplicates are the ones before it in its run: ``B x q x m`` memory, never ``q x k``."""
+    B, T = ids.shape
+    dev = ids.device
+    pos = torch.arange(T, device=dev)
+    token = torch.where(inside, ids, -1 - pos[None, :])  # a padding position matches nothing
+    perm = (token.to(torch.int64) * (T + 1) + pos[None, :]).argsort(dim=-1)  # by token, then position
+    run = token.gather(1, perm)
+    i = pos[None, :].expand(B, T)
+    opens = torch.ones(B, T, dtype=torch.bool, device=dev)
+    opens[:, 1:] = run[:, 1:] != run[:, :-1]
+    rank = i - torch.where(opens, i, 0).cummax(dim=-1).values  # earlier positions with the same token
+    m = max(int(rank.max()) if T else 0, 1)
+    back = i[..., None] - 1 - torch.arange(m, device=dev)  # [B, T, m]: sorted places, latest first
+    valid = torch.arange(m, device=dev) < rank[..., None]
+    where = torch.where(valid, perm.gather(1, back.clamp(min=0).reshape(B, -1)).view(B, T, m), 0)
+    at = perm[..., None].expand(B, T, m)  # back to query order
+    index = torch.zeros(B, T, m, dtype=torch.long, device=dev).scatter_(1, at, where)
+    real = torch.zeros(B, T, m, dtype=torch.bool, device=dev).scatter_(1, at, valid)
+    return index, real
 
 
-def prev_token(pattern: torch.Tensor) -> torch.Tensor:
-    return diagonal(pattern, 1)
+def diagonal(pattern: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
+    """``out[..., r] = pattern[..., r, q - k]`` for the query ``q = start + r`` of row ``r`` (0 for
+    q < k); ``start``: the first query a chunk of rows holds (0: the whole map)."""
+    n, lead = pattern.shape[-2], max(0, k - start)
+    return F.pad(pattern.diagonal(offset=start - k, dim1=-2, dim2=-1), (lead, 0))[..., :n]
 
 
-def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN) -> torch.Tensor:
+def prev_token(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
+    return diagonal(pattern, 1, start)
+
+
+def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
     """Attention on the ``span`` positions before each query, together."""
-    return sum((diagonal(pattern, k) for k in range(2, span + 1)), diagonal(pattern, 1))
+    return sum((diagonal(pattern, k, start) for k in range(2, span + 1)), diagonal(pattern, 1, start))
 
 
-def prev_is_argmax(pattern: torch.Tensor) -> torch.Tensor:
+def prev_is_argmax(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
     """``[..., query]`` float: 1 where key ``q - 1`` is the query's most-attended key, ties going
     to the earliest key (exactly ``pattern.argmax(-1) == q - 1``; 0 for query 0).
 
@@ -188,11 +285,12 @@ def prev_is_argmax(pattern: torch.Tensor) -> torch.Tensor:
     on a tie) and above every key before it. Keys after q hold exactly 0 and never win (every
     weight the softmax gives is above 0). To take the maximum over keys 0 .. q-2 without a copy
     of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
-    ``pattern`` leaves this function bit for bit as it came in.
+    ``pattern`` leaves this function bit for bit as it came in. ``start``: the first query of a
+    chunk of rows (see :func:`diagonal`).
     """
-    T = pattern.shape[-1]
-    prev = pattern.diagonal(offset=-1, dim1=-2, dim2=-1)  # views: [..., T - 1]
-    own = pattern.diagonal(dim1=-2, dim2=-1)
+    n, lead = pattern.shape[-2], max(0, 1 - start)  # lead: query 0 has no previous key
+    prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)  # views: [..., n - lead]
+    own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)
     saved_prev, saved_own = prev.clone(), own.clone()
     prev.zero_()
     own.zero_()
@@ -201,13 +299,25 @@ def prev_is_argmax(pattern: torch.Tensor) -> torch.Tensor:
     finally:
         prev.copy_(saved_prev)
         own.copy_(saved_own)
-    wins = (saved_prev >= saved_own[..., 1:]) & (saved_prev > earlier[..., 1:])
-    return F.pad(wins.to(pattern.dtype), (1, 0))[..., :T]
+    wins = (saved_prev >= saved_own[..., lead:n]) & (saved_prev > earlier[..., lead:])
+    return F.pad(wins.to(pattern.dtype), (lead, 0))[..., :n]
 
 
 def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """``pattern [B, H, q, k] @ columns [B, 1, k, n]``: attention on each of ``n`` key sets."""
     return pattern @ columns
+
+
+def columns_mass(pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[B, H, q, n]``: attention on each of ``n`` key sets shared by every query of a story,
+    given as ``index [B, m]`` key positions and ``weight [B, m, n]``; equal to
+    :func:`key_columns_mass` with those columns, reading ``m`` keys per row instead of all. Keys
+    past the pattern's last (a chunk of rows sees only the keys before it) weigh nothing."""
+    B, H, Q, K = pattern.shape
+    weight = weight * (index < K)[..., None].to(weight.dtype)
+    index = index.clamp(max=K - 1)
+    picked = pattern.gather(-1, index[:, None, None, :].expand(B, H, Q, index.shape[-1]))  # [B, H, q, m]
+    return picked @ weight[:, None].to(pattern.dtype)
 
 
 def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -236,31 +346,47 @@ class Detector:
     """A named detector: ``values(pattern, masks) -> [B, H, q]`` and ``queries(masks) -> [B, q]``."""
 
     name: str
-    values: Callable[[torch.Tensor, BatchMasks], torch.Tensor]
-    queries: Callable[[BatchMasks], torch.Tensor]
+    values: Callable[[torch.Tensor, Masks], torch.Tensor]
+    queries: Callable[[Masks], torch.Tensor]
     first_columns: bool = False  # also scored over the first N stories (the lesson's *_first)
+    # reads a chunk of query rows right (masks a RowMasks, its first row masks.start) and is linear
+    # in each row (or, scale_free, unchanged when a row is scaled): every built-in and pattern
+    # detector. A detector made by hand without it gets whole maps and the norm-weighted map itself.
+    rows: bool = False
+    scale_free: bool = False
 
-    def story_means(self, pattern: torch.Tensor, masks: BatchMasks) -> torch.Tensor:
+    def story_means(self, pattern: torch.Tensor, masks: Masks) -> torch.Tensor:
         return masked_mean(self.values(pattern, masks), self.queries(masks))
 
 
-def _duplicate_queries(m: BatchMasks) -> torch.Tensor:
-    return m.duplicate_keys.any(-1)
+def _duplicate_queries(m: Masks) -> torch.Tensor:
+    return m.sparse_keys("duplicate_keys")[1][:, 0].any(-1)  # a query with an earlier duplicate
 
 
-def _induction_queries(m: BatchMasks) -> torch.Tensor:
-    return m.induction_keys.any(-1)
+def _induction_queries(m: Masks) -> torch.Tensor:
+    return m.sparse_keys("induction_keys")[1][:, 0].any(-1)
 
 
-NAME_MASS = Detector("name_mass", lambda p, m: m.column_mass(p)[..., 0], lambda m: m.name_queries)
-MARKER = Detector("marker", lambda p, m: m.column_mass(p)[..., 1], lambda m: m.queries)
-PREV_TOKEN = Detector("prev_token", lambda p, m: prev_token(p), lambda m: m.queries, first_columns=True)
-PREV_ARGMAX = Detector("prev_argmax", lambda p, m: prev_is_argmax(p), lambda m: m.queries, first_columns=True)
-PREV4 = Detector("prev4", lambda p, m: prev_span(p), lambda m: m.queries, first_columns=True)
-DUPLICATE_TOKEN = Detector(
-    "duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")), _duplicate_queries
+NAME_MASS = Detector("name_mass", lambda p, m: m.column_mass(p)[..., 0], lambda m: m.name_queries, rows=True)
+MARKER = Detector("marker", lambda p, m: m.column_mass(p)[..., 1], lambda m: m.queries, rows=True)
+PREV_TOKEN = Detector(
+    "prev_token", lambda p, m: prev_token(p, m.start), lambda m: m.queries, first_columns=True, rows=True
 )
-INDUCTION = Detector("induction", lambda p, m: gathered_mass(p, *m.sparse_keys("induction_keys")), _induction_queries)
+PREV_ARGMAX = Detector(
+    "prev_argmax",
+    lambda p, m: prev_is_argmax(p, m.start),
+    lambda m: m.queries,
+    first_columns=True,
+    rows=True,
+    scale_free=True,
+)
+PREV4 = Detector("prev4", lambda p, m: prev_span(p, start=m.start), lambda m: m.queries, first_columns=True, rows=True)
+DUPLICATE_TOKEN = Detector(
+    "duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")), _duplicate_queries, rows=True
+)
+INDUCTION = Detector(
+    "induction", lambda p, m: gathered_mass(p, *m.sparse_keys("induction_keys")), _induction_queries, rows=True
+)
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)
 BUILTIN_DETECTORS = LESSON_DETECTORS + (DUPLICATE_TOKEN, INDUCTION)
@@ -279,9 +405,11 @@ def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> D
         )
     cache_key = f"_pattern_{name}"
 
-    def keys(m: BatchMasks) -> torch.Tensor:
-        if cache_key not in m.__dict__:
-            m.__dict__[cache_key] = m.pattern_keys(fn, name)
-        return m.__dict__[cache_key]
+    def keys(m: BatchMasks | RowMasks) -> torch.Tensor:
+        full = m.full
+        if cache_key not in full.__dict__:
+            full.__dict__[cache_key] = full.pattern_keys(fn, name)
+        w = full.__dict__[cache_key]
+        return w if isinstance(m, BatchMasks) else m._cut(w)
 
-    return Detector(name, lambda p, m: keys_mass(p, keys(m)), lambda m: (keys(m) != 0).any(-1))
+    return Detector(name, lambda p, m: keys_mass(p, keys(m)), lambda m: (keys(m) != 0).any(-1), rows=True)

@@ -15,7 +15,7 @@ from itertools import islice
 import torch
 
 from storylens.analysis.names import MainCharacter, main_character, name_vocabulary, pronoun_positions, pronoun_spans
-from storylens.core.batching import length_batches, pad_batch, valid_mask
+from storylens.core.batching import BATCH_TOKENS, length_batches, pad_batch, valid_mask
 
 Span = tuple[int, int]
 
@@ -164,14 +164,16 @@ def iter_batches(
     stories: Sequence[str],
     *,
     batch_size: int = 16,
+    batch_tokens: int | None = BATCH_TOKENS,
     names=None,
     first_limit: int | None = None,
     chunk_stories: int = CHUNK_STORIES,
 ) -> Iterator[StoryBatch]:
-    """Every story once, in batches: encoded a chunk at a time, longest first within a chunk."""
+    """Every story once, in batches (at most ``batch_size`` stories and ``batch_tokens`` padded
+    tokens): encoded a chunk at a time, longest first within a chunk."""
 
     if names is None and not is_encoded(stories):
         names = name_vocabulary(stories)
     for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories):
-        for idx in length_batches([len(s.ids) for s in chunk], batch_size):
+        for idx in length_batches([len(s.ids) for s in chunk], batch_size, batch_tokens):
             yield batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)

@@ -115,7 +115,8 @@ def _best(examples, k: int) -> list[Example]:
 @dataclass(frozen=True)
 class _BatchView:
     batch: Any
-    Q: int
+    Q: int  # query rows
+    start: int  # the first of them
     device: torch.device
     rows: list[list[int]]  # each story's real token ids
     story_index: list[int]  # per batch row
@@ -180,10 +181,11 @@ class TopExamples:
 
     # ---------------------------------------------------------------- feeding
 
-    def _batch_view(self, batch, Q: int, device: torch.device) -> _BatchView:
-        """What every call on ``batch`` shares, made once per batch (the last batch is kept)."""
+    def _batch_view(self, batch, Q: int, device: torch.device, start: int = 0) -> _BatchView:
+        """What every call on ``batch`` (its query rows ``start .. start + Q - 1``) shares, made once
+        per batch and chunk of rows (the last one is kept)."""
         last = self._view
-        if last is not None and last.batch is batch and last.Q == Q and last.device == device:
+        if last is not None and last.batch is batch and (last.Q, last.start) == (Q, start) and last.device == device:
             return last
         stories = getattr(batch, "stories", ())
         B = batch.ids.shape[0]
@@ -199,11 +201,11 @@ class TopExamples:
         perm = None if order == list(range(B)) else torch.tensor(order, dtype=torch.long, device=device)
         s_sorted = torch.tensor([story_index[b] for b in order], dtype=torch.long, device=device)
         n_sorted = torch.tensor([lengths[b] for b in order], dtype=torch.long, device=device)
-        pos = torch.arange(Q, device=device)
+        pos = torch.arange(start, start + Q, device=device)
         inside = pos[None, :] < n_sorted[:, None]  # [B, Q]: never a padding query
         story_of = s_sorted[:, None].expand(B, Q).reshape(1, B * Q)
         query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
-        self._view = _BatchView(batch, Q, device, rows, story_index, perm, inside, story_of, query_of)
+        self._view = _BatchView(batch, Q, start, device, rows, story_index, perm, inside, story_of, query_of)
         return self._view
 
     def add(
@@ -214,10 +216,13 @@ class TopExamples:
         key), ``batch`` a :class:`~storylens.analysis.encode.StoryBatch` with its ``stories``."""
         self.add_block(layer, [(name, values, counted)], pattern, batch)
 
-    def add_block(self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern, batch) -> None:
+    def add_block(
+        self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern, batch, start: int = 0
+    ) -> None:
         """:meth:`add` for several detectors of one block at once, ``offers = [(name, values, counted),
         ...]``: one selection over every (detector, head) row, so a block costs a few tensor calls
-        whatever the number of detectors."""
+        whatever the number of detectors. ``start``: the values, counts and pattern hold query rows
+        ``start ..`` of the block (a chunk of a map), not all of them; chunks may come in any order."""
         if not offers:
             return
         if not 0 <= layer < self.n_layer:
@@ -241,7 +246,7 @@ class TopExamples:
         kept = [self._kept[name][layer][h] for name, _, _ in offers for h in range(H)]  # row r = d * H + h
         k = self.k
         dev = first.device
-        view = self._batch_view(batch, Q, dev)
+        view = self._batch_view(batch, Q, dev, start)
 
         v = torch.stack([values.detach() for _, values, _ in offers])  # [D, B, H, Q]
         if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
@@ -274,7 +279,7 @@ class TopExamples:
             return
         val = v[ri, fi]
         hi = ri % H
-        bs, qi = fi // Q, fi % Q  # bs: the row in story order
+        bs, qi = fi // Q, fi % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
         # the most-attended key of each kept query: the earliest key holding the row's maximum
         K = pattern.shape[-1]
@@ -287,6 +292,7 @@ class TopExamples:
         top = rowmaps.amax(-1, keepdim=True)
         key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
         weight = rowmaps.gather(-1, key[:, None])[:, 0]
+        qi = qi + start  # the query's position
         seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context)
 
         new: list[list[Example]] = [[] for _ in range(R)]

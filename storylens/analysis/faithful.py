@@ -43,28 +43,41 @@ def ov_gram(w_o: torch.Tensor) -> torch.Tensor:
     return w_o @ w_o.transpose(-1, -2)
 
 
-def per_query_head(v: torch.Tensor, n_head: int) -> torch.Tensor:
-    """``[batch, key, kv_head, d] -> [batch, key, head, d]``: each query head's value vectors (query
-    head ``h`` reads group ``h // (n_head // kv_head)``, as transformers' ``repeat_kv``)."""
-    groups = v.shape[2]
-    if groups == n_head:
-        return v
-    if n_head % groups:
-        raise StorylensError(f"{n_head} query heads cannot share {groups} key/value heads evenly")
-    return v.repeat_interleave(n_head // groups, dim=2)
-
-
 def head_norms(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """``|x[b, t, h] W_O^h|`` for ``x [batch, tokens, head, d]`` and ``gram = ov_gram(W_O)``: ``[batch, head, tokens]``,
-    in ``gram``'s dtype (float32 at least: a half-precision square overflows or keeps three digits)."""
-    x = x.to(gram.dtype)
-    sq = torch.einsum("bthd,hde,bthe->bht", x, gram, x)
+    """``|x[b, t, g] W_O^h|`` for ``x [batch, tokens, group, d]`` and ``gram = ov_gram(W_O)``
+    ``[head, d, d]``, query head ``h`` reading group ``h // (head // group)`` (as transformers'
+    ``repeat_kv``; ``group = head`` for head outputs): ``[batch, head, tokens]``, in ``gram``'s
+    dtype (float32 at least: a half-precision square overflows or keeps three digits). One matrix
+    product per group for all of its heads; no copy of a group per head."""
+    B, T, G, d = x.shape
+    H = gram.shape[0]
+    if H % G:
+        raise StorylensError(f"{H} query heads cannot share {G} key/value heads evenly")
+    r = H // G
+    xt = x.to(gram.dtype).permute(2, 0, 1, 3).reshape(G, B * T, d)  # [G, BT, d]
+    per_group = gram.view(G, r, d, d).permute(0, 2, 1, 3).reshape(G, d, r * d)  # [G, d, r * d]
+    y = torch.bmm(xt, per_group).view(G, B * T, r, d)  # x M_h for each head h of the group
+    sq = (y * xt[:, :, None, :]).sum(-1)  # [G, BT, r]: x M_h x^T
+    sq = sq.view(G, B, T, r).permute(1, 0, 3, 2).reshape(B, H, T)
     return sq.clamp(min=0).sqrt()  # rounding can leave a zero vector's square a hair below 0
 
 
 def key_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """``|f_j|`` per query head: ``[batch, head, key]`` from ``hook_v``'s ``[batch, key, kv_head, d]``."""
-    return head_norms(per_query_head(v, gram.shape[0]), gram)
+    return head_norms(v, gram)
+
+
+def norm_scaled(pattern: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a_ij |f_j| [batch, head, query, key], the row sums [batch, head, query])``: the
+    norm-weighted map before each row is divided by its sum (:func:`norm_weighted`), for detectors
+    linear in a row, whose values are divided instead (one pass over the map fewer)."""
+    scaled = pattern * norms[:, :, None, :].to(pattern.dtype)
+    return scaled, scaled.sum(-1)
+
+
+def row_divide(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``values / total`` where ``total > 0``; 0 where a row moved nothing (see :func:`norm_weighted`)."""
+    return values / torch.where(total > 0, total, torch.ones((), dtype=total.dtype))
 
 
 def norm_weighted(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,13 @@ each value vector through its head's slice of the output projection, from ``hook
 of what each head writes at every query after it (``[batch, head, query]``, from ``hook_z``): see
 :mod:`storylens.analysis.faithful`.
 
+A measure with a ``block_rows(layer, rows, start)`` method (and no false ``rows`` attribute) can
+also be fed a block's map a chunk of query rows at a time, ``[batch, head, n, keys]`` holding
+queries ``start .. start + n - 1`` over the keys they see, in order, covering every query once.
+When every measure can, and the model forms its maps in storylens's own attention
+(:func:`storylens.lm.attention.streaming`), no block's whole map ever exists: memory stays within
+a fixed budget whatever the story's length, and no map-sized buffer is allocated.
+
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns.
 """
@@ -25,14 +32,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
 from storylens.analysis.faithful import head_norms, key_norms, ov_gram
 from storylens.analysis.names import name_vocabulary
+from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
 from storylens.lm import Hook
@@ -58,12 +67,17 @@ class RecordStats:
         )
 
 
+def _takes_rows(measure) -> bool:
+    return callable(getattr(measure, "block_rows", None)) and bool(getattr(measure, "rows", True))
+
+
 def record(
     lm,
     stories: Iterable,
     measures: Sequence[Measure],
     *,
     batch_size: int = 16,
+    batch_tokens: int | None = BATCH_TOKENS,
     names=None,
     first_limit: int | None = None,
     progress: bool = True,
@@ -73,7 +87,8 @@ def record(
     on_chunk: Callable[[RecordStats], None] | None = None,
 ) -> RecordStats:
     """Run ``stories`` (texts, or :class:`~storylens.analysis.encode.EncodedStory` records already
-    encoded) through ``lm`` once, feeding every measure (see the module docstring).
+    encoded) through ``lm`` once, feeding every measure (see the module docstring), in batches
+    of at most ``batch_size`` stories and ``batch_tokens`` padded tokens (None: no token limit).
 
     ``names``: the name vocabulary (default: that of ``stories`` themselves, a first pass over the
     texts, as the lesson defines names; a one-pass stream must bring its own). ``first_limit``:
@@ -99,8 +114,14 @@ def record(
         for m in measures:
             m.block(hook.layer, pattern)
 
-    hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]]
-    hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
+    def feed_rows(layer: int, rows: torch.Tensor, start: int) -> None:
+        for m in measures:
+            cast(Any, m).block_rows(layer, rows, start)
+
+    hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]] = []
+    streamed = lm.streaming(feed_rows) if all(_takes_rows(m) for m in measures) else None
+    if streamed is None:
+        hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
     movers: list[Any] = [m for m in measures if getattr(m, "faithful", False)]
     why_not = lm.moving_unsupported() if movers else None
     if why_not is not None:  # raw scores still; the norm-weighted columns stay empty
@@ -130,6 +151,7 @@ def record(
         eval_mode(lm.module),
         torch.inference_mode(),
         lm.hooks(hooks),
+        streamed if streamed is not None else nullcontext(),
         tqdm(
             total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
         ) as bar,
@@ -138,7 +160,7 @@ def record(
             n += len(chunk)
             n_cut += sum(s.cut for s in chunk)
             n_main += sum(s.main is not None for s in chunk)
-            for idx in length_batches([len(s.ids) for s in chunk], batch_size):
+            for idx in length_batches([len(s.ids) for s in chunk], batch_size, batch_tokens):
                 batch = batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)
                 for m in measures:
                     m.begin(batch)

@@ -71,7 +71,7 @@ from storylens.analysis.detectors import (
 )
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import TopExamples
-from storylens.analysis.faithful import looks_without_moving, norm_weighted, shares
+from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
 from storylens.analysis.record import record
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -100,6 +100,10 @@ def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor
 
 
 # ---------------------------------------------------------------- many batches
+
+
+def _add(sums: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
+    sums[name] = x if name not in sums else sums[name] + x
 
 
 class HeadScoreAccumulator:
@@ -137,16 +141,24 @@ class HeadScoreAccumulator:
         # where each head fires: the top `examples` queries per head and detector (0: not kept)
         self.examples = TopExamples(n_layer, n_head, names, examples) if examples else None
         self._masks: BatchMasks | None = None
-        self._blocks: list[dict[str, torch.Tensor] | None] = []
+        self._sums: list[dict[str, torch.Tensor]] = []
+        self._norm_sums: list[dict[str, torch.Tensor]] = []
+        self._rows_seen: list[int] = []
         self._key_norms: dict[int, torch.Tensor] = {}
-        self._norm_blocks: list[dict[str, torch.Tensor] | None] = []
         self._out_blocks: list[torch.Tensor | None] = []
+
+    @property
+    def rows(self) -> bool:
+        """Whether it can be fed a map a chunk of query rows at a time (:meth:`block_rows`): every
+        detector reads chunks (``Detector.rows``)."""
+        return all(d.rows for d in self.detectors)
 
     def begin(self, batch: StoryBatch, dtype: torch.dtype = torch.float32) -> None:
         self._masks = BatchMasks(batch, dtype)
-        self._blocks = [None] * self.n_layer
+        self._sums = [{} for _ in range(self.n_layer)]  # per block and detector: [B, H] sums over counted queries
+        self._norm_sums = [{} for _ in range(self.n_layer)]
+        self._rows_seen = [0] * self.n_layer
         self._key_norms = {}
-        self._norm_blocks = [None] * self.n_layer
         self._out_blocks = [None] * self.n_layer
 
     def value_norms(self, layer: int, norms: torch.Tensor) -> None:
@@ -161,51 +173,76 @@ class HeadScoreAccumulator:
         self._out_blocks[layer] = masked_mean(norms, self._masks.queries)  # may come before the pattern
 
     def block(self, layer: int, pattern: torch.Tensor) -> None:
+        """Block ``layer``'s whole map ``[batch, head, query, key]``."""
+        self.block_rows(layer, pattern, 0)
+
+    update_block = block
+
+    def block_rows(self, layer: int, pattern: torch.Tensor, start: int) -> None:
+        """Query rows ``start .. start + n - 1`` of block ``layer``'s map, ``[batch, head, n, keys]``
+        (the keys those rows can see, at least ``start + n``): every detector's per-query values are
+        summed over the counted queries; :meth:`end` divides by the counts. A block is fed in
+        order, row chunks that together cover every query once."""
         if self._masks is None:
             raise RuntimeError("block() before begin(batch)")
         if self._masks.dtype != pattern.dtype:
             self._masks = BatchMasks(self._masks.batch, pattern.dtype)
-        masks = self._masks
-        means, offers = {}, []
+        full = self._masks
+        n, keys = pattern.shape[-2], pattern.shape[-1]
+        T = full.inside.shape[1]
+        masks = full if (start, n, keys) == (0, T, T) else full.rows(start, start + n, keys)
+        sums, offers = self._sums[layer], []
         for d in self.detectors:
             values, counted = d.values(pattern, masks), d.queries(masks)
-            means[d.name] = masked_mean(values, counted)
+            _add(sums, d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
             offers.append((d.name, values, counted))
         if self.examples is not None:  # where each head fires: every detector's values in one selection
-            self.examples.add_block(layer, offers, pattern, masks.batch)
-        self._blocks[layer] = means
-        norms = self._key_norms.pop(layer, None)
-        if norms is not None:
-            weighted = norm_weighted(pattern, norms)  # [B, H, q, k], freed below
-            self._norm_blocks[layer] = {d.name: d.story_means(weighted, masks) for d in self.detectors}
-            del weighted
-        masks.__dict__.pop("_column_mass", None)  # nothing of this block's maps is kept
-
-    update_block = block
+            self.examples.add_block(layer, offers, pattern, full.batch, start=start)
+        norms = self._key_norms.get(layer)
+        if norms is not None:  # the same detectors on the norm-weighted map (storylens.analysis.faithful)
+            scaled, total = norm_scaled(pattern, norms[..., :keys])  # [B, H, n, keys], freed below
+            weighted = None
+            for d in self.detectors:
+                if not d.rows:  # a hand-made detector: on the map itself
+                    weighted = norm_weighted(pattern, norms[..., :keys]) if weighted is None else weighted
+                    values = d.values(weighted, masks)
+                else:  # linear in a row: divided after; scale free: as it is
+                    values = d.values(scaled, masks)
+                    values = values if d.scale_free else row_divide(values, total)
+                counted = d.queries(masks)
+                _add(self._norm_sums[layer], d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
+            del scaled, weighted
+        self._rows_seen[layer] += n
+        if self._rows_seen[layer] >= T:
+            self._key_norms.pop(layer, None)  # nothing of this block's maps is kept
 
     def end(self) -> dict[str, torch.Tensor]:
         """Adds the batch; returns its per-story means, ``{detector: [batch, layer, head]}``."""
-        missing = [i for i, b in enumerate(self._blocks) if b is None]
-        if self._masks is None or missing:
+        if self._masks is None:
+            raise RuntimeError("end(): no batch begun")
+        T = self._masks.inside.shape[1]
+        missing = [i for i, n in enumerate(self._rows_seen) if n < T]
+        if missing:
             raise RuntimeError(f"end(): no map for blocks {missing}")
-        masks, blocks = self._masks, [b for b in self._blocks if b is not None]  # none is missing
-        normed = [b for b in self._norm_blocks if b is not None]
+        normed = sum(1 for b in self._norm_sums if b)
         outs = [o for o in self._out_blocks if o is not None]
-        if 0 < len(normed) < self.n_layer or 0 < len(outs) < self.n_layer:
-            raise RuntimeError(
-                f"end(): value vectors or head outputs for only some blocks ({len(normed)}, {len(outs)})"
-            )
-        self._masks, self._blocks, self._norm_blocks, self._out_blocks = None, [], [], []
+        if 0 < normed < self.n_layer or 0 < len(outs) < self.n_layer:
+            raise RuntimeError(f"end(): value vectors or head outputs for only some blocks ({normed}, {len(outs)})")
+        masks, sums, norm_sums = self._masks, self._sums, self._norm_sums
+        self._masks, self._sums, self._norm_sums, self._out_blocks = None, [], [], []
         batch = masks.batch
         out = {}
         for d in self.detectors:
-            values = torch.stack([b[d.name] for b in blocks], dim=1)  # [B, L, H]
-            counted = d.queries(masks).any(-1)
-            self.means[d.name].add(values, counted)
+            counted = d.queries(masks)  # [B, q]
+            per = counted.sum(-1).clamp(min=1)[:, None, None]  # each story's counted queries
+            values = torch.stack([b[d.name] for b in sums], dim=1) / per.to(sums[0][d.name].dtype)  # [B, L, H]
+            story_counts = counted.any(-1)
+            self.means[d.name].add(values, story_counts)
             if d.first_columns:
-                self.first[d.name].add(values, counted & batch.in_first)
-            if self.faithful and len(normed) == self.n_layer:  # a batch counts in every block or none
-                self.norm[d.name].add(torch.stack([b[d.name] for b in normed], dim=1), counted)
+                self.first[d.name].add(values, story_counts & batch.in_first)
+            if self.faithful and normed == self.n_layer:  # a batch counts in every block or none
+                nv = torch.stack([b[d.name] for b in norm_sums], dim=1)
+                self.norm[d.name].add(nv / per.to(nv.dtype), story_counts)
             out[d.name] = values
         if len(outs) == self.n_layer:
             self.output.add(torch.stack(outs, dim=1), masks.queries.any(-1))

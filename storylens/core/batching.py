@@ -10,13 +10,31 @@ import torch
 
 from storylens.core.errors import StorylensError
 
+BATCH_TOKENS = 4096  # a recording batch's padded tokens at most (stories x its longest story)
 
-def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices, longest first (stable), in chunks of ``batch_size``: little padding."""
+
+def length_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Indices, longest first (stable), in batches of at most ``batch_size`` stories and, with
+    ``max_tokens``, at most that many padded tokens (stories x the batch's longest, its first; a
+    story longer than that goes alone): little padding, and a long story never drags a full
+    batch of short ones to its length."""
     if batch_size < 1:
         raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise StorylensError(f"max_tokens: must be at least 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        if (
+            last is None
+            or len(last) == batch_size
+            or (max_tokens is not None and (len(last) + 1) * max(lengths[last[0]], 1) > max_tokens)
+        ):
+            batches.append([i])
+        else:
+            last.append(i)
+    return batches
 
 
 def pad_batch(

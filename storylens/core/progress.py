@@ -93,5 +93,8 @@ class ProgressLines:
     def block(self, layer: int, pattern) -> None:
         pass
 
+    def block_rows(self, layer: int, rows, start: int) -> None:
+        pass
+
     def end(self) -> None:
         self.update(self._batch)

@@ -2,7 +2,9 @@
 
 * :class:`NativeLM` wraps storylens's own :class:`~storylens.model.GPT` (the Tiny Storyteller);
 * :class:`TransformersLM` wraps any transformers ``AutoModelForCausalLM`` (GPT-2, GPT-Neo,
-  Llama-style, ...) run with eager attention, which hands back its attention probabilities.
+  Llama-style, ...) run with storylens's own attention (:mod:`storylens.lm.attention`; GPT-Neo and
+  others that do not dispatch through transformers' attention interface: eager attention), which
+  hands back its attention probabilities, or streams them while a recording runs.
 
 Both give the same handful of things: sizes (``n_layer``, ``n_head``, ``window``), the tokenizer
 (a ``tokenizers.Tokenizer``: stories are encoded without special tokens and opened by
@@ -38,6 +40,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -48,6 +51,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.lm.attention import CHUNK_BYTES
+from storylens.lm.attention import NAME as ATTENTION
+from storylens.lm.attention import register as register_attention
+from storylens.lm.attention import streaming as stream_attention
 from storylens.model.gpt import GPT, GenerationStep, sample_next
 from storylens.model.hub import hub_offline, load_model
 from storylens.model.tokenizer import eot_id, text_only
@@ -155,6 +162,13 @@ class AttentionLM:
             self.head_output_weights(0)
         except StorylensError as e:
             return str(e)
+        return None
+
+    def streaming(self, sink) -> AbstractContextManager | None:
+        """A context inside which every block hands its attention probabilities to
+        ``sink(layer, rows [batch, head, n, keys], first_row)`` a chunk of query rows at a time and
+        keeps no whole map (:func:`storylens.lm.attention.streaming`); None where this model's
+        attention cannot (then ``hook_pattern`` gives whole maps)."""
         return None
 
     # --- running
@@ -273,17 +287,28 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 class TransformersLM(AttentionLM):
-    """A transformers causal LM, run with eager attention (the implementation that forms the
+    """A transformers causal LM, run with storylens's attention (else eager attention: both form the
     probabilities). Sizes come from its config; the marker is its BOS token (else EOS)."""
 
     module: Any  # a transformers PreTrainedModel (transformers is imported only when one is loaded)
 
     def __init__(self, model: Any, tokenizer: Any, name: str | None = None):
         cfg = model.config
+        # storylens's grouped attention where the model dispatches through transformers' attention
+        # interface (storylens.lm.attention), else transformers' eager attention: both form the
+        # probabilities. GPT-2's reordered-and-upcast variant keeps its own eager code.
+        self.attention = "eager"
+        self.chunk_bytes = CHUNK_BYTES  # a streamed chunk of one block's scores (storylens.lm.attention)
+        if (
+            getattr(model, "_supports_attention_backend", False)
+            and not getattr(cfg, "reorder_and_upcast_attn", False)
+            and register_attention()
+        ):
+            self.attention = ATTENTION
         if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("eager")
+            model.set_attn_implementation(self.attention)
         else:
-            cfg._attn_implementation = "eager"
+            cfg._attn_implementation = self.attention
         self.module = model
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "encode_batch"):
@@ -313,6 +338,11 @@ class TransformersLM(AttentionLM):
         w = cast(torch.Tensor, proj.weight)
         w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
         return w.reshape(self.n_head, -1, w.shape[1])
+
+    def streaming(self, sink) -> AbstractContextManager | None:
+        if getattr(self.module.config, "_attn_implementation", None) != ATTENTION:
+            return None  # switched to another attention since
+        return stream_attention(self._attn, sink, self.chunk_bytes)
 
     def moving_unsupported(self) -> str | None:
         try:
@@ -353,7 +383,7 @@ class TransformersLM(AttentionLM):
                 pattern = output[1] if isinstance(output, tuple) and len(output) > 1 else None
                 if pattern is None:
                     raise StorylensError(
-                        f"{type(module).__name__}: returned no attention weights (storylens needs eager attention)"
+                        f"{type(module).__name__}: returned no attention weights (storylens needs its own or eager attention)"
                     )
                 fn(pattern, site)
 

@@ -121,3 +121,25 @@ def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
         "duplicate_token",
         "induction",
     ]
+
+
+def test_duplicate_index_equals_the_dense_key_sets():
+    """The sorted-token construction of each query's earlier duplicates equals the dense definition
+    (``ids[k] == ids[q]``, ``k < q``, both inside the story), position for position, latest first."""
+    import torch
+
+    from storylens.analysis.detectors import duplicate_index
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        B, T = 3, int(torch.randint(1, 60, (1,), generator=g))
+        ids = torch.randint(0, 6, (B, T), generator=g)
+        inside = torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]
+        dense = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril(-1)
+        dense &= inside[:, :, None] & inside[:, None, :]
+        index, real = duplicate_index(ids, inside)
+        assert index.shape[-1] == max(int(dense.sum(-1).max()), 1)
+        for b in range(B):
+            for q in range(T):
+                want = sorted(torch.nonzero(dense[b, q]).flatten().tolist(), reverse=True)
+                assert index[b, q][real[b, q]].tolist() == want

@@ -167,6 +167,15 @@ def test_length_batches_longest_first():
     assert length_batches([3, 9, 5, 9, 1], 2) == [[1, 3], [2, 0], [4]]
 
 
+def test_length_batches_by_a_token_budget():
+    # at most 20 padded tokens: the two 9s pad to 18; 5 + 3 + 1 pad to 15; a story over the budget goes alone
+    assert length_batches([3, 9, 5, 9, 1], 16, 20) == [[1, 3], [2, 0, 4]]
+    assert length_batches([30, 2, 2], 16, 20) == [[0], [1, 2]]
+    assert length_batches([4] * 7, 3, 100) == [[0, 1, 2], [3, 4, 5], [6]]  # the story count still caps
+    with pytest.raises(StorylensError, match="max_tokens: must be at least 1"):
+        length_batches([3], 2, 0)
+
+
 # ---------------------------------------------------------------- the table
 
 

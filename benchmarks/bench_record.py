@@ -1,0 +1,241 @@
+"""Recording a transformers model's attention at the cost of its own forward pass, side by side.
+
+    python benchmarks/bench_record.py --json benchmarks/record.json [--stories 60] [--rounds 2]
+    python scripts/readme_record_table.py benchmarks/record.json     # the README's table
+
+Two seeded random transformers models, built and saved here (no hub is reached): a Llama of the
+30 x 9-head shape with 3 key/value heads (576 wide, 1,536 in the MLP, 4,096 positions) and a
+GPT-2-small shape (12 x 12 heads, 768 wide, 1,024 positions), both with storylens's tokenizer.
+Over the first ``--stories`` quiz stories, batched the same way for every side (longest first,
+at most 16 stories and 4,096 padded tokens a batch, ``storylens.core.batching``):
+
+* ``bare``: the model's own forward with sdpa attention and no output head: the comparator;
+* ``score (raw)``: ``score_heads`` with every built-in detector, raw attention only;
+* ``score``: ``score_heads`` as ``storylens score`` runs it (also every norm-weighted column and
+  the output norms, from the same pass);
+* ``score, eager``: the same with transformers' eager attention, the path before storylens's own;
+* ``TL patterns``: TransformerLens ``run_with_cache`` keeping only the patterns, over the same
+  batches (caching alone, no score computed), where TransformerLens loads the model.
+
+Each ratio is a side's time over ``bare``'s in the same round; the best of ``--rounds``
+interleaved rounds. Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each
+side in its own process: peak resident memory above the loaded model (sampled every 5 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_perf import _cpu  # noqa: E402
+from bench_transformerlens import PeakSampler, rss_mb  # noqa: E402
+
+MODELS = ("llama-30x9", "gpt2-small")
+MEMORY_TOKENS = (1000, 2000, 3000)
+
+
+def build(kind: str, folder: Path) -> Path:
+    """A seeded random model of ``kind`` saved in ``folder/kind`` (made once)."""
+    import torch
+    import transformers
+
+    from storylens.model.hub import load_model
+
+    out = folder / kind
+    if (out / "config.json").exists():
+        return out
+    native = load_model().tokenizer
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=native, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    vocab, marker = native.get_vocab_size(), tok.bos_token_id
+    if kind == "llama-30x9":
+        cfg = transformers.LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=4096, vocab_size=vocab,
+            bos_token_id=marker, eos_token_id=marker, tie_word_embeddings=True,
+        )  # fmt: skip
+    else:
+        cfg = transformers.GPT2Config(
+            n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=vocab,
+            bos_token_id=marker, eos_token_id=marker,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
+    import torch
+
+    from storylens.analysis import score_heads
+    from storylens.analysis.encode import batch_of, encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.core.batching import BATCH_TOKENS, length_batches
+    from storylens.data.stories import load_split
+    from storylens.lm import load_lm
+
+    stories = load_split().quiz[:n_stories]
+    lm = load_lm(str(folder))
+    model = lm.module
+    own = model.config._attn_implementation  # storylens's attention (or eager where it cannot)
+    encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    order = length_batches([len(s.ids) for s in encoded], 16, BATCH_TOKENS)
+    batches = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device).ids for idx in order]
+
+    def attention(name: str) -> None:
+        model.set_attn_implementation(name)
+
+    def bare() -> None:
+        attention("sdpa")
+        with torch.inference_mode():
+            for ids in batches:
+                lm.forward(ids, logits=False)
+
+    def score(faithful: bool, impl: str) -> None:
+        attention(impl)
+        score_heads(lm, stories, faithful=faithful, progress=False)
+
+    sides = {
+        "bare": bare,
+        "score (raw)": lambda: score(False, own),
+        "score": lambda: score(True, own),
+        "score, eager": lambda: score(True, "eager"),
+    }
+    tl_note = None
+    try:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        from transformer_lens.model_bridge import TransformerBridge
+
+        bridge = TransformerBridge.boot_transformers(str(folder), device="cpu")
+        bridge.eval()
+
+        def tl() -> None:
+            with torch.inference_mode():
+                for ids in batches:
+                    bridge.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+
+        sides["TL patterns"] = tl
+    except Exception as e:  # noqa: BLE001 (reported, not raised: TransformerLens is optional here)
+        tl_note = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    best: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    for r in range(rounds):
+        times = {}
+        for name, fn in sides.items():
+            t = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - t
+            print(f"  round {r + 1}: {name}: {times[name]:.2f} s", flush=True)
+        for name, t in times.items():
+            best[name] = min(best.get(name, float("inf")), t)
+            ratio = t / times["bare"]
+            ratios[name] = min(ratios.get(name, float("inf")), ratio)
+    attention(own)
+    tokens = sum(int(ids.numel()) for ids in batches)
+    return {
+        "stories": n_stories,
+        "padded_tokens": tokens,
+        "batches": len(batches),
+        "attention": own,
+        "seconds": best,
+        "ratio": ratios,
+        "tl_note": tl_note,
+    }
+
+
+def memory_child(folder: str, tokens: int, impl: str) -> None:
+    """One story of ``tokens`` tokens scored in this process; prints JSON."""
+    import torch
+
+    from storylens.analysis import score_heads
+    from storylens.data.stories import load_split
+    from storylens.lm import load_lm
+
+    torch.set_num_threads(2)
+    lm = load_lm(folder)
+    text = ""
+    for story in load_split().quiz:
+        text = f"{text} {story}" if text else story
+        if len(lm.encode(text)) >= tokens:
+            break
+    enc = lm.encode_batch([text])[0]
+    text = text[: enc.offsets[tokens - 2][1]]  # tokens - 1 of the story's own: the marker opens it
+    lm.module.set_attn_implementation(impl)
+    score_heads(lm, ["Tom and Sam. " + text[:200]], progress=False)  # warm: kernels, allocator
+    loaded = rss_mb()
+    with PeakSampler() as peak:
+        score_heads(lm, [text], progress=False)
+    print(json.dumps({"tokens": tokens, "impl": impl, "loaded_mb": loaded, "above_mb": peak.peak - loaded}))
+
+
+def bench_memory(folder: Path, own: str) -> list[dict]:
+    rows = []
+    for tokens in MEMORY_TOKENS:
+        for impl in (own, "eager"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--memory-child", str(folder), str(tokens), impl],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {tokens} tokens, {impl}: {row['above_mb']:.0f} MB above the loaded model", flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stories", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
+    ap.add_argument("--no-memory", action="store_true", help="skip the long-story memory runs")
+    ap.add_argument("--folder", default=None, help="where the random models are saved (default: a temporary folder)")
+    ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        folder, tokens, impl = args.memory_child
+        memory_child(folder, int(tokens), impl)
+        return
+    import torch
+    import transformers
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(args.folder or tmp)
+        result: dict = {
+            "cpu": _cpu(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "rounds": args.rounds,
+            "models": {},
+        }
+        for kind in [m for m in args.models.split(",") if m]:
+            if kind not in MODELS:
+                raise SystemExit(f"--models: no model {kind!r} (choose from {', '.join(MODELS)})")
+            folder = build(kind, base)
+            print(f"{kind}:", flush=True)
+            speed = bench_speed(folder, args.stories, args.rounds)
+            entry = {"speed": speed}
+            if kind == "llama-30x9" and not args.no_memory:
+                entry["memory"] = bench_memory(folder, speed["attention"])
+            result["models"][kind] = entry
+            for name, r in speed["ratio"].items():
+                print(f"  {name}: {speed['seconds'][name]:.2f} s, {r:.3f}x bare", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Regenerate the README's table of recording on transformers models from a benchmark run:
+
+    python benchmarks/bench_record.py --json benchmarks/record.json
+    python scripts/readme_record_table.py benchmarks/record.json
+
+Replaces the text between <!-- record:start --> and <!-- record:end -->.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.readme_tables import README, replace_between
+
+NAMES = {"llama-30x9": "Llama 30 x 9 heads (3 key/value)", "gpt2-small": "GPT-2-small shape (12 x 12)"}
+TARGETS = {"score (raw)": "≤ 1.15x", "score": "≤ 1.15x"}
+
+
+def table(r: dict) -> str:
+    rows = [
+        f"Measured by `python benchmarks/bench_record.py` on {r['cpu']} ({r['cores']} cores, torch {r['torch']}, "
+        f"transformers {r['transformers']}, {r['threads']} threads), seeded random weights, best of "
+        f"{r['rounds']} interleaved rounds; each ratio is to the model's bare sdpa forward in the same round:",
+        "",
+        "| model | what | time | ratio to bare | target |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, entry in r["models"].items():
+        s = entry["speed"]
+        for side, sec in s["seconds"].items():
+            what = {
+                "bare": f"bare forward, sdpa, no output head ({s['stories']} quiz stories, {s['batches']} batches, "
+                f"{s['padded_tokens']:,} padded tokens)",
+                "score (raw)": "`score_heads`, every built-in detector, raw attention",
+                "score": "`score_heads` as `storylens score` (also norm-weighted columns, output norms)",
+                "score, eager": "the same with transformers' eager attention (before)",
+                "TL patterns": "TransformerLens `run_with_cache`, patterns only (no scores)",
+            }[side]
+            ratio = "1" if side == "bare" else f"{s['ratio'][side]:.2f}x"
+            rows.append(f"| {NAMES[kind]} | {what} | {sec:.1f} s | {ratio} | {TARGETS.get(side, '')} |")
+        if s.get("tl_note"):
+            rows.append(f"| {NAMES[kind]} | TransformerLens did not load it: {s['tl_note']} | | | |")
+    for kind, entry in r["models"].items():
+        mem = entry.get("memory")
+        if not mem:
+            continue
+        rows += ["", f"Peak memory above the loaded model, one story scored, {NAMES[kind]}:", ""]
+        impls = sorted({m["impl"] for m in mem}, key=lambda i: i == "eager")
+        rows.append(
+            "| tokens | "
+            + " | ".join("storylens attention (streamed)" if i != "eager" else "eager" for i in impls)
+            + " |"
+        )
+        rows.append("|---" * (len(impls) + 1) + "|")
+        for tokens in sorted({m["tokens"] for m in mem}):
+            cells = [
+                f"{next(m['above_mb'] for m in mem if m['tokens'] == tokens and m['impl'] == i):.0f} MB" for i in impls
+            ]
+            rows.append(f"| {tokens:,} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    run = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/record.json").read_text())
+    README.write_text(replace_between(README.read_text(), "record", table(run)))
+    print(table(run))

@@ -1,0 +1,187 @@
+"""storylens's attention function for transformers models: the probabilities formed once per
+layer, grouped key/value heads read in place.
+
+transformers' eager attention, the implementation that returns the probabilities, first copies
+every key/value head once per query head it serves (``repeat_kv``: a 30 x 9-head Llama with 3
+key/value heads copies its keys and values three times per layer) and then multiplies. Here each
+group's query heads are stacked on the query axis instead, so one matrix product per group reads
+its keys and values where they are:
+
+    query [B, H, T, d] -> [B, G, r*T, d]  (H = G * r query heads, head h in group h // r, as repeat_kv)
+    scores = query @ key^T * scaling      [B, G, r*T, S] -> [B, H, T, S]
+    probs = softmax(scores + mask)        (in the precision the model's own eager attention uses)
+    out = probs @ value                   [B, G, r*T, d] -> [B, T, H, d]
+
+The softmax runs in the precision the model's own eager attention uses: Llama's and GPT-NeoX's
+(and every model generated from them) in float32 whatever the input (so in a float64 run their
+probabilities are float32-rounded, as transformers' own are), GPT-2's in the input's dtype
+(:func:`softmax_dtype`). So the numbers are eager attention's up to the order of a sum. It is
+registered with transformers' ``AttentionInterface`` under :data:`NAME`, with sdpa's mask (none
+where the attention is plainly causal, so no ``T x S`` mask is built for a long story), and
+used by :class:`~storylens.lm.interface.TransformersLM` for every model that dispatches through
+that interface (``_supports_attention_backend``); others keep transformers' eager attention.
+
+**Streamed** (:func:`streaming`, used by :func:`storylens.analysis.record.record`): inside that
+context a layer's queries are taken :func:`query_chunk` rows at a time, each chunk's probabilities
+``[B, H, rows, keys]`` are handed to the sink and freed, and the layer returns no map, so one
+layer's attention never holds more than a fixed memory budget whatever the story's length (and no
+map-sized temporary is ever allocated, the larger part of the cost on a CPU). A chunk of queries
+``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
+rows' up to the order of the softmax's sum; where the softmax runs in float32 under float64 inputs
+(Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+from torch import nn
+
+NAME = "storylens"
+CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
+
+# sink(layer, probs [B, H, rows, keys], first_row): set by streaming(), read by grouped_attention
+Sink = Callable[[int, torch.Tensor, int], None]
+_STREAM: dict[int, tuple[int, Sink, int]] = {}  # id(attention module) -> (layer, sink, chunk bytes)
+
+
+@contextmanager
+def streaming(modules: Sequence[nn.Module], sink: Sink, chunk_bytes: int = CHUNK_BYTES) -> Iterator[None]:
+    """Inside: the attention of ``modules[i]`` (block ``i``) hands its probabilities to
+    ``sink(i, rows, first_row)`` chunk by chunk and returns none (see the module docstring)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes: must be at least 1, got {chunk_bytes}")
+    mine = {id(m): (i, sink, chunk_bytes) for i, m in enumerate(modules)}
+    if mine.keys() & _STREAM.keys():
+        raise RuntimeError("streaming(): these attention modules are already streamed")
+    _STREAM.update(mine)
+    try:
+        yield
+    finally:
+        for key in mine:
+            _STREAM.pop(key, None)
+
+
+def query_chunk(batch: int, heads: int, keys: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many query rows of ``[batch, heads, rows, keys]`` scores fit in ``chunk_bytes`` (at least 1)."""
+    return max(1, chunk_bytes // max(1, batch * heads * keys * itemsize))
+
+
+@cache
+def _eager_upcasts(module_name: str) -> bool:
+    """Whether the modeling file's own ``eager_attention_forward`` takes its softmax in float32
+    (``softmax(..., dtype=torch.float32)``, Llama's and NeoX's) rather than in the input's dtype (GPT-2's)."""
+    eager = getattr(sys.modules.get(module_name), "eager_attention_forward", None)
+    try:
+        return eager is not None and "dtype=torch.float32" in inspect.getsource(eager)
+    except (OSError, TypeError):
+        return True
+
+
+def softmax_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``module``'s own eager attention takes its softmax in, for inputs of ``dtype``."""
+    return torch.float32 if _eager_upcasts(type(module).__module__) else dtype
+
+
+def grouped_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer's attention: ``(output [B, T, H, d], probabilities [B, H, T, S])`` (streamed: no
+    probabilities, they went to the sink)."""
+    B, H, T, d = query.shape
+    G, S = key.shape[1], key.shape[2]
+    if H % G:
+        raise ValueError(f"{H} query heads cannot share {G} key/value heads evenly")
+    scaling = d**-0.5 if scaling is None else scaling
+    streamed = _STREAM.get(id(module))
+    if streamed is not None and not (dropout and module.training):
+        return _streamed(module, query, key, value, attention_mask, scaling, *streamed), None
+    q = query.reshape(B, G, (H // G) * T, d)  # each group's query heads stacked on the query axis
+    scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).view(B, H, T, S)
+    if attention_mask is not None:
+        scores = _masked(scores, attention_mask[..., :S], in_place=False)
+    elif T > 1:  # no mask given: causal, the queries being the last T of the S positions
+        keep = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype(module, query.dtype))
+    probs = probs.to(value.dtype)
+    if dropout and module.training:
+        probs = nn.functional.dropout(probs, p=dropout)
+    out = torch.matmul(probs.view(B, G, (H // G) * T, S), value).view(B, H, T, d)
+    return out.transpose(1, 2), probs
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor, *, in_place: bool) -> torch.Tensor:
+    """``scores`` under transformers' mask: a boolean one (sdpa's: True attends) sets the rest to the
+    dtype's lowest value, as eager's float mask does; a float one is added."""
+    if mask.dtype == torch.bool:
+        low = torch.finfo(scores.dtype).min
+        return scores.masked_fill_(~mask, low) if in_place else scores.masked_fill(~mask, low)
+    return scores.add_(mask) if in_place else scores + mask
+
+
+def _streamed(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    layer: int,
+    sink: Sink,
+    chunk_bytes: int,
+) -> torch.Tensor:
+    """:func:`grouped_attention`'s output ``[B, T, H, d]``, the probabilities handed to ``sink`` a
+    chunk of queries at a time (the module docstring)."""
+    B, H, T, d = query.shape
+    G, S = key.shape[1], key.shape[2]
+    r, past = H // G, S - T  # the queries are the last T of the S positions
+    soft = softmax_dtype(module, query.dtype)
+    full_rows = soft != query.dtype and query.dtype == torch.float64  # keep eager's rows bit for bit
+    itemsize = max(torch.finfo(soft).bits, torch.finfo(query.dtype).bits) // 8
+    rows = query_chunk(B, H, S, itemsize, chunk_bytes)
+    grouped = query.view(B, G, r, T, d)
+    out = torch.empty(B, G, r, T, d, dtype=value.dtype, device=value.device)
+    for q0 in range(0, T, rows):
+        q1 = min(T, q0 + rows)
+        n, keys = q1 - q0, (S if full_rows else q1 + past)
+        q = grouped[:, :, :, q0:q1].reshape(B, G, r * n, d)
+        scores = torch.matmul(q, key[:, :, :keys].transpose(-1, -2)).mul_(scaling)  # [B, G, r*n, keys]
+        per_head = scores.view(B, H, n, keys)
+        if attention_mask is not None:
+            _masked(per_head, attention_mask[:, :, q0:q1, :keys], in_place=True)
+        elif n > 1 or q0 + past + 1 < keys:  # no mask given: causal
+            visible = torch.ones(n, keys, dtype=torch.bool, device=scores.device).tril(q0 + past)
+            per_head.masked_fill_(~visible, float("-inf"))
+        probs = torch.softmax(per_head, dim=-1, dtype=soft).to(value.dtype)  # [B, H, n, keys]
+        sink(layer, probs, q0)
+        out[:, :, :, q0:q1] = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys]).view(B, G, r, n, d)
+        del scores, per_head, probs
+    return out.view(B, H, T, d).transpose(1, 2)
+
+
+def register() -> bool:
+    """Register :func:`grouped_attention` (and sdpa's mask) with transformers under :data:`NAME`;
+    False where this transformers has no attention interface (then eager attention is used)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    except ImportError:
+        return False
+    AttentionInterface.register(NAME, grouped_attention)
+    # sdpa's mask: none at all where the attention is plainly causal (no T x S tensor for a long
+    # story), a boolean one where padding or a window needs it
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return True

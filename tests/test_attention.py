@@ -1,0 +1,191 @@
+"""storylens's grouped attention (storylens.lm.attention) against each model's own eager attention,
+in float64 where the two are the same sums in another order.
+
+Bound: a score is a d-term dot product (d = 16 here) times the scaling; summed in another order it
+moves by at most d * u * sum|q_i k_i| (u = 2**-53); with |q_i k_i| of order 10 after the test's x8
+weights, that is under 1e-12, and a softmax moves by at most twice its inputs' largest change. The
+value product adds the same again. 1e-10 leaves a hundredfold margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from storylens.lm import wrap
+from storylens.lm.attention import NAME, grouped_attention
+
+BOUND = 1e-10
+transformers = pytest.importorskip("transformers")
+
+
+def _model(kind: str):
+    cfgs = {
+        "llama": lambda: transformers.LlamaConfig(
+            hidden_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=128, vocab_size=4096,
+        ),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=4096),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            max_position_embeddings=128, vocab_size=4096,
+        ),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfgs[kind]()).double().eval()
+    with torch.no_grad():  # sharper attention than the default init
+        for name, p in m.named_parameters():
+            if "proj" in name or "attn" in name or "attention" in name:
+                p.mul_(8.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from storylens.model.hub import load_model
+
+    tok = load_model().tokenizer
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox"])
+def test_grouped_attention_equals_the_models_own_eager_attention(kind, tokenizer):
+    m = _model(kind)
+    ids = torch.randint(0, 4096, (3, 40), generator=torch.Generator().manual_seed(1))
+    m.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = m(ids, output_attentions=True)
+    lm = wrap(m, tokenizer)
+    assert lm.attention == NAME and m.config._attn_implementation == NAME
+    got: list[torch.Tensor] = []
+    hooks = [(f"blocks.{i}.attn.hook_pattern", lambda p, h: got.append(p.clone())) for i in range(2)]
+    with torch.no_grad(), lm.hooks(hooks):
+        out = m(ids)
+    assert len(got) == 2
+    assert max((a - b).abs().max().item() for a, b in zip(ref.attentions, got)) <= BOUND
+    assert (ref.logits - out.logits).abs().max().item() <= BOUND
+
+
+def test_grouped_heads_read_their_own_group_and_the_cache():
+    """Without transformers: query head h reads key/value group h // r (repeat_kv's rule), a cached
+    step (S > T) sees every earlier key, and no mask means causal."""
+    torch.manual_seed(0)
+    B, H, G, T, d = 2, 6, 2, 5, 8
+    q, k = torch.randn(B, H, T, d, dtype=torch.float64), torch.randn(B, G, T, d, dtype=torch.float64)
+    v = torch.randn(B, G, T, d, dtype=torch.float64)
+    out, probs = grouped_attention(torch.nn.Module(), q, k, v, None, scaling=0.5)
+    kk, vv = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * 0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    p = s.softmax(-1)
+    assert (probs - p).abs().max() <= BOUND and (out - (p @ vv).transpose(1, 2)).abs().max() <= BOUND
+    # one new query over T cached keys: no mask needed, every key visible
+    out1, probs1 = grouped_attention(torch.nn.Module(), q[:, :, -1:], k, v, None, scaling=0.5)
+    assert (probs1 - p[:, :, -1:]).abs().max() <= BOUND
+    with pytest.raises(ValueError, match="cannot share"):
+        grouped_attention(torch.nn.Module(), q[:, :5], k, v, None)
+
+
+# ---------------------------------------------------------------- streamed: chunks of query rows
+
+
+def _columns(scores) -> dict[str, list]:
+    return {k: [r[k] for r in scores.to_rows()] for k in scores.to_rows()[0] if k not in ("label", "extra")}
+
+
+def _same(a, b) -> float:
+    """The largest difference between two head tables, column by column (None only where the other is None)."""
+    worst = 0.0
+    for name, xs in _columns(a).items():
+        for x, y in zip(xs, _columns(b)[name], strict=True):
+            if isinstance(x, float) or isinstance(y, float):
+                assert (x is None) == (y is None), name
+                if x is not None and not (x != x and y != y):  # NaN on both sides is the same
+                    worst = max(worst, abs(x - y))
+            else:
+                assert x == y, name
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox"])
+def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
+    """Every column (raw, norm-weighted, output norms, a user pattern) and every top example from
+    maps handed over a few query rows at a time equal those from whole eager maps. float64 (Llama's
+    and NeoX's softmax in float32, as their own): the same sums in another order, BOUND as above."""
+    import storylens.lm.interface as interface
+    from storylens.analysis import pattern_detector, score_heads
+    from storylens.analysis.detectors import BUILTIN_DETECTORS
+    from storylens.data.stories import load_split
+    from storylens.lm.attention import streaming
+
+    stories = load_split().quiz[:6]
+    same_token = pattern_detector("same_token", lambda ids: (ids[:, :, None] == ids[:, None, :]).float())
+    detectors = BUILTIN_DETECTORS + (same_token,)
+    lm = wrap(_model(kind), tokenizer)
+    lm.chunk_bytes = 3000  # a few rows a chunk, not dividing the stories' lengths
+    chunks: list[tuple[int, int, int]] = []
+
+    def spy(modules, sink, chunk_bytes):
+        def seen(layer, rows, start):
+            chunks.append((layer, start, rows.shape[-2]))
+            assert rows.shape[-1] >= start + rows.shape[-2]  # every key its rows can see
+            assert rows.shape[-2] == 1 or rows.numel() * rows.element_size() <= chunk_bytes
+            sink(layer, rows, start)
+
+        return streaming(modules, seen, chunk_bytes)
+
+    monkeypatch.setattr(interface, "stream_attention", spy)
+    got = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)
+    assert chunks and max(n for _, _, n in chunks) < 40  # chunks of rows, not whole maps
+    firsts = [s for layer, s, _ in chunks if layer == 0]
+    assert firsts.count(0) >= 1 and all(b > a or b == 0 for a, b in zip(firsts, firsts[1:]))  # in order
+    lm.module.set_attn_implementation("eager")  # whole maps through hook_pattern
+    ref = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)
+    assert _same(ref, got) <= BOUND
+    assert got.n_stories == ref.n_stories == 6
+    assert got.examples is not None and ref.examples is not None
+    for name in ("prev_token", "induction", "same_token"):
+        for layer in range(2):
+            for head in range(lm.n_head):
+                a, b = ref.examples.entries(layer, head, name), got.examples.entries(layer, head, name)
+                assert [(e.story, e.query, e.key) for e in a] == [(e.story, e.query, e.key) for e in b]
+                assert all(abs(x.value - y.value) <= BOUND for x, y in zip(a, b))
+
+
+def test_a_hand_made_detector_gets_whole_maps(tokenizer):
+    """A detector made by hand (no ``rows``) may not read a chunk: the recording gives it whole maps."""
+    from storylens.analysis import score_heads
+    from storylens.analysis.detectors import Detector
+    from storylens.data.stories import load_split
+
+    shapes: list[tuple[int, ...]] = []
+
+    def last_key(p, m):
+        shapes.append(tuple(p.shape))
+        return p[..., -1]
+
+    whole = Detector("last_key", last_key, lambda m: m.queries)
+    lm = wrap(_model("llama"), tokenizer)
+    lm.chunk_bytes = 3000
+    score_heads(lm, load_split().quiz[:2], detectors=(whole,), progress=False, faithful=False)
+    assert shapes and all(s[-2] == s[-1] for s in shapes)  # [B, H, T, T]: whole maps
+
+
+def test_streamed_attention_on_another_device():
+    """Every tensor the streamed path makes is made on the inputs' device (checked on ``meta``)."""
+    from storylens.lm.attention import streaming
+
+    B, H, G, T, d = 2, 6, 2, 50, 8
+    q = torch.empty(B, H, T, d, device="meta")
+    k, v = torch.empty(B, G, T, d, device="meta"), torch.empty(B, G, T, d, device="meta")
+    module, seen = torch.nn.Module(), []
+    with streaming([module], lambda layer, rows, start: seen.append((rows.device.type, start)), 2000):
+        out, probs = grouped_attention(module, q, k, v, None, scaling=0.5)
+    assert probs is None and out.shape == (B, T, H, d) and out.device.type == "meta"
+    assert len(seen) > 1 and {dev for dev, _ in seen} == {"meta"}
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool, device="meta")
+    with streaming([module], lambda *a: None, 2000):
+        out, _ = grouped_attention(module, q, k, v, mask, scaling=0.5)
+    assert out.device.type == "meta"
