@@ -213,14 +213,6 @@ class RowMasks:
     def _cut(self, keys: torch.Tensor) -> torch.Tensor:  # [B, q, k] -> this chunk's rows and keys
         return keys[:, self.start : self.stop, : self.keys]
 
-    @property
-    def duplicate_keys(self) -> torch.Tensor:
-        return self._cut(self.full.duplicate_keys)
-
-    @property
-    def induction_keys(self) -> torch.Tensor:
-        return self._cut(self.full.induction_keys)
-
     def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         index, weight = self.full.sparse_keys(name)  # [B, 1, q, m]: key positions below each query
         return index[:, :, self.start : self.stop], weight[:, :, self.start : self.stop]

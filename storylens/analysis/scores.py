@@ -202,14 +202,13 @@ class HeadScoreAccumulator:
         if norms is not None:  # the same detectors on the norm-weighted map (storylens.analysis.faithful)
             scaled, total = norm_scaled(pattern, norms[..., :keys])  # [B, H, n, keys], freed below
             weighted = None
-            for d in self.detectors:
+            for d, (_, _, counted) in zip(self.detectors, offers):
                 if not d.rows:  # a hand-made detector: on the map itself
                     weighted = norm_weighted(pattern, norms[..., :keys]) if weighted is None else weighted
                     values = d.values(weighted, masks)
                 else:  # linear in a row: divided after; scale free: as it is
                     values = d.values(scaled, masks)
                     values = values if d.scale_free else row_divide(values, total)
-                counted = d.queries(masks)
                 _add(self._norm_sums[layer], d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
             del scaled, weighted
         self._rows_seen[layer] += n
