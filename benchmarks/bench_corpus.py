@@ -1,7 +1,7 @@
 """Corpus scale, measured: memory flat in the number of stories, and one process against Ray.
 
     python benchmarks/bench_corpus.py [--json benchmarks/corpus.json] [--memory 200 8000 100000] [--time 2000 20000]
-                                      [--batch 200 8000]
+                                      [--batch 200 8000] [--before 7407302] [--merge]
 
 Stories: the shared TinyStories corpus (``../shared``), repeated in file order until there are
 enough, written once to a temporary text file; every run reads it with ``storylens.data.sources``
@@ -13,8 +13,10 @@ each run in a fresh process so that its peak resident memory (``VmHWM``) is its 
 * ``batch``: the same with 16 stories a batch (the earlier default), to show what the batch size
   costs in memory and buys in time.
 * ``time``: at each size, one process (2 torch threads) against Ray with 2 actors (one thread each)
-  started on this machine: wall time of the scoring pass (the first pass over the text is timed
-  apart), and peak memory (driver, and each actor's own peak).
+  started on this machine, the engine as it is (one pipeline, the workers read the file) and as it
+  was at ``--before`` (a commit: a window of chunks per actor pool, the driver sending every
+  story): wall time of the scoring pass (the first pass over the text is timed apart), and peak
+  memory (driver, and each actor's own peak).
 
 Then an estimate, from the measured cost per story, of the whole TinyStories training split
 (2.1 M stories) on the shipped model, and of 1 M documents on GPT-2 small (from
@@ -50,7 +52,34 @@ def write_corpus(path: Path, n: int) -> None:
             f.write(f"{stories[i % len(stories)]}\n{EOT}\n")
 
 
-def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> None:
+def _engine_before(rev: str):
+    """``score_with_ray`` as it was at commit ``rev`` (its ``ray_engine.py`` from git, pickled by value
+    for its actors), called as today's ``score_corpus`` calls the engine: that engine took the
+    stories after ``start`` as an iterable the driver reads, and ``on_window``."""
+    import importlib.util
+    from itertools import islice
+
+    from ray import cloudpickle
+
+    text = subprocess.run(
+        ["git", "show", f"{rev}:storylens/corpus/ray_engine.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="bench_corpus_before_")) / "ray_engine_before.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("ray_engine_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ray_engine_before"] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)  # its ChunkScorer goes to the actors as code
+
+    def engine(model_source, source, names, acc, *, start=0, on_progress=None, **kw):
+        rest = islice(iter(source), start, None)
+        return module.score_with_ray(model_source, rest, names, acc, start=start, on_window=on_progress, **kw)
+
+    return engine
+
+
+def child(corpus: str, n: int, engine: str, workers: int, batch_size: int, before: str = "") -> None:
     import torch
 
     from storylens.corpus.ray_engine import peak_rss_mb
@@ -62,17 +91,25 @@ def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> No
     details: dict = {}
     lm = load_lm()
     t = time.perf_counter()
-    if engine == "ray":
-        from storylens.corpus import ray_engine
+    if engine in ("ray", "ray-before"):
+        from storylens.corpus import score as score_module
 
-        original = ray_engine.score_with_ray
+        original = score_module.score_with_ray if engine == "ray" else _engine_before(before)
 
-        def with_details(*a, **kw):
-            return original(*a, details=details, **kw)
+        def with_details(*a, **kw):  # score_corpus passes its own dict: read it back
+            out = original(*a, **kw)
+            details.update(kw.get("details") or {})
+            return out
 
-        ray_engine.score_with_ray = with_details
+        score_module.score_with_ray = with_details
     run = score_corpus(
-        lm, open_source(corpus, limit=n), out, engine=engine, workers=workers, progress=False, batch_size=batch_size
+        lm,
+        open_source(corpus, limit=n),
+        out,
+        engine="local" if engine == "local" else "ray",
+        workers=workers,
+        progress=False,
+        batch_size=batch_size,
     )
     wall = time.perf_counter() - t
     print(
@@ -93,14 +130,16 @@ def child(corpus: str, n: int, engine: str, workers: int, batch_size: int) -> No
     )
 
 
-def run_child(corpus: Path, n: int, engine: str, workers: int = 2, batch_size: int = BATCH_STORIES) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(corpus), str(n), engine, str(workers), str(batch_size)]
+def run_child(
+    corpus: Path, n: int, engine: str, workers: int = 2, batch_size: int = BATCH_STORIES, before: str = ""
+) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(corpus), str(n), engine, str(workers), str(batch_size), before]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
     print(
-        f"  {engine:5} {n:>7,} stories, batch {batch_size:2}: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
+        f"  {engine:10} {n:>7,} stories, batch {batch_size:2}: scoring {r['scoring_s']:8.1f} s, first pass {r['first_pass_s']:5.1f} s, "
         f"driver peak {r['driver_peak_mb']:6.0f} MB"
         + (f", actors {', '.join(f'{x:.0f}' for x in r['actor_peak_mb'])} MB" if r["actor_peak_mb"] else ""),
         flush=True,
@@ -114,11 +153,13 @@ def main() -> None:
     ap.add_argument("--memory", type=int, nargs="*", default=[200, 8000, 100_000])
     ap.add_argument("--time", type=int, nargs="*", default=[2000, 20_000])
     ap.add_argument("--batch", type=int, nargs="*", default=[200, 8000])
-    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--before", default="7407302", help="the commit whose Ray engine is measured beside today's")
+    ap.add_argument("--merge", action="store_true", help="keep --json's sections that are not run now (an empty list)")
+    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        corpus, n, engine, workers, batch_size = args.child
-        return child(corpus, int(n), engine, int(workers), int(batch_size))
+        corpus, n, engine, workers, batch_size, before = args.child
+        return child(corpus, int(n), engine, int(workers), int(batch_size), before)
 
     biggest = max(args.memory + args.time + args.batch)
     res: dict = {
@@ -139,9 +180,24 @@ def main() -> None:
         for n in args.batch:
             res["batch"].append(run_child(corpus, n, "local", batch_size=BIG_BATCH))
         _ratios(res["batch"])
-        print("time (one process vs Ray with 2 actors):", flush=True)
+        print(f"time (one process vs Ray with 2 actors, today's engine and {args.before}'s):", flush=True)
         for n in args.time:
-            res["time"].append({"n": n, "local": run_child(corpus, n, "local"), "ray": run_child(corpus, n, "ray", 2)})
+            res["time"].append(
+                {
+                    "n": n,
+                    "local": run_child(corpus, n, "local"),
+                    "ray": run_child(corpus, n, "ray", 2),
+                    "ray_before": run_child(corpus, n, "ray-before", 2, before=args.before),
+                    "before": args.before,
+                }
+            )
+    res["machines"] = {k: res["machine"]["cpu"] for k in ("memory", "batch", "time") if res[k]}
+    if args.merge and args.json and Path(args.json).exists():  # the sections not run now, as they were measured
+        old = json.loads(Path(args.json).read_text())
+        for k in ("memory", "batch", "time"):
+            if not res[k] and old.get(k):
+                res[k] = old[k]
+                res["machines"][k] = old.get("machines", {}).get(k, old["machine"]["cpu"])
     res["estimate"] = estimate(res)
     for line in res["estimate"]["lines"]:
         print(line)

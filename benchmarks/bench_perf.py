@@ -15,7 +15,9 @@ each beside its comparator, measured in one run.
    the model and the corpus and scores the first N stories, for N = 200, 2,000 and 8,000.
 4. ``generation``: 200 tokens from the end-of-story marker, temperature 1, one seed: KV cache,
    recomputing everything each step, and KV cache recording every step's attention; the tokens
-   must be the same.
+   must be the same. Beside them, transformers' own ``generate`` (sampling, no early stop, its KV
+   cache, sdpa attention) on the same weights (the HF export, a ``GPT2LMHeadModel``), and
+   storylens generating on that transformers model (``TransformersLM.generate_stream``).
 5. ``training``: tokens per second of 16 x 256 training steps: fp32 without dropout, with
    residual dropout 0.1, with attention-probability dropout 0.1 as well, and bf16 autocast.
 
@@ -236,11 +238,36 @@ def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
         g = torch.Generator().manual_seed(0)
         tokens[name] = [s.token for s in model.generate_stream(prompt, n_tokens, temperature=1.0, generator=g, **kw)]
 
+    hf, lm = _hf_copy(model)
+    hf_prompt = prompt.clone()
+
+    def hf_generate():
+        torch.manual_seed(0)  # transformers samples from the global generator
+        out = hf.generate(
+            hf_prompt,
+            attention_mask=torch.ones_like(hf_prompt),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=n_tokens,
+            min_new_tokens=n_tokens,
+            pad_token_id=int(prompt[0, 0]),
+        )
+        assert out.shape[1] == 1 + n_tokens
+
+    def on_hf():
+        g = torch.Generator().manual_seed(0)
+        tokens["storylens on the transformers copy"] = [
+            s.token for s in lm.generate_stream(prompt, n_tokens, temperature=1.0, generator=g)
+        ]
+
     t = best_of_rounds(
         {
             "kv cache": lambda: run("kv cache"),
             "recompute": lambda: run("recompute", use_kv_cache=False),
             "kv cache + recording": lambda: run("kv cache + recording", record_attention=True),
+            "transformers generate": hf_generate,
+            "storylens on the transformers copy": on_hf,
         },
         rounds,
     )
@@ -248,9 +275,26 @@ def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
         "ms_per_token": {k: 1000 * v / n_tokens for k, v in t.items()},
         "recompute_over_cache": t["recompute"] / t["kv cache"],
         "recording_over_cache": t["kv cache + recording"] / t["kv cache"],
+        "transformers_over_cache": t["transformers generate"] / t["kv cache"],
+        "storylens_on_transformers_over_generate": t["storylens on the transformers copy"] / t["transformers generate"],
         "same_tokens": tokens["kv cache"] == tokens["recompute"] == tokens["kv cache + recording"],
         "n_tokens": n_tokens,
     }
+
+
+def _hf_copy(model):
+    """The shipped weights as a transformers ``GPT2LMHeadModel`` (its HF export, sdpa attention), and
+    storylens's wrapper of it."""
+    import transformers
+
+    from storylens.lm import TransformersLM
+    from storylens.model.hub import export_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(model, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").eval()
+        tok = transformers.AutoTokenizer.from_pretrained(tmp)
+    return hf, TransformersLM(hf, tok)
 
 
 # ------------------------------------------------------------------ 5. training
@@ -356,7 +400,9 @@ def main() -> None:
         )
         print(
             f"  recompute / cache {g['recompute_over_cache']:.1f}x, recording / cache "
-            f"{g['recording_over_cache']:.2f}x, same tokens: {g['same_tokens']}"
+            f"{g['recording_over_cache']:.2f}x, same tokens: {g['same_tokens']}; transformers generate / "
+            f"storylens {g['transformers_over_cache']:.2f}x; storylens on the transformers copy / its generate "
+            f"{g['storylens_on_transformers_over_generate']:.2f}x"
         )
     if "training" not in skip:
         res["training"] = tr = bench_training(args.rounds)

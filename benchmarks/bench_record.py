@@ -20,6 +20,8 @@ at most 16 stories and 4,096 padded tokens a batch, ``storylens.core.batching``)
 Each ratio is a side's time over ``bare``'s in the same round; the best of ``--rounds``
 interleaved rounds. Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each
 side in its own process: peak resident memory above the loaded model (sampled every 5 ms).
+Commands: ``storylens report --model`` against ``storylens score --model`` on the Llama, the same
+200 quiz stories, each a whole process, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -192,6 +194,32 @@ def bench_memory(folder: Path, own: str) -> list[dict]:
     return rows
 
 
+def bench_commands(folder: Path, rounds: int) -> dict:
+    """``storylens report --model`` against ``storylens score --model`` on the same quiz (the corpus's
+    200 quiz stories, written to a file that both read), each a whole process as a user runs it, in
+    interleaved rounds (best of ``rounds``)."""
+    from storylens.data.stories import EOT, load_split
+
+    with tempfile.TemporaryDirectory() as tmp:
+        quiz = Path(tmp) / "quiz.txt"
+        quiz.write_text("".join(f"{s}\n{EOT}\n" for s in load_split().quiz), encoding="utf-8")
+        exe = str(Path(sys.executable).with_name("storylens"))
+        commands = {
+            "score": [exe, "score", "--model", str(folder), "--stories", str(quiz), "--no-progress"],
+            "report": [exe, "report", "--model", str(folder), "--quiz", str(quiz), "--no-progress"],
+        }
+        seconds: dict[str, list[float]] = {k: [] for k in commands}
+        for r in range(rounds):
+            for name, cmd in commands.items():
+                out = Path(tmp) / f"{name}{r}"
+                t = time.perf_counter()
+                subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+                seconds[name].append(time.perf_counter() - t)
+                print(f"  storylens {name} --model: {seconds[name][-1]:.1f} s", flush=True)
+    best = {k: min(v) for k, v in seconds.items()}
+    return {"seconds": best, "all_seconds": seconds, "report_over_score": best["report"] / best["score"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stories", type=int, default=60)
@@ -199,6 +227,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
     ap.add_argument("--no-memory", action="store_true", help="skip the long-story memory runs")
+    ap.add_argument("--no-commands", action="store_true", help="skip storylens report against storylens score")
     ap.add_argument("--folder", default=None, help="where the random models are saved (default: a temporary folder)")
     ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -230,6 +259,8 @@ def main() -> None:
             entry = {"speed": speed}
             if kind == "llama-30x9" and not args.no_memory:
                 entry["memory"] = bench_memory(folder, speed["attention"])
+            if kind == "llama-30x9" and not args.no_commands:
+                entry["commands"] = bench_commands(folder, args.rounds)
             result["models"][kind] = entry
             for name, r in speed["ratio"].items():
                 print(f"  {name}: {speed['seconds'][name]:.2f} s, {r:.3f}x bare", flush=True)

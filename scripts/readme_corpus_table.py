@@ -17,8 +17,12 @@ from scripts.readme_tables import README, replace_between
 
 def table(r: dict) -> str:
     m = r["machine"]
+    machines = r.get("machines", {})
+    where = f"on {m['cpu']}"
+    if len(set(machines.values())) > 1:  # sections kept from an earlier run (--merge) say where they ran
+        where = "in runs of their own (" + "; ".join(f"{k} rows on {v}" for k, v in machines.items()) + ")"
     rows = [
-        f"Measured by `python benchmarks/bench_corpus.py` on {m['cpu']} ({m['cores']} cores), each run a fresh "
+        f"Measured by `python benchmarks/bench_corpus.py` {where}, {m['cores']} cores, each run a fresh "
         f"process, every built-in detector, the shipped model, {r['batch_size']} stories a batch (the default) "
         "unless the row says otherwise:",
         "",
@@ -46,6 +50,14 @@ def table(r: dict) -> str:
             f"({lo['scoring_s'] / ra['scoring_s']:.2f}x the speed) | driver {ra['driver_peak_mb']:.0f} MB, "
             f"actors {actors} MB |"
         )
+        if "ray_before" in t:
+            rb = t["ray_before"]
+            actors = " + ".join(f"{a:.0f}" for a in rb["actor_peak_mb"])
+            rows.append(
+                f"| {t['n']:,} | Ray as it was at {t['before']} (a pool per window, the driver sends the "
+                f"stories) | {rb['scoring_s']:.1f} s ({lo['scoring_s'] / rb['scoring_s']:.2f}x the speed) | "
+                f"driver {rb['driver_peak_mb']:.0f} MB, actors {actors} MB |"
+            )
     rows += ["", *(f"- {line.removeprefix('estimate: ')}" for line in r["estimate"]["lines"])]
     return "\n".join(rows)
 

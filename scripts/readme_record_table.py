@@ -43,6 +43,15 @@ def table(r: dict) -> str:
         if s.get("tl_note"):
             rows.append(f"| {NAMES[kind]} | TransformerLens did not load it: {s['tl_note']} | | | |")
     for kind, entry in r["models"].items():
+        c = entry.get("commands")
+        if c:
+            rows += [
+                "",
+                f"`storylens report --model` against `storylens score --model` on the same 200 quiz stories, "
+                f"{NAMES[kind]}, each a whole process: report {c['seconds']['report']:.1f} s, score "
+                f"{c['seconds']['score']:.1f} s, **{c['report_over_score']:.2f}x** (target ≤ 1.3x).",
+            ]
+    for kind, entry in r["models"].items():
         mem = entry.get("memory")
         if not mem:
             continue

@@ -1,13 +1,39 @@
-"""storylens: read a causal language model's attention, plot it, and score every head over stories."""
+"""storylens: read a causal language model's attention, plot it, and score every head over stories.
+
+The names below are imported when first used (PEP 562), so a process that needs only part of
+storylens (a Ray read task reading stories, say) does not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from storylens.core.errors import StorylensError
-from storylens.core.heads import Head, head_label, parse_head_label
-from storylens.lm import AttentionLM, load_lm, wrap
-from storylens.model.gpt import GPT, GPTConfig, KVCache
-from storylens.model.hub import load_model
-from storylens.recording import attention_widget, story_attention
+_WHERE = {
+    "StorylensError": "storylens.core.errors",
+    "Head": "storylens.core.heads",
+    "head_label": "storylens.core.heads",
+    "parse_head_label": "storylens.core.heads",
+    "AttentionLM": "storylens.lm",
+    "load_lm": "storylens.lm",
+    "wrap": "storylens.lm",
+    "GPT": "storylens.model.gpt",
+    "GPTConfig": "storylens.model.gpt",
+    "KVCache": "storylens.model.gpt",
+    "load_model": "storylens.model.hub",
+    "attention_widget": "storylens.recording",
+    "story_attention": "storylens.recording",
+}
+
+if TYPE_CHECKING:
+    from storylens.core.errors import StorylensError
+    from storylens.core.heads import Head, head_label, parse_head_label
+    from storylens.lm import AttentionLM, load_lm, wrap
+    from storylens.model.gpt import GPT, GPTConfig, KVCache
+    from storylens.model.hub import load_model
+    from storylens.recording import attention_widget, story_attention
 
 __all__ = [
     "GPT",
@@ -24,3 +50,15 @@ __all__ = [
     "story_attention",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'storylens' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

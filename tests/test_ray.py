@@ -1,6 +1,8 @@
 """storylens score on Ray: a real local Ray (no mocks). Whatever the number of actors the result equals
-the single-process one within 1e-9, and an actor killed mid-run loses and double-counts nothing."""
+the single-process one within 1e-9, a stories file is read by the workers (the driver never reads
+it), and an actor killed mid-run loses and double-counts nothing."""
 
+import gzip
 import os
 import signal
 import threading
@@ -14,6 +16,7 @@ from storylens.analysis.names import name_vocabulary
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.data.sources import StorySource, open_source
 from storylens.lm import NativeLM
 
 BATCH, CHUNK = 4, 8
@@ -27,7 +30,7 @@ def local_ray():
     ray.shutdown()
 
 
-def single(model, stories):
+def single(model, stories, start=0):
     """One process with one torch thread, as each actor runs: the same kernels, so every chunk's float32
     maps are the same bits and only the order of the float64 sums differs (well inside 1e-9)."""
     import torch
@@ -36,24 +39,27 @@ def single(model, stories):
     torch.set_num_threads(1)
     try:
         acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
-        stats = record(NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False)
+        stats = record(
+            NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False, start=start
+        )
     finally:
         torch.set_num_threads(threads)
     return acc, stats
 
 
-def on_ray(stories, workers):
+def on_ray(stories, workers, names=None, **kw):
     acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
     stats = score_with_ray(
         None,
         stories,
-        name_vocabulary(stories),
+        name_vocabulary(stories) if names is None else names,
         acc,
         workers=workers,
         batch_size=BATCH,
         chunk_stories=CHUNK,
         progress=False,
         examples=EXAMPLES,
+        **kw,
     )
     return acc, stats
 
@@ -74,6 +80,29 @@ def test_any_number_of_workers_equals_one_process(local_ray, shipped_model, corp
     got, stats = on_ray(stories, workers)
     assert stats == ref_stats
     assert_same(got, ref)
+
+
+def test_a_stories_file_is_read_by_the_workers_from_where_a_run_resumes(
+    local_ray, shipped_model, corpus_split, tmp_path, monkeypatch
+):
+    stories = corpus_split.quiz[:45]  # 5 chunks of 8 after the first, the last one short
+    path = tmp_path / "stories.txt.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(f"{s}\n<|endoftext|>\n" for s in stories)
+    source = open_source(path)
+    assert list(source) == stories
+    names = name_vocabulary(stories)
+    ref, ref_stats = single(shipped_model, stories[CHUNK:], start=CHUNK)  # resumed after the first chunk
+
+    def driver_reads(self):
+        raise AssertionError("the driver read the stories")
+
+    monkeypatch.setattr(StorySource, "__iter__", driver_reads)  # this process only: the workers import their own
+    details = {}
+    got, stats = on_ray(source, 2, names=names, total=len(stories), start=CHUNK, details=details)
+    assert details["read_on_workers"]
+    assert stats == ref_stats
+    assert_same(got, ref)  # the examples too: their stories counted from where the run resumed
 
 
 def _scorer_pids() -> set[int]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 import torch
 
 from storylens.analysis.names import MainCharacter, main_character, name_vocabulary, pronoun_positions, pronoun_spans
 from storylens.core.batching import BATCH_TOKENS, length_batches, pad_batch, valid_mask
+from storylens.data.sources import chunked
 
 Span = tuple[int, int]
 
@@ -134,18 +134,6 @@ CHUNK_STORIES = 512  # stories encoded (and sorted by length into batches) at a 
 
 def is_encoded(stories) -> bool:
     return isinstance(stories, Sequence) and len(stories) > 0 and isinstance(stories[0], EncodedStory)
-
-
-def chunked(stories: Iterable, size: int, start: int = 0) -> Iterator[tuple[int, list]]:
-    """``(index of the first, items)`` for consecutive pieces of ``size`` items of any iterable,
-    indices counted from ``start``."""
-    it = iter(stories)
-    while True:
-        piece = list(islice(it, size))
-        if not piece:
-            return
-        yield start, piece
-        start += len(piece)
 
 
 def iter_encoded(

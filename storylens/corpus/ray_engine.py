@@ -1,15 +1,25 @@
-"""Scoring on Ray: Ray Data hands chunks of stories to a pool of actors, each holding the model.
+"""Scoring on Ray: one streaming Ray Data pipeline for the whole run, from the stories to the sums.
 
-The driver streams the source (:mod:`storylens.data.sources`) in chunks of ``chunk_stories`` stories,
-numbered by the index of their first story, and gives Ray Data a window of chunks at a time
-(``ray.data.from_items``). ``map_batches`` runs a pool of :class:`ChunkScorer` actors (``workers``
-of them, but no more than the cluster has CPUs: one CPU and one torch thread each) that load the
-model once; each call scores one whole chunk, exactly as the single-process run batches it, and
-returns that chunk's accumulator state (float64 sums and counts), never a running total. The
-driver merges the states as they come (sums of float64, in any order). A chunk is therefore counted
-once however the chunks are spread over the actors; an actor killed mid-chunk is restarted by Ray
-Data (its actors have ``max_restarts=-1``, ``max_task_retries=-1``) and the chunk is scored again
-from the start, so nothing is lost or counted twice.
+* **Reading, on the workers.** A :class:`~storylens.data.sources.StorySource` (a text, JSON-lines or
+  Parquet file, a saved or hub dataset) is picklable, so the driver sends only the plan: read tasks
+  (``READ_TASKS_PER_WORKER`` per worker), each given a run of consecutive chunks, open the source
+  where they run and yield one block per chunk of ``chunk_stories`` stories, numbered by the index
+  of its first story. The chunks are cut exactly where one process cuts them (whatever the file's
+  own blocks), so every batch is the batch the single-process run makes, and the result equals it
+  within 1e-9, not merely within a float32 bound. The source must be readable at the same place on
+  every node (a shared file system or a hub id; on one machine, always). A sequence of stories in
+  the driver's memory is sent by the driver instead.
+* **Scoring, on actors that live for the run.** ``map_batches`` runs one pool of
+  :class:`ChunkScorer` actors (``workers``, but no more than the cluster has CPUs: one CPU and one
+  torch thread each) that load the model once; each call scores one whole chunk and returns that
+  chunk's accumulator state (float64 sums and counts), never a running total.
+* **Merging, in order.** The driver merges each chunk's state when every earlier chunk has been
+  merged (a chunk that finishes early waits), so the sums are added in story order whatever the
+  actors' order, and what is merged is always exactly the first stories: a checkpoint taken there
+  (``on_progress``) resumes exactly. A chunk is counted once however the chunks are spread over the
+  actors; an actor killed mid-chunk is restarted by Ray Data (``max_restarts=-1``,
+  ``max_task_retries=-1``) and the chunk scored again from the start, so nothing is lost or counted
+  twice.
 
 Without ``address`` a local Ray is started on this machine, listening on 127.0.0.1 only; with one,
 the driver joins that cluster (every node needs storylens, torch and the model: see the README),
@@ -24,18 +34,22 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterable
+from collections.abc import Sequence
 from contextlib import contextmanager
+from functools import partial
 
 from storylens.analysis import detectors
 from storylens.analysis.detectors import BUILTIN_DETECTORS
-from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES, chunked
+from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.record import RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.data.sources import StorySource, chunk_spans, chunked
 from storylens.lm import load_lm
 
-WINDOW_CHUNKS_PER_WORKER = 8  # chunks given to Ray Data at a time, per worker (bounds the driver's memory)
+READ_TASKS_PER_WORKER = 1  # read tasks per actor: each reads its own run of consecutive chunks
+IN_FLIGHT = 2  # chunks an actor holds: the one it scores and the next (no wait between chunks)
+ACTORS_START_S = 1800  # how long the actors may take to start and load the model
 ADDRESS_TIMEOUT_S = 5  # how long --address may take to accept a connection
 GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second apart) ray.init makes at a GCS
 
@@ -247,7 +261,7 @@ def _actors(ray, workers: int) -> int:
 
 def score_with_ray(
     model_source,
-    source: Iterable[str],
+    source,
     names,
     acc,
     *,
@@ -261,36 +275,58 @@ def score_with_ray(
     examples: int = 0,
     details: dict | None = None,
     start: int = 0,
-    on_window=None,
+    on_progress=None,
 ):
-    """Score every chunk of ``source`` on Ray and merge the chunks' states into ``acc``; returns the
+    """Score the stories of ``source`` from index ``start`` on, on Ray, in one streaming pipeline, and
+    merge the chunks' states into ``acc`` in story order; returns the
     :class:`~storylens.analysis.record.RecordStats` of the stories it scored (see the module docstring).
-    ``start``: the index of the first story of ``source`` (a resumed run); ``on_window(stats)`` is
-    called whenever every chunk given to Ray so far has come back (where a long run checkpoints)."""
+
+    ``source``: a :class:`~storylens.data.sources.StorySource` (read on the workers) or a sequence of
+    stories (sent by the driver). ``total``: how many stories ``source`` holds (counted if not given).
+    ``on_progress(stats)`` is called whenever the stories merged so far grow (a run that checkpoints
+    saves there: what is merged is always the first stories, exactly)."""
     from tqdm.auto import tqdm
 
     if workers < 1:
         raise UsageError(f"--workers: must be at least 1 (got {workers})")
+    if batch_size < 1 or chunk_stories < 1:
+        raise UsageError("--batch-size and --chunk-stories: must be at least 1")
     ray = _import_ray()
     stats = RecordStats(0, 0, 0)
     names = sorted(names)
     actor_peaks: dict[int, float] = {}
-    seen: set[int] = set()
     with _quiet_ray():
         _init_ray(ray, address)
         workers = _actors(ray, workers)
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        ctx.execution_options.preserve_order = False
+        ctx.execution_options.preserve_order = False  # chunks come back as they finish; merged in order below
         ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
-        pieces = chunked(source, chunk_stories, start)
-        kwargs = {
-            "model_source": model_source,
-            "names": names,
-            "batch_size": batch_size,
-            "detectors": detectors,
-            "examples": examples,
-        }
+        # every actor has loaded its model before the first chunk is handed out (else the first one
+        # ready queues chunks that the others would take)
+        ctx.wait_for_min_actors_s = ACTORS_START_S
+        if total is None:
+            total = len(source) if isinstance(source, Sequence) else sum(1 for _ in source)
+        if total <= start:
+            raise StorylensError("stories: nothing to score (no story)")
+        n_chunks = -(-(total - start) // chunk_stories)
+        ds = chunk_dataset(ray, source, start, total, chunk_stories, workers)
+        ds = ds.map_batches(
+            ChunkScorer,
+            batch_size=1,
+            num_cpus=1,
+            fn_constructor_kwargs={
+                "model_source": model_source,
+                "names": names,
+                "batch_size": batch_size,
+                "detectors": detectors,
+                "examples": examples,
+            },
+            # one pool for the whole run; each actor holds the chunk it scores and the next one
+            compute=ray.data.ActorPoolStrategy(size=min(workers, n_chunks), max_tasks_in_flight_per_actor=IN_FLIGHT),
+        )
+        waiting: dict[int, dict] = {}  # chunks back before an earlier one: merged when their turn comes
+        nxt = start  # the first story not merged yet
         with tqdm(
             total=total,
             initial=start,
@@ -298,43 +334,69 @@ def score_with_ray(
             desc=f"recording attention on Ray ({workers} workers)",
             disable=None if progress else True,
         ) as bar:
-            while items := [{"start": i, "texts": t} for i, t in _take(pieces, WINDOW_CHUNKS_PER_WORKER * workers)]:
-                ds = ray.data.from_items(items, override_num_blocks=len(items))
-                ds = ds.map_batches(
-                    ChunkScorer,
-                    batch_size=1,
-                    num_cpus=1,
-                    fn_constructor_kwargs=kwargs,
-                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(items))),
-                )
-                try:
-                    for row in ds.iter_rows():
-                        start = int(row["start"])
-                        if start in seen:  # Ray Data returns each chunk once; a repeat would be a bug, not a sum
-                            raise StorylensError(f"ray: chunk at story {start} came back twice")
-                        seen.add(start)
+            try:
+                for row in ds.iter_rows():
+                    first = int(row["start"])
+                    if first < nxt or first in waiting:  # Ray Data returns each chunk once; a repeat is a bug
+                        raise StorylensError(f"ray: chunk at story {first} came back twice")
+                    waiting[first] = row
+                    pid = int(row["pid"])
+                    actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
+                    bar.update(int(row["n"]))
+                    merged = False
+                    while nxt in waiting:
+                        row = waiting.pop(nxt)
                         part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=examples)
                         acc.merge(part.load_state(json.loads(row["state"])))
                         stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
-                        pid = int(row["pid"])
-                        actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
-                        bar.update(int(row["n"]))
-                except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
-                    raise StorylensError(_ray_failure(e)) from None
-                if on_window is not None:
-                    on_window(stats)
-    if stats.n_stories == 0:
-        raise StorylensError("stories: nothing to score (no story)")
+                        nxt += int(row["n"])
+                        merged = True
+                    if merged and on_progress is not None:
+                        on_progress(stats)
+            except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
+                raise StorylensError(_ray_failure(e)) from None
+    if waiting or nxt != total:
+        raise StorylensError(f"ray: stories {nxt:,} to {total:,} did not come back from the actors")
     if details is not None:
         details["actor_peak_mb"] = actor_peaks  # each actor process's peak memory (benchmarks)
         details["workers"] = workers  # as used: --workers capped at the cluster's CPUs
+        details["read_on_workers"] = isinstance(source, StorySource)
     return stats
 
 
-def _take(it, n: int) -> list:
-    out = []
-    for x in it:
-        out.append(x)
-        if len(out) == n:
-            break
-    return out
+def chunk_dataset(ray, source, start: int, total: int, chunk_stories: int, workers: int):
+    """The chunks as a Ray Dataset, one row each: a :class:`StorySource` read by ``READ_TASKS_PER_WORKER``
+    read tasks a worker, each reading its run of chunks where it runs; a sequence sent by the driver."""
+    if not isinstance(source, StorySource):
+        items = [
+            {"start": i, "texts": [str(t) for t in texts]}
+            for i, texts in chunked(source[start:total], chunk_stories, start)
+        ]
+        return ray.data.from_items(items, override_num_blocks=len(items))
+    from ray.data import Datasource, ReadTask
+    from ray.data.block import BlockMetadata
+
+    def read(firsts: list[int]):  # runs in a read task, so it imports only what reading needs (no torch)
+        import pyarrow as pa
+
+        from storylens.data.sources import read_chunk_run
+
+        for first, texts in read_chunk_run(source, firsts, total, chunk_stories):
+            yield pa.table({"start": [first], "texts": [[str(t) for t in texts]]})
+
+    class StoryChunks(Datasource):
+        def estimate_inmemory_data_size(self):
+            return None
+
+        def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+            spans = chunk_spans(start, total, chunk_stories, READ_TASKS_PER_WORKER * workers)
+            return [
+                ReadTask(
+                    partial(read, firsts),
+                    BlockMetadata(num_rows=len(firsts), size_bytes=None, exec_stats=None, input_files=None),
+                )
+                for firsts in spans
+            ]
+
+    # read tasks take no CPU of their own: the actors hold every CPU, and reading costs little beside scoring
+    return ray.data.read_datasource(StoryChunks(), num_cpus=0)

@@ -203,7 +203,8 @@ def _score_into(
     last = [done]
 
     def progress_made(stats_here: RecordStats) -> None:
-        """After a chunk (or, on Ray, a window of chunks): a checkpoint every ``checkpoint_every`` batches."""
+        """After a chunk (on Ray: whenever the chunks merged in order grow): a checkpoint every
+        ``checkpoint_every`` batches."""
         now = done + stats_here
         batches_since[0] += -(-(now.n_stories - last[0].n_stories) // batch_size)
         last[0] = now
@@ -213,12 +214,11 @@ def _score_into(
             )
             batches_since[0] = 0
 
-    rest = _skip(source, done.n_stories)
     used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
-    if engine == "ray":
+    if engine == "ray":  # the workers read the source themselves, skipping what is done
         stats = done + score_with_ray(
             model_source,
-            rest,
+            source,
             names,
             acc,
             workers=workers,
@@ -231,12 +231,12 @@ def _score_into(
             detectors=detectors,
             examples=examples,
             start=done.n_stories,
-            on_window=progress_made,
+            on_progress=progress_made,
         )
     else:
         stats = done + record(
             lm,
-            rest,
+            _skip(source, done.n_stories),
             [acc],
             batch_size=batch_size,
             names=names,

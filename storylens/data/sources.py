@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -241,3 +241,40 @@ def _read_hf(src: StorySource) -> Iterator[str]:
 
 
 _READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf}
+
+
+# ---------------------------------------------------------------- chunks
+
+
+def chunked(stories: Iterable, size: int, start: int = 0) -> Iterator[tuple[int, list]]:
+    """``(index of the first, items)`` for consecutive pieces of ``size`` items of any iterable,
+    indices counted from ``start``."""
+    it = iter(stories)
+    while True:
+        piece = list(islice(it, size))
+        if not piece:
+            return
+        yield start, piece
+        start += len(piece)
+
+
+def chunk_spans(start: int, total: int, chunk_stories: int, tasks: int) -> list[list[int]]:
+    """The first story of every chunk from ``start`` to ``total``, in at most ``tasks`` runs of
+    consecutive chunks (one per reader), as even as whole chunks allow."""
+    firsts = list(range(start, total, chunk_stories))
+    tasks = max(1, min(tasks, len(firsts)))
+    size, extra = divmod(len(firsts), tasks)
+    out, i = [], 0
+    for t in range(tasks):
+        n = size + (t < extra)
+        out.append(firsts[i : i + n])
+        i += n
+    return out
+
+
+def read_chunk_run(source, firsts: list[int], total: int, chunk_stories: int) -> Iterator[tuple[int, list[str]]]:
+    """The chunks that start at ``firsts`` (consecutive, from :func:`chunk_spans`), read from
+    ``source`` where this runs: each ``(index of its first story, its stories)``, cut exactly as
+    :func:`chunked` cuts the whole source."""
+    stop = min(firsts[-1] + chunk_stories, total)
+    return chunked(islice(iter(source), firsts[0], stop), chunk_stories, firsts[0])
