@@ -239,13 +239,12 @@ def bench_generation(rounds: int, n_tokens: int = 200) -> dict:
         tokens[name] = [s.token for s in model.generate_stream(prompt, n_tokens, temperature=1.0, generator=g, **kw)]
 
     hf, lm = _hf_copy(model)
-    hf_prompt = prompt.clone()
 
     def hf_generate():
         torch.manual_seed(0)  # transformers samples from the global generator
         out = hf.generate(
-            hf_prompt,
-            attention_mask=torch.ones_like(hf_prompt),
+            prompt,
+            attention_mask=torch.ones_like(prompt),
             do_sample=True,
             temperature=1.0,
             top_k=0,
