@@ -1,6 +1,7 @@
 """Recording a transformers model's attention at the cost of its own forward pass, side by side.
 
     python benchmarks/bench_record.py --json benchmarks/record.json [--stories 60] [--rounds 2]
+    python benchmarks/bench_record.py --json benchmarks/record.json --merge --sections commands
     python scripts/readme_record_table.py benchmarks/record.json     # the README's table
 
 Two seeded random transformers models, built and saved here (no hub is reached): a Llama of the
@@ -22,6 +23,10 @@ interleaved rounds. Memory: one story of 1,000, 2,000 and 3,000 tokens scored on
 side in its own process: peak resident memory above the loaded model (sampled every 5 ms).
 Commands: ``storylens report --model`` against ``storylens score --model`` on the Llama, the same
 200 quiz stories, each a whole process, in interleaved rounds.
+
+``--sections`` runs only some of ``speed``, ``memory`` and ``commands``; with ``--merge`` the
+sections not run are kept from the ``--json`` file already there, and each section says the
+machine it was measured on.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from bench_perf import _cpu  # noqa: E402
 from bench_transformerlens import PeakSampler, rss_mb  # noqa: E402
 
 MODELS = ("llama-30x9", "gpt2-small")
+SECTIONS = ("speed", "memory", "commands")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
 
@@ -228,6 +234,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
     ap.add_argument("--no-memory", action="store_true", help="skip the long-story memory runs")
     ap.add_argument("--no-commands", action="store_true", help="skip storylens report against storylens score")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {','.join(SECTIONS)}")
+    ap.add_argument("--merge", action="store_true", help="keep the sections not run from the --json file")
     ap.add_argument("--folder", default=None, help="where the random models are saved (default: a temporary folder)")
     ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -250,20 +258,41 @@ def main() -> None:
             "rounds": args.rounds,
             "models": {},
         }
+        sections = {x for x in args.sections.split(",") if x}
+        if sections - set(SECTIONS):
+            raise SystemExit(f"--sections: choose from {', '.join(SECTIONS)}")
+        if args.no_memory:
+            sections.discard("memory")
+        if args.no_commands:
+            sections.discard("commands")
         for kind in [m for m in args.models.split(",") if m]:
             if kind not in MODELS:
                 raise SystemExit(f"--models: no model {kind!r} (choose from {', '.join(MODELS)})")
             folder = build(kind, base)
             print(f"{kind}:", flush=True)
-            speed = bench_speed(folder, args.stories, args.rounds)
-            entry = {"speed": speed}
-            if kind == "llama-30x9" and not args.no_memory:
-                entry["memory"] = bench_memory(folder, speed["attention"])
-            if kind == "llama-30x9" and not args.no_commands:
+            entry: dict = {}
+            if "speed" in sections:
+                speed = bench_speed(folder, args.stories, args.rounds)
+                entry["speed"] = speed
+                for name, r in speed["ratio"].items():
+                    print(f"  {name}: {speed['seconds'][name]:.2f} s, {r:.3f}x bare", flush=True)
+            if kind == "llama-30x9" and "memory" in sections:
+                entry["memory"] = bench_memory(folder, entry.get("speed", {}).get("attention", "storylens"))
+            if kind == "llama-30x9" and "commands" in sections:
                 entry["commands"] = bench_commands(folder, args.rounds)
+            for section in entry.values():
+                if isinstance(section, dict):  # memory is a list of rows: it is measured with the speed
+                    section["machine"] = result["cpu"]
             result["models"][kind] = entry
-            for name, r in speed["ratio"].items():
-                print(f"  {name}: {speed['seconds'][name]:.2f} s, {r:.3f}x bare", flush=True)
+    if args.merge and args.json and Path(args.json).exists():
+        old = json.loads(Path(args.json).read_text())
+        for kind, entry in old["models"].items():
+            mine = result["models"].setdefault(kind, {})
+            for name, section in entry.items():
+                if name not in mine:
+                    if isinstance(section, dict):
+                        section.setdefault("machine", old["cpu"])
+                    mine[name] = section
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

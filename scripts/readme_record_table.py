@@ -48,7 +48,7 @@ def table(r: dict) -> str:
             rows += [
                 "",
                 f"`storylens report --model` against `storylens score --model` on the same 200 quiz stories, "
-                f"{NAMES[kind]}, each a whole process: report {c['seconds']['report']:.1f} s, score "
+                f"{NAMES[kind]}, each a whole process (on {c.get('machine', r['cpu'])}): report {c['seconds']['report']:.1f} s, score "
                 f"{c['seconds']['score']:.1f} s, **{c['report_over_score']:.2f}x** (target ≤ 1.3x).",
             ]
     for kind, entry in r["models"].items():

@@ -23,6 +23,9 @@ from storylens.data.stories import load_split
 from storylens.lesson.figures import LESSON_FIGURES
 from storylens.model.hub import load_model
 from storylens.training.checkpoint import load_checkpoint
+from storylens.training.copying import COPYING_FILE
+from storylens.training.page import run_summary
+from storylens.training.timeline import TIMELINE_FILE, read_timeline
 from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights
 
 
@@ -49,6 +52,55 @@ def sweep_table() -> str:
     )
 
 
+def timeline_section(entries: list[dict], state: dict) -> str:
+    """The card's "Heads as they formed" section, from the run's head timeline (empty without one)."""
+    if not entries:
+        return ""
+    s = run_summary("tiny-storyteller", entries)
+    rows = []
+    for kind, f in s["formation"].items():
+        if f is not None:
+            rows.append(
+                f"| {kind} | {f['head']} | {f['block']} | {f['first']:.3f} | {f['last']:.3f} | "
+                f"{f['half_way_step']:,} ({f['half_way_tokens'] / 1e6:.1f} M) |"
+            )
+    ind = s["induction_step"]
+    bumps = s["loss_bumps"]
+    bump = (
+        "The quiz loss never rose from one evaluation to the next."
+        if not bumps
+        else "The quiz loss rose at step " + ", ".join(f"{b['step']:,} (+{b['rise']:.3f} nats)" for b in bumps) + "."
+    )
+    share = state.get("timeline_seconds", 0.0) / state["train_seconds"] if state.get("train_seconds") else 0.0
+    return f"""
+## Heads as they formed
+At each of its {len(entries)} evaluations the run scored every head on the quiz, with the weights it
+would have shipped at that step, and kept the table in `{TIMELINE_FILE}` (this folder; draw it with
+`storylens timeline storylens/pretrained/tiny-storyteller --out timeline`). The strongest head of each
+kind at the end, and when it got half way from its first score to its last:
+
+| kind | head | block | first score | last score | half way at step (tokens) |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Induction test (a repeated run of random tokens): the loss on the second copy is
+{s["second_copy_loss"]:.2f} nats against {s["first_copy_loss"]:.2f} on the first at the end; its largest rise
+between two evaluations came at step {ind["step"]:,} (+{ind["rise"]:.3f}). {bump} The timeline took
+{share:.1%} of the training time.
+"""
+
+
+def copying_sentence(copied: dict | None) -> str:
+    """The card's sentence on copying from the training stories (``copying.json``), or nothing."""
+    if not copied or copied.get("share") is None:
+        return ""
+    return (
+        f" Of the {copied['runs']:,} {copied['run_words']}-word runs in {copied['samples']} stories it writes from the"
+        f" end-of-story marker (seeds {copied['seed']} to {copied['seed'] + copied['samples'] - 1}, temperature 1,"
+        f" `{COPYING_FILE}`), {copied['share']:.1%} occur word for word in its training stories."
+    )
+
+
 def write_model_card(
     folder: Path,
     state: dict,
@@ -58,6 +110,9 @@ def write_model_card(
     train_stories: int,
     quiz_perplexity: float,
     choices: str = "",
+    timeline: list[dict] | None = None,
+    time_note: str = "",
+    copied: dict | None = None,
 ) -> Path:
     """The shipped model's README: data and licence, recipe and how it was chosen, size, cost, the
     quiz perplexity curve, how to reproduce. ``quiz_perplexity`` is the shipped folder's own
@@ -123,9 +178,9 @@ Quiz perplexity during training (the weights as they were at that step, and thei
 {rule}
 {evals}
 
-Training time: {state["train_seconds"] / 60:.1f} minutes (the training process's wall clock, checkpoints and
-evaluations included) on {hardware}.
-
+Training time: {state["train_seconds"] / 60:.1f} minutes, the training steps' wall clock summed (evaluations
+and checkpoints not counted), on {hardware}.{" " + time_note if time_note else ""}
+{timeline_section(timeline or [], state)}
 ## Reproduce
 ```
 storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-storyteller
@@ -134,7 +189,7 @@ storylens train --out runs/tiny-storyteller --export storylens/pretrained/tiny-s
 
 ## Limits
 The corpus here is {train_stories:,} training stories (about 1.7 M tokens), not the lesson's {LESSON_FIGURES.train_stories:,},
-so the model sees each training token many times; training had to fit a 2-core CPU session.
+so the model sees each training token many times; training had to fit a 2-core CPU session.{copying_sentence(copied)}
 """
     return write_text_atomic(Path(folder) / "README.md", text)
 
@@ -152,6 +207,9 @@ def main() -> None:
         default=ROOT / "storylens" / "pretrained" / "tiny-storyteller",
         help="the shipped model folder (default: storylens/pretrained/tiny-storyteller)",
     )
+    p.add_argument(
+        "--time-note", default="", help="a sentence on how the training time was measured (the card quotes it)"
+    )
     args = p.parse_args()
     run, folder = args.run, args.folder
     _, _, state, _, _ = load_checkpoint(run / CHECKPOINT)
@@ -159,8 +217,18 @@ def main() -> None:
     split = load_split()
     ppl = quiz_perplexity(model, model.tokenizer, split.quiz)
     hardware = f"{cpu()}, {os.cpu_count()} cores (torch CPU build)"
+    timeline = read_timeline(run / TIMELINE_FILE) if (run / TIMELINE_FILE).is_file() else []
     path = write_model_card(
-        folder, state, model.num_parameters(), hardware, len(split.quiz), len(split.train), ppl, sweep_table()
+        folder,
+        state,
+        model.num_parameters(),
+        hardware,
+        len(split.quiz),
+        len(split.train),
+        ppl,
+        sweep_table(),
+        timeline,
+        args.time_note,
     )
     print(f"{path}: quiz perplexity {ppl:.2f}")
     cfg = state["train_config"]

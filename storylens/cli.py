@@ -33,6 +33,8 @@ from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_devi
 from storylens.lm.generate import record_generation, stream_text
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import encode_story, eot_id
+from storylens.training.copying import COPYING_FILE, read_copying
+from storylens.training.copying import SAMPLES as COPY_SAMPLES
 from storylens.training.page import write_timeline_page
 from storylens.training.timeline import TIMELINE_FILE
 from storylens.training.train import TrainConfig, export_checkpoint, lesson_files, train, validate_config
@@ -217,9 +219,11 @@ def cmd_train(args) -> int:
     validate_config(cfg)
     if args.first is not None and args.first < 201:
         raise UsageError(f"--first: at least 201 stories (200 for the quiz and one to train on), got {args.first}")
+    if args.copying_samples < 0:
+        raise UsageError(f"--copying-samples: 0 or more (got {args.copying_samples})")
     split = load_split(args.stories, first=args.first)
     try:
-        result = train(split, _out_path(args.out), cfg, resume=args.resume)
+        result = train(split, _out_path(args.out), cfg, resume=args.resume, copying_samples=args.copying_samples)
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; continue with --resume", file=sys.stderr)
         return 130
@@ -231,6 +235,12 @@ def cmd_train(args) -> int:
         print(
             f"head timeline: {len(evals)} evaluations in {Path(args.out) / TIMELINE_FILE} "
             f"({state.get('timeline_seconds', 0.0):.1f} s, {100 * share:.1f}% of the training steps' time)"
+        )
+    copied = read_copying(args.out)
+    if copied is not None and copied["share"] is not None:
+        print(
+            f"copying: {100 * copied['share']:.1f}% of the 8-word runs in {copied['samples']} generated stories "
+            f"occur in the training stories ({Path(args.out) / COPYING_FILE})"
         )
     if args.export:
         folder = export_checkpoint(Path(args.out), _out_path(args.export, "--export"), lesson_files(split))
@@ -389,6 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/tiny-storyteller", help="run folder (checkpoint, tokenizer)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     t.add_argument("--export", default=None, help="write a model folder here when done")
+    t.add_argument(
+        "--copying-samples",
+        type=int,
+        default=COPY_SAMPLES,
+        metavar="N",
+        help=f"when done, generate N stories and count their 8-word runs found in the training stories "
+        f"(default {COPY_SAMPLES}; 0: skip)",
+    )
     t.add_argument(
         "--first",
         type=int,

@@ -177,6 +177,39 @@ def test_hook_z_ablation_on_a_transformers_model(tiny_folder, quiz):
     assert torch.equal(lm.forward(ids), base)  # every hook gone on exit
 
 
+def test_a_pass_that_reads_no_attention_is_transformers_sdpa_bit_for_bit(tiny_folder, quiz):
+    from transformers import AutoModelForCausalLM
+
+    lm = load_lm(tiny_folder)
+    ids = torch.tensor([lm.encode(quiz[0])[:40], lm.encode(quiz[1])[:40]])
+    with torch.inference_mode():
+        if lm.attention != "eager":  # GPT-Neo does not dispatch through the attention interface
+            sdpa = AutoModelForCausalLM.from_pretrained(tiny_folder, attn_implementation="sdpa").eval()
+            assert torch.equal(lm.forward(ids), sdpa(input_ids=ids, use_cache=False).logits)
+        seen = []  # a pattern hook still gets the probabilities: that block takes the explicit path
+        with lm.hooks([("blocks.1.attn.hook_pattern", lambda p, hook: seen.append(p.shape))]):
+            lm.forward(ids)
+    assert seen == [(2, 4, 40, 40)]
+
+
+def test_ablations_that_skip_the_blocks_before_the_head_equal_whole_passes(tiny_folder, quiz):
+    from storylens.analysis.ablation import Condition, ablation_losses, head_output_means
+
+    lm = load_lm(tiny_folder, dtype=torch.float64)
+    ids = [lm.encode(t)[:WINDOW] for t in quiz[:6]]
+    starts = [[5, 9], [], [3], [], [7], []]
+    conds = [Condition("L2H2", (Head(1, 1),), "zero"), Condition("L2H1", (Head(1, 0),), "mean")]
+    conds.append(Condition("L2H4+L1H1", (Head(1, 3), Head(0, 0)), "zero"))
+    means = head_output_means(lm, ids)
+    skipped = ablation_losses(lm, ids, starts, conds, means=means, batch_size=4)
+    lm.blocks = lambda: None  # no block known: every condition runs every block
+    whole = ablation_losses(lm, ids, starts, conds, means=means, batch_size=4)
+    assert skipped[1:] == whole[1:] and skipped[0].keys() == whole[0].keys()
+    for key in whole[0]:  # the same blocks on the same inputs: the same numbers
+        assert torch.equal(skipped[0][key], whole[0][key]), key
+    assert not torch.equal(whole[0]["L2H2/zero"], whole[0]["baseline"])
+
+
 def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
     folder = export_hf(native, tmp_path / "hf")
     hf = load_lm(folder)

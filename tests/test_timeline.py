@@ -18,6 +18,7 @@ from storylens.cli import main
 from storylens.core.errors import StorylensError
 from storylens.data.stories import EOT
 from storylens.training.checkpoint import load_checkpoint
+from storylens.training.copying import COPYING_FILE, read_copying
 from storylens.training.timeline import (
     TIMELINE_FILE,
     PositionLosses,
@@ -29,6 +30,7 @@ from storylens.training.timeline import (
 from storylens.training.train import CHECKPOINT
 
 STEPS, EVERY = 12, 4
+COPY_SAMPLES = 4  # stories the finished run writes for its copying check
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
 
 
@@ -47,7 +49,7 @@ def slice_files(tmp_path_factory, corpus_split):
 def _train(corpus, out, *extra):
     cmd = [sys.executable, "-m", "storylens", "train", "--stories", str(corpus), "--out", str(out)]
     cmd += ["--max-steps", str(STEPS), "--eval-every", str(EVERY), "--batch-size", "2", "--vocab-size", "1024"]
-    return cmd + ["--checkpoint-minutes", "0", *SMALL, *extra]
+    return cmd + ["--checkpoint-minutes", "0", "--copying-samples", str(COPY_SAMPLES), *SMALL, *extra]
 
 
 def _step(path: Path) -> int:
@@ -97,6 +99,38 @@ def test_one_entry_per_evaluation(reference_run):
 def test_the_timeline_ships_with_the_exported_model(reference_run):
     out, export, _ = reference_run
     assert (export / TIMELINE_FILE).read_bytes() == (out / TIMELINE_FILE).read_bytes()
+    assert (export / COPYING_FILE).read_bytes() == (out / COPYING_FILE).read_bytes()
+
+
+def test_a_finished_run_counts_what_it_copies_from_its_training_stories(reference_run, corpus_split):
+    from storylens.data.leakage import run_hashes
+    from storylens.model.hub import load_model
+    from storylens.training.copying import copied_share, generated_stories
+
+    out, export, printed = reference_run
+    copied = read_copying(out)
+    assert copied["step"] == STEPS and copied["samples"] == COPY_SAMPLES and copied["run_words"] == 8
+    # the same seeds from the exported model write the same stories, and count the same
+    stories = generated_stories(load_model(export), samples=COPY_SAMPLES, seed=copied["seed"])
+    assert stories[0] == copied["example"] and all("<|endoftext|>" not in s for s in stories)
+    again = copied_share(stories, run_hashes(corpus_split.train[:60]))
+    assert {k: copied[k] for k in again} == again
+    assert f"copying: {100 * copied['share']:.1f}% of the 8-word runs in {COPY_SAMPLES} generated stories" in printed
+
+
+def test_the_copied_share_counts_runs_found_word_for_word():
+    from storylens.data.leakage import run_hashes
+    from storylens.training.copying import copied_share
+
+    train = ["Once upon a time there was a little girl named Lily who loved to play outside."]
+    copied = "Once upon a time there was a little girl named Lily who loved"  # 13 words: 6 runs, all found
+    new = "A big red dog ran to the park and ate a green apple."  # 13 words: 6 runs, none found
+    half = "Once upon a time there was a little dog"  # 9 words: 2 runs, the first found
+    got = copied_share([copied, new, half, "too short"], run_hashes(train))
+    assert (got["runs"], got["runs_found"]) == (6 + 6 + 2, 6 + 1)
+    assert got["share"] == 7 / 14 and got["max_story_share"] == 1.0 and got["stories_with_runs"] == 3
+    assert copied_share(["there was a little girl named Lily who sang"], run_hashes(train))["share"] == 0.5
+    assert copied_share(["Once upon a time there was a Little"], run_hashes(train))["share"] == 0.0  # case kept
 
 
 def test_a_killed_run_resumes_with_the_same_timeline(reference_run, slice_files, tmp_path):
@@ -230,6 +264,8 @@ def test_storylens_timeline_draws_a_run_and_compares_two(reference_run, tmp_path
     assert main(["timeline", str(out), str(export), "--out", str(both)]) == 0
     html = (both / "timeline.html").read_text()
     assert "The runs side by side" in html and "<td>run</td>" in html and "<td>model</td>" in html
+    share = f"{100 * read_copying(out)['share']:.1f}% of {read_copying(out)['runs']:,}"
+    assert html.count(share) == 2  # both runs' copying check, the same file
 
 
 def test_timeline_command_errors_are_one_line(tmp_path, capsys):

@@ -48,6 +48,8 @@ def _train_cmd(slice_file, out, *extra):
         "0",
         "--vocab-size",
         "1024",
+        "--copying-samples",
+        "2",  # the check at the end of a run: two stories are enough here
         *SMALL,  # a 2-block model: the same recipe and code, a fraction of the time
         *extra,
     ]

@@ -20,7 +20,11 @@ re-implemented, so it works on storylens's GPT and on any transformers causal LM
 Positions count the end-of-story marker as position 0. The prediction made at position ``t``
 is scored against the token at ``t + 1``, so a story of ``T`` tokens has ``T - 1`` scored
 positions; a name position is a ``t`` whose target ``t + 1`` is a mention's first token.
-Every condition is one whole forward pass over the stories (the fused attention path).
+Every condition is a forward pass over the stories on the fused attention path, batched by a
+token budget (:data:`~storylens.core.batching.BATCH_TOKENS`). A condition whose first switched-off head
+is in block ``l`` starts at block ``l``, from what block ``l - 1`` returned in the baseline pass over
+the same batch (:meth:`~storylens.lm.interface.AttentionLM.skip_blocks`): the blocks before it compute
+exactly what they computed there, so they are not run again.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch.nn import functional as F
 from storylens.analysis.encode import encode_stories, length_batches
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.scores import score_heads
-from storylens.core.batching import pad_batch, valid_mask
+from storylens.core.batching import BATCH_TOKENS, pad_batch, valid_mask
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head, as_heads, head_label
 from storylens.core.modes import eval_mode
@@ -164,7 +168,7 @@ def head_output_means(
 
     count = 0
     with eval_mode(lm.module), lm.hooks([(f"blocks.{i}.attn.hook_z", add) for i in range(lm.n_layer)]):
-        for idx in length_batches([len(s) for s in stories_ids], batch_size):
+        for idx in length_batches([len(s) for s in stories_ids], batch_size, BATCH_TOKENS):
             ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, lm.device)
             if not include_marker:
                 valid = valid.clone()
@@ -300,7 +304,11 @@ def ablation_losses(
     for c in conditions:
         sums[f"{c.label}/{c.mode}"] = torch.zeros(2, dtype=torch.float64)
     n_name = n_other = 0
-    batches = length_batches([len(s) for s in stories_ids], batch_size)
+    batches = length_batches([len(s) for s in stories_ids], batch_size, BATCH_TOKENS)
+    starts = {
+        c: min((h.layer for h in normalise_heads(lm, c.heads)), default=0) for c in conditions
+    }  # the block each condition starts at
+    carried = sorted({layer - 1 for layer in starts.values() if layer > 0})  # kept from the baseline
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -322,10 +330,14 @@ def ablation_losses(
                 name_sel = is_name[scored]  # over the scored positions, in order
                 n_name += int(name_sel.sum())
                 n_other += int((~name_sel).sum())
-                sums["baseline"] += _name_other_sums(lm, ids, scored, name_sel)
+                with lm.keep_block_outputs(carried) as kept:
+                    sums["baseline"] += _name_other_sums(lm, ids, scored, name_sel)
                 for c in conditions:
-                    with ablate_heads(lm, c.heads, c.mode, means):
+                    start = starts[c]
+                    skip = lm.skip_blocks(start, kept[start - 1]) if start - 1 in kept else contextlib.nullcontext()
+                    with skip, ablate_heads(lm, c.heads, c.mode, means):
                         sums[f"{c.label}/{c.mode}"] += _name_other_sums(lm, ids, scored, name_sel)
+                del kept
                 if bar is not None:
                     bar.update(len(idx))
                 lines.update(len(idx))

@@ -106,6 +106,7 @@ def truth_table(
         other = r.other_increase if n_other else 0.0
         return (n_name * name + n_other * other) / (n_name + n_other)
 
+    index = {h.label: i for i, h in enumerate(scores.heads)}
     rows = []
     for d in detectors:
         for label in top[d]:
@@ -114,8 +115,8 @@ def truth_table(
                 TruthRow(
                     detector=d,
                     head=label,
-                    raw=scores.column(d)[scores.heads.index(h)],
-                    norm=scores.column(NORM_PREFIX + d)[scores.heads.index(h)],
+                    raw=scores.column(d)[index[label]],
+                    norm=scores.column(NORM_PREFIX + d)[index[label]],
                     share=h.output_share,
                     zero_increase=increase(label, "zero", d),
                     mean_increase=increase(label, "mean", d),

@@ -29,6 +29,12 @@ map-sized temporary is ever allocated, the larger part of the cost on a CPU). A 
 ``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
 rows' up to the order of the softmax's sum; where the softmax runs in float32 under float64 inputs
 (Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
+
+**Fused** (:func:`fused`, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
+probabilities are asked for: switching heads off, head output means, perplexity): inside that context
+the layer calls transformers' own sdpa attention (``sdpa_attention_forward``, the function the model
+runs with ``attn_implementation="sdpa"``, on the same sdpa mask), so a forward pass that reads no
+attention costs what the model's own fused forward costs and returns its numbers.
 """
 
 from __future__ import annotations
@@ -48,6 +54,30 @@ CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (3 such buffe
 # sink(layer, probs [B, H, rows, keys], first_row): set by streaming(), read by grouped_attention
 Sink = Callable[[int, torch.Tensor, int], None]
 _STREAM: dict[int, tuple[int, Sink, int]] = {}  # id(attention module) -> (layer, sink, chunk bytes)
+_FUSED: dict[int, int] = {}  # id(attention module) -> how many fused() contexts hold it
+
+
+@contextmanager
+def fused(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside: the attention of ``modules`` runs transformers' sdpa attention and returns no
+    probabilities (see the module docstring); a streamed module still streams."""
+    keys = [id(m) for m in modules]
+    for key in keys:
+        _FUSED[key] = _FUSED.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        for key in keys:
+            _FUSED[key] -= 1
+            if not _FUSED[key]:
+                del _FUSED[key]
+
+
+@cache
+def _sdpa() -> Callable[..., tuple[torch.Tensor, None]]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 @contextmanager
@@ -108,6 +138,8 @@ def grouped_attention(
     streamed = _STREAM.get(id(module))
     if streamed is not None and not (dropout and module.training):
         return _streamed(module, query, key, value, attention_mask, scaling, *streamed), None
+    if id(module) in _FUSED:
+        return _sdpa()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     q = query.reshape(B, G, (H // G) * T, d)  # each group's query heads stacked on the query axis
     scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).view(B, H, T, S)
     if attention_mask is not None:

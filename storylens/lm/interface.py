@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from storylens.core.errors import StorylensError, UsageError, install_hint
 from storylens.lm.attention import CHUNK_BYTES
 from storylens.lm.attention import NAME as ATTENTION
+from storylens.lm.attention import fused as fused_attention
 from storylens.lm.attention import register as register_attention
 from storylens.lm.attention import streaming as stream_attention
 from storylens.model.gpt import GPT, GenerationStep, sample_next
@@ -178,6 +179,61 @@ class AttentionLM:
         ``[batch, tokens, vocab]`` or None."""
         raise NotImplementedError
 
+    def blocks(self) -> list[nn.Module] | None:
+        """The decoder blocks in order, each called once per forward pass with what the block
+        before it returned; None where unknown (then :meth:`skip_blocks` skips nothing)."""
+        return None
+
+    @contextlib.contextmanager
+    def keep_block_outputs(self, layers: Iterable[int]) -> Iterator[dict[int, Any]]:
+        """``with lm.keep_block_outputs([3]) as kept:`` after a forward pass inside, ``kept[3]`` is
+        what block 3 returned (for :meth:`skip_blocks`); nothing is kept where :meth:`blocks` is None."""
+        kept: dict[int, Any] = {}
+        blocks = self.blocks() or []
+        handles: list[RemovableHandle] = []
+
+        def keeper(layer: int) -> Callable[..., None]:
+            def keep(module: nn.Module, inputs: tuple, output: Any) -> None:
+                kept[layer] = output
+
+            return keep
+
+        try:
+            for layer in sorted(set(layers)) if blocks else ():
+                handles.append(blocks[layer].register_forward_hook(keeper(layer)))
+            yield kept
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def skip_blocks(self, layer: int, output: Any) -> Iterator[None]:
+        """Inside: blocks ``0 .. layer - 1`` do not run, so a forward pass starts at block ``layer``
+        from ``output``, what block ``layer - 1`` returned (:meth:`keep_block_outputs`) for the same
+        ids; their hooks do not fire. Only right for those ids, and only while nothing before block
+        ``layer`` is changed (a head switched off there)."""
+        blocks = self.blocks()
+        skipped = blocks[:layer] if blocks is not None and layer > 0 else []
+        saved = [b.__dict__.get("forward") for b in skipped]
+
+        def carried(*args: Any, **kwargs: Any) -> Any:  # a copy: a block may not change its input in place
+            if isinstance(output, torch.Tensor):
+                return output.clone()
+            if isinstance(output, tuple):
+                return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in output)
+            return output
+
+        try:
+            for b in skipped:
+                b.forward = carried  # an instance attribute: nn.Module.__call__ runs it instead
+            yield
+        finally:
+            for b, old in zip(skipped, saved, strict=True):
+                if old is None:
+                    b.__dict__.pop("forward", None)
+                else:
+                    b.forward = old
+
     def patterns(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Every block's pattern ``[batch, head, query, key]`` for ``ids`` (one call, all kept)."""
         patterns: dict[int, torch.Tensor] = {}
@@ -229,6 +285,9 @@ class NativeLM(AttentionLM):
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
         out = self.module(ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits)
         return out.logits
+
+    def blocks(self) -> list[nn.Module] | None:
+        return list(self.module.transformer.h)
 
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> Iterator[GenerationStep]:
         return self.module.generate_stream(idx, max_new_tokens, **kw)
@@ -402,10 +461,21 @@ class TransformersLM(AttentionLM):
         return self._proj[layer].register_forward_pre_hook(z)
 
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
-        if not logits:  # the decoder only: no output head (for a 50k vocabulary, the largest tensor by far)
-            getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
-            return None
-        return self.module(input_ids=ids, use_cache=False).logits
+        with self._fused(not record_attention):
+            if not logits:  # the decoder only: no output head (for a 50k vocabulary, the largest tensor by far)
+                getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
+                return None
+            return self.module(input_ids=ids, use_cache=False).logits
+
+    def _fused(self, wanted: bool) -> AbstractContextManager:
+        """transformers' sdpa attention in every block whose probabilities nobody reads (no
+        ``hook_pattern`` or other forward hook on its attention), where storylens's attention runs."""
+        if not wanted or getattr(self.module.config, "_attn_implementation", None) != ATTENTION:
+            return contextlib.nullcontext()
+        return fused_attention([a for a in self._attn if not a._forward_hooks])
+
+    def blocks(self) -> list[nn.Module] | None:
+        return list(self.layers)
 
     def _new_cache(self) -> dict:
         """The keyword argument that hands the model an explicit, empty ``DynamicCache`` (filled in

@@ -18,6 +18,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from storylens.core.errors import StorylensError
 from storylens.core.publish import publish_folder
+from storylens.training.copying import read_copying
 from storylens.training.timeline import TIMELINE_FILE, formation, induction_step, loss_bumps, read_timeline
 from storylens.viz.figures import figure_png_bytes
 from storylens.viz.timeline import figure_svg, timeline_figure
@@ -64,14 +65,14 @@ def write_timeline_page(runs: Sequence[str | Path], out: str | Path, *, k: int =
         entries = read_timeline(path)
         if not entries:
             raise StorylensError(f"{path}: the head timeline has no evaluation yet")
-        named.append((_run_name(path), entries))
-    if len({n for n, _ in named}) < len(named):
+        named.append((_run_name(path), entries, read_copying(path)))
+    if len({n for n, _, _ in named}) < len(named):
         raise StorylensError("timeline: two runs share a folder name; give folders with different names")
     out = Path(out)
     with publish_folder(out, "timeline") as tmp:
         views = []
-        for name, entries in named:
-            summary = run_summary(name, entries)
+        for name, entries, copied in named:
+            summary = {**run_summary(name, entries), "copying": copied}
             mark = summary["induction_step"]
             figures = []
             for column in COLUMNS:
