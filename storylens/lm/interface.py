@@ -216,7 +216,10 @@ class AttentionLM:
         skipped = blocks[:layer] if blocks is not None and layer > 0 else []
         saved = [b.__dict__.get("forward") for b in skipped]
 
-        def carried(*args: Any, **kwargs: Any) -> Any:  # a copy: a block may not change its input in place
+        def passed(*args: Any, **kwargs: Any) -> Any:  # read only by the next skipped block, which ignores it
+            return output
+
+        def carried(*args: Any, **kwargs: Any) -> Any:  # a copy: block ``layer`` may change its input in place
             if isinstance(output, torch.Tensor):
                 return output.clone()
             if isinstance(output, tuple):
@@ -224,8 +227,8 @@ class AttentionLM:
             return output
 
         try:
-            for b in skipped:
-                b.forward = carried  # an instance attribute: nn.Module.__call__ runs it instead
+            for i, b in enumerate(skipped):  # an instance attribute: nn.Module.__call__ runs it instead
+                b.forward = carried if i == len(skipped) - 1 else passed
             yield
         finally:
             for b, old in zip(skipped, saved, strict=True):
