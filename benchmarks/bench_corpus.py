@@ -154,7 +154,12 @@ def main() -> None:
     ap.add_argument("--time", type=int, nargs="*", default=[2000, 20_000])
     ap.add_argument("--batch", type=int, nargs="*", default=[200, 8000])
     ap.add_argument("--before", default="7407302", help="the commit whose Ray engine is measured beside today's")
-    ap.add_argument("--merge", action="store_true", help="keep --json's sections that are not run now (an empty list)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep --json's sections that are not run now (an empty list), and its time rows of other sizes "
+        "measured on the same machine",
+    )
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -198,6 +203,10 @@ def main() -> None:
             if not res[k] and old.get(k):
                 res[k] = old[k]
                 res["machines"][k] = old.get("machines", {}).get(k, old["machine"]["cpu"])
+        old_time = old.get("machines", {}).get("time", old["machine"]["cpu"])
+        if res["time"] and old.get("time") and old_time == res["machine"]["cpu"]:  # other sizes, same machine
+            done = {r["n"] for r in res["time"]}
+            res["time"] = sorted(res["time"] + [r for r in old["time"] if r["n"] not in done], key=lambda r: r["n"])
     res["estimate"] = estimate(res)
     for line in res["estimate"]["lines"]:
         print(line)

@@ -83,7 +83,12 @@ def truth_table(f: Faithfulness) -> str:
     flagged = ", ".join(f"{h} ({d})" for h, d in f.flagged) or "none"
     lines.append("")
     lines.append(
-        f"Ablations on the first {f.n_stories} quiz stories. Heads that look without moving (strong on a detector, "
+        (
+            f"Ablations on {f.stories_chosen}."
+            if f.stories_chosen
+            else f"Ablations on the first {f.n_stories} quiz stories."
+        )
+        + " Heads that look without moving (strong on a detector, "
         f"under a quarter of an even share of their block's output): {flagged}."
     )
     return "\n".join(lines)

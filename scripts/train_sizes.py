@@ -8,7 +8,8 @@ Each size trains in ``OUT/blocks-N`` (resumed where a checkpoint is there, skipp
 ``storylens train --n-layer N``; when it is done, what ships (the run's head timeline, its copying
 check and a small ``result.json``: evaluations, steps, training time) is copied to
 ``benchmarks/sizes/blocks-N`` (tracked; checkpoints are not). The 6-block row is the shipped
-model's own timeline and copying check (``storylens/pretrained/tiny-storyteller``).
+model's own timeline and copying check (``storylens/pretrained/tiny-storyteller``) with the
+``train_state.json`` its run wrote (``benchmarks/sizes/blocks-6``).
 """
 
 from __future__ import annotations
@@ -49,14 +50,21 @@ def main() -> None:
         kept.mkdir(parents=True, exist_ok=True)
         for name in (TIMELINE_FILE, COPYING_FILE):
             shutil.copyfile(run / name, kept / name)
-        result = {k: state[k] for k in ("step", "evals", "train_seconds", "timeline_seconds", "train_config")}
-        (kept / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_result(state, kept)
         print(f"blocks-{n}: {state['step']} steps, {state['train_seconds'] / 60:.1f} min; kept in {kept}", flush=True)
     six = KEPT / "blocks-6"
     six.mkdir(parents=True, exist_ok=True)
     for name in (TIMELINE_FILE, COPYING_FILE):
         if (SHIPPED / name).exists():
             shutil.copyfile(SHIPPED / name, six / name)
+    if (six / "train_state.json").is_file():
+        write_result(json.loads((six / "train_state.json").read_text()), six)
+
+
+def write_result(state: dict, kept: Path) -> None:
+    """A run's small result file: evaluations, steps, training time and recipe."""
+    result = {k: state[k] for k in ("step", "evals", "train_seconds", "timeline_seconds", "train_config")}
+    (kept / "result.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

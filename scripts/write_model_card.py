@@ -2,12 +2,14 @@
 
     python scripts/write_model_card.py runs/tiny-storyteller [storylens/pretrained/tiny-storyteller]
 
-Everything in it is read from the run's checkpoint (recipe, evaluations, compute time), the shipped
-folder itself (parameters, quiz perplexity measured now) and benchmarks/train_sweep.md (the short
-runs behind the recipe).
+Everything in it is read from the run (its checkpoint, or the ``train_state.json`` a finished run
+writes: recipe, evaluations, compute time), the shipped folder itself (parameters, quiz perplexity
+measured now, its head timeline and copying check) and benchmarks/train_sweep.md (the short runs
+behind the recipe).
 """
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -23,7 +25,7 @@ from storylens.data.stories import load_split
 from storylens.lesson.figures import LESSON_FIGURES
 from storylens.model.hub import load_model
 from storylens.training.checkpoint import load_checkpoint
-from storylens.training.copying import COPYING_FILE
+from storylens.training.copying import COPYING_FILE, read_copying
 from storylens.training.page import run_summary
 from storylens.training.timeline import TIMELINE_FILE, read_timeline
 from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights
@@ -194,12 +196,21 @@ so the model sees each training token many times; training had to fit a 2-core C
     return write_text_atomic(Path(folder) / "README.md", text)
 
 
+def run_state(run: Path) -> dict:
+    """The run's state: from its checkpoint while it has one, else the ``train_state.json`` it wrote when done."""
+    if (run / CHECKPOINT).is_file():
+        return load_checkpoint(run / CHECKPOINT)[2]
+    return json.loads((run / "train_state.json").read_text(encoding="utf-8"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description="Write the shipped model's card (README.md) from the training run "
         "that made it, and the model line of the repository's README."
     )
-    p.add_argument("run", type=Path, help="the training run's folder (holds checkpoint.safetensors)")
+    p.add_argument(
+        "run", type=Path, help="the training run's folder (holds checkpoint.safetensors or train_state.json)"
+    )
     p.add_argument(
         "folder",
         type=Path,
@@ -212,12 +223,13 @@ def main() -> None:
     )
     args = p.parse_args()
     run, folder = args.run, args.folder
-    _, _, state, _, _ = load_checkpoint(run / CHECKPOINT)
+    state = run_state(run)
     model = load_model(folder)
     split = load_split()
     ppl = quiz_perplexity(model, model.tokenizer, split.quiz)
     hardware = f"{cpu()}, {os.cpu_count()} cores (torch CPU build)"
-    timeline = read_timeline(run / TIMELINE_FILE) if (run / TIMELINE_FILE).is_file() else []
+    where = run if (run / TIMELINE_FILE).is_file() else folder
+    timeline = read_timeline(where / TIMELINE_FILE) if (where / TIMELINE_FILE).is_file() else []
     path = write_model_card(
         folder,
         state,
@@ -229,6 +241,7 @@ def main() -> None:
         sweep_table(),
         timeline,
         args.time_note,
+        read_copying(run) or read_copying(folder),
     )
     print(f"{path}: quiz perplexity {ppl:.2f}")
     cfg = state["train_config"]

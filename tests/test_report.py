@@ -195,7 +195,12 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     import math
     import sys
 
-    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS
+    from storylens.analysis.encode import encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.scores import HeadScores
+    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS, truth_budget_stories
+    from storylens.data.stories import load_split
+    from storylens.lm import load_lm
 
     f = load(report_dir).faithfulness
     heads = {h["label"]: h for h in json.loads((report_dir / "heads.json").read_text())["heads"]}
@@ -211,7 +216,13 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
             assert r.flagged == (d in h["looks_without_moving"].split(","))
     assert {a.detector for a in f.agreements} == set(DETECTORS)
     assert all(a.rho is None or -1 <= a.rho <= 1 for a in f.agreements)
-    assert len(f.sentences) == len(DETECTORS) + 1 and f.n_stories == 50
+    assert len(f.sentences) == len(DETECTORS) + 1
+    # the first stories the ablations' budget allows, and the report says how they were chosen
+    lm = load_lm()
+    quiz = load_split().quiz
+    lengths = [len(e.ids) for e in encode_stories(lm, quiz, name_vocabulary(quiz))]
+    assert f.n_stories == truth_budget_stories(lm, HeadScores.from_json(report_dir / "heads.json"), lengths)
+    assert f.stories_chosen.startswith(f"the first {f.n_stories} quiz stories, as many of the first 50 as fit")
     page = (report_dir / "report.html").read_text()
     assert "rank correlation" in page and all(f"{a.rho:.3f}" in page for a in f.agreements if a.rho is not None)
     examples = json.loads((report_dir / "examples.json").read_text())

@@ -18,10 +18,19 @@ from storylens.analysis.detectors import NORM_PREFIX
 from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
 from storylens.analysis.faithful import rank_correlation, rank_moves
 from storylens.analysis.names import name_vocabulary
+from storylens.core.heads import Head
 from storylens.lm import wrap
 
 TRUTH_HEADS = 2  # the strongest heads of each detector that are switched off
-TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on
+TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on (at most, within the budget)
+# The ablations' budget when no story count is given (:func:`truth_budget_stories`): switching heads
+# off costs at most a fifth of the scoring pass's work, or 1 TFLOP (10^12 floating-point operations,
+# seconds on a laptop's CPU) where that is more. An ablated story costs two forward passes (the heads'
+# mean outputs, the unablated losses) plus, per head and mode, the blocks from the head's own on: with
+# 14 heads on a 30-block model about 16 forward passes a story, so 50 stories would cost 3 to 4 times
+# a scoring pass of 200; on the shipped model (6 blocks) 47 fit in the teraflop.
+TRUTH_BUDGET = 0.2
+TRUTH_FLOOR_FLOPS = 1e12
 DETECTORS = ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
 AGREE, PART = 0.8, 0.5  # Spearman's rho at or above AGREE: "agree"; below PART: "part"
 
@@ -63,6 +72,66 @@ def truth_detectors(scores) -> list[str]:
     return [d for d in (*DETECTORS, *extra) if all(v is not None for v in scores.column(d))]
 
 
+def truth_heads(scores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:
+    """Each detector's ``k`` strongest heads (labels), the heads the table switches off."""
+    return {d: [h.label for h in scores.top(d, k)] for d in truth_detectors(scores)}
+
+
+def block_flops(lm) -> float:
+    """Floating-point operations one block spends on one token in its weights: two per parameter
+    (a multiply and an add; norms and biases included, a slight overcount). Attention's own products,
+    which grow with the story, are left out: the same share of every pass counted, they change no
+    ratio much on stories of a few hundred tokens."""
+    blocks = lm.blocks()
+    if blocks:
+        return 2.0 * sum(p.numel() for p in blocks[0].parameters())
+    return 2.0 * sum(p.numel() for p in lm.module.parameters()) / lm.n_layer
+
+
+def ablation_flops(lm, scores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
+    """Each story's ablation work for the table (floating-point operations, :func:`block_flops` per block
+    and token): two unablated passes (the heads' mean outputs, the losses kept block by block) and, for
+    each head and mode, the blocks from the head's own on (the blocks before it are not run again:
+    :meth:`~storylens.lm.AttentionLM.skip_blocks`)."""
+    lm = wrap(lm)
+    L = lm.n_layer
+    heads = {h for labels in truth_heads(scores, k).values() for h in labels}
+    per_token = 2 * L + len(MODES) * sum(L - Head.parse(h).layer for h in heads)
+    flops = block_flops(lm)
+    return [t * per_token * flops for t in lengths]
+
+
+def scoring_flops(lm, lengths: Sequence[int]) -> float:
+    """The scoring pass's work over stories of ``lengths`` tokens: every block over every token."""
+    lm = wrap(lm)
+    return lm.n_layer * sum(lengths) * block_flops(lm)
+
+
+def truth_budget_stories(
+    lm,
+    scores,
+    lengths: Sequence[int],
+    *,
+    k: int = TRUTH_HEADS,
+    max_stories: int = TRUTH_STORIES,
+    budget: float = TRUTH_BUDGET,
+    floor_flops: float = TRUTH_FLOOR_FLOPS,
+) -> int:
+    """How many of the first stories the table's ablations run on: the most, up to ``max_stories``,
+    whose :func:`ablation_flops` fit ``max(budget x scoring_flops(every story), floor_flops)``, and at
+    least one. ``lengths``: the tokens of every story scored, in order (the first ones are ablated)."""
+    if not lengths or not max_stories:
+        return 0
+    allowed = max(budget * scoring_flops(lm, lengths), floor_flops)
+    n, work = 0, 0.0
+    for w in ablation_flops(lm, scores, lengths[:max_stories], k=k):
+        work += w
+        if work > allowed:
+            break
+        n += 1
+    return max(1, n)
+
+
 def truth_table(
     model,
     scores,
@@ -79,8 +148,8 @@ def truth_table(
     lm = wrap(model)
     given: list = list(stories)  # texts, or the records of encode_stories
     encoded: list[EncodedStory] = given if is_encoded(given) else encode_stories(lm, given, name_vocabulary(given))
-    detectors = truth_detectors(scores)
-    top = {d: [h.label for h in scores.top(d, k)] for d in detectors}
+    top = truth_heads(scores, k)
+    detectors = list(top)
     heads = list(dict.fromkeys(label for labels in top.values() for label in labels))
     chosen = list(encoded[:n_stories])
     ids = [e.ids for e in chosen]

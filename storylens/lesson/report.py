@@ -32,7 +32,14 @@ from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
 from storylens.analysis.scores import score_heads
-from storylens.analysis.truth import TRUTH_STORIES, truth_table
+from storylens.analysis.truth import (
+    TRUTH_BUDGET,
+    TRUTH_STORIES,
+    ablation_flops,
+    scoring_flops,
+    truth_budget_stories,
+    truth_table,
+)
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import parse_head_label
@@ -172,7 +179,7 @@ def build_report(
     check_stories: int = CHECK_STORIES,
     check_tokens: int = CHECK_TOKENS,
     examples: int = EXAMPLES,
-    truth_stories: int = TRUTH_STORIES,
+    truth_stories: int | None = None,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``.
 
@@ -224,7 +231,9 @@ def _build_report(
     timings: dict = {}
     t_start = time.perf_counter()
     check_examples(examples)
-    if isinstance(truth_stories, bool) or not isinstance(truth_stories, int) or truth_stories < 0:
+    if truth_stories is not None and (
+        isinstance(truth_stories, bool) or not isinstance(truth_stories, int) or truth_stories < 0
+    ):
         raise UsageError(f"--truth-stories: a whole number, 0 or more (got {truth_stories!r})")
     out = _check_writable(Path(out))
     # one lock and one temporary folder for the whole run: a second run into the same --out is
@@ -290,14 +299,16 @@ def _build_report(
                 past, beyond_figs = _beyond_section(lm, quiz_stories, encoded, scores, measures, tmp, progress=progress)
                 figs.update(beyond_figs)
                 svgs.update(_svg_payloads(tmp, list(beyond_figs)))
-        truth = None
-        if truth_stories:
+        truth, how = None, ""
+        n_truth = truth_stories
+        if n_truth is None:  # as many of the first stories as the ablations' budget allows
+            n_truth = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
+        if n_truth:
             with _timer(timings, "faithfulness"):  # the top heads switched off, on the first quiz stories
-                truth = truth_table(
-                    lm, scores, encoded, n_stories=truth_stories, batch_size=batch_size, progress=progress
-                )
+                truth = truth_table(lm, scores, encoded, n_stories=n_truth, batch_size=batch_size, progress=progress)
+            how = _truth_stories_note(lm, scores, encoded, n_truth, budgeted=truth_stories is None)
         summary = _summary(lm, scores, leakage, quiz_source, data, story_info)
-        summary.faithfulness = Faithfulness.of(truth) if truth is not None else None
+        summary.faithfulness = Faithfulness.of(truth, how) if truth is not None else None
         summary.numerics = [NumericRow.from_dict(c.to_dict()) for c in checks]
         summary.beyond = past
         scores.to_csv(tmp / "heads.csv")
@@ -320,6 +331,24 @@ def _build_report(
         (tmp / "summary.json").write_text(summary.to_json(), encoding="utf-8")
     timings["total"] = round(time.perf_counter() - t_start, 3)
     return Report(out=out, summary=summary, scores=scores, leakage=leakage, timings=timings)
+
+
+def _truth_stories_note(lm, scores, encoded, n: int, *, budgeted: bool) -> str:
+    """How the ablations' stories were chosen and what they cost beside the scoring pass, in words."""
+    lengths = [len(e.ids) for e in encoded]
+    work = ablation_flops(lm, scores, lengths[: max(n, TRUTH_STORIES)])
+    per_scoring = 1.0 / scoring_flops(lm, lengths)
+    cost = f"{sum(work[:n]) * per_scoring:.2f} times the scoring pass's work"
+    if not budgeted:
+        return f"the first {n} quiz stories, as asked (--truth-stories): {cost}"
+    note = (
+        f"the first {n} quiz stories, as many of the first {TRUTH_STORIES} as fit the ablations' budget"
+        f" (at most {TRUTH_BUDGET:.0%} of the scoring pass's work, or 1 TFLOP where that is more): {cost}"
+    )
+    if n < min(TRUTH_STORIES, len(lengths)):
+        m = min(TRUTH_STORIES, len(lengths))
+        note += f"; --truth-stories {m} runs {m}, {sum(work[:m]) * per_scoring:.1f} times"
+    return note
 
 
 def _numerics(model, quiz, n_stories: int, n_tokens: int):

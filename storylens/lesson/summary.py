@@ -332,9 +332,10 @@ class Faithfulness(Plain):
     n_other_positions: int
     flagged: list  # [head, detectors]
     sentences: list[str]
+    stories_chosen: str = ""  # how the ablations' stories were chosen, and their cost beside the scoring pass
 
     @classmethod
-    def of(cls, t) -> Faithfulness:
+    def of(cls, t, stories_chosen: str = "") -> Faithfulness:
         return cls(
             rows=[TruthRow(**r.__dict__) for r in t.rows],
             agreements=[Agreement(a.detector, a.rho, [list(m) for m in a.moves]) for a in t.agreements],
@@ -343,6 +344,7 @@ class Faithfulness(Plain):
             n_other_positions=t.n_other_positions,
             flagged=[list(f) for f in t.flagged],
             sentences=list(t.sentences),
+            stories_chosen=stories_chosen,
         )
 
 
