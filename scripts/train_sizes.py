@@ -8,8 +8,9 @@ Each size trains in ``OUT/blocks-N`` (resumed where a checkpoint is there, skipp
 ``storylens train --n-layer N``; when it is done, what ships (the run's head timeline, its copying
 check and a small ``result.json``: evaluations, steps, training time) is copied to
 ``benchmarks/sizes/blocks-N`` (tracked; checkpoints are not). The 6-block row is the shipped
-model's own timeline and copying check (``storylens/pretrained/tiny-storyteller``) with the
-``train_state.json`` its run wrote (``benchmarks/sizes/blocks-6``).
+model's own timeline and copying check (``storylens/pretrained/tiny-storyteller``), beside the
+``train_state.json`` its run wrote, kept in ``benchmarks/sizes/blocks-6`` (its ``result.json`` is
+made from it).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
 
 def write_result(state: dict, kept: Path) -> None:
     """A run's small result file: evaluations, steps, training time and recipe."""
-    result = {k: state[k] for k in ("step", "evals", "train_seconds", "timeline_seconds", "train_config")}
+    result = {k: state.get(k) for k in ("step", "evals", "train_seconds", "timeline_seconds", "train_config")}
     (kept / "result.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -200,6 +200,8 @@ def run_state(run: Path) -> dict:
     """The run's state: from its checkpoint while it has one, else the ``train_state.json`` it wrote when done."""
     if (run / CHECKPOINT).is_file():
         return load_checkpoint(run / CHECKPOINT)[2]
+    if not (run / "train_state.json").is_file():
+        sys.exit(f"{run}: neither {CHECKPOINT} nor train_state.json: not a training run's folder")
     return json.loads((run / "train_state.json").read_text(encoding="utf-8"))
 
 
@@ -229,6 +231,8 @@ def main() -> None:
     ppl = quiz_perplexity(model, model.tokenizer, split.quiz)
     hardware = f"{cpu()}, {os.cpu_count()} cores (torch CPU build)"
     where = run if (run / TIMELINE_FILE).is_file() else folder
+    if where == folder and (folder / TIMELINE_FILE).is_file():
+        print(f"{run} holds no {TIMELINE_FILE}: the card's timeline is the one in {folder}", file=sys.stderr)
     timeline = read_timeline(where / TIMELINE_FILE) if (where / TIMELINE_FILE).is_file() else []
     path = write_model_card(
         folder,

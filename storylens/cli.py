@@ -15,7 +15,7 @@ from storylens.analysis.ablation import generation_divergence, name_ablation_tab
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.perplexity import perplexity
-from storylens.analysis.truth import TRUTH_BUDGET, TRUTH_STORIES
+from storylens.analysis.truth import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, TRUTH_STORIES
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
@@ -543,7 +543,7 @@ def add_report_parser(sub) -> None:
         metavar="N",
         help="switch each detector's strongest heads off on the first N quiz stories, for the table of what "
         f"heads look at, move and matter for (default: up to {TRUTH_STORIES}, as many as cost at most "
-        f"{TRUTH_BUDGET:.0%} of the scoring pass or 1 TFLOP; 0: leave the table out)",
+        f"{TRUTH_BUDGET:.0%} of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
     )
     r.add_argument(
         "--stories",

@@ -198,7 +198,7 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     from storylens.analysis.encode import encode_stories
     from storylens.analysis.names import name_vocabulary
     from storylens.analysis.scores import HeadScores
-    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS, truth_budget_stories
+    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS, TRUTH_STORIES, truth_budget_stories
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
 
@@ -222,7 +222,9 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     quiz = load_split().quiz
     lengths = [len(e.ids) for e in encode_stories(lm, quiz, name_vocabulary(quiz))]
     assert f.n_stories == truth_budget_stories(lm, HeadScores.from_json(report_dir / "heads.json"), lengths)
-    assert f.stories_chosen.startswith(f"the first {f.n_stories} quiz stories, as many of the first 50 as fit")
+    assert f.stories_chosen.startswith(
+        f"the first {f.n_stories} quiz stories, as many of the first {TRUTH_STORIES} as fit"
+    )
     page = (report_dir / "report.html").read_text()
     assert "rank correlation" in page and all(f"{a.rho:.3f}" in page for a in f.agreements if a.rho is not None)
     examples = json.loads((report_dir / "examples.json").read_text())

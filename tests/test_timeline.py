@@ -266,6 +266,17 @@ def test_storylens_timeline_draws_a_run_and_compares_two(reference_run, tmp_path
     assert "The runs side by side" in html and "<td>run</td>" in html and "<td>model</td>" in html
     share = f"{100 * read_copying(out)['share']:.1f}% of {read_copying(out)['runs']:,}"
     assert html.count(share) == 2  # both runs' copying check, the same file
+    # a run's training time, from its result.json (scripts/train_sizes.py) or else the train_state.json
+    # a finished run writes; the exported model has neither
+    minutes = json.loads((out / "train_state.json").read_text())["train_seconds"] / 60
+    assert f"in {minutes:.1f} minutes of training steps" in html and html.count("minutes of training steps") == 1
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / TIMELINE_FILE).write_bytes((out / TIMELINE_FILE).read_bytes())
+    (kept / "result.json").write_text(json.dumps({"step": 12, "train_seconds": 5430.0}))
+    assert main(["timeline", str(kept), str(export), "--out", str(tmp_path / "kept-page")]) == 0
+    html = (tmp_path / "kept-page" / "timeline.html").read_text()
+    assert "<td>90.5</td>" in html and "in 90.5 minutes of training steps" in html
 
 
 def test_timeline_command_errors_are_one_line(tmp_path, capsys):

@@ -26,9 +26,9 @@ TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on (at mos
 # The ablations' budget when no story count is given (:func:`truth_budget_stories`): switching heads
 # off costs at most a fifth of the scoring pass's work, or 1 TFLOP (10^12 floating-point operations,
 # seconds on a laptop's CPU) where that is more. An ablated story costs two forward passes (the heads'
-# mean outputs, the unablated losses) plus, per head and mode, the blocks from the head's own on: with
-# 14 heads on a 30-block model about 16 forward passes a story, so 50 stories would cost 3 to 4 times
-# a scoring pass of 200; on the shipped model (6 blocks) 47 fit in the teraflop.
+# mean outputs, the unablated losses) plus, per head and mode, the blocks from the head's own on, with
+# logits: with 12 heads on a 30-block model about 16 forward passes a story, so 50 stories cost 4 to 5
+# scoring passes of 200 (benchmarks/bench_record.py's Llama); the shipped model fits 34 in the teraflop.
 TRUTH_BUDGET = 0.2
 TRUTH_FLOOR_FLOPS = 1e12
 DETECTORS = ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
@@ -80,29 +80,54 @@ def truth_heads(scores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:
 def block_flops(lm) -> float:
     """Floating-point operations one block spends on one token in its weights: two per parameter
     (a multiply and an add; norms and biases included, a slight overcount). Attention's own products,
-    which grow with the story, are left out: the same share of every pass counted, they change no
-    ratio much on stories of a few hundred tokens."""
+    which grow with the story, are left out: a like share of every pass counted, they change no ratio
+    much on stories of a few hundred tokens."""
     blocks = lm.blocks()
     if blocks:
         return 2.0 * sum(p.numel() for p in blocks[0].parameters())
     return 2.0 * sum(p.numel() for p in lm.module.parameters()) / lm.n_layer
 
 
-def ablation_flops(lm, scores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
-    """Each story's ablation work for the table (floating-point operations, :func:`block_flops` per block
-    and token): two unablated passes (the heads' mean outputs, the losses kept block by block) and, for
-    each head and mode, the blocks from the head's own on (the blocks before it are not run again:
-    :meth:`~storylens.lm.AttentionLM.skip_blocks`)."""
+def head_flops(lm) -> float:
+    """Floating-point operations of the output head (the logits) for one token: two per weight."""
+    m = lm.module
+    out = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else getattr(m, "lm_head", None)
+    return 2.0 * out.weight.numel() if out is not None and hasattr(out, "weight") else 0.0
+
+
+@dataclass(frozen=True)
+class AblationPasses:
+    """What the table's ablations run per token of an ablated story: ``blocks`` passes of one block
+    (the heads' mean outputs over every block; the unablated losses over every block; for each head
+    and mode, the blocks from the head's own on, those before it not run again:
+    :meth:`~storylens.lm.AttentionLM.skip_blocks`) and ``heads`` passes of the output head (every
+    pass that computes a loss)."""
+
+    blocks: int
+    heads: int
+
+
+def ablation_passes(lm, scores, *, k: int = TRUTH_HEADS) -> AblationPasses:
     lm = wrap(lm)
     L = lm.n_layer
     heads = {h for labels in truth_heads(scores, k).values() for h in labels}
-    per_token = 2 * L + len(MODES) * sum(L - Head.parse(h).layer for h in heads)
-    flops = block_flops(lm)
-    return [t * per_token * flops for t in lengths]
+    switched_off = len(MODES) * sum(L - Head.parse(h).layer for h in heads)
+    return AblationPasses(blocks=2 * L + switched_off, heads=1 + len(MODES) * len(heads))
+
+
+def ablation_flops(lm, scores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
+    """Each story's ablation work for the table, in floating-point operations: its tokens times
+    :func:`ablation_passes`, at :func:`block_flops` a block and :func:`head_flops` an output head.
+    (A means pass without logits may skip the last block's MLP: counted, a slight overcount.)"""
+    lm = wrap(lm)
+    n = ablation_passes(lm, scores, k=k)
+    per_token = n.blocks * block_flops(lm) + n.heads * head_flops(lm)
+    return [t * per_token for t in lengths]
 
 
 def scoring_flops(lm, lengths: Sequence[int]) -> float:
-    """The scoring pass's work over stories of ``lengths`` tokens: every block over every token."""
+    """The scoring pass's work over stories of ``lengths`` tokens: every block over every token, no
+    output head."""
     lm = wrap(lm)
     return lm.n_layer * sum(lengths) * block_flops(lm)
 
@@ -119,7 +144,8 @@ def truth_budget_stories(
 ) -> int:
     """How many of the first stories the table's ablations run on: the most, up to ``max_stories``,
     whose :func:`ablation_flops` fit ``max(budget x scoring_flops(every story), floor_flops)``, and at
-    least one. ``lengths``: the tokens of every story scored, in order (the first ones are ablated)."""
+    least one (which may not fit). ``lengths``: the tokens of every story scored, in order (the first
+    ones are ablated)."""
     if not lengths or not max_stories:
         return 0
     allowed = max(budget * scoring_flops(lm, lengths), floor_flops)

@@ -34,6 +34,7 @@ from storylens.analysis.pronouns import PronounAccumulator
 from storylens.analysis.scores import score_heads
 from storylens.analysis.truth import (
     TRUTH_BUDGET,
+    TRUTH_FLOOR_FLOPS,
     TRUTH_STORIES,
     ablation_flops,
     scoring_flops,
@@ -306,7 +307,7 @@ def _build_report(
         if n_truth:
             with _timer(timings, "faithfulness"):  # the top heads switched off, on the first quiz stories
                 truth = truth_table(lm, scores, encoded, n_stories=n_truth, batch_size=batch_size, progress=progress)
-            how = _truth_stories_note(lm, scores, encoded, n_truth, budgeted=truth_stories is None)
+            how = _truth_stories_note(lm, scores, encoded, truth.n_stories, budgeted=truth_stories is None)
         summary = _summary(lm, scores, leakage, quiz_source, data, story_info)
         summary.faithfulness = Faithfulness.of(truth, how) if truth is not None else None
         summary.numerics = [NumericRow.from_dict(c.to_dict()) for c in checks]
@@ -334,20 +335,23 @@ def _build_report(
 
 
 def _truth_stories_note(lm, scores, encoded, n: int, *, budgeted: bool) -> str:
-    """How the ablations' stories were chosen and what they cost beside the scoring pass, in words."""
+    """How the ablations' ``n`` stories were chosen and what they cost beside the scoring pass, in words."""
     lengths = [len(e.ids) for e in encoded]
-    work = ablation_flops(lm, scores, lengths[: max(n, TRUTH_STORIES)])
-    per_scoring = 1.0 / scoring_flops(lm, lengths)
-    cost = f"{sum(work[:n]) * per_scoring:.2f} times the scoring pass's work"
+    m = min(TRUTH_STORIES, len(lengths))  # what the budget chose from
+    work = ablation_flops(lm, scores, lengths[: max(n, m)])
+    scoring = scoring_flops(lm, lengths)
+    cost = f"{sum(work[:n]) / scoring:.2f} times the scoring pass's work"
     if not budgeted:
         return f"the first {n} quiz stories, as asked (--truth-stories): {cost}"
-    note = (
-        f"the first {n} quiz stories, as many of the first {TRUTH_STORIES} as fit the ablations' budget"
-        f" (at most {TRUTH_BUDGET:.0%} of the scoring pass's work, or 1 TFLOP where that is more): {cost}"
-    )
-    if n < min(TRUTH_STORIES, len(lengths)):
-        m = min(TRUTH_STORIES, len(lengths))
-        note += f"; --truth-stories {m} runs {m}, {sum(work[:m]) * per_scoring:.1f} times"
+    floor = f"{TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP"
+    allowed = max(TRUTH_BUDGET * scoring, TRUTH_FLOOR_FLOPS)
+    rule = f"at most {TRUTH_BUDGET:.0%} of the scoring pass's work, or {floor} where that is more"
+    if sum(work[:n]) > allowed:  # one story, over the budget
+        note = f"the first quiz story, over the ablations' budget ({rule}) but never none: {cost}"
+    else:
+        note = f"the first {n} quiz stories, as many of the first {m} as fit the ablations' budget ({rule}): {cost}"
+    if n < m:
+        note += f"; --truth-stories {m} runs {m}, {sum(work[:m]) / scoring:.1f} times"
     return note
 
 

@@ -10,6 +10,7 @@ where each kind of head formed. Nothing here trains or runs a model: it reads th
 from __future__ import annotations
 
 import base64
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,30 @@ _ENV = Environment(loader=PackageLoader("storylens.training", "templates"), auto
 def _run_name(path: Path) -> str:
     path = path.resolve()
     return path.parent.name if path.name == TIMELINE_FILE else path.name
+
+
+RESULT_FILES = (
+    "result.json",
+    "train_state.json",
+)  # where a run's training time is kept (scripts/train_sizes.py, train)
+
+
+def train_minutes(run: str | Path) -> float | None:
+    """The training steps' wall clock of a run, in minutes, from its ``result.json`` or the
+    ``train_state.json`` a finished run writes; None where it has neither (an exported model)."""
+    path = Path(run)
+    folder = path.parent if path.is_file() else path
+    for name in RESULT_FILES:
+        try:
+            kept = json.loads((folder / name).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise StorylensError(f"{folder / name}: unreadable ({e})") from None
+        seconds = kept.get("train_seconds") if isinstance(kept, dict) else None
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
+            return float(seconds) / 60
+    return None
 
 
 def run_summary(name: str, entries: Sequence[dict]) -> dict:
@@ -65,14 +90,14 @@ def write_timeline_page(runs: Sequence[str | Path], out: str | Path, *, k: int =
         entries = read_timeline(path)
         if not entries:
             raise StorylensError(f"{path}: the head timeline has no evaluation yet")
-        named.append((_run_name(path), entries, read_copying(path)))
-    if len({n for n, _, _ in named}) < len(named):
+        named.append((_run_name(path), entries, read_copying(path), train_minutes(path)))
+    if len({n for n, *_ in named}) < len(named):
         raise StorylensError("timeline: two runs share a folder name; give folders with different names")
     out = Path(out)
     with publish_folder(out, "timeline") as tmp:
         views = []
-        for name, entries, copied in named:
-            summary = {**run_summary(name, entries), "copying": copied}
+        for name, entries, copied, minutes in named:
+            summary = {**run_summary(name, entries), "copying": copied, "train_minutes": minutes}
             mark = summary["induction_step"]
             figures = []
             for column in COLUMNS:

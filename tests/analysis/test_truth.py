@@ -1,5 +1,5 @@
-"""The truth table's ablation budget: the work it counts is the work the ablations do, and the stories
-it picks are the most that fit."""
+"""The truth table's ablation budget: the passes it counts are the passes the ablations and the scoring
+run, and the stories it picks are the most that fit."""
 
 import pytest
 
@@ -10,7 +10,9 @@ from storylens.analysis.truth import (
     TRUTH_BUDGET,
     TRUTH_FLOOR_FLOPS,
     ablation_flops,
+    ablation_passes,
     block_flops,
+    head_flops,
     scoring_flops,
     truth_budget_stories,
     truth_table,
@@ -26,36 +28,56 @@ def scored(shipped_model, corpus_split):
     return lm, encoded, score_heads(lm, encoded, progress=False)
 
 
-def test_the_counted_work_is_the_blocks_the_ablations_run(scored):
-    """Every block's attention, counted token by token while the table is made (one story a batch,
-    so no padding), equals what ablation_flops charges for those stories."""
-    lm, encoded, scores = scored
-    tokens = {"n": 0}
+def _count_passes(lm, run) -> dict:
+    """Tokens through every block's attention and through the output head while ``run()`` runs."""
+    seen = {"blocks": 0, "heads": 0}
 
-    def count(module, inputs, output):
-        x = inputs[0]
-        tokens["n"] += x.shape[0] * x.shape[1]
+    def counter(key):
+        def count(module, inputs, output):
+            x = inputs[0]
+            seen[key] += x.shape[0] * x.shape[1]
 
-    handles = [b.attn.register_forward_hook(count) for b in lm.blocks()]
+        return count
+
+    handles = [b.attn.register_forward_hook(counter("blocks")) for b in lm.blocks()]
+    handles.append(lm.module.lm_head.register_forward_hook(counter("heads")))
     try:
-        truth_table(lm, scores, encoded, n_stories=3, batch_size=1)
+        run()
     finally:
         for h in handles:
             h.remove()
-    charged = sum(ablation_flops(lm, scores, [len(e.ids) for e in encoded[:3]])) / block_flops(lm)
-    assert tokens["n"] == round(charged)
-    assert scoring_flops(lm, [10, 20]) == lm.n_layer * 30 * block_flops(lm)
+    return seen
+
+
+def test_the_counted_work_is_the_passes_the_ablations_and_the_scoring_run(scored):
+    """Every block's attention and the output head, counted token by token while the table is made
+    and while the stories are scored (one story a batch, so no padding), are what the budget charges."""
+    lm, encoded, scores = scored
+    lengths = [len(e.ids) for e in encoded]
+    seen = _count_passes(lm, lambda: truth_table(lm, scores, encoded, n_stories=3, batch_size=1))
+    passes = ablation_passes(lm, scores)
+    assert seen == {"blocks": passes.blocks * sum(lengths[:3]), "heads": passes.heads * sum(lengths[:3])}
+    assert sum(ablation_flops(lm, scores, lengths[:3])) == pytest.approx(
+        seen["blocks"] * block_flops(lm) + seen["heads"] * head_flops(lm), rel=1e-12
+    )
+    seen = _count_passes(lm, lambda: score_heads(lm, encoded[:5], batch_size=1, progress=False))
+    assert seen == {"blocks": lm.n_layer * sum(lengths[:5]), "heads": 0}
+    assert scoring_flops(lm, lengths[:5]) == pytest.approx(seen["blocks"] * block_flops(lm), rel=1e-12)
 
 
 def test_the_budget_picks_the_most_stories_that_fit(scored):
     lm, encoded, scores = scored
     lengths = [len(e.ids) for e in encoded]
     work = ablation_flops(lm, scores, lengths)
-    for budget, floor in ((TRUTH_BUDGET, 0.0), (2.0, 0.0), (0.0, TRUTH_FLOOR_FLOPS), (1e-9, 1.0)):
-        allowed = max(budget * scoring_flops(lm, lengths), floor)
-        n = truth_budget_stories(lm, scores, lengths, budget=budget, floor_flops=floor, max_stories=30)
-        assert 1 <= n <= 30
-        assert n == 1 or sum(work[:n]) <= allowed  # at least one story, whatever the budget
-        assert n == 30 or sum(work[: n + 1]) > allowed
+    scoring = scoring_flops(lm, lengths)
+    for n in (1, 5, 12):  # a budget of exactly n stories' work, and a hair less
+        exact = sum(work[:n]) / scoring
+        assert truth_budget_stories(lm, scores, lengths, budget=exact * (1 + 1e-12), floor_flops=0.0) == n
+        assert truth_budget_stories(lm, scores, lengths, budget=exact * (1 - 1e-9), floor_flops=0.0) == max(1, n - 1)
+        assert truth_budget_stories(lm, scores, lengths, budget=0.0, floor_flops=sum(work[:n])) == n
+    assert truth_budget_stories(lm, scores, lengths, budget=1e-9, floor_flops=0.0) == 1  # never none
     assert truth_budget_stories(lm, scores, lengths, budget=100.0, max_stories=7) == 7
     assert truth_budget_stories(lm, scores, lengths, max_stories=0) == 0
+    n = truth_budget_stories(lm, scores, lengths, max_stories=len(lengths))  # the defaults
+    allowed = max(TRUTH_BUDGET * scoring, TRUTH_FLOOR_FLOPS)
+    assert sum(work[:n]) <= allowed and (n == len(lengths) or sum(work[: n + 1]) > allowed)
