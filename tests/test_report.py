@@ -235,3 +235,25 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     shown = readme[readme.index("<!-- truth:start -->") + 20 : readme.index("<!-- truth:end -->")].strip()
     assert shown == truth_table(f), "regenerate the README with scripts/readme_tables.py"
+
+
+def test_the_ablation_note_says_how_its_stories_were_chosen(shipped_model, corpus_split):
+    from storylens.analysis.encode import encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.scores import score_heads
+    from storylens.analysis.truth import truth_budget_stories
+    from storylens.lesson.report import _truth_stories_note
+    from storylens.lm import NativeLM
+
+    lm = NativeLM(shipped_model)
+    quiz = corpus_split.quiz[:3]
+    encoded = encode_stories(lm, quiz, name_vocabulary(quiz))
+    scores = score_heads(lm, encoded, progress=False)
+    note = _truth_stories_note(lm, scores, encoded, 3, asked=10)
+    assert note.startswith("the first 3 quiz stories, as asked (--truth-stories) (asked 10; the quiz holds 3): ")
+    assert _truth_stories_note(lm, scores, encoded, 1, asked=1).startswith("the first quiz story, as asked")
+    n = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
+    assert n == 3  # three short stories fit the teraflop on the shipped model
+    note = _truth_stories_note(lm, scores, encoded, n, asked=None)
+    assert note.startswith("the first 3 quiz stories, as many of the first 3 as fit the ablations' budget")
+    assert "--truth-stories 3 runs" not in note  # nothing more to offer

@@ -307,7 +307,7 @@ def _build_report(
         if n_truth:
             with _timer(timings, "faithfulness"):  # the top heads switched off, on the first quiz stories
                 truth = truth_table(lm, scores, encoded, n_stories=n_truth, batch_size=batch_size, progress=progress)
-            how = _truth_stories_note(lm, scores, encoded, truth.n_stories, budgeted=truth_stories is None)
+            how = _truth_stories_note(lm, scores, encoded, truth.n_stories, asked=truth_stories)
         summary = _summary(lm, scores, leakage, quiz_source, data, story_info)
         summary.faithfulness = Faithfulness.of(truth, how) if truth is not None else None
         summary.numerics = [NumericRow.from_dict(c.to_dict()) for c in checks]
@@ -334,22 +334,25 @@ def _build_report(
     return Report(out=out, summary=summary, scores=scores, leakage=leakage, timings=timings)
 
 
-def _truth_stories_note(lm, scores, encoded, n: int, *, budgeted: bool) -> str:
-    """How the ablations' ``n`` stories were chosen and what they cost beside the scoring pass, in words."""
+def _truth_stories_note(lm, scores, encoded, n: int, *, asked: int | None) -> str:
+    """How the ablations' ``n`` stories were chosen (``asked``: the --truth-stories given, None for the
+    budget) and what they cost beside the scoring pass, in words."""
     lengths = [len(e.ids) for e in encoded]
     m = min(TRUTH_STORIES, len(lengths))  # what the budget chose from
     work = ablation_flops(lm, scores, lengths[: max(n, m)])
     scoring = scoring_flops(lm, lengths)
     cost = f"{sum(work[:n]) / scoring:.2f} times the scoring pass's work"
-    if not budgeted:
-        return f"the first {n} quiz stories, as asked (--truth-stories): {cost}"
+    first = "the first quiz story" if n == 1 else f"the first {n} quiz stories"
+    if asked is not None:
+        held = f" (asked {asked}; the quiz holds {len(lengths)})" if asked > len(lengths) else ""
+        return f"{first}, as asked (--truth-stories){held}: {cost}"
     floor = f"{TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP"
     allowed = max(TRUTH_BUDGET * scoring, TRUTH_FLOOR_FLOPS)
     rule = f"at most {TRUTH_BUDGET:.0%} of the scoring pass's work, or {floor} where that is more"
     if sum(work[:n]) > allowed:  # one story, over the budget
         note = f"the first quiz story, over the ablations' budget ({rule}) but never none: {cost}"
     else:
-        note = f"the first {n} quiz stories, as many of the first {m} as fit the ablations' budget ({rule}): {cost}"
+        note = f"{first}, as many of the first {m} as fit the ablations' budget ({rule}): {cost}"
     if n < m:
         note += f"; --truth-stories {m} runs {m}, {sum(work[:m]) / scoring:.1f} times"
     return note

@@ -311,6 +311,8 @@ def _train_locked(
             f"{cfg.block_size}-token window; give more stories"
         )
     tokens_per_step = cfg.batch_size * cfg.block_size
+    # a finished run's state is written again when this one is done: none stale beside a newer timeline
+    (out_dir / "train_state.json").unlink(missing_ok=True)
     # the head timeline: the entries up to the checkpoint's step (a later one is measured again)
     timeline_path = out_dir / TIMELINE_FILE
     timeline = (
