@@ -77,6 +77,11 @@ def truth_heads(scores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:
     return {d: [h.label for h in scores.top(d, k)] for d in truth_detectors(scores)}
 
 
+def switched_off(top: dict[str, list[str]]) -> list[str]:
+    """The heads of :func:`truth_heads` ``top``, each once, in the order first named."""
+    return list(dict.fromkeys(label for labels in top.values() for label in labels))
+
+
 def block_flops(lm) -> float:
     """Floating-point operations one block spends on one token in its weights: two per parameter
     (a multiply and an add; norms and biases included, a slight overcount). Attention's own products,
@@ -110,9 +115,9 @@ class AblationPasses:
 def ablation_passes(lm, scores, *, k: int = TRUTH_HEADS) -> AblationPasses:
     lm = wrap(lm)
     L = lm.n_layer
-    heads = {h for labels in truth_heads(scores, k).values() for h in labels}
-    switched_off = len(MODES) * sum(L - Head.parse(h).layer for h in heads)
-    return AblationPasses(blocks=2 * L + switched_off, heads=1 + len(MODES) * len(heads))
+    heads = switched_off(truth_heads(scores, k))
+    ablated = len(MODES) * sum(L - Head.parse(h).layer for h in heads)
+    return AblationPasses(blocks=2 * L + ablated, heads=1 + len(MODES) * len(heads))
 
 
 def ablation_flops(lm, scores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
@@ -176,7 +181,7 @@ def truth_table(
     encoded: list[EncodedStory] = given if is_encoded(given) else encode_stories(lm, given, name_vocabulary(given))
     top = truth_heads(scores, k)
     detectors = list(top)
-    heads = list(dict.fromkeys(label for labels in top.values() for label in labels))
+    heads = switched_off(top)
     chosen = list(encoded[:n_stories])
     ids = [e.ids for e in chosen]
     table = ablation_loss_table(
