@@ -11,16 +11,23 @@ Over the first ``--stories`` quiz stories, batched the same way for every side (
 at most 16 stories and 4,096 padded tokens a batch, ``storylens.core.batching``):
 
 * ``bare``: the model's own forward with sdpa attention and no output head: the comparator;
-* ``score (raw)``: ``score_heads`` with every built-in detector, raw attention only;
-* ``score``: ``score_heads`` as ``storylens score`` runs it (also every norm-weighted column and
-  the output norms, from the same pass);
+* ``score (raw)``: ``score_heads``' recording (``record`` into a ``HeadScoreAccumulator``) with
+  every built-in detector, raw attention only;
+* ``score``: the same as ``storylens score`` runs it (also every norm-weighted column and the
+  output norms, from the same pass);
 * ``score, eager``: the same with transformers' eager attention, the path before storylens's own;
 * ``TL patterns``: TransformerLens ``run_with_cache`` keeping only the patterns, over the same
   batches (caching alone, no score computed), where TransformerLens loads the model.
 
-Each ratio is a side's time over ``bare``'s in the same round; the best of ``--rounds``
-interleaved rounds. Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each
-side in its own process: peak resident memory above the loaded model (sampled every 5 ms).
+Every side starts from the same encoded stories (tokenizing is in none of them). Sides are
+interleaved batch by batch: each batch goes through every side in turn, the first side rotating
+from batch to batch, so that every side's time is taken within seconds of the others' (a shared
+machine's speed drifts by a fifth over a minute; paired this way the drift falls on every side
+alike). A round is one pass over the batches; each ratio is a side's summed time over ``bare``'s
+in the same round, the best of ``--rounds`` rounds, and every round's times are kept.
+
+Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each side in its own
+process: peak resident memory above the loaded model (sampled every 5 ms).
 Commands: ``storylens report --model`` against ``storylens score --model`` on the Llama, the same
 200 quiz stories, each a whole process, in interleaved rounds.
 
@@ -85,9 +92,10 @@ def build(kind: str, folder: Path) -> Path:
 def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
     import torch
 
-    from storylens.analysis import score_heads
     from storylens.analysis.encode import batch_of, encode_stories
     from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.record import record
+    from storylens.analysis.scores import HeadScoreAccumulator
     from storylens.core.batching import BATCH_TOKENS, length_batches
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
@@ -98,26 +106,30 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
     own = model.config._attn_implementation  # storylens's attention (or eager where it cannot)
     encoded = encode_stories(lm, stories, name_vocabulary(stories))
     order = length_batches([len(s.ids) for s in encoded], 16, BATCH_TOKENS)
-    batches = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device).ids for idx in order]
+    groups = [[encoded[i] for i in idx] for idx in order]
+    batches = [batch_of(g, lm.marker_id, lm.device).ids for g in groups]
 
     def attention(name: str) -> None:
-        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            model.set_attn_implementation(name)
 
-    def bare() -> None:
+    def bare(i: int, acc) -> None:
         attention("sdpa")
         with torch.inference_mode():
-            for ids in batches:
-                lm.forward(ids, logits=False)
+            lm.forward(batches[i], logits=False)
 
-    def score(faithful: bool, impl: str) -> None:
-        attention(impl)
-        score_heads(lm, stories, faithful=faithful, progress=False)
+    def score(faithful: bool, impl: str):
+        def run(i: int, acc) -> None:  # score_heads' recording of this batch, into the round's accumulator
+            attention(impl)
+            record(lm, groups[i], [acc], progress=False)
 
-    sides = {
-        "bare": bare,
-        "score (raw)": lambda: score(False, own),
-        "score": lambda: score(True, own),
-        "score, eager": lambda: score(True, "eager"),
+        return run, faithful
+
+    sides: dict = {
+        "bare": (bare, None),
+        "score (raw)": score(False, own),
+        "score": score(True, own),
+        "score, eager": score(True, "eager"),
     }
     tl_note = None
     try:
@@ -127,27 +139,36 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
         bridge = TransformerBridge.boot_transformers(str(folder), device="cpu")
         bridge.eval()
 
-        def tl() -> None:
+        def tl(i: int, acc) -> None:
             with torch.inference_mode():
-                for ids in batches:
-                    bridge.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+                bridge.run_with_cache(batches[i], names_filter=lambda n: n.endswith("hook_pattern"))
 
-        sides["TL patterns"] = tl
+        sides["TL patterns"] = (tl, None)
     except Exception as e:  # noqa: BLE001 (reported, not raised: TransformerLens is optional here)
         tl_note = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    names = list(sides)
     best: dict[str, float] = {}
     ratios: dict[str, float] = {}
+    every: dict[str, list[float]] = {name: [] for name in names}
+    turn = 0
     for r in range(rounds):
-        times = {}
-        for name, fn in sides.items():
-            t = time.perf_counter()
-            fn()
-            times[name] = time.perf_counter() - t
-            print(f"  round {r + 1}: {name}: {times[name]:.2f} s", flush=True)
+        times = dict.fromkeys(names, 0.0)
+        accs = {
+            name: None if faithful is None else HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=faithful)
+            for name, (_, faithful) in sides.items()
+        }
+        for i in range(len(batches)):  # every side on this batch, seconds apart; who goes first rotates
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                fn = sides[name][0]
+                t = time.perf_counter()
+                fn(i, accs[name])
+                times[name] += time.perf_counter() - t
+            turn += 1
         for name, t in times.items():
+            print(f"  round {r + 1}: {name}: {t:.2f} s ({t / times['bare']:.3f}x bare)", flush=True)
+            every[name].append(t)
             best[name] = min(best.get(name, float("inf")), t)
-            ratio = t / times["bare"]
-            ratios[name] = min(ratios.get(name, float("inf")), ratio)
+            ratios[name] = min(ratios.get(name, float("inf")), t / times["bare"])
     attention(own)
     tokens = sum(int(ids.numel()) for ids in batches)
     return {
@@ -155,8 +176,10 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
         "padded_tokens": tokens,
         "batches": len(batches),
         "attention": own,
+        "paired": "batch",
         "seconds": best,
         "ratio": ratios,
+        "all_seconds": every,
         "tl_note": tl_note,
     }
 
@@ -237,6 +260,7 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {','.join(SECTIONS)}")
     ap.add_argument("--merge", action="store_true", help="keep the sections not run from the --json file")
     ap.add_argument("--folder", default=None, help="where the random models are saved (default: a temporary folder)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 2, or 1 on one core)")
     ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -246,7 +270,7 @@ def main() -> None:
     import torch
     import transformers
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.folder or tmp)
         result: dict = {

@@ -27,11 +27,20 @@ def _rounds(c: dict) -> str:
     return "; round by round " + ", ".join(each)
 
 
+def _each_round(s: dict, side: str) -> str:
+    """``side``'s ratio in every round, where the run kept every round's times."""
+    a = s.get("all_seconds")
+    if not a or len(a.get(side, ())) < 2:
+        return ""
+    return "; round by round " + ", ".join(f"{t / b:.2f}x" for t, b in zip(a[side], a["bare"], strict=True))
+
+
 def table(r: dict) -> str:
     rows = [
         f"Measured by `python benchmarks/bench_record.py` on {r['cpu']} ({r['cores']} cores, torch {r['torch']}, "
         f"transformers {r['transformers']}, {r['threads']} threads), seeded random weights, best of "
-        f"{r['rounds']} interleaved rounds; each ratio is to the model's bare sdpa forward in the same round:",
+        f"{r['rounds']} rounds, every side run on each batch in turn (the first side rotating), so that each is timed "
+        "within seconds of the others; each ratio is to the model's bare sdpa forward in the same round:",
         "",
         "| model | what | time | ratio to bare | target |",
         "|---|---|---|---|---|",
@@ -42,8 +51,9 @@ def table(r: dict) -> str:
             what = {
                 "bare": f"bare forward, sdpa, no output head ({s['stories']} quiz stories, {s['batches']} batches, "
                 f"{s['padded_tokens']:,} padded tokens)",
-                "score (raw)": "`score_heads`, every built-in detector, raw attention",
-                "score": "`score_heads` as `storylens score` (also norm-weighted columns, output norms)",
+                "score (raw)": "`score_heads`' recording, every built-in detector, raw attention",
+                "score": "the same as `storylens score` (also norm-weighted columns, output norms)"
+                + _each_round(s, "score"),
                 "score, eager": "the same with transformers' eager attention (before)",
                 "TL patterns": "TransformerLens `run_with_cache`, patterns only (no scores)",
             }[side]

@@ -189,3 +189,48 @@ def test_streamed_attention_on_another_device():
     with streaming([module], lambda *a: None, 2000):
         out, _ = grouped_attention(module, q, k, v, mask, scaling=0.5)
     assert out.device.type == "meta"
+
+
+def test_streamed_chunks_reuse_two_buffers_and_change_nothing():
+    """In inference mode every chunk's probabilities are written into one buffer taken once (its
+    memory reused chunk after chunk and layer after layer, though a chunk of rows sees more keys
+    than the last), and the layer's output and every chunk's
+    rows are bit for bit those of a run that allocates afresh (outside inference mode)."""
+    from storylens.lm.attention import streaming
+
+    torch.manual_seed(0)
+    B, H, G, T, d = 2, 6, 2, 40, 8
+    q, k, v = torch.randn(B, H, T, d), torch.randn(B, G, T, d), torch.randn(B, G, T, d)
+    modules = [torch.nn.Module(), torch.nn.Module()]
+
+    def run(inference: bool):
+        rows, places = [], set()
+
+        def sink(layer, chunk, start):
+            rows.append((layer, start, chunk.clone()))
+            places.add(chunk.data_ptr())
+
+        with torch.inference_mode(inference), streaming(modules, sink, 2000):
+            outs = [grouped_attention(m, q, k, v, None, scaling=0.3)[0].clone() for m in modules]
+        return outs, rows, places
+
+    outs, rows, places = run(True)
+    fresh_outs, fresh_rows, _ = run(False)
+    assert len(rows) > 4 and len(places) == 1  # many chunks, one buffer
+    assert all(torch.equal(a, b) for a, b in zip(outs, fresh_outs))
+    assert [(la, s) for la, s, _ in rows] == [(la, s) for la, s, _ in fresh_rows]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(rows, fresh_rows))
+
+
+def test_workspace_grows_and_reuses():
+    from storylens.core.buffers import Workspace
+
+    ws = Workspace()
+    a = ws.take("x", (2, 3), torch.float32, torch.device("cpu"))
+    b = ws.take("x", (1, 4), torch.float32, torch.device("cpu"))
+    assert a.data_ptr() == b.data_ptr() and b.shape == (1, 4) and b.is_contiguous()
+    c = ws.take("x", (5, 5), torch.float32, torch.device("cpu"))  # larger: a new buffer
+    assert c.shape == (5, 5) and c.numel() == 25
+    d = ws.take("y", (2, 2), torch.float32, torch.device("cpu"), room=30)  # made with room: grows once
+    assert ws.take("y", (5, 6), torch.float32, torch.device("cpu")).data_ptr() == d.data_ptr()
+    assert ws.take("x", (2, 2), torch.float64, torch.device("cpu")).dtype == torch.float64  # one per dtype

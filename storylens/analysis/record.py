@@ -22,7 +22,9 @@ also be fed a block's map a chunk of query rows at a time, ``[batch, head, n, ke
 queries ``start .. start + n - 1`` over the keys they see, in order, covering every query once.
 When every measure can, and the model forms its maps in storylens's own attention
 (:func:`storylens.lm.attention.streaming`), no block's whole map ever exists: memory stays within
-a fixed budget whatever the story's length, and no map-sized buffer is allocated.
+a fixed budget whatever the story's length, and no map-sized buffer is allocated. The chunk a
+measure is handed is written, in inference mode, into memory reused for the next chunk: read it,
+and copy what you keep.
 
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns.

@@ -73,6 +73,7 @@ from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import TopExamples
 from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
 from storylens.analysis.record import record
+from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.lm import wrap
@@ -146,6 +147,7 @@ class HeadScoreAccumulator:
         self._rows_seen: list[int] = []
         self._key_norms: dict[int, torch.Tensor] = {}
         self._out_blocks: list[torch.Tensor | None] = []
+        self._scratch = Workspace()
 
     @property
     def rows(self) -> bool:
@@ -160,6 +162,7 @@ class HeadScoreAccumulator:
         self._rows_seen = [0] * self.n_layer
         self._key_norms = {}
         self._out_blocks = [None] * self.n_layer
+        self._scratch = Workspace()  # one batch's scratch memory, freed at end()
 
     def value_norms(self, layer: int, norms: torch.Tensor) -> None:
         """``|f_j|`` of block ``layer``'s keys ``[batch, head, key]`` (before its pattern)."""
@@ -200,7 +203,11 @@ class HeadScoreAccumulator:
             self.examples.add_block(layer, offers, pattern, full.batch, start=start)
         norms = self._key_norms.get(layer)
         if norms is not None:  # the same detectors on the norm-weighted map (storylens.analysis.faithful)
-            scaled, total = norm_scaled(pattern, norms[..., :keys])  # [B, H, n, keys], freed below
+            scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
+            if torch.is_inference_mode_enabled():
+                room = pattern.shape[0] * pattern.shape[1] * n * T  # a chunk of these rows over every key
+                scratch = self._scratch.take("scaled", pattern.shape, pattern.dtype, pattern.device, room)
+            scaled, total = norm_scaled(pattern, norms[..., :keys], scratch)
             weighted = None
             for d, (_, _, counted) in zip(self.detectors, offers):
                 if not d.rows:  # a hand-made detector: on the map itself
@@ -229,6 +236,7 @@ class HeadScoreAccumulator:
             raise RuntimeError(f"end(): value vectors or head outputs for only some blocks ({normed}, {len(outs)})")
         masks, sums, norm_sums = self._masks, self._sums, self._norm_sums
         self._masks, self._sums, self._norm_sums, self._out_blocks = None, [], [], []
+        self._scratch = Workspace()
         batch = masks.batch
         out = {}
         for d in self.detectors:

@@ -25,9 +25,14 @@ that interface (``_supports_attention_backend``); others keep transformers' eage
 context a layer's queries are taken :func:`query_chunk` rows at a time, each chunk's probabilities
 ``[B, H, rows, keys]`` are handed to the sink and freed, and the layer returns no map, so one
 layer's attention never holds more than a fixed memory budget whatever the story's length (and no
-map-sized temporary is ever allocated, the larger part of the cost on a CPU). A chunk of queries
+map-sized temporary is ever allocated, the larger part of the cost on a CPU). In inference mode
+each chunk's scores and probabilities are written into two buffers the context takes once and reuses
+chunk after chunk and layer after layer (:class:`~storylens.core.buffers.Workspace`), so the rows a
+sink is handed are overwritten by the next chunk: it copies what it keeps. A chunk of queries
 ``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
-rows' up to the order of the softmax's sum; where the softmax runs in float32 under float64 inputs
+rows' up to the order of the softmax's sum (where no mask is given, the scaling and the causal
+mask are taken inside the one product, ``baddbmm(bias, q, k^T, alpha=scaling)``: a pass over the
+chunk fewer each); where the softmax runs in float32 under float64 inputs
 (Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
 
 **Fused** (:func:`fused`, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
@@ -48,12 +53,14 @@ from functools import cache
 import torch
 from torch import nn
 
+from storylens.core.buffers import Workspace
+
 NAME = "storylens"
 CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
 
 # sink(layer, probs [B, H, rows, keys], first_row): set by streaming(), read by grouped_attention
 Sink = Callable[[int, torch.Tensor, int], None]
-_STREAM: dict[int, tuple[int, Sink, int]] = {}  # id(attention module) -> (layer, sink, chunk bytes)
+_STREAM: dict[int, tuple[int, Sink, int, Workspace]] = {}  # id(module) -> (layer, sink, chunk bytes, buffers)
 _FUSED: dict[int, int] = {}  # id(attention module) -> how many fused() contexts hold it
 
 
@@ -83,10 +90,12 @@ def _sdpa() -> Callable[..., tuple[torch.Tensor, None]]:
 @contextmanager
 def streaming(modules: Sequence[nn.Module], sink: Sink, chunk_bytes: int = CHUNK_BYTES) -> Iterator[None]:
     """Inside: the attention of ``modules[i]`` (block ``i``) hands its probabilities to
-    ``sink(i, rows, first_row)`` chunk by chunk and returns none (see the module docstring)."""
+    ``sink(i, rows, first_row)`` chunk by chunk and returns none (see the module docstring; ``rows``
+    is overwritten by the next chunk)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: must be at least 1, got {chunk_bytes}")
-    mine = {id(m): (i, sink, chunk_bytes) for i, m in enumerate(modules)}
+    buffers = Workspace()
+    mine = {id(m): (i, sink, chunk_bytes, buffers) for i, m in enumerate(modules)}
     if mine.keys() & _STREAM.keys():
         raise RuntimeError("streaming(): these attention modules are already streamed")
     _STREAM.update(mine)
@@ -174,6 +183,7 @@ def _streamed(
     layer: int,
     sink: Sink,
     chunk_bytes: int,
+    buffers: Workspace,
 ) -> torch.Tensor:
     """:func:`grouped_attention`'s output ``[B, T, H, d]``, the probabilities handed to ``sink`` a
     chunk of queries at a time (the module docstring)."""
@@ -186,18 +196,37 @@ def _streamed(
     rows = query_chunk(B, H, S, itemsize, chunk_bytes)
     grouped = query.view(B, G, r, T, d)
     out = torch.empty(B, G, r, T, d, dtype=value.dtype, device=value.device)
+    reuse = torch.is_inference_mode_enabled()  # out= products record no gradient
+    room = B * H * min(rows, T) * S  # the largest chunk: the buffers are taken at that size once
     for q0 in range(0, T, rows):
         q1 = min(T, q0 + rows)
         n, keys = q1 - q0, (S if full_rows else q1 + past)
         q = grouped[:, :, :, q0:q1].reshape(B, G, r * n, d)
-        scores = torch.matmul(q, key[:, :, :keys].transpose(-1, -2)).mul_(scaling)  # [B, G, r*n, keys]
+        k_t = key[:, :, :keys].transpose(-1, -2)  # [B, G, d, keys]
+        place = buffers.take("scores", (B, G, r * n, keys), q.dtype, q.device, room) if reuse else None
+        causal = attention_mask is None and (n > 1 or q0 + past + 1 < keys)  # no mask given: causal
+        if causal:  # scaling and the causal mask in the product itself: scores = bias + scaling * q k^T
+            visible = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(q0 + past)
+            bias = torch.zeros(n, keys, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+            bias = bias.repeat(r, 1)  # [r*n, keys]: the group's query heads stacked, as q
+            q3, k3 = q.reshape(B * G, r * n, d), k_t.reshape(B * G, d, keys)
+            if place is None:
+                scores = torch.baddbmm(bias, q3, k3, alpha=scaling)
+            else:
+                scores = torch.baddbmm(bias, q3, k3, alpha=scaling, out=place.view(B * G, r * n, keys))
+            scores = scores.view(B, G, r * n, keys)
+        else:
+            scores = (torch.matmul(q, k_t) if place is None else torch.matmul(q, k_t, out=place)).mul_(scaling)
         per_head = scores.view(B, H, n, keys)
         if attention_mask is not None:
             _masked(per_head, attention_mask[:, :, q0:q1, :keys], in_place=True)
-        elif n > 1 or q0 + past + 1 < keys:  # no mask given: causal
-            visible = torch.ones(n, keys, dtype=torch.bool, device=scores.device).tril(q0 + past)
-            per_head.masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(per_head, dim=-1, dtype=soft).to(value.dtype)  # [B, H, n, keys]
+        if reuse and soft == per_head.dtype:  # [B, H, n, keys]
+            probs = torch.ops.aten._softmax.out(
+                per_head, -1, False, out=buffers.take("probs", (B, H, n, keys), soft, q.device, room)
+            )
+        else:
+            probs = torch.softmax(per_head, dim=-1, dtype=soft)
+        probs = probs.to(value.dtype)
         sink(layer, probs, q0)
         out[:, :, :, q0:q1] = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys]).view(B, G, r, n, d)
         del scores, per_head, probs
