@@ -18,21 +18,12 @@ NAMES = {"llama-30x9": "Llama 30 x 9 heads (3 key/value)", "gpt2-small": "GPT-2-
 TARGETS = {"score (raw)": "≤ 1.15x", "score": "≤ 1.15x"}
 
 
-def _rounds(c: dict) -> str:
-    """Each round's report over the same round's score, where the run kept every round."""
-    a = c.get("all_seconds")
-    if not a or len(a.get("report", ())) < 2:
-        return ""
-    each = [f"{r / sc:.2f}x" for r, sc in zip(a["report"], a["score"], strict=True)]
-    return "; round by round " + ", ".join(each)
-
-
-def _each_round(s: dict, side: str) -> str:
-    """``side``'s ratio in every round, where the run kept every round's times."""
-    a = s.get("all_seconds")
+def _rounds(section: dict, side: str, over: str) -> str:
+    """``side``'s time over ``over``'s in each round, where the run kept every round's times."""
+    a = section.get("all_seconds")
     if not a or len(a.get(side, ())) < 2:
         return ""
-    return "; round by round " + ", ".join(f"{t / b:.2f}x" for t, b in zip(a[side], a["bare"], strict=True))
+    return "; round by round " + ", ".join(f"{t / b:.2f}x" for t, b in zip(a[side], a[over], strict=True))
 
 
 def table(r: dict) -> str:
@@ -53,7 +44,7 @@ def table(r: dict) -> str:
                 f"{s['padded_tokens']:,} padded tokens)",
                 "score (raw)": "`score_heads`' recording, every built-in detector, raw attention",
                 "score": "the same as `storylens score` (also norm-weighted columns, output norms)"
-                + _each_round(s, "score"),
+                + _rounds(s, "score", "bare"),
                 "score, eager": "the same with transformers' eager attention (before)",
                 "TL patterns": "TransformerLens `run_with_cache`, patterns only (no scores)",
             }[side]
@@ -69,7 +60,7 @@ def table(r: dict) -> str:
                 f"`storylens report --model` against `storylens score --model` on the same 200 quiz stories, "
                 f"{NAMES[kind]}, each a whole process (on {c.get('machine', r['cpu'])}): report {c['seconds']['report']:.1f} s, score "
                 f"{c['seconds']['score']:.1f} s, **{c['report_over_score']:.2f}x** (target ≤ 1.3x), the best of each"
-                + _rounds(c)
+                + _rounds(c, "report", "score")
                 + ".",
             ]
     for kind, entry in r["models"].items():

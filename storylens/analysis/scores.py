@@ -147,7 +147,7 @@ class HeadScoreAccumulator:
         self._rows_seen: list[int] = []
         self._key_norms: dict[int, torch.Tensor] = {}
         self._out_blocks: list[torch.Tensor | None] = []
-        self._scratch = Workspace()
+        self._scratch = Workspace()  # a batch's scratch memory (the norm-weighted chunk), freed at end()
 
     @property
     def rows(self) -> bool:
@@ -162,7 +162,6 @@ class HeadScoreAccumulator:
         self._rows_seen = [0] * self.n_layer
         self._key_norms = {}
         self._out_blocks = [None] * self.n_layer
-        self._scratch = Workspace()  # one batch's scratch memory, freed at end()
 
     def value_norms(self, layer: int, norms: torch.Tensor) -> None:
         """``|f_j|`` of block ``layer``'s keys ``[batch, head, key]`` (before its pattern)."""
