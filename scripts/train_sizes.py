@@ -30,6 +30,8 @@ SIZES = (1, 2, 4)
 
 def main() -> None:
     sys.path.insert(0, str(ROOT))
+    from scripts.timeline_initial import add_initial
+    from storylens.data.stories import load_split
     from storylens.training.checkpoint import load_checkpoint
     from storylens.training.copying import COPYING_FILE
     from storylens.training.timeline import TIMELINE_FILE
@@ -52,6 +54,7 @@ def main() -> None:
         for name in (TIMELINE_FILE, COPYING_FILE):
             shutil.copyfile(run / name, kept / name)
         write_result(state, kept)
+        print(add_initial(kept, load_split().quiz), flush=True)  # a run begun before step 0 was measured
         print(f"blocks-{n}: {state['step']} steps, {state['train_seconds'] / 60:.1f} min; kept in {kept}", flush=True)
     six = KEPT / "blocks-6"
     six.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from storylens.model.hub import load_model
 from storylens.training.checkpoint import load_checkpoint
 from storylens.training.copying import COPYING_FILE, read_copying
 from storylens.training.page import run_summary
-from storylens.training.timeline import TIMELINE_FILE, read_timeline
+from storylens.training.timeline import TIMELINE_FILE, evaluations, read_timeline
 from storylens.training.train import CHECKPOINT, TrainConfig, quiz_perplexity, shipped_weights
 
 
@@ -62,9 +62,10 @@ def timeline_section(entries: list[dict], state: dict) -> str:
     rows = []
     for kind, f in s["formation"].items():
         if f is not None:
+            when = f"{f['half_way_step']:,} ({f['half_way_tokens'] / 1e6:.1f} M)"
             rows.append(
-                f"| {kind} | {f['head']} | {f['block']} | {f['first']:.3f} | {f['last']:.3f} | "
-                f"{f['half_way_step']:,} ({f['half_way_tokens'] / 1e6:.1f} M) |"
+                f"| {kind} | {f['head']} | {f['block']} | {f['first']:.3f} | {f['peak']:.3f} ({f['peak_step']:,}) | "
+                f"{f['last']:.3f} | {'by ' + when + ', the first evaluation' if f['at_first'] else when} |"
             )
     ind = s["induction_step"]
     bumps = s["loss_bumps"]
@@ -74,15 +75,23 @@ def timeline_section(entries: list[dict], state: dict) -> str:
         else "The quiz loss rose at step " + ", ".join(f"{b['step']:,} (+{b['rise']:.3f} nats)" for b in bumps) + "."
     )
     share = state.get("timeline_seconds", 0.0) / state["train_seconds"] if state.get("train_seconds") else 0.0
+    n = len(evaluations(entries))
+    initial = n < len(entries)
+    start = (
+        f"Before its first step (the seeded initial weights) and at each of its {n} evaluations "
+        if initial
+        else f"At each of its {n} evaluations "
+    )
+    first = "score at step 0" if initial else "first score"
     return f"""
 ## Heads as they formed
-At each of its {len(entries)} evaluations the run scored every head on the quiz, with the weights it
+{start}the run scored every head on the quiz, with the weights it
 would have shipped at that step, and kept the table in `{TIMELINE_FILE}` (this folder; draw it with
 `storylens timeline storylens/pretrained/tiny-storyteller --out timeline`). The strongest head of each
-kind at the end, and when it got half way from its first score to its last:
+kind at the end, and when it got half way from its first score to its highest:
 
-| kind | head | block | first score | last score | half way at step (tokens) |
-|---|---|---|---|---|---|
+| kind | head | block | {first} | highest (step) | last score | half way at step (tokens) |
+|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Induction test (a repeated run of random tokens): the loss on the second copy is

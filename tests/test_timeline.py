@@ -76,8 +76,9 @@ def reference_run(slice_files, tmp_path_factory):
 
 def test_one_entry_per_evaluation(reference_run):
     out, _, printed = reference_run
-    entries = read_timeline(out / TIMELINE_FILE)
+    initial, *entries = read_timeline(out / TIMELINE_FILE)
     assert [e["step"] for e in entries] == list(range(EVERY, STEPS + 1, EVERY))
+    assert (initial["step"], initial["tokens"], initial["weights"]) == (0, 0, "initial")  # before any step
     state = json.loads((out / "train_state.json").read_text())
     assert [e["step"] for e in state["evals"]] == [e["step"] for e in entries]
     for e, row in zip(entries, state["evals"]):
@@ -94,6 +95,28 @@ def test_one_entry_per_evaluation(reference_run):
         assert math.isclose(e["quiz_perplexity"], shipped, rel_tol=1e-5)
         assert e["in_context"]["early"] == [16, 31] and e["in_context"]["late_tokens"] > 0
     assert "head timeline: 3 evaluations" in printed and "% of the training steps' time" in printed
+
+
+def test_the_initial_entry_is_the_seeded_initial_weights(reference_run, slice_files):
+    """Step 0 made again afterwards from the run's recipe and seed (scripts/timeline_initial.py's
+    way, for a timeline recorded without it) is the line the run wrote before its first step: the
+    same weights and code, on the same CPU and thread count, so equal to the last bit."""
+    out, _, _ = reference_run
+    _, quiz = slice_files
+    code = (
+        "import json, sys; from storylens.data.stories import read_stories; "
+        "from storylens.model.tokenizer import load_tokenizer; "
+        "from storylens.training.timeline import initial_entry; from storylens.training.train import TrainConfig; "
+        "cfg = TrainConfig(**json.load(open(sys.argv[1]))['train_config']); "
+        "e = initial_entry(cfg.model_config(), cfg.seed, load_tokenizer(sys.argv[2]), list(read_stories(sys.argv[3]))); "
+        "print(json.dumps(e))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the run was made
+    args = [str(out / "train_state.json"), str(out / "tokenizer.json"), str(quiz)]
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    again = json.loads(done.stdout)
+    assert _without_seconds([again]) == _without_seconds(read_timeline(out / TIMELINE_FILE)[:1])
 
 
 def test_the_timeline_ships_with_the_exported_model(reference_run):
@@ -146,11 +169,11 @@ def test_a_killed_run_resumes_with_the_same_timeline(reference_run, slice_files,
     proc.wait()
     killed_at = _step(run / CHECKPOINT)
     assert EVERY < killed_at < STEPS
-    assert [e["step"] for e in read_timeline(run / TIMELINE_FILE)][0] == EVERY
+    assert [e["step"] for e in read_timeline(run / TIMELINE_FILE)][:2] == [0, EVERY]
     done = subprocess.run(_train(corpus, run, "--resume"), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     resumed = read_timeline(run / TIMELINE_FILE)
-    assert [e["step"] for e in resumed] == list(range(EVERY, STEPS + 1, EVERY))  # none twice, none missing
+    assert [e["step"] for e in resumed] == [0, *range(EVERY, STEPS + 1, EVERY)]  # none twice, none missing
     assert _without_seconds(resumed) == _without_seconds(read_timeline(ref_out / TIMELINE_FILE))
 
 
@@ -164,7 +187,7 @@ def test_an_entry_past_the_checkpoint_is_dropped_on_resume(slice_files, tmp_path
     cmd[cmd.index("--max-steps") + 1] = str(EVERY + 1)
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     entries = read_timeline(run / TIMELINE_FILE)
-    assert [e["step"] for e in entries] == [EVERY, EVERY + 1]  # every eval_every steps, and the last step
+    assert [e["step"] for e in entries] == [0, EVERY, EVERY + 1]  # before any step, every eval_every, the last
     fake = dict(entries[-1], step=EVERY + 4)  # as if step 8 had been measured after the last checkpoint
     (run / TIMELINE_FILE).write_text("".join(json.dumps(e) + "\n" for e in entries + [fake]))
     subprocess.run(cmd + ["--resume"], env=env, check=True, capture_output=True)
@@ -307,4 +330,31 @@ def test_reading_a_timeline_induction_bumps_and_formation():
     assert [b["step"] for b in loss_bumps(entries)] == [3]
     f = formation(entries, "prev_token")
     assert f["head"] == "L1H1" and f["block"] == 1 and f["half_way_step"] == 3  # 0.1 -> 0.7: half way is 0.4
+    assert (f["peak"], f["peak_step"], f["at_first"]) == (0.7, 4, False)
+    # a rise and a fall: half way to the highest score (0.1 -> 0.9 -> 0.3: half way is 0.5), not to the last
+    rise_fall = [_entry(s, 0.0, 1.0, v) for s, v in ((1, 0.1), (2, 0.4), (3, 0.9), (4, 0.6), (5, 0.3))]
+    f = formation(rise_fall, "prev_token")
+    assert (f["half_way_step"], f["peak"], f["peak_step"], f["at_first"]) == (3, 0.9, 3, False)
+    # a head that only weakens was there by the first evaluation (the timeline cannot say how much earlier)
+    fading = [_entry(s, 0.0, 1.0, v) for s, v in ((1, 0.6), (2, 0.5), (3, 0.4))]
+    f = formation(fading, "prev_token")
+    assert (f["half_way_step"], f["at_first"], f["last"]) == (1, True, 0.4)
     assert induction_step(entries[:1]) is None
+    # the initial weights' line is where scores start, not an evaluation: no rise or bump is counted from it
+    started = [_entry(0, -5.0, 9.0, 0.0), *entries]
+    assert induction_step(started) == induction_step(entries) and loss_bumps(started) == loss_bumps(entries)
+    assert formation(started, "prev_token")["half_way_step"] == 3  # 0.0 -> 0.7: half way is 0.35
+
+
+def test_the_readme_size_table_is_the_kept_runs():
+    """The README's four-size table is what scripts/readme_sizes_table.py makes of benchmarks/sizes
+    (never typed in), and every kept run holds a timeline from step 0 and a copying check."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from scripts.readme_sizes_table import kept_runs, table
+
+    runs = kept_runs()
+    assert {r.name for r in runs} >= {"blocks-1", "blocks-6"}
+    for run in runs:
+        assert read_timeline(run)[0]["step"] == 0 and read_copying(run) is not None, run.name
+    assert table(runs) in (root / "README.md").read_text()

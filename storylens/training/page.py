@@ -20,7 +20,14 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from storylens.core.errors import StorylensError
 from storylens.core.publish import publish_folder
 from storylens.training.copying import read_copying
-from storylens.training.timeline import TIMELINE_FILE, formation, induction_step, loss_bumps, read_timeline
+from storylens.training.timeline import (
+    TIMELINE_FILE,
+    evaluations,
+    formation,
+    induction_step,
+    loss_bumps,
+    read_timeline,
+)
 from storylens.viz.figures import figure_png_bytes
 from storylens.viz.timeline import figure_svg, timeline_figure
 
@@ -68,7 +75,8 @@ def run_summary(name: str, entries: Sequence[dict]) -> dict:
         "name": name,
         "blocks": blocks,
         "heads_per_block": len(labels) // blocks,
-        "evaluations": len(entries),
+        "evaluations": len(evaluations(entries)),
+        "initial": entries[0]["step"] == 0,  # the timeline starts at the initial weights
         "tokens": last["tokens"],
         "quiz_perplexity": last["quiz_perplexity"],
         "second_copy_loss": last["induction"]["second_copy_loss"],

@@ -17,6 +17,10 @@ moving average when that is what the run ships, else the raw weights) on its qui
   before). A model that copies has a low second-copy loss; one that does not stays near
   ``ln(vocab)`` on both.
 
+The first line, step 0, measures the initial weights before any step (``weights`` ``"initial"``):
+where each score starts, so that a head formed before the first evaluation shows as formed there
+(:func:`initial_entry` makes that line for a timeline recorded without one).
+
 None of it draws on the training's random streams, so a run with its timeline trains exactly as
 one without. The file is rewritten whole and atomically at each evaluation; a resumed run keeps
 the entries up to its checkpoint's step and writes the later ones again.
@@ -197,6 +201,17 @@ def timeline_entry(step: int, tokens: int, weights: str, model: GPT, tokenizer, 
     return entry
 
 
+def initial_entry(config, seed: int, tokenizer, quiz: Sequence[str]) -> dict:
+    """The step-0 line of a run made with ``config`` (a :class:`~storylens.model.gpt.GPTConfig`)
+    and ``seed``: its initial weights (``torch.manual_seed(seed)``, then the model, as
+    ``storylens train`` makes them), measured before any step, ``weights`` ``"initial"``. For a
+    timeline recorded without one; the global random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(config)
+    return timeline_entry(0, 0, "initial", model, tokenizer, quiz)
+
+
 def read_timeline(path: str | Path) -> list[dict]:
     """The entries of a timeline file, in order (one JSON object per line)."""
     path = Path(path)
@@ -228,9 +243,17 @@ def write_timeline(path: Path, entries: Sequence[dict]) -> None:
 # ---------------------------------------------------------------- reading a timeline
 
 
+def evaluations(entries: Sequence[dict]) -> list[dict]:
+    """The entries after training began: the step-0 line (the initial weights) left out."""
+    return [e for e in entries if e["step"] > 0]
+
+
 def induction_step(entries: Sequence[dict]) -> dict | None:
     """Where induction appears: the evaluation after the largest rise of the induction score
-    (first-copy minus second-copy loss) between two evaluations. None with fewer than two."""
+    (first-copy minus second-copy loss) between two evaluations. The initial weights' line is not
+    one: from it every score moves at once, as the model first learns anything. None with fewer
+    than two evaluations."""
+    entries = evaluations(entries)
     if len(entries) < 2:
         return None
     rises = [(b["induction"]["score"] - a["induction"]["score"], b) for a, b in zip(entries, entries[1:])]
@@ -239,7 +262,8 @@ def induction_step(entries: Sequence[dict]) -> dict | None:
 
 
 def loss_bumps(entries: Sequence[dict]) -> list[dict]:
-    """Every evaluation whose quiz loss is higher than the one before (a bump in the loss)."""
+    """Every evaluation whose quiz loss is higher than the evaluation before (a bump in the loss)."""
+    entries = evaluations(entries)
     return [
         {"step": b["step"], "tokens": b["tokens"], "rise": b["quiz_loss"] - a["quiz_loss"]}
         for a, b in zip(entries, entries[1:])
@@ -250,7 +274,9 @@ def loss_bumps(entries: Sequence[dict]) -> list[dict]:
 def formation(entries: Sequence[dict], column: str) -> dict | None:
     """When and where a kind of head forms: the head with the highest ``column`` at the last
     evaluation, its block (from 1), and the first evaluation at which its score is at least half
-    way from its first value to its last (the midpoint crossing)."""
+    way from its first value to its highest (the midpoint crossing of its rise). A head whose
+    score never rose above the first evaluation's formed by then (``at_first``): the timeline
+    cannot say how much earlier."""
     if not entries:
         return None
     rows = [h for h in entries[-1]["heads"] if isinstance(h.get(column), (int, float))]
@@ -258,13 +284,17 @@ def formation(entries: Sequence[dict], column: str) -> dict | None:
         return None
     best = max(rows, key=lambda h: h[column])
     values = [next(h[column] for h in e["heads"] if h["label"] == best["label"]) for e in entries]
-    half = values[0] + (values[-1] - values[0]) / 2
-    at = next(e for e, v in zip(entries, values) if (v >= half if values[-1] >= values[0] else v <= half))
+    peak = max(range(len(values)), key=lambda i: values[i])  # the first evaluation at the highest score
+    half = values[0] + (values[peak] - values[0]) / 2
+    at = next(e for e, v in zip(entries, values) if v >= half)
     return {
         "head": best["label"],
         "block": best["block"],
         "first": values[0],
+        "peak": values[peak],
+        "peak_step": entries[peak]["step"],
         "last": values[-1],
         "half_way_step": at["step"],
         "half_way_tokens": at["tokens"],
+        "at_first": at is entries[0],
     }

@@ -320,6 +320,10 @@ def _train_locked(
         if resume and timeline_path.exists()
         else []
     )
+    if state["step"] == 0 and not timeline:  # where every score starts: the initial weights, before any step
+        entry = timeline_entry(0, 0, "initial", model, tok, split.quiz)
+        timeline.append(entry)
+        state["timeline_seconds"] = state.get("timeline_seconds", 0.0) + entry["seconds"]
     write_timeline(timeline_path, timeline)
 
     def checkpoint():
