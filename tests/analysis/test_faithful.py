@@ -179,3 +179,57 @@ def test_looks_without_moving_flags_a_strong_head_that_writes_nothing():
     assert flags[1][2] == () and flags[0][0] == ()  # L2H3 is strongest but writes 30%; L1H1 not in the top 1
     flags = looks_without_moving(raw, share, top=0.25)  # the top 2: L2H3 and L1H1
     assert flags[0][0] == ("marker",) and sum(len(f) for row in flags for f in row) == 1
+
+
+@pytest.mark.parametrize("norms_kind", ["spread", "equal", "some zero"])
+@torch.inference_mode()  # as recording reads maps
+def test_moved_values_are_the_scaled_maps_bit_for_bit(shipped_model, corpus_split, norms_kind):
+    """Every built-in detector's norm-weighted values read from the raw map and the key norms
+    (Detector.moved: the raw gathers reused, the previous-token argmax settled by bounds and the
+    unsettled rows read) equal its values on the scaled map a_qk |f_k| itself, to the last bit,
+    on whole maps and on chunks of rows, for norms spread widely, all equal, and some zero."""
+    from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks
+    from storylens.analysis.encode import batch_of, encode_stories
+
+    lm = NativeLM(shipped_model)
+    stories = corpus_split.quiz[:8]
+    encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    batch = batch_of(encoded, lm.marker_id, lm.device)
+    patterns = lm.patterns(batch.ids)
+    g = torch.Generator().manual_seed(0)
+    B, H, T, _ = patterns[0].shape
+    masks = BatchMasks(batch, patterns[0].dtype)
+    for pattern in patterns:
+        norms = {
+            "spread": torch.exp(2 * torch.randn(B, H, T, generator=g)),
+            "equal": torch.full((B, H, T), 0.7),
+            "some zero": torch.rand(B, H, T, generator=g) * (torch.rand(B, H, T, generator=g) > 0.3),
+        }[norms_kind].to(pattern.dtype)
+        for start, stop in ((0, T), (0, 5), (5, 37), (37, T)):  # the whole map and chunks of rows
+            rows = pattern[:, :, start:stop, :stop].contiguous()
+            m = masks if (start, stop) == (0, T) else masks.rows(start, stop, stop)
+            w = norms[..., :stop]
+            scaled = rows * w[:, :, None, :]
+            for d in BUILTIN_DETECTORS:
+                want = d.values(scaled, m)
+                d.values(rows, m)  # the raw read first, as the accumulator does
+                assert torch.equal(d.moved(rows, w, m), want), (d.name, start, stop)
+            m.forget()
+
+
+def test_the_norm_weighted_argmax_reads_the_rows_its_bounds_cannot_settle():
+    """Query 3 attends 0.3, 0.2 to keys 0, 1 and 0.25 to key 2 (its previous token) and itself. With
+    key norms 1 and n_1 on keys 0, 1 and 1.5 on key 2, key 2's scaled weight is 0.375 and the bounds
+    on the earlier keys' are 0.3 x min(1, n_1) and 0.3 x max(1, n_1): n_1 = 2 and 1.6 leave it
+    between them (the row is read: key 1's 0.4 wins, its 0.32 loses), n_1 = 1.1 settles it."""
+    from storylens.analysis.detectors import prev_argmax_moved, prev_argmax_parts, prev_is_argmax
+
+    p = torch.zeros(1, 1, 4, 4)
+    p[0, 0, 0, 0] = 1.0
+    p[0, 0, 1, :2] = torch.tensor([0.5, 0.5])
+    p[0, 0, 2, :3] = torch.tensor([0.2, 0.3, 0.5])
+    p[0, 0, 3] = torch.tensor([0.3, 0.2, 0.25, 0.25])
+    for n1, wins in ((2.0, 0.0), (1.6, 1.0), (1.1, 1.0)):
+        norms = torch.tensor([[[1.0, n1, 1.5, 0.1]]])
+        got = prev_argmax_moved(p, norms, prev_argmax_parts(p))
+        assert torch.equal(got, prev_is_argmax(p * norms[:, :, None, :])) and got[0, 0, 3] == wins, n1
