@@ -68,85 +68,7 @@ RESERVED_COLUMNS = frozenset(
 # ---------------------------------------------------------------- what a batch offers
 
 
-class _Reads:
-    """What the detectors of one map (or chunk of one) share, kept while that map is scored: the
-    name and marker columns and the duplicate and induction keys gathered from it, and the previous-
-    token argmax's parts. The norm-weighted columns (``Detector.moved``) reuse them with the key
-    norms instead of reading a scaled copy of the map. :meth:`forget` drops them (the map with them)."""
-
-    start: int  # the first query row of the map read (see BatchMasks, RowMasks)
-
-    @property
-    def full(self) -> BatchMasks:
-        raise NotImplementedError
-
-    def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _kept(self, key, pattern: torch.Tensor, make: Callable[[], object]):
-        kept = self.__dict__.setdefault("_reads", {})
-        hit = kept.get(key)
-        if hit is None or hit[0] is not pattern:
-            hit = kept[key] = (pattern, make())
-        return hit[1]
-
-    def forget(self) -> None:
-        """Drop what was kept of the last map read."""
-        self.__dict__.pop("_reads", None)
-
-    def _column_pick(self, pattern: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._kept("column_pick", pattern, lambda: column_pick(pattern, *self.full.column_keys))
-
-    def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
-        """``[B, H, q, 2]``: attention on the name tokens and on the markers, one product for both
-        (the name and marker detectors share it)."""
-
-        def make():
-            picked, _, weight = self._column_pick(pattern)
-            return picked @ weight[:, None].to(pattern.dtype)
-
-        return self._kept("column_mass", pattern, make)
-
-    def column_mass_moved(self, pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """:meth:`column_mass` of the norm-scaled map ``pattern * norms[:, :, None, :]`` (``norms``
-        ``[B, H, keys]`` in ``pattern``'s dtype), from the columns already gathered: bit for bit."""
-
-        def make():
-            picked, index, weight = self._column_pick(pattern)
-            B, H = norms.shape[:2]
-            moved = norms.gather(-1, index[:, None, :].expand(B, H, index.shape[-1]))  # [B, H, m]
-            return (picked * moved[:, :, None, :]) @ weight[:, None].to(pattern.dtype)
-
-        return self._kept("column_mass_moved", pattern, make)
-
-    def _picked(self, pattern: torch.Tensor, name: str) -> torch.Tensor:
-        index, _ = self.sparse_keys(name)
-        B, H, Q, _ = pattern.shape
-        return self._kept(("picked", name), pattern, lambda: pattern.gather(-1, index.expand(B, H, Q, index.shape[-1])))
-
-    def gathered_mass(self, pattern: torch.Tensor, name: str) -> torch.Tensor:
-        """Attention on key set ``name`` (:meth:`sparse_keys`): ``[B, H, q]``. Equal to
-        :func:`keys_mass` with the same key set, reading ``m`` keys per query instead of all."""
-        return (self._picked(pattern, name) * self.sparse_keys(name)[1]).sum(-1)
-
-    def gathered_mass_moved(self, pattern: torch.Tensor, norms: torch.Tensor, name: str) -> torch.Tensor:
-        """:meth:`gathered_mass` of the norm-scaled map, from the keys already gathered: bit for bit."""
-        index, weight = self.sparse_keys(name)
-        B, H, Q, _ = pattern.shape
-        moved = norms[:, :, None, :].expand(B, H, Q, norms.shape[-1]).gather(-1, index.expand(B, H, Q, index.shape[-1]))
-        return (self._picked(pattern, name) * moved * weight).sum(-1)
-
-    def prev_argmax(self, pattern: torch.Tensor) -> torch.Tensor:
-        """:func:`prev_is_argmax`, its parts kept for :meth:`prev_argmax_moved`."""
-        return prev_argmax_wins(self._kept("prev_argmax", pattern, lambda: prev_argmax_parts(pattern, self.start)))
-
-    def prev_argmax_moved(self, pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """:func:`prev_is_argmax` of the norm-scaled map, from the raw map's parts: bit for bit."""
-        parts = self._kept("prev_argmax", pattern, lambda: prev_argmax_parts(pattern, self.start))
-        return prev_argmax_moved(pattern, norms, parts, self.start)
-
-
-class BatchMasks(_Reads):
+class BatchMasks:
     """Masks of one batch, made once and shared by every block and detector.
 
     ``batch``: a :class:`storylens.analysis.encode.StoryBatch` (ids, lengths, name and marker
@@ -174,6 +96,15 @@ class BatchMasks(_Reads):
         """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a
         detector reads with a chunk of a map (``[batch, head, stop - start, keys]``)."""
         return RowMasks(self, start, stop, keys)
+
+    def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
+        """``[B, H, q, 2]``: attention on the name tokens and on the markers, one product for both
+        (kept for the block being scored: the name and marker detectors share it)."""
+        last = self.__dict__.get("_column_mass")
+        if last is None or last[0] is not pattern:
+            last = (pattern, columns_mass(pattern, *self.column_keys))
+            self.__dict__["_column_mass"] = last
+        return last[1]
 
     @cached_property
     def column_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,23 +189,26 @@ class BatchMasks(_Reads):
         return w
 
 
-class RowMasks(_Reads):
+class RowMasks:
     """:class:`BatchMasks` cut to a chunk of query rows (``start .. stop - 1``) and the keys they
     can see (``0 .. keys - 1``): the same attributes, for a detector handed that chunk of a map.
     Every query-indexed mask is sliced from the batch's, so a chunk's values are the full map's."""
 
     def __init__(self, full: BatchMasks, start: int, stop: int, keys: int):
-        self._full, self.batch, self.dtype = full, full.batch, full.dtype
+        self.full, self.batch, self.dtype = full, full.batch, full.dtype
         self.start, self.stop, self.keys = start, stop, keys
         self.inside = full.inside[:, start:stop]
         self.queries = full.queries[:, start:stop]
         self.name_queries = full.name_queries[:, start:stop]
         self.key_columns = full.key_columns[:, :, :keys]
+        self._column_mass: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def full(self) -> BatchMasks:
-        """The whole batch's masks."""
-        return self._full
+    def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
+        """As :meth:`BatchMasks.column_mass`, for this chunk."""
+        last = self._column_mass
+        if last is None or last[0] is not pattern:
+            last = self._column_mass = (pattern, columns_mass(pattern, *self.full.column_keys))
+        return last[1]
 
     def _cut(self, keys: torch.Tensor) -> torch.Tensor:  # [B, q, k] -> this chunk's rows and keys
         return keys[:, self.start : self.stop, : self.keys]
@@ -346,13 +280,7 @@ def prev_is_argmax(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
     ``pattern`` leaves this function bit for bit as it came in. ``start``: the first query of a
     chunk of rows (see :func:`diagonal`).
     """
-    return prev_argmax_wins(prev_argmax_parts(pattern, start))
-
-
-def prev_argmax_parts(pattern: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`prev_is_argmax`'s reads of ``pattern``: key q - 1's weights, query q's own, and the
-    largest weight on keys 0 .. q - 2, ``([..., n - lead], [..., n], [..., n])``; ``pattern``
-    leaves as it came in."""
+    n, lead = pattern.shape[-2], max(0, 1 - start)  # lead: query 0 has no previous key
     prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)  # views: [..., n - lead]
     own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)
     saved_prev, saved_own = prev.clone(), own.clone()
@@ -363,56 +291,8 @@ def prev_argmax_parts(pattern: torch.Tensor, start: int = 0) -> tuple[torch.Tens
     finally:
         prev.copy_(saved_prev)
         own.copy_(saved_own)
-    return saved_prev, saved_own, earlier
-
-
-def prev_argmax_wins(parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """:func:`prev_is_argmax` from its parts: key q - 1's weight, query q's own, the largest on keys
-    0 .. q - 2 (``[..., n - lead]``, ``[..., n]``, ``[..., n]``)."""
-    prev, own, earlier = parts
-    n = own.shape[-1]
-    lead = n - prev.shape[-1]
-    wins = (prev >= own[..., lead:]) & (prev > earlier[..., lead:])
-    return F.pad(wins.to(own.dtype), (lead, 0))[..., :n]
-
-
-def prev_argmax_moved(
-    pattern: torch.Tensor,
-    norms: torch.Tensor,
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    start: int = 0,
-) -> torch.Tensor:
-    """:func:`prev_is_argmax` of the norm-scaled map ``s = pattern * norms[:, :, None, :]``
-    (``norms [B, H, keys]``, ``pattern``'s dtype), bit for bit, without forming ``s``: from the
-    raw map's ``parts`` (:func:`prev_argmax_parts`), most rows are settled by bounds, the rest read.
-
-    Key q - 1's scaled weight ``s_p`` is ``fl(a_p n_p)``, the same product as in ``s``. Every earlier
-    scaled weight ``fl(a_k n_k)`` (k <= q - 2) lies between ``lo = fl(A m)`` and ``hi = fl(A M)``:
-    ``A`` the raw map's largest earlier weight, ``m``/``M`` the smallest/largest norm of keys
-    0 .. q - 2. The upper end holds for each ``k`` since ``a_k <= A`` and ``n_k <= M`` and rounding
-    keeps order; the lower end for the key of ``A`` itself. So ``s_p > hi`` beats every earlier key
-    and ``s_p <= lo`` does not; only the rows between are read (their keys scaled and the largest
-    earlier one taken), exactly as :func:`prev_is_argmax` reads ``s``."""
-    prev, own, earlier = parts
-    B, H, n = own.shape
-    lead = n - prev.shape[-1]
-    col = F.pad(norms, (1, 0))[..., start : start + n]  # key q - 1's norm for query q = start + r
-    s_prev = prev * col[..., lead:]
-    s_own = own * norms[..., start : start + n]
-    low = F.pad(norms.cummin(-1).values, (2, 0))[..., start : start + n][..., lead:]  # over keys 0 .. q - 2
-    high = F.pad(norms.cummax(-1).values, (2, 0))[..., start : start + n][..., lead:]  # (0 where none)
-    A = earlier[..., lead:]
-    beats = s_prev > A * high
-    unsure = ~beats & (s_prev > A * low)
-    if unsure.any():
-        b, h, r = unsure.nonzero(as_tuple=True)
-        q = start + lead + r  # the unsure rows' queries
-        rows = pattern[b, h, lead + r] * norms[b, h]  # [u, keys]: those rows of s
-        keys = torch.arange(rows.shape[-1], device=rows.device)
-        rows = rows.masked_fill(keys >= (q - 1)[:, None], 0)  # keys 0 .. q - 2 (every weight is >= 0)
-        beats[b, h, r] = s_prev[b, h, r] > rows.amax(-1)
-    wins = (s_prev >= s_own[..., lead:]) & beats
-    return F.pad(wins.to(own.dtype), (lead, 0))[..., :n]
+    wins = (saved_prev >= saved_own[..., lead:n]) & (saved_prev > earlier[..., lead:])
+    return F.pad(wins.to(pattern.dtype), (lead, 0))[..., :n]
 
 
 def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -420,34 +300,28 @@ def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tens
     return pattern @ columns
 
 
-def column_pick(
-    pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys ``index [B, m]`` of every row gathered, ``[B, H, q, m]``, with the index and the
-    ``[B, m, n]`` weights as they apply to this map: keys past its last (a chunk of rows sees only
-    the keys before it) weigh nothing. ``picked @ weight`` is :func:`key_columns_mass` with those
-    columns, reading ``m`` keys per row instead of all."""
+def columns_mass(pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[B, H, q, n]``: attention on each of ``n`` key sets shared by every query of a story,
+    given as ``index [B, m]`` key positions and ``weight [B, m, n]``; equal to
+    :func:`key_columns_mass` with those columns, reading ``m`` keys per row instead of all. Keys
+    past the pattern's last (a chunk of rows sees only the keys before it) weigh nothing."""
     B, H, Q, K = pattern.shape
     weight = weight * (index < K)[..., None].to(weight.dtype)
     index = index.clamp(max=K - 1)
-    return pattern.gather(-1, index[:, None, None, :].expand(B, H, Q, index.shape[-1])), index, weight
-
-
-def diagonal_moved(pattern: torch.Tensor, norms: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
-    """:func:`diagonal` of the norm-scaled map ``pattern * norms[:, :, None, :]``, bit for bit."""
-    n = pattern.shape[-2]
-    return diagonal(pattern, k, start) * F.pad(norms, (k, 0))[..., start : start + n]
-
-
-def prev_span_moved(pattern: torch.Tensor, norms: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
-    """:func:`prev_span` of the norm-scaled map, bit for bit (the same products, summed in the same order)."""
-    first = diagonal_moved(pattern, norms, 1, start)
-    return sum((diagonal_moved(pattern, norms, k, start) for k in range(2, span + 1)), first)
+    picked = pattern.gather(-1, index[:, None, None, :].expand(B, H, Q, index.shape[-1]))  # [B, H, q, m]
+    return picked @ weight[:, None].to(pattern.dtype)
 
 
 def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Attention on a per-query key set ``keys [B, q, k]`` (weights or 0/1): ``[B, H, q]``."""
     return torch.einsum("bhqk,bqk->bhq", pattern, keys.to(pattern.dtype))
+
+
+def gathered_mass(pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Attention on a few keys per query, ``index``/``weight`` ``[B, 1, q, m]``: ``[B, H, q]``. Equal to
+    :func:`keys_mass` with the same key set, reading ``m`` keys per query instead of all."""
+    B, H, Q, _ = pattern.shape
+    return (pattern.gather(-1, index.expand(B, H, Q, index.shape[-1])) * weight).sum(-1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -472,10 +346,6 @@ class Detector:
     # detector. A detector made by hand without it gets whole maps and the norm-weighted map itself.
     rows: bool = False
     scale_free: bool = False
-    # moved(pattern, norms [B, H, keys], masks): values on the norm-scaled map pattern * norms (its rows
-    # not yet divided) from the raw map and the key norms, bit for bit, without forming that map
-    # (storylens.analysis.scores' norm-weighted columns); None: the scaled map is formed for it
-    moved: Callable[[torch.Tensor, torch.Tensor, Masks], torch.Tensor] | None = None
 
     def story_means(self, pattern: torch.Tensor, masks: Masks) -> torch.Tensor:
         return masked_mean(self.values(pattern, masks), self.queries(masks))
@@ -489,58 +359,25 @@ def _induction_queries(m: Masks) -> torch.Tensor:
     return m.sparse_keys("induction_keys")[1][:, 0].any(-1)
 
 
-NAME_MASS = Detector(
-    "name_mass",
-    lambda p, m: m.column_mass(p)[..., 0],
-    lambda m: m.name_queries,
-    rows=True,
-    moved=lambda p, w, m: m.column_mass_moved(p, w)[..., 0],
-)
-MARKER = Detector(
-    "marker",
-    lambda p, m: m.column_mass(p)[..., 1],
-    lambda m: m.queries,
-    rows=True,
-    moved=lambda p, w, m: m.column_mass_moved(p, w)[..., 1],
-)
+NAME_MASS = Detector("name_mass", lambda p, m: m.column_mass(p)[..., 0], lambda m: m.name_queries, rows=True)
+MARKER = Detector("marker", lambda p, m: m.column_mass(p)[..., 1], lambda m: m.queries, rows=True)
 PREV_TOKEN = Detector(
-    "prev_token",
-    lambda p, m: prev_token(p, m.start),
-    lambda m: m.queries,
-    first_columns=True,
-    rows=True,
-    moved=lambda p, w, m: diagonal_moved(p, w, 1, m.start),
+    "prev_token", lambda p, m: prev_token(p, m.start), lambda m: m.queries, first_columns=True, rows=True
 )
 PREV_ARGMAX = Detector(
     "prev_argmax",
-    lambda p, m: m.prev_argmax(p),
+    lambda p, m: prev_is_argmax(p, m.start),
     lambda m: m.queries,
     first_columns=True,
     rows=True,
     scale_free=True,
-    moved=lambda p, w, m: m.prev_argmax_moved(p, w),
 )
-PREV4 = Detector(
-    "prev4",
-    lambda p, m: prev_span(p, start=m.start),
-    lambda m: m.queries,
-    first_columns=True,
-    rows=True,
-    moved=lambda p, w, m: prev_span_moved(p, w, start=m.start),
-)
+PREV4 = Detector("prev4", lambda p, m: prev_span(p, start=m.start), lambda m: m.queries, first_columns=True, rows=True)
 DUPLICATE_TOKEN = Detector(
-    "duplicate_token",
-    lambda p, m: m.gathered_mass(p, "duplicate_keys"),
-    _duplicate_queries,
-    rows=True,
-    moved=lambda p, w, m: m.gathered_mass_moved(p, w, "duplicate_keys"),
+    "duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")), _duplicate_queries, rows=True
 )
 INDUCTION = Detector(
-    "induction",
-    lambda p, m: m.gathered_mass(p, "induction_keys"),
-    _induction_queries,
-    rows=True,
-    moved=lambda p, w, m: m.gathered_mass_moved(p, w, "induction_keys"),
+    "induction", lambda p, m: gathered_mass(p, *m.sparse_keys("induction_keys")), _induction_queries, rows=True
 )
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)

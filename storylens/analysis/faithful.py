@@ -67,12 +67,16 @@ def key_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return head_norms(v, gram)
 
 
-def norm_scaled(pattern: torch.Tensor, norms: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a_ij |f_j| [batch, head, query, key]``: the norm-weighted map before each row is divided by
-    its sum (:func:`norm_weighted`), for detectors linear in a row, whose values are divided instead.
-    ``out``: a tensor of ``pattern``'s shape and dtype to write it into (reused scratch memory)."""
+def norm_scaled(
+    pattern: torch.Tensor, norms: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a_ij |f_j| [batch, head, query, key], the row sums [batch, head, query])``: the
+    norm-weighted map before each row is divided by its sum (:func:`norm_weighted`), for detectors
+    linear in a row, whose values are divided instead (one pass over the map fewer). ``out``: a
+    tensor of ``pattern``'s shape and dtype to write the scaled map into (reused scratch memory)."""
     weights = norms[:, :, None, :].to(pattern.dtype)
-    return pattern * weights if out is None else torch.mul(pattern, weights, out=out)
+    scaled = pattern * weights if out is None else torch.mul(pattern, weights, out=out)
+    return scaled, scaled.sum(-1)
 
 
 def row_divide(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

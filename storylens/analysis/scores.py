@@ -147,9 +147,7 @@ class HeadScoreAccumulator:
         self._rows_seen: list[int] = []
         self._key_norms: dict[int, torch.Tensor] = {}
         self._out_blocks: list[torch.Tensor | None] = []
-        self._scratch = (
-            Workspace()
-        )  # a batch's scratch memory (a scaled chunk, for a detector without moved), freed at end()
+        self._scratch = Workspace()  # a batch's scratch memory (the norm-weighted chunk), freed at end()
 
     @property
     def rows(self) -> bool:
@@ -204,37 +202,24 @@ class HeadScoreAccumulator:
             self.examples.add_block(layer, offers, pattern, full.batch, start=start)
         norms = self._key_norms.get(layer)
         if norms is not None:  # the same detectors on the norm-weighted map (storylens.analysis.faithful)
-            self._norm_rows(layer, pattern, norms[..., :keys].to(pattern.dtype), masks, offers)
-        masks.forget()  # nothing read from this map is kept past it
+            scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
+            if torch.is_inference_mode_enabled():
+                room = pattern.shape[0] * pattern.shape[1] * n * T  # a chunk of these rows over every key
+                scratch = self._scratch.take("scaled", pattern.shape, pattern.dtype, pattern.device, room)
+            scaled, total = norm_scaled(pattern, norms[..., :keys], scratch)
+            weighted = None
+            for d, (_, _, counted) in zip(self.detectors, offers):
+                if not d.rows:  # a hand-made detector: on the map itself
+                    weighted = norm_weighted(pattern, norms[..., :keys]) if weighted is None else weighted
+                    values = d.values(weighted, masks)
+                else:  # linear in a row: divided after; scale free: as it is
+                    values = d.values(scaled, masks)
+                    values = values if d.scale_free else row_divide(values, total)
+                _add(self._norm_sums[layer], d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
+            del scaled, weighted
         self._rows_seen[layer] += n
         if self._rows_seen[layer] >= T:
             self._key_norms.pop(layer, None)  # nothing of this block's maps is kept
-
-    def _norm_rows(self, layer: int, pattern: torch.Tensor, norms: torch.Tensor, masks, offers) -> None:
-        """Every detector on the norm-weighted rows ``a_qk |f_k| / sum_k a_qk |f_k|``. A detector
-        linear in a row reads the scaled rows before they are divided and is divided after; the
-        built-ins read them from what they gathered of the raw map and the norms (``Detector.moved``),
-        so the scaled map is formed only for a detector without that, the divided one only for a
-        hand-made detector that reads whole maps. The row sums are one product, ``pattern @ norms``."""
-        total = (pattern @ norms[..., None])[..., 0]  # [B, H, n]
-        scaled = weighted = None
-        for d, (_, _, counted) in zip(self.detectors, offers):
-            if not d.rows:  # a hand-made detector: on the divided map itself
-                weighted = norm_weighted(pattern, norms) if weighted is None else weighted
-                values = d.values(weighted, masks)
-            else:
-                if d.moved is not None:
-                    values = d.moved(pattern, norms, masks)
-                else:
-                    if scaled is None:  # [B, H, n, keys], in memory the last chunk's scaled map was in
-                        scratch = None
-                        if torch.is_inference_mode_enabled():
-                            room = pattern.shape[0] * pattern.shape[1] * pattern.shape[-2] * masks.full.inside.shape[1]
-                            scratch = self._scratch.take("scaled", pattern.shape, pattern.dtype, pattern.device, room)
-                        scaled = norm_scaled(pattern, norms, scratch)
-                    values = d.values(scaled, masks)
-                values = values if d.scale_free else row_divide(values, total)  # linear: divided after
-            _add(self._norm_sums[layer], d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
 
     def end(self) -> dict[str, torch.Tensor]:
         """Adds the batch; returns its per-story means, ``{detector: [batch, layer, head]}``."""

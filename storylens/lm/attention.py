@@ -56,7 +56,7 @@ from torch import nn
 from storylens.core.buffers import Workspace
 
 NAME = "storylens"
-CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (its scores and probabilities live at once)
+CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
 
 # sink(layer, probs [B, H, rows, keys], first_row): set by streaming(), read by grouped_attention
 Sink = Callable[[int, torch.Tensor, int], None]
