@@ -88,7 +88,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
     import torch
 
     from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
-    from storylens.analysis.faithful import head_norms, key_norms, ov_gram
+    from storylens.analysis.faithful import head_norms, key_norms, ov_factor
     from storylens.analysis.scores import HeadScoreAccumulator, score_heads
     from storylens.lm import NativeLM
     from storylens.model.hub import export_hf, load_model
@@ -107,7 +107,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
     lm = NativeLM(model)
 
-    grams = [ov_gram(lm.head_output_weights(i)) for i in range(L)]
+    factors = [ov_factor(lm.head_output_weights(i)) for i in range(L)]
 
     @torch.inference_mode()
     def record_and_score(detectors=LESSON_DETECTORS, faithful: bool = False, examples: int = 0):
@@ -119,14 +119,14 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
             feed += [
                 (
                     f"blocks.{i}.attn.hook_v",
-                    lambda v, hook: acc.value_norms(hook.layer, key_norms(v, grams[hook.layer])),
+                    lambda v, hook: acc.value_norms(hook.layer, key_norms(v, factors[hook.layer])),
                 )
                 for i in range(L)
             ]
             feed += [
                 (
                     f"blocks.{i}.attn.hook_z",
-                    lambda z, hook: acc.output_norms(hook.layer, head_norms(z, grams[hook.layer])),
+                    lambda z, hook: acc.output_norms(hook.layer, head_norms(z, factors[hook.layer])),
                 )
                 for i in range(L)
             ]

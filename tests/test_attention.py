@@ -127,14 +127,14 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     lm.chunk_bytes = 3000  # a few rows a chunk, not dividing the stories' lengths
     chunks: list[tuple[int, int, int]] = []
 
-    def spy(modules, sink, chunk_bytes):
-        def seen(layer, rows, start):
+    def spy(modules, sink, chunk_bytes, columns=None):
+        def seen(layer, rows, start, *masses):
             chunks.append((layer, start, rows.shape[-2]))
             assert rows.shape[-1] >= start + rows.shape[-2]  # every key its rows can see
             assert rows.shape[-2] == 1 or rows.numel() * rows.element_size() <= chunk_bytes
-            sink(layer, rows, start)
+            sink(layer, rows, start, *masses)
 
-        return streaming(modules, seen, chunk_bytes)
+        return streaming(modules, seen, chunk_bytes, columns)
 
     monkeypatch.setattr(interface, "stream_attention", spy)
     got = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)
@@ -234,3 +234,37 @@ def test_workspace_grows_and_reuses():
     d = ws.take("y", (2, 2), torch.float32, torch.device("cpu"), room=30)  # made with room: grows once
     assert ws.take("y", (5, 6), torch.float32, torch.device("cpu")).data_ptr() == d.data_ptr()
     assert ws.take("x", (2, 2), torch.float64, torch.device("cpu")).dtype == torch.float64  # one per dtype
+
+
+def test_key_columns_come_back_as_each_heads_rows_times_its_own_columns():
+    """Columns carried through the probabilities-times-values product come back, chunk by chunk, as
+    ``rows @ columns`` for each query head (grouped heads reading their own columns, not the group's
+    others'), with and without a mask, and leave the layer's output as it was (float64)."""
+    from storylens.lm.attention import streaming
+
+    torch.manual_seed(4)
+    B, H, G, T, d, c = 2, 6, 2, 30, 8, 3
+    q, k, v = (torch.randn(B, n, T, d, dtype=torch.float64) for n in (H, G, G))
+    columns = torch.rand(B, H, T, c, dtype=torch.float64)
+    module = torch.nn.Module()
+    pad = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    pad[1, :, :, 20:] = False  # the second story ends at 20
+    for mask in (None, pad):
+        seen: list = []
+
+        def sink(layer, rows, start, masses, seen=seen):
+            seen.append((start, rows.clone(), masses.clone()))
+
+        with torch.inference_mode(), streaming([module], sink, 3000, columns=lambda layer: columns):
+            out, _ = grouped_attention(module, q, k, v, mask, scaling=0.4)
+        with torch.inference_mode(), streaming([module], lambda *a: None, 3000):
+            plain, _ = grouped_attention(module, q, k, v, mask, scaling=0.4)
+        assert len(seen) > 1 and torch.allclose(out, plain, rtol=0, atol=1e-13)
+        for start, rows, masses in seen:
+            keys = rows.shape[-1]
+            assert torch.allclose(masses, rows @ columns[:, :, :keys], rtol=0, atol=1e-13), start
+    with (
+        pytest.raises(ValueError, match="columns"),
+        streaming([module], sink, 3000, columns=lambda layer: columns[:, :2]),
+    ):
+        grouped_attention(module, q, k, v, None, scaling=0.4)

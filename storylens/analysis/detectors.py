@@ -106,6 +106,11 @@ class BatchMasks:
             self.__dict__["_column_mass"] = last
         return last[1]
 
+    def offer_column_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> None:
+        """Hand over ``column_mass(pattern)`` formed elsewhere (``[B, H, q, 2]``, as :func:`key_columns_mass`
+        with ``key_columns`` inside each story: in the attention's product with the values)."""
+        self.__dict__["_column_mass"] = (pattern, mass)
+
     @cached_property
     def column_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The name and marker columns as indices: ``[B, m]`` key positions (inside each story) and
@@ -148,6 +153,27 @@ class BatchMasks:
             if name == "induction_keys":  # the position just after each earlier occurrence
                 index = torch.where(valid, index + 1, 0)
             self.__dict__[key] = (index[:, None], valid[:, None].to(self.dtype))
+        return self.__dict__[key]
+
+    def key_pairs(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key set ``name`` (as :meth:`sparse_keys`) as ``(query, key)`` pairs, each story's in
+        rising query order: ``[B, P]`` query positions (``T`` past a story's last pair) and ``[B, P]``
+        key positions (0 there), ``P`` the most pairs any story has. Only the pairs there are, not
+        every query padded to the most keys any query has (most queries have few)."""
+        key = f"_pairs_{name}"
+        if key not in self.__dict__:
+            index, valid = self.sparse_keys(name)  # [B, 1, q, m]
+            index, valid = index[:, 0], valid[:, 0] > 0
+            B, T, m = index.shape
+            count = valid.sum((1, 2))  # [B]
+            P = max(int(count.max()) if B else 0, 1)
+            rank = torch.argsort((~valid).view(B, T * m).to(torch.int8), dim=-1, stable=True)[
+                :, :P
+            ]  # real pairs first, in order
+            real = torch.arange(P, device=index.device)[None, :] < count[:, None]
+            queries = torch.where(real, rank // m, T)
+            keys = torch.where(real, index.view(B, T * m).gather(1, rank), 0)
+            self.__dict__[key] = (queries, keys)
         return self.__dict__[key]
 
     def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
@@ -202,6 +228,7 @@ class RowMasks:
         self.name_queries = full.name_queries[:, start:stop]
         self.key_columns = full.key_columns[:, :, :keys]
         self._column_mass: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
         """As :meth:`BatchMasks.column_mass`, for this chunk."""
@@ -210,12 +237,31 @@ class RowMasks:
             last = self._column_mass = (pattern, columns_mass(pattern, *self.full.column_keys))
         return last[1]
 
+    def offer_column_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> None:
+        """As :meth:`BatchMasks.offer_column_mass`, for this chunk."""
+        self._column_mass = (pattern, mass)
+
     def _cut(self, keys: torch.Tensor) -> torch.Tensor:  # [B, q, k] -> this chunk's rows and keys
         return keys[:, self.start : self.stop, : self.keys]
 
     def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         index, weight = self.full.sparse_keys(name)  # [B, 1, q, m]: key positions below each query
         return index[:, :, self.start : self.stop], weight[:, :, self.start : self.stop]
+
+    def key_pairs(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`BatchMasks.key_pairs`, the pairs whose query is in this chunk (``stop`` past them)."""
+        if name in self._pairs:
+            return self._pairs[name]
+        queries, keys = self.full.key_pairs(name)
+        lo = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.start))  # [B, 1]
+        hi = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.stop))
+        P = max(int((hi - lo).max()), 1)
+        at = lo + torch.arange(P, device=queries.device)[None, :]  # [B, P]
+        real = at < hi
+        at = at.clamp(max=queries.shape[1] - 1)
+        pairs = torch.where(real, queries.gather(1, at), self.stop), torch.where(real, keys.gather(1, at), 0)
+        self._pairs[name] = pairs
+        return pairs
 
     def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
         return self._cut(self.full.pattern_keys(fn, name))
@@ -317,11 +363,18 @@ def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhqk,bqk->bhq", pattern, keys.to(pattern.dtype))
 
 
-def gathered_mass(pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Attention on a few keys per query, ``index``/``weight`` ``[B, 1, q, m]``: ``[B, H, q]``. Equal to
-    :func:`keys_mass` with the same key set, reading ``m`` keys per query instead of all."""
-    B, H, Q, _ = pattern.shape
-    return (pattern.gather(-1, index.expand(B, H, Q, index.shape[-1])) * weight).sum(-1)
+def pairs_mass(pattern: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Attention on a key set given as pairs (:meth:`BatchMasks.key_pairs`: ``queries``, ``keys``
+    ``[B, P]``, a query past the chunk's rows marking no pair), for a chunk of rows whose first
+    query is ``start``: ``[B, H, q]``, equal to :func:`keys_mass` on the same key set. One
+    gather of the pairs' weights from the map seen flat (a query's few keys, not every query padded
+    to the most any has), then each query's summed."""
+    B, H, Q, K = pattern.shape
+    row = (queries - start).clamp(max=Q)  # Q: no pair (a slot of its own, dropped)
+    flat = torch.where(row < Q, row * K + keys, 0)  # [B, P] into each story's [q * k]
+    picked = pattern.reshape(B, H, Q * K).gather(-1, flat[:, None].expand(B, H, flat.shape[1]))  # [B, H, P]
+    out = torch.zeros(B, H, Q + 1, dtype=pattern.dtype, device=pattern.device)
+    return out.scatter_add_(-1, row[:, None].expand(B, H, row.shape[1]), picked)[..., :Q]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -374,10 +427,13 @@ PREV_ARGMAX = Detector(
 )
 PREV4 = Detector("prev4", lambda p, m: prev_span(p, start=m.start), lambda m: m.queries, first_columns=True, rows=True)
 DUPLICATE_TOKEN = Detector(
-    "duplicate_token", lambda p, m: gathered_mass(p, *m.sparse_keys("duplicate_keys")), _duplicate_queries, rows=True
+    "duplicate_token",
+    lambda p, m: pairs_mass(p, *m.key_pairs("duplicate_keys"), m.start),
+    _duplicate_queries,
+    rows=True,
 )
 INDUCTION = Detector(
-    "induction", lambda p, m: gathered_mass(p, *m.sparse_keys("induction_keys")), _induction_queries, rows=True
+    "induction", lambda p, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start), _induction_queries, rows=True
 )
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)

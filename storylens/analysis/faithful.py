@@ -35,48 +35,55 @@ TOP_SHARE = 0.1  # "among the strongest": the top tenth of heads on a detector's
 NEGLIGIBLE_SHARE = 0.25  # "negligible": under a quarter of an even share of the block's head outputs
 
 
-def ov_gram(w_o: torch.Tensor) -> torch.Tensor:
-    """``[head, d, d]``: ``W_O^h W_O^h^T`` of :meth:`~storylens.lm.AttentionLM.head_output_weights`
-    ``[head, d, d_model]``, so that ``|x W_O^h|^2 = x M_h x^T`` costs ``d^2`` per vector, not ``d * d_model``;
-    in float32 at least (float64 stays float64)."""
+def ov_factor(w_o: torch.Tensor) -> torch.Tensor:
+    """``[head, d, k]``: a factor ``F_h`` of each head's output weights
+    :meth:`~storylens.lm.AttentionLM.head_output_weights` ``[head, d, d_model]`` with
+    ``|x W_O^h| = |x F_h|`` for every ``x``, so that a vector's size through the head costs ``d * k``
+    multiplications, not ``d * d_model``: ``F_h`` is the Cholesky factor of ``W_O^h W_O^h^T``
+    (``k = d``: ``|x F_h|^2 = x W_O^h W_O^h^T x^T``), or, where that matrix is singular (a head
+    that writes in fewer than ``d`` directions, or ``d > d_model``), ``R^T`` from the QR factorisation
+    ``W_O^h^T = Q R`` (``Q``'s columns orthonormal, so ``|x R^T Q^T| = |x R^T|``; ``k = min(d, d_model)``).
+    In float32 at least (float64 stays float64)."""
     w_o = w_o.to(torch.promote_types(w_o.dtype, torch.float32))
-    return w_o @ w_o.transpose(-1, -2)
+    factor, info = torch.linalg.cholesky_ex(w_o @ w_o.transpose(-1, -2))
+    if w_o.device.type != "meta" and bool((info == 0).all()):
+        return factor
+    return torch.linalg.qr(w_o.transpose(-1, -2), mode="r").R.transpose(-1, -2)
 
 
-def head_norms(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """``|x[b, t, g] W_O^h|`` for ``x [batch, tokens, group, d]`` and ``gram = ov_gram(W_O)``
-    ``[head, d, d]``, query head ``h`` reading group ``h // (head // group)`` (as transformers'
-    ``repeat_kv``; ``group = head`` for head outputs): ``[batch, head, tokens]``, in ``gram``'s
+def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``|x[b, t, g] W_O^h|`` for ``x [batch, tokens, group, d]`` and ``factor = ov_factor(W_O)``
+    ``[head, d, k]``, query head ``h`` reading group ``h // (head // group)`` (as transformers'
+    ``repeat_kv``; ``group = head`` for head outputs): ``[batch, head, tokens]``, in ``factor``'s
     dtype (float32 at least: a half-precision square overflows or keeps three digits). One matrix
-    product per group for all of its heads; no copy of a group per head."""
+    product per group for all of its heads, then each product's length; no copy of a group per head."""
     B, T, G, d = x.shape
-    H = gram.shape[0]
+    H, k = factor.shape[0], factor.shape[-1]
     if H % G:
         raise StorylensError(f"{H} query heads cannot share {G} key/value heads evenly")
     r = H // G
-    xt = x.to(gram.dtype).permute(2, 0, 1, 3).reshape(G, B * T, d)  # [G, BT, d]
-    per_group = gram.view(G, r, d, d).permute(0, 2, 1, 3).reshape(G, d, r * d)  # [G, d, r * d]
-    y = torch.bmm(xt, per_group).view(G, B * T, r, d)  # x M_h for each head h of the group
-    sq = (y * xt[:, :, None, :]).sum(-1)  # [G, BT, r]: x M_h x^T
-    sq = sq.view(G, B, T, r).permute(1, 0, 3, 2).reshape(B, H, T)
-    return sq.clamp(min=0).sqrt()  # rounding can leave a zero vector's square a hair below 0
+    xt = x.to(factor.dtype).permute(2, 0, 1, 3).reshape(G, B * T, d)  # [G, BT, d]
+    per_group = factor.view(G, r, d, k).permute(0, 2, 1, 3).reshape(G, d, r * k)  # [G, d, r * k]
+    y = torch.bmm(xt, per_group).view(G, B * T, r, k)  # x F_h for each head h of the group
+    return torch.linalg.vector_norm(y, dim=-1).view(G, B, T, r).permute(1, 0, 3, 2).reshape(B, H, T)
 
 
-def key_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+def key_norms(v: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``|f_j|`` per query head: ``[batch, head, key]`` from ``hook_v``'s ``[batch, key, kv_head, d]``."""
-    return head_norms(v, gram)
+    return head_norms(v, factor)
 
 
 def norm_scaled(
-    pattern: torch.Tensor, norms: torch.Tensor, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pattern: torch.Tensor, norms: torch.Tensor, out: torch.Tensor | None = None, *, row_sums: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a_ij |f_j| [batch, head, query, key], the row sums [batch, head, query])``: the
     norm-weighted map before each row is divided by its sum (:func:`norm_weighted`), for detectors
     linear in a row, whose values are divided instead (one pass over the map fewer). ``out``: a
-    tensor of ``pattern``'s shape and dtype to write the scaled map into (reused scratch memory)."""
+    tensor of ``pattern``'s shape and dtype to write the scaled map into (reused scratch memory);
+    ``row_sums=False``: the sums are not taken (None; they came from elsewhere)."""
     weights = norms[:, :, None, :].to(pattern.dtype)
     scaled = pattern * weights if out is None else torch.mul(pattern, weights, out=out)
-    return scaled, scaled.sum(-1)
+    return scaled, scaled.sum(-1) if row_sums else None
 
 
 def row_divide(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,10 @@ When every measure can, and the model forms its maps in storylens's own attentio
 (:func:`storylens.lm.attention.streaming`), no block's whole map ever exists: memory stays within
 a fixed budget whatever the story's length, and no map-sized buffer is allocated. The chunk a
 measure is handed is written, in inference mode, into memory reused for the next chunk: read it,
-and copy what you keep.
+and copy what you keep. Such a measure may also have ``key_columns(layer)``, key weights
+``[batch, head, key, c]`` (or None) for the attention to carry through its product with the values:
+it is then fed ``block_rows(layer, rows, start, masses)``, ``masses [batch, head, n, c]`` being the
+chunk's rows times those columns.
 
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns.
@@ -41,7 +44,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
-from storylens.analysis.faithful import head_norms, key_norms, ov_gram
+from storylens.analysis.faithful import head_norms, key_norms, ov_factor
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
@@ -116,12 +119,30 @@ def record(
         for m in measures:
             m.block(hook.layer, pattern)
 
-    def feed_rows(layer: int, rows: torch.Tensor, start: int) -> None:
+    asking = [m for m in measures if callable(getattr(m, "key_columns", None))]
+    widths: dict[int, list[tuple[Any, int]]] = {}  # per block: (measure, how many columns it asked for)
+
+    def columns(layer: int) -> torch.Tensor | None:
+        asked = [(m, cast(Any, m).key_columns(layer)) for m in asking]
+        asked = [(m, c) for m, c in asked if c is not None]
+        widths[layer] = [(m, c.shape[-1]) for m, c in asked]
+        return None if not asked else asked[0][1] if len(asked) == 1 else torch.cat([c for _, c in asked], -1)
+
+    def feed_rows(layer: int, rows: torch.Tensor, start: int, masses: torch.Tensor | None = None) -> None:
+        given: dict[int, torch.Tensor] = {}
+        if masses is not None:
+            at = 0
+            for m, width in widths.get(layer, []):
+                given[id(m)] = masses[..., at : at + width]
+                at += width
         for m in measures:
-            cast(Any, m).block_rows(layer, rows, start)
+            if id(m) in given:
+                cast(Any, m).block_rows(layer, rows, start, given[id(m)])
+            else:
+                cast(Any, m).block_rows(layer, rows, start)
 
     hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]] = []
-    streamed = lm.streaming(feed_rows) if all(_takes_rows(m) for m in measures) else None
+    streamed = lm.streaming(feed_rows, columns if asking else None) if all(_takes_rows(m) for m in measures) else None
     if streamed is None:
         hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
     movers: list[Any] = [m for m in measures if getattr(m, "faithful", False)]
@@ -131,15 +152,15 @@ def record(
         movers = []
     if movers:
         with torch.inference_mode():
-            grams = [ov_gram(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
+            factors = [ov_factor(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
 
         def values(v: torch.Tensor, hook: Hook) -> None:
-            norms = key_norms(v, grams[hook.layer])
+            norms = key_norms(v, factors[hook.layer])
             for m in movers:
                 m.value_norms(hook.layer, norms)
 
         def outputs(z: torch.Tensor, hook: Hook) -> None:
-            norms = head_norms(z, grams[hook.layer])
+            norms = head_norms(z, factors[hook.layer])
             for m in movers:
                 m.output_norms(hook.layer, norms)
 

@@ -180,11 +180,31 @@ class HeadScoreAccumulator:
 
     update_block = block
 
-    def block_rows(self, layer: int, pattern: torch.Tensor, start: int) -> None:
+    def key_columns(self, layer: int) -> torch.Tensor | None:
+        """``[batch, head, key, c]``: key weights whose attention-weighted sums :meth:`block_rows`
+        reads, for the attention to form in its product with the values
+        (:func:`storylens.lm.attention.streaming`) and hand back as ``masses``: the name and marker
+        columns (what the name and marker detectors sum), and, once block ``layer``'s value norms
+        are in, ``|f_j|`` and ``|f_j|`` times each (the norm-weighted map's row sums and column
+        masses). None before :meth:`begin`."""
+        if self._masks is None:
+            return None
+        full = self._masks
+        norms = self._key_norms.get(layer)
+        dtype = full.dtype if norms is None else norms.dtype
+        cols = (full.key_columns[:, 0] * full.inside[..., None].to(full.dtype)).to(dtype)[:, None]  # [B, 1, T, 2]
+        B, T = full.inside.shape
+        if norms is None:
+            return cols.expand(B, self.n_head, T, 2)
+        n = norms[..., None]  # [B, H, T, 1]
+        return torch.cat([cols.expand(B, self.n_head, T, 2), n, n * cols], -1)
+
+    def block_rows(self, layer: int, pattern: torch.Tensor, start: int, masses: torch.Tensor | None = None) -> None:
         """Query rows ``start .. start + n - 1`` of block ``layer``'s map, ``[batch, head, n, keys]``
         (the keys those rows can see, at least ``start + n``): every detector's per-query values are
         summed over the counted queries; :meth:`end` divides by the counts. A block is fed in
-        order, row chunks that together cover every query once."""
+        order, row chunks that together cover every query once. ``masses [batch, head, n, c]``:
+        these rows times :meth:`key_columns`, formed with the attention's output (else computed here)."""
         if self._masks is None:
             raise RuntimeError("block() before begin(batch)")
         if self._masks.dtype != pattern.dtype:
@@ -193,6 +213,8 @@ class HeadScoreAccumulator:
         n, keys = pattern.shape[-2], pattern.shape[-1]
         T = full.inside.shape[1]
         masks = full if (start, n, keys) == (0, T, T) else full.rows(start, start + n, keys)
+        if masses is not None:  # the name and marker masses of the raw rows
+            masks.offer_column_mass(pattern, masses[..., :2])
         sums, offers = self._sums[layer], []
         for d in self.detectors:
             values, counted = d.values(pattern, masks), d.queries(masks)
@@ -206,7 +228,12 @@ class HeadScoreAccumulator:
             if torch.is_inference_mode_enabled():
                 room = pattern.shape[0] * pattern.shape[1] * n * T  # a chunk of these rows over every key
                 scratch = self._scratch.take("scaled", pattern.shape, pattern.dtype, pattern.device, room)
-            scaled, total = norm_scaled(pattern, norms[..., :keys], scratch)
+            formed = masses if masses is not None and masses.shape[-1] == 5 else None  # row sums, column masses
+            scaled, total = norm_scaled(pattern, norms[..., :keys], scratch, row_sums=formed is None)
+            if formed is not None:
+                total = formed[..., 2]
+                masks.offer_column_mass(scaled, formed[..., 3:5])
+            assert total is not None
             weighted = None
             for d, (_, _, counted) in zip(self.detectors, offers):
                 if not d.rows:  # a hand-made detector: on the map itself

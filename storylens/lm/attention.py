@@ -28,7 +28,11 @@ layer's attention never holds more than a fixed memory budget whatever the story
 map-sized temporary is ever allocated, the larger part of the cost on a CPU). In inference mode
 each chunk's scores and probabilities are written into two buffers the context takes once and reuses
 chunk after chunk and layer after layer (:class:`~storylens.core.buffers.Workspace`), so the rows a
-sink is handed are overwritten by the next chunk: it copies what it keeps. A chunk of queries
+sink is handed are overwritten by the next chunk: it copies what it keeps. A sink may also ask for
+*key columns* (``columns(layer) -> [B, H, keys, c]``): they ride along as extra columns of each
+group's value matrix (padded to :data:`COLUMN_ALIGN`), so ``rows @ columns`` comes out of the
+probabilities-times-values product that runs anyway, handed to the sink with each chunk, instead of
+a pass over the chunk of its own (the name and marker masses, the norm-weighted row sums). A chunk of queries
 ``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
 rows' up to the order of the softmax's sum (where no mask is given, the scaling and the causal
 mask are taken inside the one product, ``baddbmm(bias, q, k^T, alpha=scaling)``: a pass over the
@@ -56,11 +60,16 @@ from torch import nn
 from storylens.core.buffers import Workspace
 
 NAME = "storylens"
-CHUNK_BYTES = 16 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
+CHUNK_BYTES = 8 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
 
-# sink(layer, probs [B, H, rows, keys], first_row): set by streaming(), read by grouped_attention
-Sink = Callable[[int, torch.Tensor, int], None]
-_STREAM: dict[int, tuple[int, Sink, int, Workspace]] = {}  # id(module) -> (layer, sink, chunk bytes, buffers)
+# sink(layer, probs [B, H, rows, keys], first_row[, masses [B, H, rows, c]]): set by streaming(), read by grouped_attention
+Sink = Callable[..., None]
+# columns(layer) -> [B, H, keys, c] key weights carried through probs @ value, or None
+Columns = Callable[[int], "torch.Tensor | None"]
+_STREAM: dict[
+    int, tuple[int, Sink, int, Workspace, Columns | None]
+] = {}  # id(module) -> (layer, sink, chunk bytes, buffers, columns)
+COLUMN_ALIGN = 16  # the value matrix widened by key columns is padded to a multiple of this (BLAS's speed)
 _FUSED: dict[int, int] = {}  # id(attention module) -> how many fused() contexts hold it
 
 
@@ -88,14 +97,21 @@ def _sdpa() -> Callable[..., tuple[torch.Tensor, None]]:
 
 
 @contextmanager
-def streaming(modules: Sequence[nn.Module], sink: Sink, chunk_bytes: int = CHUNK_BYTES) -> Iterator[None]:
+def streaming(
+    modules: Sequence[nn.Module], sink: Sink, chunk_bytes: int = CHUNK_BYTES, columns: Columns | None = None
+) -> Iterator[None]:
     """Inside: the attention of ``modules[i]`` (block ``i``) hands its probabilities to
     ``sink(i, rows, first_row)`` chunk by chunk and returns none (see the module docstring; ``rows``
-    is overwritten by the next chunk)."""
+    is overwritten by the next chunk).
+
+    ``columns(i)``: key weights ``[B, H, keys, c]`` for block ``i`` (or None), carried through the
+    product of the probabilities and the values (extra columns of each group's value matrix, so no
+    pass over the probabilities of their own): the sink is then called ``sink(i, rows, first_row,
+    masses)``, ``masses [B, H, rows, c]`` being ``rows @ columns`` over the keys the rows see."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: must be at least 1, got {chunk_bytes}")
     buffers = Workspace()
-    mine = {id(m): (i, sink, chunk_bytes, buffers) for i, m in enumerate(modules)}
+    mine = {id(m): (i, sink, chunk_bytes, buffers, columns) for i, m in enumerate(modules)}
     if mine.keys() & _STREAM.keys():
         raise RuntimeError("streaming(): these attention modules are already streamed")
     _STREAM.update(mine)
@@ -184,6 +200,7 @@ def _streamed(
     sink: Sink,
     chunk_bytes: int,
     buffers: Workspace,
+    columns: Columns | None,
 ) -> torch.Tensor:
     """:func:`grouped_attention`'s output ``[B, T, H, d]``, the probabilities handed to ``sink`` a
     chunk of queries at a time (the module docstring)."""
@@ -196,6 +213,15 @@ def _streamed(
     rows = query_chunk(B, H, S, itemsize, chunk_bytes)
     grouped = query.view(B, G, r, T, d)
     out = torch.empty(B, G, r, T, d, dtype=value.dtype, device=value.device)
+    extra = columns(layer) if columns is not None else None
+    c = 0
+    if extra is not None:  # each group's values widened by its heads' key columns: [B, G, S, d + r * c + pad]
+        if extra.shape[:3] != (B, H, S):
+            raise ValueError(f"columns: shape {tuple(extra.shape)}; expected [{B}, {H}, {S}, c]")
+        c = extra.shape[-1]
+        packed = extra.to(value.dtype).view(B, G, r, S, c).permute(0, 1, 3, 2, 4).reshape(B, G, S, r * c)
+        pad = -(d + r * c) % COLUMN_ALIGN
+        value = torch.cat([value, packed, value.new_zeros(B, G, S, pad)], -1)
     reuse = torch.is_inference_mode_enabled()  # out= products record no gradient
     room = B * H * min(rows, T) * S  # the largest chunk: the buffers are taken at that size once
     for q0 in range(0, T, rows):
@@ -227,9 +253,15 @@ def _streamed(
         else:
             probs = torch.softmax(per_head, dim=-1, dtype=soft)
         probs = probs.to(value.dtype)
-        sink(layer, probs, q0)
-        out[:, :, :, q0:q1] = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys]).view(B, G, r, n, d)
-        del scores, per_head, probs
+        moved = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys])  # [B, G, r*n, width]
+        if extra is None:
+            sink(layer, probs, q0)
+        else:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
+            wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
+            masses = wide.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3).reshape(B, H, n, c)
+            sink(layer, probs, q0, masses)
+        out[:, :, :, q0:q1] = moved[..., :d].view(B, G, r, n, d)
+        del scores, per_head, probs, moved
     return out.view(B, H, T, d).transpose(1, 2)
 
 

@@ -165,11 +165,12 @@ class AttentionLM:
             return str(e)
         return None
 
-    def streaming(self, sink) -> AbstractContextManager | None:
+    def streaming(self, sink, columns=None) -> AbstractContextManager | None:
         """A context inside which every block hands its attention probabilities to
         ``sink(layer, rows [batch, head, n, keys], first_row)`` a chunk of query rows at a time and
-        keeps no whole map (:func:`storylens.lm.attention.streaming`); None where this model's
-        attention cannot (then ``hook_pattern`` gives whole maps)."""
+        keeps no whole map (:func:`storylens.lm.attention.streaming`; ``columns``: key weights
+        carried through the probabilities-times-values product, handed to the sink as a fourth
+        argument); None where this model's attention cannot (then ``hook_pattern`` gives whole maps)."""
         return None
 
     # --- running
@@ -401,10 +402,10 @@ class TransformersLM(AttentionLM):
         w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
         return w.reshape(self.n_head, -1, w.shape[1])
 
-    def streaming(self, sink) -> AbstractContextManager | None:
+    def streaming(self, sink, columns=None) -> AbstractContextManager | None:
         if getattr(self.module.config, "_attn_implementation", None) != ATTENTION:
             return None  # switched to another attention since
-        return stream_attention(self._attn, sink, self.chunk_bytes)
+        return stream_attention(self._attn, sink, self.chunk_bytes, columns)
 
     def moving_unsupported(self) -> str | None:
         try:

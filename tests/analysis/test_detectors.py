@@ -143,3 +143,27 @@ def test_duplicate_index_equals_the_dense_key_sets():
             for q in range(T):
                 want = sorted(torch.nonzero(dense[b, q]).flatten().tolist(), reverse=True)
                 assert index[b, q][real[b, q]].tolist() == want
+
+
+def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
+    """Duplicate and induction masses from the (query, key) pairs equal the dense definition
+    (``keys_mass`` over ``duplicate_keys`` / ``induction_keys``) for stories of different lengths
+    in one batch, on the whole map and on every chunk of rows a streamed block hands over."""
+    from storylens.analysis.detectors import keys_mass, pairs_mass
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [23, 9, 17, 1]
+    ids = [[0] + torch.randint(1, 5, (n - 1,), generator=g).tolist() for n in lengths]
+    b = make_batch(ids, [None] * len(ids), [True] * len(ids), marker_id=0)
+    T, H = max(lengths), 3
+    pattern = torch.rand(len(ids), H, T, T, generator=g, dtype=torch.float64).tril()
+    m = BatchMasks(b, torch.float64)
+    for name in ("duplicate_keys", "induction_keys"):
+        dense = keys_mass(pattern, getattr(m, name))
+        queries, keys = m.key_pairs(name)
+        assert int((queries < T).sum()) == int(getattr(m, name).sum())  # one pair per key in the set
+        assert torch.allclose(pairs_mass(pattern, queries, keys), dense, rtol=0, atol=1e-15)
+        for start, stop in ((0, 5), (5, 6), (6, 19), (19, T)):
+            rows = m.rows(start, stop, stop)
+            got = pairs_mass(pattern[:, :, start:stop, :stop].contiguous(), *rows.key_pairs(name), start)
+            assert torch.allclose(got, dense[..., start:stop], rtol=0, atol=1e-15), (name, start)

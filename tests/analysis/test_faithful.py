@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from storylens.analysis.faithful import (
+    head_norms,
     key_norms,
     looks_without_moving,
     norm_weighted,
-    ov_gram,
+    ov_factor,
     rank_correlation,
     rank_moves,
 )
@@ -137,14 +138,14 @@ def test_a_key_with_a_zero_value_vector_gets_no_weight():
     w_o = torch.randn(H, d, D, dtype=torch.float64)
     pattern = torch.rand(B, H, T, T, dtype=torch.float64).tril()
     pattern = pattern / pattern.sum(-1, keepdim=True)
-    n = key_norms(v, ov_gram(w_o))
+    n = key_norms(v, ov_factor(w_o))
     assert torch.equal(n[:, :, 2], torch.zeros(B, H, dtype=torch.float64))
     w = norm_weighted(pattern, n)
     assert torch.equal(w[..., 2], torch.zeros(B, H, T, dtype=torch.float64))
     assert torch.allclose(w[:, :, 3:].sum(-1), torch.ones(B, H, T - 3, dtype=torch.float64), atol=1e-12)
     # query 2 sees keys 0..2; with keys 0 and 1 also zeroed its row has nothing to share out: all zero
     v[:, :2] = 0.0
-    w = norm_weighted(pattern, key_norms(v, ov_gram(w_o)))
+    w = norm_weighted(pattern, key_norms(v, ov_factor(w_o)))
     assert torch.equal(w[:, :, :3], torch.zeros(B, H, 3, T, dtype=torch.float64))
 
 
@@ -152,10 +153,24 @@ def test_grouped_values_go_to_the_query_heads_that_read_them():
     torch.manual_seed(1)
     v = torch.randn(1, 5, 2, 3, dtype=torch.float64)  # 2 key/value groups
     w_o = torch.randn(4, 3, 6, dtype=torch.float64)  # 4 query heads: 0, 1 read group 0; 2, 3 group 1
-    n = key_norms(v, ov_gram(w_o))
+    n = key_norms(v, ov_factor(w_o))
     for h in range(4):
         direct = (v[0, :, h // 2] @ w_o[h]).norm(dim=-1)
         assert torch.allclose(n[0, h], direct, rtol=1e-12)
+
+
+def test_the_output_factor_gives_every_head_its_norms_even_where_its_weights_are_rank_deficient():
+    torch.manual_seed(2)
+    for d, D in ((4, 9), (6, 4)):  # head size below and above the model's width
+        w_o = torch.randn(3, d, D, dtype=torch.float64)
+        w_o[1, 1:] = 0.0  # head 1 writes along one direction only
+        w_o[2] = 0.0  # head 2 writes nothing
+        x = torch.randn(2, 5, 3, d, dtype=torch.float64)
+        n = head_norms(x, ov_factor(w_o))
+        for h in range(3):
+            direct = (x[:, :, h] @ w_o[h]).norm(dim=-1)  # [batch, tokens]
+            assert torch.allclose(n[:, h], direct, rtol=1e-12, atol=1e-12), (d, D, h)
+        assert torch.equal(n[:, 2], torch.zeros(2, 5, dtype=torch.float64))
 
 
 def test_rank_correlation_and_moves():
