@@ -112,11 +112,16 @@ class BatchMasks:
         self.__dict__["_column_mass"] = (pattern, mass)
 
     @cached_property
+    def story_columns(self) -> torch.Tensor:
+        """``[B, T, 2]``: the name and marker key columns, 0 past each story's end."""
+        return self.key_columns[:, 0] * self.inside[..., None].to(self.dtype)
+
+    @cached_property
     def column_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The name and marker columns as indices: ``[B, m]`` key positions (inside each story) and
         their ``[B, m, 2]`` 0/1 weights (name, marker), ``m`` the most such keys any story has. A
         story's name and marker tokens are few, so gathering them reads a sliver of each row."""
-        cols = self.key_columns[:, 0] * self.inside[..., None].to(self.dtype)  # [B, T, 2]
+        cols = self.story_columns  # [B, T, 2]
         keys = cols.sum(-1) > 0
         m = max(int(keys.sum(-1).max()), 1)
         pos = torch.arange(keys.shape[-1], device=keys.device)
@@ -167,9 +172,8 @@ class BatchMasks:
             B, T, m = index.shape
             count = valid.sum((1, 2))  # [B]
             P = max(int(count.max()) if B else 0, 1)
-            rank = torch.argsort((~valid).view(B, T * m).to(torch.int8), dim=-1, stable=True)[
-                :, :P
-            ]  # real pairs first, in order
+            missing = (~valid).view(B, T * m).to(torch.int8)
+            rank = torch.argsort(missing, dim=-1, stable=True)[:, :P]  # real pairs first, in order
             real = torch.arange(P, device=index.device)[None, :] < count[:, None]
             queries = torch.where(real, rank // m, T)
             keys = torch.where(real, index.view(B, T * m).gather(1, rank), 0)

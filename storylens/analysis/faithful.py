@@ -36,18 +36,14 @@ NEGLIGIBLE_SHARE = 0.25  # "negligible": under a quarter of an even share of the
 
 
 def ov_factor(w_o: torch.Tensor) -> torch.Tensor:
-    """``[head, d, k]``: a factor ``F_h`` of each head's output weights
+    """``[head, d, k]`` (``k = min(d, d_model)``): a factor ``F_h`` of each head's output weights
     :meth:`~storylens.lm.AttentionLM.head_output_weights` ``[head, d, d_model]`` with
     ``|x W_O^h| = |x F_h|`` for every ``x``, so that a vector's size through the head costs ``d * k``
-    multiplications, not ``d * d_model``: ``F_h`` is the Cholesky factor of ``W_O^h W_O^h^T``
-    (``k = d``: ``|x F_h|^2 = x W_O^h W_O^h^T x^T``), or, where that matrix is singular (a head
-    that writes in fewer than ``d`` directions, or ``d > d_model``), ``R^T`` from the QR factorisation
-    ``W_O^h^T = Q R`` (``Q``'s columns orthonormal, so ``|x R^T Q^T| = |x R^T|``; ``k = min(d, d_model)``).
-    In float32 at least (float64 stays float64)."""
+    multiplications, not ``d * d_model``. From the QR factorisation ``W_O^h^T = Q R`` (``Q``'s
+    columns orthonormal, so ``|x R^T Q^T| = |x R^T|``): ``F_h = R^T``, exact whatever the head's rank
+    (a Cholesky factor of ``W_O^h W_O^h^T`` is cheaper to form but, for a head that writes in few
+    directions, can come out of rounding with pivots of noise). In float32 at least (float64 stays float64)."""
     w_o = w_o.to(torch.promote_types(w_o.dtype, torch.float32))
-    factor, info = torch.linalg.cholesky_ex(w_o @ w_o.transpose(-1, -2))
-    if w_o.device.type != "meta" and bool((info == 0).all()):
-        return factor
     return torch.linalg.qr(w_o.transpose(-1, -2), mode="r").R.transpose(-1, -2)
 
 

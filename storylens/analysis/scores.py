@@ -192,7 +192,7 @@ class HeadScoreAccumulator:
         full = self._masks
         norms = self._key_norms.get(layer)
         dtype = full.dtype if norms is None else norms.dtype
-        cols = (full.key_columns[:, 0] * full.inside[..., None].to(full.dtype)).to(dtype)[:, None]  # [B, 1, T, 2]
+        cols = full.story_columns.to(dtype)[:, None]  # [B, 1, T, 2]
         B, T = full.inside.shape
         if norms is None:
             return cols.expand(B, self.n_head, T, 2)
