@@ -397,3 +397,45 @@ def test_norm_weighted_scores_and_output_norms_equal_the_direct_computation(tiny
     moved_most = max(abs(getattr(r, "norm_" + k) - getattr(r, k)) for r in got.heads for k in sums)
     print(f"{kind}: the norm weighting moves a score by up to {moved_most:.2e}")
     assert moved_most > 1e-6  # the weighting is not the identity here, so the comparison tests it
+
+
+@pytest.mark.parametrize("family", ["native", "llama"])
+def test_every_column_is_the_same_at_one_and_two_torch_threads(family, native, quiz, tmp_path):
+    """A Ray actor scores on one torch thread, a process on as many as it has: every column, the
+    norm-weighted ones and ``output_norm`` included (their output factor is a QR factorisation, which
+    LAPACK rounds by thread count unless formed on one thread), within the float64 sums' order. At a
+    width where LAPACK splits its work (the shipped model's 256; a grouped Llama of 576, SmolLM's)."""
+    if family == "native":
+        lm = NativeLM(native)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+        cfg = LlamaConfig(
+            hidden_size=576,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=WINDOW,
+            vocab_size=native.tokenizer.get_vocab_size(),
+        )
+        torch.manual_seed(0)
+        tok = PreTrainedTokenizerFast(tokenizer_object=native.tokenizer, bos_token="<|endoftext|>")
+        lm = TransformersLM(LlamaForCausalLM(cfg), tok)
+    stories = quiz[:N_STORIES]
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = score_heads(lm, stories, batch_size=4, progress=False).to_rows()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got[1]) == len(got[2]) == lm.n_layer * lm.n_head
+    for a, b in zip(got[1], got[2]):
+        assert a.keys() == b.keys()
+        for k, x in a.items():
+            if isinstance(x, float):
+                assert abs(x - b[k]) <= 1e-9, (a["label"], k, x, b[k])
+            else:
+                assert x == b[k], (k, x, b[k])

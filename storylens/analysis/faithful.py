@@ -42,9 +42,21 @@ def ov_factor(w_o: torch.Tensor) -> torch.Tensor:
     multiplications, not ``d * d_model``. From the QR factorisation ``W_O^h^T = Q R`` (``Q``'s
     columns orthonormal, so ``|x R^T Q^T| = |x R^T|``): ``F_h = R^T``, exact whatever the head's rank
     (a Cholesky factor of ``W_O^h W_O^h^T`` is cheaper to form but, for a head that writes in few
-    directions, can come out of rounding with pivots of noise). In float32 at least (float64 stays float64)."""
-    w_o = w_o.to(torch.promote_types(w_o.dtype, torch.float32))
-    return torch.linalg.qr(w_o.transpose(-1, -2), mode="r").R.transpose(-1, -2)
+    directions, can come out of rounding with pivots of noise). In float32 at least (float64 stays float64).
+
+    The same bits whatever the number of torch threads: LAPACK's blocked QR splits its work by
+    thread and so rounds differently at 1 and 2 threads (every norm-weighted column and ``output_norm``
+    then differed by up to 2e-5 between one process at 2 threads and a Ray actor at 1). The factor is
+    formed in float64 on one thread (a few milliseconds a layer, once a pass) and rounded to the
+    working dtype, so a process and every actor start from one factor."""
+    dtype = torch.promote_types(w_o.dtype, torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = torch.linalg.qr(w_o.to(torch.float64).transpose(-1, -2), mode="r").R
+    finally:
+        torch.set_num_threads(threads)
+    return r.transpose(-1, -2).to(dtype)
 
 
 def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
