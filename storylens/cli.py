@@ -541,9 +541,10 @@ def add_report_parser(sub) -> None:
         type=int,
         default=None,
         metavar="N",
+        # argparse formats help with %: the budget's percent sign is written %% (one shows)
         help="switch each detector's strongest heads off on the first N quiz stories, for the table of what "
         f"heads look at, move and matter for (default: up to {TRUTH_STORIES}, as many as cost at most "
-        f"{TRUTH_BUDGET:.0%} of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
+        f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
     )
     r.add_argument(
         "--stories",
