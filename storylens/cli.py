@@ -19,7 +19,7 @@ from storylens.analysis.truth import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, TRUTH_STOR
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
-from storylens.core.progress import progress_command
+from storylens.core.progress import NO_PROGRESS_HELP, progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
 from storylens.corpus.ray_engine import check_address
 from storylens.corpus.score import EXAMPLES, score_corpus
@@ -223,7 +223,15 @@ def cmd_train(args) -> int:
         raise UsageError(f"--copying-samples: 0 or more (got {args.copying_samples})")
     split = load_split(args.stories, first=args.first)
     try:
-        result = train(split, _out_path(args.out), cfg, resume=args.resume, copying_samples=args.copying_samples)
+        with progress_command("train"):
+            result = train(
+                split,
+                _out_path(args.out),
+                cfg,
+                resume=args.resume,
+                copying_samples=args.copying_samples,
+                progress=not args.no_progress,
+            )
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; continue with --resume", file=sys.stderr)
         return 130
@@ -432,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)"
     )
+    t.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     t.set_defaults(func=cmd_train)
 
     tl = sub.add_parser("timeline", help="figures and a page of heads forming over training runs")
@@ -589,7 +598,7 @@ def add_report_parser(sub) -> None:
         action="store_true",
         help="also switch heads off, control for position, and measure pronouns (slower)",
     )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
+    r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     r.set_defaults(func=_cmd_report)
 
 
@@ -650,6 +659,7 @@ def add_ablate_parser(sub) -> None:
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
     a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
+    a.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     a.set_defaults(func=_cmd_ablate)
 
 
@@ -668,7 +678,9 @@ def _cmd_ablate(args) -> int:
     # alone plus the top three name heads together
     group = heads if heads is None or len(heads) > 1 else []
     with progress_command("ablate"):  # off a terminal: a progress line every few seconds
-        table = name_ablation_table(model, stories, name_heads=group, heads=heads, modes=modes, progress=True)
+        table = name_ablation_table(
+            model, stories, name_heads=group, heads=heads, modes=modes, progress=not args.no_progress
+        )
     print(table.format())
     first = heads[0] if heads else table.rows[-1].label.split("+")[0]
     d = generation_divergence(
@@ -731,7 +743,7 @@ def add_score_parser(sub) -> None:
     s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     _add_examples(s)
-    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     _add_model(s)
     s.set_defaults(func=cmd_score)
 

@@ -45,6 +45,7 @@ from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.record import RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.core.progress import ProgressLines
 from storylens.data.sources import StorySource, chunk_spans, chunked
 from storylens.lm import load_lm
 
@@ -344,6 +345,7 @@ def score_with_ray(
             # one pool for the whole run; each actor holds the chunk it scores and the next one
             compute=ray.data.ActorPoolStrategy(size=min(workers, n_chunks), max_tasks_in_flight_per_actor=IN_FLIGHT),
         )
+        lines = ProgressLines(f"scoring on Ray ({workers} workers)", total, enabled=progress, initial=start)
         waiting: dict[int, dict] = {}  # chunks back before an earlier one: merged when their turn comes
         nxt = start  # the first story not merged yet
         with tqdm(
@@ -362,6 +364,7 @@ def score_with_ray(
                     pid = int(row["pid"])
                     actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
                     bar.update(int(row["n"]))
+                    lines.update(int(row["n"]))  # off a terminal, instead of the bar
                     merged = False
                     while nxt in waiting:
                         row = waiting.pop(nxt)
