@@ -11,11 +11,19 @@ import sys
 from pathlib import Path
 
 from storylens import __version__
-from storylens.analysis.ablation import generation_divergence, name_ablation_table
+from storylens.analysis.ablation import generation_divergence, name_ablation_table, normalise_heads
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.perplexity import perplexity
-from storylens.analysis.truth import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, TRUTH_STORIES
+from storylens.analysis.truth import (
+    ABLATION_LIMIT_FLOPS,
+    OVER_BUDGET_FLAG,
+    TRUTH_BUDGET,
+    TRUTH_FLOOR_FLOPS,
+    TRUTH_STORIES,
+    ablate_cost,
+    check_ablation_budget,
+)
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
@@ -62,6 +70,12 @@ def _add_model(p: argparse.ArgumentParser, dtype: bool = True) -> None:
             default=None,
             help="run the model in this precision (default: as stored)",
         )
+
+
+OVER_BUDGET_HELP = (
+    f"start even where the ablations' estimate (said before they start) passes {ABLATION_LIMIT_FLOPS / 1e12:g} "
+    "TFLOP; without it such a run is refused"
+)
 
 
 def _load(args):
@@ -660,6 +674,7 @@ def add_ablate_parser(sub) -> None:
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
     a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
     a.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    a.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
     a.set_defaults(func=_cmd_ablate)
 
 
@@ -677,6 +692,11 @@ def _cmd_ablate(args) -> int:
     # --heads: those heads alone (one row each) and, two or more, together; none: every head
     # alone plus the top three name heads together
     group = heads if heads is None or len(heads) > 1 else []
+    if heads:
+        normalise_heads(model, heads)  # a head the model lacks: refused before anything is estimated
+    lengths = [min(len(model.encode(s)), model.window) for s in stories]
+    cost = ablate_cost(model, lengths, heads, modes, group=3 if group is None else len(group))
+    check_ablation_budget(cost, "ablate", over=args.over_budget)  # said before it starts; refused past the budget
     with progress_command("ablate"):  # off a terminal: a progress line every few seconds
         table = name_ablation_table(
             model, stories, name_heads=group, heads=heads, modes=modes, progress=not args.no_progress

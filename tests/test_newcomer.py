@@ -306,7 +306,45 @@ def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch):
     assert _rows(out) == ["L4H2", "L5H4", "L5H4+L4H2"]  # each alone, then together (in the order given)
     assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert _rows(out) == ["L4H2"] and err == ""
+    assert _rows(out) == ["L4H2"] and err.splitlines() == [
+        f"storylens: ablate: {_ablate_cost(['L4H2'], ('zero',), 0).describe()}"
+    ]
+
+
+def _ablate_cost(heads, modes, group):
+    """What storylens ablate estimates on the shipped model and its quiz (as ablate counts it)."""
+    from storylens.analysis.truth import ablate_cost
+    from storylens.lesson.inputs import lesson_data
+    from storylens.lesson.report import _quiz_folder
+    from storylens.lm import load_lm
+
+    lm = load_lm(None)
+    quiz = lesson_data(_quiz_folder(lm), None).quiz
+    return ablate_cost(lm, [min(len(lm.encode(s)), lm.window) for s in quiz], heads, modes, group)
+
+
+def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
+    """Every head alone (no --heads) on the shipped model: its estimate under the budget is said and run;
+    with the budget lowered below it (the shipped model is small), one line naming the estimate, the
+    budget and --over-budget, exit 2, and nothing run; --over-budget runs it."""
+    import storylens.analysis.truth as truth
+
+    every = _ablate_cost(None, ("zero", "mean"), 3)
+    one = _ablate_cost(["L4H2"], ("zero",), 0)
+    assert one.flops < every.flops < truth.ABLATION_LIMIT_FLOPS / 2  # the shipped model's whole ablate fits
+    assert 0 < one.passes < every.passes and one.scoring == every.scoring
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", every.flops / 2)
+    limit = f"{every.flops / 2e12:g}"
+    assert main(["ablate"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"storylens: error: ablate: {every.describe()}, past the budget of {limit} TFLOP; "
+        "pass --over-budget to run it anyway\n"
+    )
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", one.flops / 2)
+    assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress", "--over-budget"]) == 0
+    out, err = capsys.readouterr()
+    assert _rows(out) == ["L4H2"] and err == f"storylens: ablate: {one.describe()}\n"
 
 
 # ---------------------------------------------------------------- 5. the notebook's wording and cells
