@@ -11,15 +11,23 @@ import sys
 from pathlib import Path
 
 from storylens import __version__
-from storylens.analysis.ablation import generation_divergence, name_ablation_table
+from storylens.analysis.ablation import generation_divergence, name_ablation_table, normalise_heads
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.perplexity import perplexity
-from storylens.analysis.truth import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, TRUTH_STORIES
+from storylens.analysis.truth import (
+    ABLATION_LIMIT_FLOPS,
+    OVER_BUDGET_FLAG,
+    TRUTH_BUDGET,
+    TRUTH_FLOOR_FLOPS,
+    TRUTH_STORIES,
+    ablate_cost,
+    check_ablation_budget,
+)
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import head_label, parse_head_label
 from storylens.core.offline import hub_offline
-from storylens.core.progress import progress_command
+from storylens.core.progress import NO_PROGRESS_HELP, progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
 from storylens.corpus.ray_engine import check_address
 from storylens.corpus.score import EXAMPLES, score_corpus
@@ -62,6 +70,12 @@ def _add_model(p: argparse.ArgumentParser, dtype: bool = True) -> None:
             default=None,
             help="run the model in this precision (default: as stored)",
         )
+
+
+OVER_BUDGET_HELP = (
+    f"start even where the ablations' estimate (said before they start) passes {ABLATION_LIMIT_FLOPS / 1e12:g} "
+    "TFLOP; without it such a run is refused"
+)
 
 
 def _load(args):
@@ -223,7 +237,15 @@ def cmd_train(args) -> int:
         raise UsageError(f"--copying-samples: 0 or more (got {args.copying_samples})")
     split = load_split(args.stories, first=args.first)
     try:
-        result = train(split, _out_path(args.out), cfg, resume=args.resume, copying_samples=args.copying_samples)
+        with progress_command("train"):
+            result = train(
+                split,
+                _out_path(args.out),
+                cfg,
+                resume=args.resume,
+                copying_samples=args.copying_samples,
+                progress=not args.no_progress,
+            )
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; continue with --resume", file=sys.stderr)
         return 130
@@ -432,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)"
     )
+    t.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     t.set_defaults(func=cmd_train)
 
     tl = sub.add_parser("timeline", help="figures and a page of heads forming over training runs")
@@ -541,9 +564,10 @@ def add_report_parser(sub) -> None:
         type=int,
         default=None,
         metavar="N",
+        # argparse formats help with %: the budget's percent sign is written %% (one shows)
         help="switch each detector's strongest heads off on the first N quiz stories, for the table of what "
         f"heads look at, move and matter for (default: up to {TRUTH_STORIES}, as many as cost at most "
-        f"{TRUTH_BUDGET:.0%} of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
+        f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
     )
     r.add_argument(
         "--stories",
@@ -588,7 +612,7 @@ def add_report_parser(sub) -> None:
         action="store_true",
         help="also switch heads off, control for position, and measure pronouns (slower)",
     )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal anyway)")
+    r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     r.set_defaults(func=_cmd_report)
 
 
@@ -649,6 +673,8 @@ def add_ablate_parser(sub) -> None:
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
     a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
+    a.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    a.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
     a.set_defaults(func=_cmd_ablate)
 
 
@@ -666,8 +692,15 @@ def _cmd_ablate(args) -> int:
     # --heads: those heads alone (one row each) and, two or more, together; none: every head
     # alone plus the top three name heads together
     group = heads if heads is None or len(heads) > 1 else []
+    if heads:
+        normalise_heads(model, heads)  # a head the model lacks: refused before anything is estimated
+    lengths = [min(len(model.encode(s)), model.window) for s in stories]
+    cost = ablate_cost(model, lengths, heads, modes, group=3 if group is None else len(group))
+    check_ablation_budget(cost, "ablate", over=args.over_budget)  # said before it starts; refused past the budget
     with progress_command("ablate"):  # off a terminal: a progress line every few seconds
-        table = name_ablation_table(model, stories, name_heads=group, heads=heads, modes=modes, progress=True)
+        table = name_ablation_table(
+            model, stories, name_heads=group, heads=heads, modes=modes, progress=not args.no_progress
+        )
     print(table.format())
     first = heads[0] if heads else table.rows[-1].label.split("+")[0]
     d = generation_divergence(
@@ -730,7 +763,7 @@ def add_score_parser(sub) -> None:
     s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     _add_examples(s)
-    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     _add_model(s)
     s.set_defaults(func=cmd_score)
 

@@ -135,6 +135,35 @@ def test_version_and_help_on_every_option(capsys):
     assert missing == []
 
 
+def _command_paths(parser, path=()):
+    """Every command of ``parser``, found in the parser itself: () for the top level, ("report",),
+    ("data", "download"), ..."""
+    import argparse
+
+    yield path
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sp in a.choices.items():
+                yield from _command_paths(sp, (*path, name))
+
+
+def test_help_works_for_every_command(capsys):
+    """--help and -h print the usage and exit 0 for the top level and every subcommand, nested
+    ones included (a % in a help text once made argparse crash on report --help)."""
+    from storylens.cli import build_parser
+
+    paths = list(_command_paths(build_parser()))
+    assert ("report",) in paths and ("data", "download") in paths and () in paths
+    for path in paths:
+        for flag in ("--help", "-h"):
+            with pytest.raises(SystemExit) as e:
+                main([*path, flag])
+            captured = capsys.readouterr()
+            assert e.value.code == 0, (path, flag, captured.err)
+            assert captured.out.startswith(f"usage: {' '.join(('storylens', *path))} "), (path, flag)
+            assert "options:" in captured.out and "Traceback" not in captured.err
+
+
 def test_record_and_html_go_together(capsys, tmp_path):
     assert main(["generate", "Once", "--html", str(tmp_path / "x.html")]) == 2
     assert (

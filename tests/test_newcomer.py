@@ -15,7 +15,7 @@ import torch
 
 from storylens.cli import main
 from storylens.core.progress import PROGRESS_EVERY_ENV, ProgressLines, progress_command
-from storylens.data.stories import ENV_STORIES
+from storylens.data.stories import ENV_STORIES, EOT
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "lesson_02.ipynb"
@@ -96,6 +96,42 @@ def test_progress_interval_from_the_environment(monkeypatch):
         r"a number \(got 'soon'\)$",
     ):
         ProgressLines("scoring", 4)
+
+
+def test_score_off_a_terminal_says_how_far_it_is_and_no_progress_silences_it(
+    capsys, monkeypatch, corpus_split, tmp_path
+):
+    """score's stderr captured (not a terminal): a line per interval through the first pass and the
+    scoring, as report and ablate print; --no-progress prints none, and the results are the same."""
+    monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")
+    stories = tmp_path / "s.txt"
+    stories.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:6]))
+    argv = ["score", "--stories", str(stories), "--batch-size", "2", "--chunk-stories", "2", "--examples", "0"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    names = [x for x in err if x.startswith("storylens: score: first pass: names ")]
+    scoring = [x for x in err if x.startswith("storylens: score: scoring ")]
+    assert names == [f"storylens: score: first pass: names {i} stories" for i in range(1, 7)], err
+    assert [x.split(",")[0] for x in scoring] == [f"storylens: score: scoring {i}/6 stories" for i in (2, 4, 6)], err
+    assert all(
+        re.fullmatch(r"storylens: score: scoring [24]/6 stories, about \d+ (s|min) left", x) for x in scoring[:2]
+    )
+    assert set(err) == set(names) | set(scoring), err  # nothing else on stderr
+    assert main([*argv, "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "a" / "heads.csv").read_text() == (tmp_path / "b" / "heads.csv").read_text()
+
+
+def test_no_progress_says_what_it_silences():
+    """The same --no-progress help wherever a long command has it, naming both kinds of progress."""
+    from storylens.cli import build_parser
+    from storylens.core.progress import NO_PROGRESS_HELP
+
+    for command in ("score", "report", "ablate", "train"):
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+        (flag,) = [a for a in sub._actions if "--no-progress" in a.option_strings]
+        assert flag.help == NO_PROGRESS_HELP, command
+    assert "terminal" in NO_PROGRESS_HELP and PROGRESS_EVERY_ENV in NO_PROGRESS_HELP
 
 
 # ---------------------------------------------------------------- 2 and 5. another model, no corpus
@@ -268,6 +304,47 @@ def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch):
     assert main(["ablate", "--heads", "L5H4", "L4H2", "--mode", "zero"]) == 0
     out, _ = capsys.readouterr()
     assert _rows(out) == ["L4H2", "L5H4", "L5H4+L4H2"]  # each alone, then together (in the order given)
+    assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert _rows(out) == ["L4H2"] and err.splitlines() == [
+        f"storylens: ablate: {_ablate_cost(['L4H2'], ('zero',), 0).describe()}"
+    ]
+
+
+def _ablate_cost(heads, modes, group):
+    """What storylens ablate estimates on the shipped model and its quiz (as ablate counts it)."""
+    from storylens.analysis.truth import ablate_cost
+    from storylens.lesson.inputs import lesson_data
+    from storylens.lesson.report import _quiz_folder
+    from storylens.lm import load_lm
+
+    lm = load_lm(None)
+    quiz = lesson_data(_quiz_folder(lm), None).quiz
+    return ablate_cost(lm, [min(len(lm.encode(s)), lm.window) for s in quiz], heads, modes, group)
+
+
+def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
+    """Every head alone (no --heads) on the shipped model: its estimate under the budget is said and run;
+    with the budget lowered below it (the shipped model is small), one line naming the estimate, the
+    budget and --over-budget, exit 2, and nothing run; --over-budget runs it."""
+    import storylens.analysis.truth as truth
+
+    every = _ablate_cost(None, ("zero", "mean"), 3)
+    one = _ablate_cost(["L4H2"], ("zero",), 0)
+    assert one.flops < every.flops < truth.ABLATION_LIMIT_FLOPS / 2  # the shipped model's whole ablate fits
+    assert 0 < one.passes < every.passes and one.scoring == every.scoring
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", every.flops / 2)
+    limit = f"{every.flops / 2e12:g}"
+    assert main(["ablate"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"storylens: error: ablate: {every.describe()}, past the budget of {limit} TFLOP; "
+        "pass --over-budget to run it anyway\n"
+    )
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", one.flops / 2)
+    assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress", "--over-budget"]) == 0
+    out, err = capsys.readouterr()
+    assert _rows(out) == ["L4H2"] and err == f"storylens: ablate: {one.describe()}\n"
 
 
 # ---------------------------------------------------------------- 5. the notebook's wording and cells

@@ -3,10 +3,13 @@ with nothing there fails in seconds, more workers than CPUs are capped, a user d
 in an actor is one line, and a local Ray listens on the loopback address and keeps its logs to itself."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,9 +67,23 @@ def test_fewer_than_one_worker_is_a_usage_error(capsys, stories_file, tmp_path, 
     assert not ray.is_initialized()
 
 
-def test_a_successful_run_prints_only_storylens_lines(stories_file, tmp_path):
-    """Ray's INFO lines, its C++ log lines and Ray Data's notes stay in Ray's session logs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+@pytest.fixture
+def stale_ray_tmpdir():
+    """A Ray temp folder (short: Ray's socket paths live in it) whose "current cluster" file names a
+    cluster long gone, as the last Ray started on a machine leaves it."""
+    folder = tempfile.mkdtemp(prefix="slray")
+    (Path(folder) / "ray").mkdir()
+    dead = f"127.0.0.1:{free_port()}"
+    (Path(folder) / "ray" / "ray_current_cluster").write_text(dead)
+    yield folder, dead
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_successful_run_prints_only_storylens_lines(stories_file, tmp_path, stale_ray_tmpdir):
+    """Ray's INFO lines, its C++ log lines and Ray Data's notes stay in Ray's session logs. Without
+    --address the run starts its own Ray: the "current cluster" file a dead Ray left is not joined."""
+    folder, dead = stale_ray_tmpdir
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": folder}
     p = subprocess.run(
         [sys.executable, "-m", "storylens", *score(stories_file, tmp_path / "out", "--workers", "2")],
         capture_output=True,
@@ -75,6 +92,8 @@ def test_a_successful_run_prints_only_storylens_lines(stories_file, tmp_path):
         timeout=600,
     )
     assert p.returncode == 0, p.stderr
+    assert list((Path(folder) / "ray").glob("session_*"))  # Ray used this temp folder: it saw the file
+    assert (Path(folder) / "ray" / "ray_current_cluster").read_text() == dead  # neither joined nor replaced
     assert [line for line in p.stderr.splitlines() if not line.startswith("storylens: ")] == [], p.stderr
     out = p.stdout.splitlines()
     assert out[0].startswith("24 stories from ") and out[-1].startswith(f"written to {tmp_path / 'out'} ")
@@ -94,7 +113,14 @@ def listening_addresses() -> set[str]:
     return found
 
 
-def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopback(capsys, shipped_model, corpus_split):
+def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopback(
+    capsys, monkeypatch, shipped_model, corpus_split
+):
+    """Also: $RAY_ADDRESS naming a dead cluster is not joined (nor left to the processes Ray
+    starts); the run starts its own local Ray."""
+    assert not ray.is_initialized()  # storylens starts this test's Ray
+    dead = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", dead)
     stories = corpus_split.quiz[:40]
     ref, ref_stats = single(shipped_model, stories)
     acc, details = HeadScoreAccumulator(6, 4), {}
@@ -124,6 +150,7 @@ def test_more_workers_than_cpus_are_capped_on_a_local_ray_that_listens_on_loopba
     addresses = listening_addresses()
     assert addresses and addresses <= LOOPBACK, addresses
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert ray.get_runtime_context().gcs_address != dead and os.environ["RAY_ADDRESS"] == dead
 
 
 def test_a_detector_that_raises_in_an_actor_is_one_line(capsys, stories_file, tmp_path):

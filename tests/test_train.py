@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from storylens.core.errors import StorylensError
+from storylens.core.progress import PROGRESS_EVERY_ENV
 from storylens.data.stories import EOT
 from storylens.training.checkpoint import load_checkpoint
 from storylens.training.train import CHECKPOINT, TrainConfig, lr_at
@@ -69,7 +70,12 @@ def _checkpoint_step(path: Path) -> int:
 def test_killed_run_resumes_with_the_uninterrupted_losses(slice_file, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ref = tmp_path / "ref"
-    subprocess.run(_train_cmd(slice_file, ref), check=True, env=env, capture_output=True)
+    # stderr is a pipe (no tqdm bar): the steps are counted in progress lines instead, here every line
+    p = subprocess.run(
+        _train_cmd(slice_file, ref), check=True, env={**env, PROGRESS_EVERY_ENV: "0"}, capture_output=True, text=True
+    )
+    steps = [x.split(",")[0] for x in p.stderr.splitlines() if x.startswith("storylens: train: training ")]
+    assert steps == [f"storylens: train: training {i}/{STEPS} steps" for i in range(1, STEPS + 1)], p.stderr
     reference = _losses(ref)
     assert len(reference) == STEPS and reference[-1] < reference[0]
 

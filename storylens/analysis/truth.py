@@ -290,3 +290,80 @@ def sentences(t: Truth) -> list[str]:
     else:
         out.append("No head looks without moving: every head strong on a detector writes a fair share of its block.")
     return out
+
+
+# ---------------------------------------------------------------- what an ablation run costs, said before it starts
+
+# ``storylens ablate`` and an explicit ``report --truth-stories`` refuse to start past this many
+# floating-point operations unless given OVER_BUDGET_FLAG. The shipped model's whole ablate (every
+# head, both modes, its 200 quiz stories) counts 15.4 TFLOP by ablate_cost, under a third of it; a
+# model of 30 blocks of 9 heads passes it with a handful of heads (each costs the blocks from its own on).
+ABLATION_LIMIT_FLOPS = 50e12
+OVER_BUDGET_FLAG = "--over-budget"
+
+
+@dataclass(frozen=True)
+class AblationCost:
+    """An ablation run's work, counted before it starts: ``passes`` forward passes of the whole model
+    over the stories (the blocks run, over the model's blocks), ``flops`` its floating-point operations
+    (:func:`block_flops` a block, :func:`head_flops` an output head, a token), ``scoring`` those of one
+    scoring pass over the same stories."""
+
+    passes: float
+    flops: float
+    scoring: float
+
+    def describe(self) -> str:
+        return (
+            f"{self.passes:,.0f} forward passes over the stories, about {self.flops / 1e12:,.1f} TFLOP "
+            f"({self.flops / self.scoring:,.0f} times one scoring pass)"
+        )
+
+
+def ablate_cost(
+    lm, lengths: Sequence[int], heads: Sequence[str] | None, modes: Sequence[str], group: int
+) -> AblationCost:
+    """What :func:`~storylens.analysis.ablation.name_ablation_table` will run over stories of ``lengths``
+    tokens (an upper bound: it ablates only those with a main character): with ``heads`` None, a
+    scoring pass for the name heads and every head alone; else those heads alone; a means pass and the
+    unablated losses; and ``group`` heads off together (counted from the first block: an upper bound),
+    each head and the group in every one of ``modes``."""
+    lm = wrap(lm)
+    L = lm.n_layer
+    labels = heads if heads is not None else [h.label for h in Head.every(L, lm.n_head)]
+    alone = sum(L - Head.parse(h).layer for h in labels)
+    blocks = L * (heads is None) + L + L + len(modes) * (alone + (L if group else 0))
+    outputs = 1 + len(modes) * (len(labels) + (1 if group else 0))
+    tokens = sum(lengths)
+    flops = tokens * (blocks * block_flops(lm) + outputs * head_flops(lm))
+    return AblationCost(passes=blocks / L, flops=flops, scoring=scoring_flops(lm, lengths))
+
+
+def truth_cost(lm, scores, lengths: Sequence[int], n: int, *, k: int = TRUTH_HEADS) -> AblationCost:
+    """What the truth table's ablations cost on the first ``n`` stories of ``lengths``."""
+    lm = wrap(lm)
+    first = list(lengths[:n])
+    return AblationCost(
+        passes=ablation_passes(lm, scores, k=k).blocks / lm.n_layer,
+        flops=sum(ablation_flops(lm, scores, first, k=k)),
+        scoring=scoring_flops(lm, first),
+    )
+
+
+def check_ablation_budget(
+    cost: AblationCost, what: str, *, over: bool = False, limit: float | None = None, stream=None
+) -> None:
+    """Say ``cost`` on stderr before the run starts; past ``limit`` (default :data:`ABLATION_LIMIT_FLOPS`)
+    and not ``over``, refuse it in one line that names the estimate, the budget and the flag that
+    runs it anyway."""
+    import sys
+
+    from storylens.core.errors import UsageError
+
+    limit = ABLATION_LIMIT_FLOPS if limit is None else limit
+    if cost.flops > limit and not over:
+        raise UsageError(
+            f"{what}: {cost.describe()}, past the budget of {limit / 1e12:g} TFLOP; "
+            f"pass {OVER_BUDGET_FLAG} to run it anyway"
+        )
+    print(f"storylens: {what}: {cost.describe()}", file=stream if stream is not None else sys.stderr, flush=True)

@@ -13,6 +13,10 @@ from storylens.core.errors import StorylensError
 
 PROGRESS_EVERY_ENV = "STORYLENS_PROGRESS_SECONDS"  # seconds between progress lines (default 10)
 PROGRESS_EVERY = 10.0
+NO_PROGRESS_HELP = (
+    "no progress: no bar on a terminal, and off one (a log, CI) no line every "
+    f"${PROGRESS_EVERY_ENV} seconds (default {PROGRESS_EVERY:g})"
+)
 _COMMAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("storylens_command", default=None)
 
 
@@ -38,7 +42,8 @@ class ProgressLines:
     """``storylens: report: scoring 120/200 stories, about 30 s left`` on stderr every ``every``
     seconds (default ``$STORYLENS_PROGRESS_SECONDS``, else 10), only where no tqdm bar shows:
     ``enabled`` (the caller's progress switch) and the stream is not a terminal. Call
-    :meth:`update` with the stories just done; a loop shorter than ``every`` prints nothing. It is
+    :meth:`update` with the stories just done (``initial``: how many were done before, as a resumed
+    run starts); a loop shorter than ``every`` prints nothing. It is
     also a measure for :func:`storylens.analysis.record.record` (``begin``/``block``/``end``), so
     a recording pass counts its batches without a loop of its own."""
 
@@ -51,6 +56,7 @@ class ProgressLines:
         enabled: bool = True,
         every: float | None = None,
         stream=None,
+        initial: int = 0,
     ):
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
@@ -64,7 +70,7 @@ class ProgressLines:
                     f"${PROGRESS_EVERY_ENV}: seconds between progress lines, a number (got {raw!r})"
                 ) from None
         self.what, self.total, self.unit, self.every = what, total, unit, every
-        self.done = 0
+        self.done = self.initial = initial  # initial: done before this run (a resumed run's), not timed
         self.start = self.last = time.monotonic()
 
     def update(self, n: int = 1) -> None:
@@ -79,8 +85,8 @@ class ProgressLines:
         line = f"storylens: {command + ': ' if command else ''}{self.what} {self.done}"
         if self.total:
             line += f"/{self.total} {self.unit}"
-            if 0 < self.done < self.total:
-                left = (now - self.start) / self.done * (self.total - self.done)
+            if self.initial < self.done < self.total:
+                left = (now - self.start) / (self.done - self.initial) * (self.total - self.done)
                 line += f", about {_duration(left)} left"
         else:
             line += f" {self.unit}"

@@ -21,7 +21,8 @@
   ``max_task_retries=-1``) and the chunk scored again from the start, so nothing is lost or counted
   twice.
 
-Without ``address`` a local Ray is started on this machine, listening on 127.0.0.1 only; with one,
+Without ``address`` a new local Ray is started on this machine, listening on 127.0.0.1 only (never
+another cluster found through ``$RAY_ADDRESS`` or the last Ray started on the machine); with one,
 the driver joins that cluster (every node needs storylens, torch and the model: see the README),
 failing within seconds where nothing answers. Ray's own log lines stay in its session logs, and an
 error in an actor (a user detector's, say) comes back as one :class:`StorylensError` line.
@@ -44,6 +45,7 @@ from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.record import RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.core.progress import ProgressLines
 from storylens.data.sources import StorySource, chunk_spans, chunked
 from storylens.lm import load_lm
 
@@ -207,6 +209,17 @@ def _stderr_fd_silenced():
         os.close(saved)
 
 
+@contextmanager
+def _env_without(name: str, when: bool = True):
+    """The environment variable ``name`` unset for the block (where ``when``), restored after it."""
+    saved = os.environ.pop(name, None) if when else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def _import_ray():
     try:
         import ray
@@ -217,25 +230,32 @@ def _import_ray():
 
 
 def _init_ray(ray, address: str | None) -> None:
-    """Join the cluster at ``address``, or start a Ray on this machine whose servers listen on the
-    loopback address only (Ray 2.60 binds every interface unless its node address is 127.0.0.1, which
-    on Linux it only takes when told there is no cluster: its ``ENABLE_RAY_CLUSTER``)."""
+    """Join the cluster at ``address``, or start a new Ray of its own on this machine whose servers
+    listen on the loopback address only (Ray 2.60 binds every interface unless its node address is
+    127.0.0.1, which on Linux it only takes when told there is no cluster: its ``ENABLE_RAY_CLUSTER``).
+    Without ``address`` no other cluster is ever joined: ``ray.init`` is given ``address="local"``
+    (left out, it would join the cluster named by ``$RAY_ADDRESS`` or by the "current cluster"
+    file the last Ray started on the machine left, another user's or a dead one), and
+    ``$RAY_ADDRESS`` is set aside while it starts, so the processes it starts do not inherit it."""
     if address:
         check_address(address)
     if ray.is_initialized():
         return
     from ray._private import ray_constants
 
-    kw = {"address": address} if address else {}
     clustered, wait = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(GCS_WAIT)
     if address:  # something answers, but maybe not Ray: one try at its GCS (~40 s), not Ray's 20
         os.environ.setdefault(GCS_WAIT, "1")
     else:
         ray_constants.ENABLE_RAY_CLUSTER = False  # this machine's Ray: node address 127.0.0.1
     try:
-        with _stderr_fd_silenced():
+        with _stderr_fd_silenced(), _env_without(ray_constants.RAY_ADDRESS_ENVIRONMENT_VARIABLE, not address):
             ray.init(
-                include_dashboard=False, log_to_driver=False, configure_logging=False, ignore_reinit_error=True, **kw
+                address=address or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                ignore_reinit_error=True,
             )
     except Exception as e:  # connection refused, bad address, ...
         where = f"--address {address}: cannot join that Ray cluster" if address else "ray: cannot start a local Ray"
@@ -325,6 +345,7 @@ def score_with_ray(
             # one pool for the whole run; each actor holds the chunk it scores and the next one
             compute=ray.data.ActorPoolStrategy(size=min(workers, n_chunks), max_tasks_in_flight_per_actor=IN_FLIGHT),
         )
+        lines = ProgressLines(f"scoring on Ray ({workers} workers)", total, enabled=progress, initial=start)
         waiting: dict[int, dict] = {}  # chunks back before an earlier one: merged when their turn comes
         nxt = start  # the first story not merged yet
         with tqdm(
@@ -343,6 +364,7 @@ def score_with_ray(
                     pid = int(row["pid"])
                     actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
                     bar.update(int(row["n"]))
+                    lines.update(int(row["n"]))  # off a terminal, instead of the bar
                     merged = False
                     while nxt in waiting:
                         row = waiting.pop(nxt)

@@ -33,6 +33,7 @@ from storylens.analysis.names import NameVocabulary
 from storylens.analysis.record import RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator, score_table
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import check_target_folder, publish_folder, write_text_atomic
 from storylens.corpus.ray_engine import score_with_ray
 from storylens.viz.explorer import write_explorer_for
@@ -70,9 +71,11 @@ def first_pass(source, *, progress: bool = True):
     from tqdm.auto import tqdm
 
     vocab, n = NameVocabulary(), 0
+    lines = ProgressLines("first pass: names", None, enabled=progress)  # off a terminal, instead of the bar
     for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
         vocab.add(text)
         n += 1
+        lines.update()
     if n == 0:
         raise StorylensError(f"{source.describe()}: no stories")
     return vocab, n
@@ -120,7 +123,11 @@ def score_corpus(
         raise UsageError(f"--engine: local or ray (got {engine!r})")
     out = Path(out)
     check_target_folder(out)  # before the first story: a bad --out costs nothing
-    with publish_folder(out, "score") as tmp:  # the lock is held for the whole run, checkpoints included
+    # off a terminal (a log, CI) a line every few seconds says how far it is: storylens: score: ...
+    with (
+        progress_command("score"),
+        publish_folder(out, "score") as tmp,
+    ):  # the lock is held for the whole run, checkpoints included
         summary, scores = _score_into(
             tmp,
             lm,
@@ -234,10 +241,11 @@ def _score_into(
             on_progress=progress_made,
         )
     else:
+        lines = ProgressLines("scoring", n_total, enabled=progress, initial=done.n_stories)  # a measure: counts
         stats = done + record(
             lm,
             _skip(source, done.n_stories),
-            [acc],
+            [acc, lines],
             batch_size=batch_size,
             names=names,
             progress=progress,

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.modes import eval_mode
+from storylens.core.progress import ProgressLines
 from storylens.core.publish import file_lock, os_error, write_text_atomic
 from storylens.data.leakage import check_leakage
 from storylens.data.stories import LEAKAGE_FILE, QUIZ_FILE, Split, quiz_file_bytes
@@ -344,6 +345,7 @@ def _train_locked(
     bar = tqdm(
         total=cfg.max_steps, initial=state["step"], disable=None if progress else True, unit="step", dynamic_ncols=True
     )  # disable=None: a bar on a terminal only, no carriage returns into pipes
+    lines = ProgressLines("training", cfg.max_steps, unit="steps", enabled=progress, initial=state["step"])
     try:
         while state["step"] < cfg.max_steps:
             if stop:
@@ -388,6 +390,7 @@ def _train_locked(
                     ema_txt = f" (EMA {row['quiz_perplexity_ema']:.3f})" if ema_model is not None else ""
                     tqdm.write(f"step {state['step']}: quiz perplexity {ppl:.3f}{ema_txt}")
             bar.update(1)
+            lines.update(1)  # off a terminal, instead of the bar
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if time.time() - last_ckpt > cfg.checkpoint_minutes * 60:
                 checkpoint()
