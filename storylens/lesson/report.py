@@ -16,6 +16,7 @@ Data first, then the page: the figures become a typed :class:`~storylens.lesson.
 from __future__ import annotations
 
 import base64
+import math
 import os
 import time
 import zlib
@@ -75,7 +76,7 @@ from storylens.lesson.summary import (
 )
 from storylens.lm import NativeLM, load_lm, wrap
 from storylens.model.tokenizer import encode_story
-from storylens.recording import story_attention
+from storylens.recording import figure_tokens, story_attention
 from storylens.viz import (
     HEATMAP_CSS,
     AttentionWidget,
@@ -152,10 +153,22 @@ def _check_writable(out: Path) -> Path:
     return out
 
 
-def _pick_story(quiz: list[str], scores_mains) -> int:
-    """The first quiz story with a main character mentioned early and at least 60 tokens."""
+def _pick_story(quiz: list[str], scores_mains, shown: int | None = None) -> int:
+    """The quiz story the figures and the widget show, of which they draw the first ``shown`` tokens
+    (None: all): the first whose main character is mentioned early (before position 40) and at
+    least three times within those tokens; else the first mentioning it there with a token after
+    the mention; else the first with a main character at all (a long story whose mentions all fall
+    past the tokens drawn: its name-head figure then has no name to box)."""
+    limit = math.inf if shown is None else shown
+
+    def drawn(m) -> list[int]:
+        return [] if m is None or m.first_mention is None else [p for p in m.positions if p < limit]
+
     for i, m in enumerate(scores_mains):
-        if m is not None and m.first_mention is not None and m.first_mention < 40 and len(m.positions) >= 3:
+        if drawn(m) and m.first_mention < 40 and len(drawn(m)) >= 3:
+            return i
+    for i, m in enumerate(scores_mains):  # else the first whose main character is drawn, a query after it
+        if drawn(m) and m.first_mention < limit - 1:
             return i
     for i, m in enumerate(scores_mains):  # else the first story that has a main character at all
         if m is not None and m.positions:
@@ -384,7 +397,7 @@ def _figure_data(lm, quiz, encoded, scores) -> dict:
     """Everything the figures need, computed with the model (the drawing itself never runs it)."""
 
     mains = [e.main for e in encoded]
-    index = _pick_story(quiz, mains)
+    index = _pick_story(quiz, mains, min(lm.window, figure_tokens(lm.n_layer, lm.n_head)))
     tokens, att, enc = story_attention(lm, quiz[index])  # recorded once: figures and widget
     top = scores.best("name_mass")
     main = mains[index]
@@ -439,17 +452,27 @@ def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
         )
     keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline, title=title))
     b, h = info["block"], info["head"]
-    weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
+    label = scores.best("name_mass").label
+    head_title = None
+    if main.positions:
+        weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
+    else:  # a long story whose main character is mentioned only past the tokens drawn
+        weights = att[b, h][1:].mean(axis=0)
+        head_title = (
+            f"{label}: where it looks in this story\n{main.name} is mentioned only past the {len(tokens)} "
+            f"tokens drawn: mean over every query after the marker, no name to box"
+        )
     keep(
         "top_name_head",
         name_head_figure(
             tokens,
             weights,
             list(main.positions),
-            label=scores.best("name_mass").label,
+            label=label,
             first_mention=main.first_mention,
             baseline=scores.name_baseline,
             max_tokens=160,
+            title=head_title,
         ),
     )
     return names

@@ -34,9 +34,10 @@ group's value matrix (padded to :data:`COLUMN_ALIGN`), so ``rows @ columns`` com
 probabilities-times-values product that runs anyway, handed to the sink with each chunk, instead of
 a pass over the chunk of its own (the name and marker masses, the norm-weighted row sums). A chunk of queries
 ``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
-rows' up to the order of the softmax's sum (where no mask is given, the scaling and the causal
-mask are taken inside the one product, ``baddbmm(bias, q, k^T, alpha=scaling)``: a pass over the
-chunk fewer each); where the softmax runs in float32 under float64 inputs
+rows' up to the order of the softmax's sum (the scaling is taken inside the one product,
+``baddbmm(buffer, q, k^T, beta=0, alpha=scaling)``, and where no mask is given only the corner of
+keys ahead of the chunk's queries, ``[rows, rows]``, is set to -inf: no ``[rows, keys]`` mask or
+bias is built or read); where the softmax runs in float32 under float64 inputs
 (Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
 
 **Fused** (:func:`fused`, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
@@ -60,7 +61,11 @@ from torch import nn
 from storylens.core.buffers import Workspace
 
 NAME = "storylens"
-CHUNK_BYTES = 8 * 2**20  # a streamed chunk's scores at most this (3 such buffers live at once)
+# a streamed chunk's scores at most this (3 such buffers live at once). Each chunk costs every measure a
+# fixed few dozen tensor calls besides its reads: at 8 MB (29 query rows of an 8,000-token story on 9
+# heads) those were a third of a long story's scoring; at 32 MB they are a few percent
+# (benchmarks/bench_long.py)
+CHUNK_BYTES = 32 * 2**20
 
 # sink(layer, probs [B, H, rows, keys], first_row[, masses [B, H, rows, c]]): set by streaming(), read by grouped_attention
 Sink = Callable[..., None]
@@ -230,19 +235,16 @@ def _streamed(
         q = grouped[:, :, :, q0:q1].reshape(B, G, r * n, d)
         k_t = key[:, :, :keys].transpose(-1, -2)  # [B, G, d, keys]
         place = buffers.take("scores", (B, G, r * n, keys), q.dtype, q.device, room) if reuse else None
-        causal = attention_mask is None and (n > 1 or q0 + past + 1 < keys)  # no mask given: causal
-        if causal:  # scaling and the causal mask in the product itself: scores = bias + scaling * q k^T
-            visible = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(q0 + past)
-            bias = torch.zeros(n, keys, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-            bias = bias.repeat(r, 1)  # [r*n, keys]: the group's query heads stacked, as q
-            q3, k3 = q.reshape(B * G, r * n, d), k_t.reshape(B * G, d, keys)
-            if place is None:
-                scores = torch.baddbmm(bias, q3, k3, alpha=scaling)
-            else:
-                scores = torch.baddbmm(bias, q3, k3, alpha=scaling, out=place.view(B * G, r * n, keys))
-            scores = scores.view(B, G, r * n, keys)
+        # scores = scaling * q k^T in one product (beta=0: what the buffer held is ignored)
+        q3, k3 = q.reshape(B * G, r * n, d), k_t.reshape(B * G, d, keys)
+        if place is None:
+            scores = torch.baddbmm(q3.new_empty(B * G, r * n, keys), q3, k3, beta=0, alpha=scaling)
         else:
-            scores = (torch.matmul(q, k_t) if place is None else torch.matmul(q, k_t, out=place)).mul_(scaling)
+            flat = place.view(B * G, r * n, keys)
+            scores = torch.baddbmm(flat, q3, k3, beta=0, alpha=scaling, out=flat)
+        scores = scores.view(B, G, r * n, keys)
+        if attention_mask is None and keys > q0 + past + 1:  # no mask given: causal, hiding only what is ahead
+            _hide_ahead(scores.view(B, G, r, n, keys), keys - (q0 + past))
         per_head = scores.view(B, H, n, keys)
         if attention_mask is not None:
             _masked(per_head, attention_mask[:, :, q0:q1, :keys], in_place=True)
@@ -263,6 +265,16 @@ def _streamed(
         out[:, :, :, q0:q1] = moved[..., :d].view(B, G, r, n, d)
         del scores, per_head, probs, moved
     return out.view(B, H, T, d).transpose(1, 2)
+
+
+def _hide_ahead(scores: torch.Tensor, width: int) -> None:
+    """Set the keys ahead of each query to -inf, in place: ``scores [..., n, keys]`` holds query rows
+    whose first sees the keys up to ``keys - width`` (the last ``width`` columns hold the first row's
+    own key and the keys after it), row ``i`` seeing ``i`` more. Only that ``[n, width]`` corner is
+    touched, not a ``[n, keys]`` mask."""
+    n = scores.shape[-2]
+    ahead = torch.ones(n, width, dtype=torch.bool, device=scores.device).triu(1)
+    scores[..., -width:].masked_fill_(ahead, float("-inf"))
 
 
 def register() -> bool:
