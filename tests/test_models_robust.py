@@ -5,6 +5,7 @@ refused in one line naming the folder; generation on transformers' cache API tha
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -449,3 +450,141 @@ def test_ray_actors_would_ignore_device_and_dtype_so_they_are_refused(corpus, tm
         2,
     ) == ("storylens: error: --device and --dtype: only with --engine local (Ray actors load the model as stored)")
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- 7. custom code, impossible sizes
+
+
+PAYLOAD = """import pathlib
+pathlib.Path({marker!r}).write_text("the payload ran")
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+class PayloadConfig(GPT2Config):
+    model_type = "payload_gpt"
+class PayloadModel(GPT2LMHeadModel):
+    config_class = PayloadConfig
+class PayloadTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def _set_json(path, **changes):
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_a_model_naming_custom_code_is_refused_whatever_stdin_says(folders, tmp_path, where):
+    """transformers would ask "Do you wish to run the custom code? [y/N]" on stdin and run it on
+    "y": storylens refuses the folder first, and the payload never runs (nor is copied to run)."""
+    import subprocess
+    import sys
+
+    bad, marker, hf_home = tmp_path / "custom", tmp_path / "payload-ran", tmp_path / "hf"
+    shutil.copytree(folders["gpt2"], bad)
+    (bad / "payload.py").write_text(PAYLOAD.format(marker=str(marker)))
+    if where == "config.json":  # a model type transformers lacks: it would ask, then import payload.py
+        auto = {"AutoConfig": "payload.PayloadConfig", "AutoModelForCausalLM": "payload.PayloadModel"}
+        _set_json(bad / "config.json", model_type="payload_gpt", auto_map=auto)
+        named = "payload.PayloadConfig, payload.PayloadModel"
+    else:
+        _set_json(bad / "tokenizer_config.json", auto_map={"AutoTokenizer": [None, "payload.PayloadTokenizer"]})
+        named = "payload.PayloadTokenizer"
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    for argv in (["perplexity"], ["generate", "Once upon a time"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "storylens", *argv, "--model", str(bad)],
+            input="y\n",
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert (r.returncode, r.stdout) == (1, ""), r.stderr
+        assert r.stderr == (
+            f"storylens: error: {bad}: {where} names custom code (auto_map: {named}), which storylens never runs; "
+            "it reads only models transformers itself implements (GPT-2, GPT-Neo, Llama, ...)\n"
+        )
+    assert not marker.exists()
+    assert not list(hf_home.rglob("payload.py"))  # transformers copies a module it is about to import
+
+
+@pytest.mark.parametrize(
+    "kind, changes, why",
+    [
+        ("gpt2", {"n_layer": 0}, "config.json: n_layer 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_head": -4}, "config.json: n_head -4 is not a whole number of at least 1"),
+        ("gpt2", {"n_head": 0}, "config.json: n_head 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_embd": 0}, "config.json: n_embd 0 is not a whole number of at least 1"),
+        ("gpt2", {"vocab_size": -5}, "config.json: vocab_size -5 is not a whole number of at least 1"),
+        ("gpt2", {"n_positions": 0}, "config.json: n_positions 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_embd": 30}, "config.json: n_embd 30 is not divisible by n_head 4"),
+        (
+            "llama",
+            {"num_key_value_heads": 3},
+            "config.json: num_attention_heads 4 is not divisible by num_key_value_heads 3",
+        ),
+        ("llama", {"intermediate_size": 0}, "config.json: intermediate_size 0 is not a whole number of at least 1"),
+        (
+            "gpt2",
+            {"n_layer": 100_000},
+            "config.json asks for at least 102,531,072 parameters (100,000 layers, hidden size 32, 4 heads, "
+            "vocabulary 4,096) but its weights hold 158,592 numbers; refused before building it",
+        ),
+        (
+            "gpt2",
+            {"n_layer": "two"},
+            "cannot load as a transformers causal LM (StrictDataclassFieldValidationError: Validation error for "
+            "field 'n_layer': TypeError: Field 'n_layer' expected int, got str (value: 'two'))",
+        ),
+    ],
+)
+def test_impossible_sizes_are_refused_before_anything_is_built(folders, tmp_path, capfd, kind, changes, why):
+    bad = tmp_path / "sizes"
+    shutil.copytree(folders[kind], bad)
+    _set_json(bad / "config.json", **changes)
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == f"storylens: error: {bad}: {why}"
+
+
+def test_a_config_past_this_machines_memory_is_refused_before_building(folders, tmp_path, capfd):
+
+    from storylens.core.memory import available_memory
+
+    assert available_memory() is not None  # Linux: /proc/meminfo
+    bad = tmp_path / "huge"
+    shutil.copytree(folders["gpt2"], bad)
+    _set_json(bad / "config.json", n_layer=1_000_000, n_embd=4096, n_head=32)  # at least 16.8 T parameters
+    line = one_line(capfd, ["perplexity", "--model", str(bad)], 1)
+    least = 4096 * 4096 + 1_000_000 * 4096 * 4096
+    assert re.fullmatch(
+        re.escape(
+            f"storylens: error: {bad}: config.json asks for at least {least:,} parameters (1,000,000 layers, "
+            f"hidden size 4,096, 32 heads, vocabulary 4,096): {least * 4 / 1e9:,.1f} GB in float32, more than the "
+        )
+        + r"[\d,]+\.\d GB"
+        + re.escape(" of memory available here; refused before building it"),
+        line,
+    ), line
+
+
+def test_attention_that_overflows_is_refused_naming_the_head_and_nothing_is_written(folders, corpus, tmp_path, capfd):
+    """Queries and keys of block 2 scaled so that their products pass float32's range: its
+    attention is NaN, and every score after it; refused in one line naming the first such head."""
+
+    def overflow(sd):
+        for k in ("q_proj", "k_proj"):
+            sd[f"model.layers.1.self_attn.{k}.weight"] *= 1e20  # each about 1e19: q . k about 1e40 > 3.4e38
+
+    bad = _edit(folders["llama"], tmp_path / "overflow", overflow)
+    load_lm(bad)  # every weight finite: only the attention overflows
+    want = re.compile(
+        r"storylens: error: L2H1: its name_mass score is NaN or infinite on story \d+ "
+        r"\(its queries, keys or values overflow float32\); refused, nothing written"
+    )
+    for argv in (
+        ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress"],
+        ["report", "--out", str(tmp_path / "r"), "--no-progress"],
+    ):
+        line = one_line(capfd, [*argv, "--model", str(bad)], 1)
+        assert want.fullmatch(line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overflow"]  # no output, checkpoint or lock
