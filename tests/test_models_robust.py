@@ -588,3 +588,81 @@ def test_attention_that_overflows_is_refused_naming_the_head_and_nothing_is_writ
         line = one_line(capfd, [*argv, "--model", str(bad)], 1)
         assert want.fullmatch(line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overflow"]  # no output, checkpoint or lock
+
+
+def test_recorded_generation_on_a_sliding_window_cache(native, fast_tokenizer, tmp_path, capfd):
+    """Mistral's sliding-window cache holds only the latest 8 keys, so each new token's recorded row
+    is 8 keys long (it ended in a RuntimeError while the replay was filled): the replay equals one
+    whole forward pass over the generated ids, zeros outside the window included."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig
+
+    from storylens.lesson.checks import probability_bound
+    from storylens.lm.generate import record_generation
+
+    marker = fast_tokenizer.bos_token_id
+    cfg = MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=WINDOW,
+        sliding_window=8,
+        vocab_size=native.tokenizer.get_vocab_size(),
+        bos_token_id=marker,
+        eos_token_id=marker,
+    )
+    torch.manual_seed(0)
+    folder = _save(transformers.AutoModelForCausalLM.from_config(cfg), fast_tokenizer, tmp_path / "mistral")
+    lm = load_lm(folder, dtype=torch.float64)
+    run = record_generation(lm, "Once upon a time", max_new_tokens=40, stop_at_marker=False, seed=1)
+    n = len(run.ids)
+    assert n == 45
+    whole = lm.patterns(torch.tensor([run.ids]))
+    far = torch.ones(n, n, dtype=torch.bool).tril(-8)  # keys 8 or more back: outside the window
+    sizes = SimpleNamespace(n_layer=2, n_embd=32, block_size=WINDOW, head_size=8)
+    for b in range(lm.n_layer):
+        assert not run.patterns[b][:, far].any() and not whole[b][0][:, far].any()
+        # rotary angles are float32 in transformers whatever the model's dtype: a float32 bound
+        worst = float((run.patterns[b] - whole[b][0]).abs().max())
+        assert worst <= probability_bound(sizes, torch.float32), worst
+    page = tmp_path / "replay.html"
+    argv = ["generate", "Once upon a time", "--max-new-tokens", "30", "--record", "--html", str(page)]
+    assert main([*argv, "--model", str(folder)]) == 0
+    assert "replay written to" in capfd.readouterr().err and page.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (
+            lambda d: (d / "model.safetensors").write_bytes(os.urandom(1000)),
+            "{bad}/model.safetensors: corrupt or truncated weights (",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:300_000]),
+            "{bad}/model.safetensors: corrupt or truncated weights (",
+        ),
+        (
+            lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"),
+            "{bad}: tokenizer_config.json: not a JSON object",
+        ),
+        (
+            lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+            "{bad}: tokenizer: encodes text as no tokens at all (is its tokenizer.json missing?)",
+        ),
+    ],
+    ids=["garbage-weights", "truncated-weights", "tokenizer-config-a-list", "no-tokenizer"],
+)
+def test_hostile_files_in_a_transformers_folder_are_one_line(folders, corpus, tmp_path, capfd, spoil, why):
+    """Each was a traceback (a tokenizer config that is a list), or ran on transformers' empty
+    stand-in tokenizer (no tokenizer files: 'no token to predict')."""
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["gpt2"], bad)
+    spoil(bad)
+    for argv in (["perplexity"], ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress"]):
+        line = one_line(capfd, [*argv, "--model", str(bad)], 1)
+        assert line.startswith("storylens: error: " + why.format(bad=bad)), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]

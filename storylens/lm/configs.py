@@ -43,7 +43,9 @@ def check_no_custom_code(source: str, kw: dict) -> None:
 
     config, _ = PretrainedConfig.get_config_dict(source, **kw)
     for name, doc in (("config.json", config), ("tokenizer_config.json", get_tokenizer_config(source, **kw))):
-        named = doc.get("auto_map") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):  # transformers would fail on it with an AttributeError
+            raise StorylensError(f"{source}: {name}: not a JSON object")
+        named = doc.get("auto_map")
         if named:
             shown = ", ".join(_classes(named)[:3]) or repr(named)
             raise StorylensError(

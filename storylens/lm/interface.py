@@ -378,6 +378,8 @@ class TransformersLM(AttentionLM):
         if not hasattr(backend, "encode_batch"):
             raise StorylensError(f"{type(tokenizer).__name__}: storylens needs a fast (tokenizers) tokenizer")
         self.tokenizer = backend
+        if not backend.encode("Once upon a time", add_special_tokens=False).ids:  # transformers' empty stand-in
+            raise StorylensError("tokenizer: encodes text as no tokens at all (is its tokenizer.json missing?)")
         marker = getattr(tokenizer, "bos_token_id", None)
         if marker is None:
             marker = getattr(tokenizer, "eos_token_id", None)
