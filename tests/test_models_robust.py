@@ -587,6 +587,24 @@ def test_attention_that_overflows_is_refused_naming_the_head_and_nothing_is_writ
     ):
         line = one_line(capfd, [*argv, "--model", str(bad)], 1)
         assert want.fullmatch(line), line
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        "storylens: error: perplexity: the model's loss is NaN or infinite (a number overflows inside it)"
+    )  # was "quiz perplexity nan", exit 0
+    page = tmp_path / "replay.html"
+    argv = [
+        "generate",
+        "Once upon a time",
+        "--max-new-tokens",
+        "5",
+        "--record",
+        "--html",
+        str(page),
+        "--model",
+        str(bad),
+    ]
+    assert one_line(capfd, argv, 1) == (  # was torch.multinomial's RuntimeError traceback
+        "storylens: error: generate: the model's next-token scores are NaN or infinite (a number overflows inside it)"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overflow"]  # no output, checkpoint or lock
 
 
