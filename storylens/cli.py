@@ -30,7 +30,7 @@ from storylens.core.offline import hub_offline
 from storylens.core.progress import NO_PROGRESS_HELP, progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
 from storylens.corpus.ray_engine import check_address
-from storylens.corpus.score import EXAMPLES, score_corpus
+from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET, score_corpus
 from storylens.data.sources import open_source
 from storylens.data.stories import download_tinystories, load_split
 from storylens.lesson.checks import run_checks
@@ -774,7 +774,8 @@ def _add_examples(s) -> None:
         type=int,
         default=EXAMPLES,
         metavar="K",
-        help=f"keep the K queries where each head fires most, per detector, in examples.json (default {EXAMPLES}; 0: none)",
+        help=f"keep the K queries where each head fires most, per detector, in examples.json (default {EXAMPLES}; "
+        f"0: none; at most {EXAMPLES_BUDGET:,} examples in all, heads x detectors x K: about 1 KB each, refused past it)",
     )
 
 

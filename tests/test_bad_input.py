@@ -327,3 +327,30 @@ def test_dot_targets_are_refused(capsys, target):
     assert one_line(capsys, ["export-hf", target]) == (
         f"storylens: error: {target}: give the output folder a name of its own (not '.' or '..')"
     )
+
+
+# ---------------------------------------------------------------- --examples within a stated budget
+
+
+def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp_path, corpus_split):
+    """--examples K keeps heads x detectors x K examples: at most EXAMPLES_BUDGET in all (the
+    shipped model: 24 heads x 7 detectors), refused past it before a story is scored."""
+    from storylens.corpus.score import EXAMPLES_BUDGET
+
+    stories = tmp_path / "stories.txt"
+    stories.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:3]))
+    most = EXAMPLES_BUDGET // (24 * 7)
+    for k in (most + 1, 10**12):
+        want = (
+            f"storylens: error: --examples {k:,}: 24 heads x 7 detectors x {k:,} = {24 * 7 * k:,} examples, past "
+            f"the budget of {EXAMPLES_BUDGET:,} kept in all (about 1 KB each in memory, and again in examples.json "
+            f"and explore.html); at most {most:,} here"
+        )
+        argv = ["score", "--stories", str(stories), "--out", str(tmp_path / "o"), "--no-progress"]
+        assert one_line(capsys, [*argv, "--examples", str(k)], 2) == want
+        assert one_line(capsys, ["report", "--out", str(tmp_path / "r"), "--examples", str(k)], 2) == want
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["stories.txt"]
+    out = tmp_path / "o"
+    assert main(["score", "--stories", str(stories), "--out", str(out), "--no-progress", "--examples", str(most)]) == 0
+    kept = json.loads((out / "examples.json").read_text())["heads"]
+    assert len(kept) == 24 and all(len(h["examples"]["prev_token"]) <= most for h in kept)

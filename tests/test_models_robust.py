@@ -5,6 +5,7 @@ refused in one line naming the folder; generation on transformers' cache API tha
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -449,3 +450,237 @@ def test_ray_actors_would_ignore_device_and_dtype_so_they_are_refused(corpus, tm
         2,
     ) == ("storylens: error: --device and --dtype: only with --engine local (Ray actors load the model as stored)")
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- 7. custom code, impossible sizes
+
+
+PAYLOAD = """import pathlib
+pathlib.Path({marker!r}).write_text("the payload ran")
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+class PayloadConfig(GPT2Config):
+    model_type = "payload_gpt"
+class PayloadModel(GPT2LMHeadModel):
+    config_class = PayloadConfig
+class PayloadTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def _set_json(path, **changes):
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_a_model_naming_custom_code_is_refused_whatever_stdin_says(folders, tmp_path, where):
+    """transformers would ask "Do you wish to run the custom code? [y/N]" on stdin and run it on
+    "y": storylens refuses the folder first, and the payload never runs (nor is copied to run)."""
+    import subprocess
+    import sys
+
+    bad, marker, hf_home = tmp_path / "custom", tmp_path / "payload-ran", tmp_path / "hf"
+    shutil.copytree(folders["gpt2"], bad)
+    (bad / "payload.py").write_text(PAYLOAD.format(marker=str(marker)))
+    if where == "config.json":  # a model type transformers lacks: it would ask, then import payload.py
+        auto = {"AutoConfig": "payload.PayloadConfig", "AutoModelForCausalLM": "payload.PayloadModel"}
+        _set_json(bad / "config.json", model_type="payload_gpt", auto_map=auto)
+        named = "payload.PayloadConfig, payload.PayloadModel"
+    else:
+        _set_json(bad / "tokenizer_config.json", auto_map={"AutoTokenizer": [None, "payload.PayloadTokenizer"]})
+        named = "payload.PayloadTokenizer"
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    for argv in (["perplexity"], ["generate", "Once upon a time"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "storylens", *argv, "--model", str(bad)],
+            input="y\n",
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert (r.returncode, r.stdout) == (1, ""), r.stderr
+        assert r.stderr == (
+            f"storylens: error: {bad}: {where} names custom code (auto_map: {named}), which storylens never runs; "
+            "it reads only models transformers itself implements (GPT-2, GPT-Neo, Llama, ...)\n"
+        )
+    assert not marker.exists()
+    assert not list(hf_home.rglob("payload.py"))  # transformers copies a module it is about to import
+
+
+@pytest.mark.parametrize(
+    "kind, changes, why",
+    [
+        ("gpt2", {"n_layer": 0}, "config.json: n_layer 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_head": -4}, "config.json: n_head -4 is not a whole number of at least 1"),
+        ("gpt2", {"n_head": 0}, "config.json: n_head 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_embd": 0}, "config.json: n_embd 0 is not a whole number of at least 1"),
+        ("gpt2", {"vocab_size": -5}, "config.json: vocab_size -5 is not a whole number of at least 1"),
+        ("gpt2", {"n_positions": 0}, "config.json: n_positions 0 is not a whole number of at least 1"),
+        ("gpt2", {"n_embd": 30}, "config.json: n_embd 30 is not divisible by n_head 4"),
+        (
+            "llama",
+            {"num_key_value_heads": 3},
+            "config.json: num_attention_heads 4 is not divisible by num_key_value_heads 3",
+        ),
+        ("llama", {"intermediate_size": 0}, "config.json: intermediate_size 0 is not a whole number of at least 1"),
+        (
+            "gpt2",
+            {"n_layer": 100_000},
+            "config.json asks for at least 102,531,072 parameters (100,000 layers, hidden size 32, 4 heads, "
+            "vocabulary 4,096) but its weights hold 158,592 numbers; refused before building it",
+        ),
+        (
+            "gpt2",
+            {"n_layer": "two"},
+            "cannot load as a transformers causal LM (StrictDataclassFieldValidationError: Validation error for "
+            "field 'n_layer': TypeError: Field 'n_layer' expected int, got str (value: 'two'))",
+        ),
+    ],
+)
+def test_impossible_sizes_are_refused_before_anything_is_built(folders, tmp_path, capfd, kind, changes, why):
+    bad = tmp_path / "sizes"
+    shutil.copytree(folders[kind], bad)
+    _set_json(bad / "config.json", **changes)
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == f"storylens: error: {bad}: {why}"
+
+
+def test_a_config_past_this_machines_memory_is_refused_before_building(folders, tmp_path, capfd):
+
+    from storylens.core.memory import available_memory
+
+    assert available_memory() is not None  # Linux: /proc/meminfo
+    bad = tmp_path / "huge"
+    shutil.copytree(folders["gpt2"], bad)
+    _set_json(bad / "config.json", n_layer=1_000_000, n_embd=4096, n_head=32)  # at least 16.8 T parameters
+    line = one_line(capfd, ["perplexity", "--model", str(bad)], 1)
+    least = 4096 * 4096 + 1_000_000 * 4096 * 4096
+    assert re.fullmatch(
+        re.escape(
+            f"storylens: error: {bad}: config.json asks for at least {least:,} parameters (1,000,000 layers, "
+            f"hidden size 4,096, 32 heads, vocabulary 4,096): {least * 4 / 1e9:,.1f} GB in float32, more than the "
+        )
+        + r"[\d,]+\.\d GB"
+        + re.escape(" of memory available here; refused before building it"),
+        line,
+    ), line
+
+
+def test_attention_that_overflows_is_refused_naming_the_head_and_nothing_is_written(folders, corpus, tmp_path, capfd):
+    """Queries and keys of block 2 scaled so that their products pass float32's range: its
+    attention is NaN, and every score after it; refused in one line naming the first such head."""
+
+    def overflow(sd):
+        for k in ("q_proj", "k_proj"):
+            sd[f"model.layers.1.self_attn.{k}.weight"] *= 1e20  # each about 1e19: q . k about 1e40 > 3.4e38
+
+    bad = _edit(folders["llama"], tmp_path / "overflow", overflow)
+    load_lm(bad)  # every weight finite: only the attention overflows
+    want = re.compile(
+        r"storylens: error: L2H1: its name_mass score is NaN or infinite on story \d+ "
+        r"\(its queries, keys or values overflow float32\); refused, nothing written"
+    )
+    for argv in (
+        ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress"],
+        ["report", "--out", str(tmp_path / "r"), "--no-progress"],
+    ):
+        line = one_line(capfd, [*argv, "--model", str(bad)], 1)
+        assert want.fullmatch(line), line
+    assert one_line(capfd, ["perplexity", "--model", str(bad)], 1) == (
+        "storylens: error: perplexity: the model's loss is NaN or infinite (a number overflows inside it)"
+    )  # was "quiz perplexity nan", exit 0
+    page = tmp_path / "replay.html"
+    argv = [
+        "generate",
+        "Once upon a time",
+        "--max-new-tokens",
+        "5",
+        "--record",
+        "--html",
+        str(page),
+        "--model",
+        str(bad),
+    ]
+    assert one_line(capfd, argv, 1) == (  # was torch.multinomial's RuntimeError traceback
+        "storylens: error: generate: the model's next-token scores are NaN or infinite (a number overflows inside it)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overflow"]  # no output, checkpoint or lock
+
+
+def test_recorded_generation_on_a_sliding_window_cache(native, fast_tokenizer, tmp_path, capfd):
+    """Mistral's sliding-window cache holds only the latest 8 keys, so each new token's recorded row
+    is 8 keys long (it ended in a RuntimeError while the replay was filled): the replay equals one
+    whole forward pass over the generated ids, zeros outside the window included."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig
+
+    from storylens.lesson.checks import probability_bound
+    from storylens.lm.generate import record_generation
+
+    marker = fast_tokenizer.bos_token_id
+    cfg = MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=WINDOW,
+        sliding_window=8,
+        vocab_size=native.tokenizer.get_vocab_size(),
+        bos_token_id=marker,
+        eos_token_id=marker,
+    )
+    torch.manual_seed(0)
+    folder = _save(transformers.AutoModelForCausalLM.from_config(cfg), fast_tokenizer, tmp_path / "mistral")
+    lm = load_lm(folder, dtype=torch.float64)
+    run = record_generation(lm, "Once upon a time", max_new_tokens=40, stop_at_marker=False, seed=1)
+    n = len(run.ids)
+    assert n == 45
+    whole = lm.patterns(torch.tensor([run.ids]))
+    far = torch.ones(n, n, dtype=torch.bool).tril(-8)  # keys 8 or more back: outside the window
+    sizes = SimpleNamespace(n_layer=2, n_embd=32, block_size=WINDOW, head_size=8)
+    for b in range(lm.n_layer):
+        assert not run.patterns[b][:, far].any() and not whole[b][0][:, far].any()
+        # rotary angles are float32 in transformers whatever the model's dtype: a float32 bound
+        worst = float((run.patterns[b] - whole[b][0]).abs().max())
+        assert worst <= probability_bound(sizes, torch.float32), worst
+    page = tmp_path / "replay.html"
+    argv = ["generate", "Once upon a time", "--max-new-tokens", "30", "--record", "--html", str(page)]
+    assert main([*argv, "--model", str(folder)]) == 0
+    assert "replay written to" in capfd.readouterr().err and page.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (
+            lambda d: (d / "model.safetensors").write_bytes(os.urandom(1000)),
+            "{bad}/model.safetensors: corrupt or truncated weights (",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:300_000]),
+            "{bad}/model.safetensors: corrupt or truncated weights (",
+        ),
+        (
+            lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"),
+            "{bad}: tokenizer_config.json: not a JSON object",
+        ),
+        (
+            lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+            "{bad}: tokenizer: encodes text as no tokens at all (is its tokenizer.json missing?)",
+        ),
+    ],
+    ids=["garbage-weights", "truncated-weights", "tokenizer-config-a-list", "no-tokenizer"],
+)
+def test_hostile_files_in_a_transformers_folder_are_one_line(folders, corpus, tmp_path, capfd, spoil, why):
+    """Each was a traceback (a tokenizer config that is a list), or ran on transformers' empty
+    stand-in tokenizer (no tokenizer files: 'no token to predict')."""
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["gpt2"], bad)
+    spoil(bad)
+    for argv in (["perplexity"], ["score", "--stories", str(corpus), "--out", str(tmp_path / "o"), "--no-progress"]):
+        line = one_line(capfd, [*argv, "--model", str(bad)], 1)
+        assert line.startswith("storylens: error: " + why.format(bad=bad)), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]

@@ -103,6 +103,33 @@ def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------- many batches
 
 
+Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # detector: ([batch, layer, head] values, [batch] counted)
+
+
+def refuse_non_finite(batch: StoryBatch, raw: Scores, norm: Scores, output, dtype: torch.dtype) -> None:
+    """Refuse a batch in which a head's score of a story that counts is NaN or infinite (its
+    attention, formed from overflowing queries or keys, or its value vectors are): one line naming
+    the earliest such head (the layers after it only inherit it), L{layer}H{head} from 1."""
+    found: list[tuple[int, int, int, str]] = []  # (layer, head, batch row, what)
+    kinds = [(raw, "{} score"), (norm, "norm-weighted {} score")]
+    named = [(what.format(k), v, keep) for scores, what in kinds for k, (v, keep) in scores.items()]
+    for what, values, keep in [*named, *([("output norm", *output)] if output is not None else [])]:
+        bad = ~torch.isfinite(values) & keep.to(values.device)[:, None, None]
+        if bool(bad.any()):
+            b, layer, head = min(bad.nonzero().tolist(), key=lambda i: (i[1], i[2], i[0]))
+            found.append((layer, head, b, what))
+    if not found:
+        return
+    layer, head, b, what = min(found, key=lambda f: f[:2])
+    stories = getattr(batch, "stories", ())
+    story = f" on story {stories[b].index + 1}" if b < len(stories) else ""
+    name = str(dtype).replace("torch.", "")
+    raise StorylensError(
+        f"{Head(layer, head).label}: its {what} is NaN or infinite{story} (its queries, keys or values overflow "
+        f"{name}); refused, nothing written"
+    )
+
+
 def _add(sums: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
     sums[name] = x if name not in sums else sums[name] + x
 
@@ -264,21 +291,28 @@ class HeadScoreAccumulator:
         self._masks, self._sums, self._norm_sums, self._out_blocks = None, [], [], []
         self._scratch = Workspace()
         batch = masks.batch
-        out = {}
+        raw, norm = {}, {}  # per detector: [B, L, H] per-story means, and the stories that count
         for d in self.detectors:
             counted = d.queries(masks)  # [B, q]
             per = counted.sum(-1).clamp(min=1)[:, None, None]  # each story's counted queries
             values = torch.stack([b[d.name] for b in sums], dim=1) / per.to(sums[0][d.name].dtype)  # [B, L, H]
-            story_counts = counted.any(-1)
+            raw[d.name] = (values, counted.any(-1))
+            if self.faithful and normed == self.n_layer:  # a batch counts in every block or none
+                nv = torch.stack([b[d.name] for b in norm_sums], dim=1)
+                norm[d.name] = (nv / per.to(nv.dtype), counted.any(-1))
+        output = (torch.stack(outs, dim=1), masks.queries.any(-1)) if len(outs) == self.n_layer else None
+        refuse_non_finite(batch, raw, norm, output, masks.dtype)  # before anything is added: never a NaN score
+        out = {}
+        for d in self.detectors:
+            values, story_counts = raw[d.name]
             self.means[d.name].add(values, story_counts)
             if d.first_columns:
                 self.first[d.name].add(values, story_counts & batch.in_first)
-            if self.faithful and normed == self.n_layer:  # a batch counts in every block or none
-                nv = torch.stack([b[d.name] for b in norm_sums], dim=1)
-                self.norm[d.name].add(nv / per.to(nv.dtype), story_counts)
+            if d.name in norm:
+                self.norm[d.name].add(*norm[d.name])
             out[d.name] = values
-        if len(outs) == self.n_layer:
-            self.output.add(torch.stack(outs, dim=1), masks.queries.any(-1))
+        if output is not None:
+            self.output.add(*output)
         if "name_mass" in self.means:
             self.name_baseline.add(name_baseline(batch, masks.name_queries), masks.name_queries.any(-1))
         return out

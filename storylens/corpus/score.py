@@ -52,9 +52,23 @@ class ScoreRun:
 EXAMPLES = 8  # queries kept per head and detector, where it fires most (examples.json)
 
 
-def check_examples(k) -> None:
+# examples kept in all (heads x detectors x K), each about 1 KB in memory and again in examples.json
+# and explore.html (0.74 KB held, 0.62 KB of JSON: the shipped model, K = 200): about 0.5 GB at most,
+# and room for the default K on a model of 80 x 64 heads (286,720)
+EXAMPLES_BUDGET = 500_000
+
+
+def check_examples(k, heads: int | None = None, detectors: int | None = None) -> None:
+    """``k`` examples per head and detector: a whole number, 0 or more, and (given the model's
+    ``heads`` and the ``detectors``) within :data:`EXAMPLES_BUDGET` kept in all."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UsageError(f"--examples: a whole number, 0 or more (got {k!r})")
+    if heads is not None and detectors is not None and k * heads * detectors > EXAMPLES_BUDGET:
+        raise UsageError(
+            f"--examples {k:,}: {heads:,} heads x {detectors} detectors x {k:,} = {k * heads * detectors:,} "
+            f"examples, past the budget of {EXAMPLES_BUDGET:,} kept in all (about 1 KB each in memory, and "
+            f"again in examples.json and explore.html); at most {EXAMPLES_BUDGET // (heads * detectors):,} here"
+        )
 
 
 def write_examples(examples, lm, path: Path) -> Path:
@@ -116,7 +130,7 @@ def score_corpus(
     0: none)."""
 
     detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
-    check_examples(examples)
+    check_examples(examples, lm.n_layer * lm.n_head, len(detectors))
     if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
         raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
     if engine not in ("local", "ray"):

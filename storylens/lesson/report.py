@@ -255,6 +255,7 @@ def _build_report(
     with publish_folder(out, "report") as tmp:
         with _timer(timings, "load"):
             lm = wrap(model) if model is not None else load_lm(model_source)
+            check_examples(examples, lm.n_layer * lm.n_head, len(BUILTIN_DETECTORS) + len(detectors))
             data = lesson_data(_quiz_folder(lm), stories, quiz, quiz_option="--quiz", text_field=text_field)
             quiz_stories, quiz_source = data.quiz, data.quiz_source
         measures = _beyond_measures(lm) if beyond else ()

@@ -77,7 +77,9 @@ def record_generation(
     for i, step in enumerate(steps):
         q = len(ids) - 1 + i  # the query this step read: the prompt's last token, then each new one
         for b, row in enumerate(step.pattern_rows or ()):
-            patterns[b, :, q, : q + 1] = row
+            # a sliding-window cache (Mistral, Gemma 2 local layers) holds only the latest keys: the row's last
+            # key is the query itself, and every key before the row's start lies outside the window (weight 0)
+            patterns[b, :, q, q + 1 - row.shape[-1] : q + 1] = row
         if len(new) == max_new_tokens:
             break
         if stop_at_marker and step.token == marker:

@@ -56,6 +56,7 @@ from storylens.lm.attention import NAME as ATTENTION
 from storylens.lm.attention import fused as fused_attention
 from storylens.lm.attention import register as register_attention
 from storylens.lm.attention import streaming as stream_attention
+from storylens.lm.configs import CONFIG_ERRORS, check_no_custom_code, check_sizes
 from storylens.model.gpt import GPT, GenerationStep, sample_next
 from storylens.model.hub import hub_offline, load_model
 from storylens.model.tokenizer import eot_id, text_only
@@ -377,6 +378,8 @@ class TransformersLM(AttentionLM):
         if not hasattr(backend, "encode_batch"):
             raise StorylensError(f"{type(tokenizer).__name__}: storylens needs a fast (tokenizers) tokenizer")
         self.tokenizer = backend
+        if not backend.encode("Once upon a time", add_special_tokens=False).ids:  # transformers' empty stand-in
+            raise StorylensError("tokenizer: encodes text as no tokens at all (is its tokenizer.json missing?)")
         marker = getattr(tokenizer, "bos_token_id", None)
         if marker is None:
             marker = getattr(tokenizer, "eos_token_id", None)
@@ -624,8 +627,10 @@ def load_lm(
     ``dtype`` (default: as stored) on ``device`` (default: the CPU).
 
     Refused in one line (:class:`StorylensError`): a model whose weights do not all match its
-    config, hold NaN or infinite numbers, are pickled (only safetensors is read) or that is not
-    a causal language model."""
+    config, hold NaN or infinite numbers, are pickled (only safetensors is read), that is not
+    a causal language model, whose config or tokenizer config names custom code (never run), or
+    whose config gives sizes that are no sizes or past this machine's memory or its weights
+    (:mod:`storylens.lm.configs`, before anything is built)."""
 
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -818,17 +823,21 @@ def _load_transformers(source: str, *, allow_download: bool, dtype, device) -> T
         raise StorylensError(
             f"{source}: a transformers model needs the transformers package: {install_hint('hf')}"
         ) from None
-    kw = {"local_files_only": not allow_download}
-    if Path(source).is_dir():
-        _check_weight_files(Path(source))
+    # never custom code: transformers would ask on stdin, and run it on "y"
+    kw = {"local_files_only": not allow_download, "trust_remote_code": False}
+    folder = Path(source) if Path(source).is_dir() else None
+    if folder is not None:
+        _check_weight_files(folder)
     with _quiet_transformers():
         try:
+            check_no_custom_code(source, {"local_files_only": not allow_download})
             config = AutoConfig.from_pretrained(source, **kw)
-        except (OSError, ValueError, KeyError) as e:
+        except CONFIG_ERRORS as e:
             raise _NotFound(
                 f"{source}: cannot load as a transformers causal LM ({type(e).__name__}: {_one_line(e)[:200]})"
             ) from None
         _check_causal(source, config)
+        check_sizes(source, config, folder)  # before anything is built
         try:
             tok = AutoTokenizer.from_pretrained(source, **kw)
             # safetensors only (nothing is unpickled); a wrong shape is reported below, not raised

@@ -48,4 +48,6 @@ def next_token_perplexity(
         count += int((y >= 0).sum())
     if count == 0:
         raise StorylensError("stories: no token to predict")
+    if not math.isfinite(total):  # never a perplexity of nan
+        raise StorylensError("perplexity: the model's loss is NaN or infinite (a number overflows inside it)")
     return math.exp(total / count)

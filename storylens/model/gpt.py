@@ -28,6 +28,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
+from storylens.core.errors import StorylensError
+
 
 @dataclass
 class GPTConfig:
@@ -485,6 +487,10 @@ def sample_next(
     ``0`` for the best token and ``-inf`` for the rest instead of ``inf - inf = nan``."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError("temperature must be a finite number >= 0")
+    if not bool(torch.isfinite(logits).all()):  # torch.multinomial would fail with a traceback
+        raise StorylensError(
+            "generate: the model's next-token scores are NaN or infinite (a number overflows inside it)"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.double()
