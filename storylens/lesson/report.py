@@ -439,16 +439,16 @@ def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
         )
     keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline, title=title))
     b, h = info["block"], info["head"]
-    weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
+    weights, queries = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
     keep(
         "top_name_head",
-        name_head_figure(
+        name_head_figure(  # its ratio: this story's share over this story's even spread
             tokens,
             weights,
             list(main.positions),
             label=scores.best("name_mass").label,
             first_mention=main.first_mention,
-            baseline=scores.name_baseline,
+            queries=queries,
             max_tokens=160,
         ),
     )
