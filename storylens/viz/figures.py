@@ -517,7 +517,7 @@ def name_head_figure(
     char_in = 0.602 * font_pt / 72  # DejaVu Sans Mono's advance is 0.602 em
     line_in = 1.75 * font_pt / 72
     # Exact placement (no automatic layout): one data unit on x is one character wide.
-    margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.7, 0.16, 0.45, 0.2
+    margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.85, 0.16, 0.45, 0.2  # title: up to three lines
     text_w, text_h = (line_chars + 1) * char_in, n_rows * line_in
     W = text_w + 2 * margin
     H = title_h + text_h + gap + cbar_h + below_cbar
@@ -574,16 +574,16 @@ def name_head_figure(
         fontsize=8,
     )
     cax.tick_params(labelsize=7)
-    parts = [f"{label}: where it looks in this story"]
-    detail = f"share on the name (red boxes): {name_share:.3f}"
+    lines = [f"{label}: where it looks in this story", f"share on the name (red boxes): {name_share:.3f}"]
     if queries is not None and names:
         even = name_even_share(names, queries)
-        detail += f" = {name_share / even:.1f}× this story's even spread ({even:.3f})"
-    if n_queries is not None:
-        detail += f", both over the same {n_queries} queries"
+        lines[1] += f" = {name_share / even:.1f}× this story's even spread ({even:.3f})"
+    how = [f"both over the same {n_queries} queries after the first mention"] if n_queries is not None else []
     if n < len(tokens):
-        detail += f"; first {n} of {len(tokens)} tokens shown"
-    fig.suptitle(title or (parts[0] + "\n" + detail), fontsize=10, y=1 - 0.1 / H, va="top")
+        how.append(f"first {n} of {len(tokens)} tokens shown")
+    if how:
+        lines.append("; ".join(how))
+    fig.suptitle(title or "\n".join(lines), fontsize=10, y=1 - 0.1 / H, va="top")
     return fig
 
 
