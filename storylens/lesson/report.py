@@ -662,6 +662,7 @@ def _numerics_rows(s: ReportSummary) -> list[list[str]]:
             f"{c.bound:.2e}",
             "" if c.lesson is None else f"{c.lesson:.0e}",
             "yes" if c.passed else "NO",
+            c.lesson_note,
             c.detail,
         ]
         for c in s.numerics
