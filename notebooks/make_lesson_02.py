@@ -310,10 +310,10 @@ top = scores.best("name_mass")
 mains = find_main_characters(tok, quiz)
 i = next(i for i, m in enumerate(mains) if m is not None and len(m.positions) >= 3)
 tokens_i, att_i, _ = story_attention(model, quiz[i])
-weights, _ = name_attention_profile(att_i[top.block - 1, top.head - 1], list(mains[i].positions),
-                                    mains[i].first_mention)
+weights, queries = name_attention_profile(att_i[top.block - 1, top.head - 1], list(mains[i].positions),
+                                          mains[i].first_mention)
 display(name_head_figure(tokens_i, weights, list(mains[i].positions), label=top.label,
-                         first_mention=mains[i].first_mention, baseline=scores.name_baseline, max_tokens=120))
+                         first_mention=mains[i].first_mention, queries=queries, max_tokens=120))
 """,
         "figure",
     ),

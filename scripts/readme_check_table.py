@@ -16,13 +16,14 @@ def table(data: dict) -> str:
     rows = [
         f"Measured by `storylens check` on {data['cpu']} (torch {data['torch']}), {data['stories']}:",
         "",
-        "| check | dtype | measured | rounding bound | lesson | detail |",
-        "|---|---|---|---|---|---|",
+        "| check | dtype | measured | rounding bound | lesson | beside the lesson's figure | detail |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in data["checks"]:
         lesson = "" if c["lesson"] is None else f"{c['lesson']:.0e}"
+        note = c.get("lesson_note", "")  # storylens.lesson.checks.lesson_note
         rows.append(
-            f"| {c['name']} | {c['dtype']} | {c['measured']:.2e} | {c['bound']:.2e} | {lesson} | {c['detail']} |"
+            f"| {c['name']} | {c['dtype']} | {c['measured']:.2e} | {c['bound']:.2e} | {lesson} | {note} | {c['detail']} |"
         )
     return "\n".join(rows)
 

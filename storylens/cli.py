@@ -33,7 +33,7 @@ from storylens.corpus.ray_engine import check_address
 from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET, score_corpus
 from storylens.data.sources import open_source
 from storylens.data.stories import download_tinystories, load_split
-from storylens.lesson.checks import run_checks
+from storylens.lesson.checks import lesson_note, run_checks
 from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
 from storylens.lesson.inputs import lesson_data
 from storylens.lesson.report import _check_writable, _f, _quiz_folder, build_report
@@ -359,7 +359,10 @@ def cmd_check(args) -> int:
             f"{c.name:34} {c.dtype:8} {c.measured:10.2e} {c.bound:10.2e} {lesson:>8}  "
             f"{'yes' if c.passed else 'NO '}  {c.detail}"
         )
-    print("bounds: rounding alone (see storylens.lesson.checks); the lesson's figures are for comparison")
+    print("bounds: rounding alone (see storylens.lesson.checks); beside the lesson's figures:")
+    for c in checks:
+        if c.lesson is not None:
+            print(f"  {c.name} ({c.dtype}): {lesson_note(c)}")
     if args.json:
         write_text_atomic(
             Path(args.json),

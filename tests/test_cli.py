@@ -98,6 +98,9 @@ def test_ablate_rejects_bad_head_labels(capsys):
     assert "L9H9" in _err(capsys, ["ablate", "--heads", "L9H9", "--mode", "zero"])
 
 
+DTYPES = ("float32", "float64")
+
+
 def test_check_prints_the_learners_own_numbers(capsys, tmp_path):
     out = tmp_path / "check.json"
     assert main(["check", "--n-stories", "6", "--gen-tokens", "30", "--json", str(out)]) == 0
@@ -110,6 +113,17 @@ def test_check_prints_the_learners_own_numbers(capsys, tmp_path):
     f64 = checks[("fused vs explicit logits", "float64")]
     assert 0 < f64["measured"] <= f64["bound"] < 1e-10
     assert checks[("upper triangle is exactly 0", "float32")]["measured"] == 0.0
+    # beside each of the lesson's figures: why our bound is larger (float32) or smaller (float64)
+    noted = {k: c["lesson_note"] for k, c in checks.items() if c["lesson"] is not None}
+    assert set(noted) == {(n, d) for n in ("fused vs explicit logits", "KV cache vs recompute logits") for d in DTYPES}
+    for (name, dtype), note in noted.items():
+        c = checks[(name, dtype)]
+        assert c["bound"] > c["lesson"] if dtype == "float32" else c["bound"] < c["lesson"]
+        why = "derived for float32 rounding" if dtype == "float32" else "float64 rounds 2^29 times finer"
+        assert note.startswith(f"bound {'above' if dtype == 'float32' else 'below'} the lesson's") and why in note
+        assert f"measured here {c['measured']:.1e}: " in note and f"  {name} ({dtype}): {note}\n" in text
+        assert ("within the lesson's figure too" in note) == (c["measured"] <= c["lesson"])
+    assert all(c["lesson_note"] == "" for c in checks.values() if c["lesson"] is None)
 
 
 def test_version_and_help_on_every_option(capsys):

@@ -66,9 +66,10 @@ def test_one_call_per_block_equals_one_call_per_detector(recorded):
     assert per_block.state() == per_detector.state()
 
 
-def brute_force(batches, layer, head, name, k=K):
-    """Every counted query of every story, sorted by (-value, story, query), the first k: (story,
-    query, value, most-attended key, its weight, the weights on keys max(0, q - 8) .. q rounded)."""
+def brute_force(batches, layer, head, name, k=K, per_story=None):
+    """Every counted query of every story, sorted by (-value, story, query), the first k (at most
+    per_story of one story): (story, query, value, most-attended key, its weight, the weights on
+    keys max(0, q - 8) .. q and on keys max(0, key - 3) .. min(key + 3, q), rounded)."""
     rows = []
     for batch, blocks in batches:
         _, pattern, per = blocks[layer]
@@ -78,12 +79,19 @@ def brute_force(batches, layer, head, name, k=K):
                 if counted[b, q]:
                     rows.append((float(values[b, head, q]), story.index, q, b, pattern))
     rows.sort(key=lambda r: (-r[0], r[1], r[2]))
+    taken = {}
     out = []
-    for value, story, q, b, pattern in rows[:k]:
+    for value, story, q, b, pattern in rows:
+        if len(out) == k:
+            break
+        if per_story is not None and taken.get(story, 0) == per_story:
+            continue
+        taken[story] = taken.get(story, 0) + 1
         weights = pattern[b, head, q].tolist()
         key = weights.index(max(weights))  # the first (earliest) maximum
         seen = [round(float(w), 4) for w in weights[max(0, q - 8) : q + 1]]
-        out.append((story, q, value, key, weights[key], seen))
+        near_key = [round(float(w), 4) for w in weights[max(0, key - 3) : min(key + 4, q + 1)]]
+        out.append((story, q, value, key, weights[key], seen, near_key))
     return out, rows
 
 
@@ -95,7 +103,9 @@ def test_top_examples_equal_a_brute_force_over_every_query(recorded):
         for layer, head in ((0, 0), (1, 2), (5, 3)):
             want, rows = brute_force(batches, layer, head, name)
             got = top.entries(layer, head, name)
-            assert [(e.story, e.query, e.value, e.key, e.key_weight, list(e.weights)) for e in got] == want, (
+            assert [
+                (e.story, e.query, e.value, e.key, e.key_weight, list(e.weights), list(e.key_weights)) for e in got
+            ] == want, (
                 name,
                 layer,
                 head,
@@ -117,6 +127,36 @@ def test_top_examples_equal_a_brute_force_over_every_query(recorded):
                 assert len(got) == K
                 keys = [(-e.value, e.story, e.query) for e in got]
                 assert keys == sorted(keys) and len(set(keys)) == K
+
+
+def test_examples_spread_across_stories(recorded):
+    """per_story: the top k of what is left after each story's best per_story queries, equal to the
+    brute force, merged and split alike; and the key window's weights hold the most-attended key."""
+    lm, encoded, batches = recorded
+    for per_story in (1, 2):
+        top = fill(lm, batches, TopExamples(lm.n_layer, lm.n_head, NAMES, k=K, per_story=per_story))
+        for name in ("prev_token", "prev_argmax", "name_mass"):
+            for layer, head in ((0, 0), (3, 1), (5, 3)):
+                want, _ = brute_force(batches, layer, head, name, per_story=per_story)
+                got = top.entries(layer, head, name)
+                assert [
+                    (e.story, e.query, e.value, e.key, e.key_weight, list(e.weights), list(e.key_weights)) for e in got
+                ] == want
+                assert len(got) == K and len({e.story for e in got}) >= K // per_story
+        halves = [
+            fill(lm, part, TopExamples(lm.n_layer, lm.n_head, NAMES, k=K, per_story=per_story))
+            for part in (batches[3:], batches[:3])
+        ]
+        assert halves[0].merge(halves[1]).state() == top.state()
+    # uncapped, a 0/1 detector's top k all come from the earliest stories: what the cap spreads
+    uncapped = fill(lm, batches).entries(2, 1, "prev_argmax")
+    assert len({e.story for e in uncapped}) < K // 2
+    # wherever the key lies before the query's window, its weight is in the key window's weights
+    outside = 0
+    for e in fill(lm, batches).entries(0, 0, "name_mass") + uncapped:
+        assert e.key_weights[e.key_at] == round(e.key_weight, 4) > 0
+        outside += e.key < e.query - e.query_at
+    assert outside > 0  # the case the key window is for happens on the real model
 
 
 def test_split_merged_and_resumed_runs_are_identical(recorded, tmp_path):
@@ -296,7 +336,12 @@ def test_bad_k_and_bad_states_are_refused_with_one_clear_line():
     cases = [
         ([1, 2], r"not a TopExamples state \(got list"),
         (broken(lambda s: s.pop("context")), r"not a TopExamples state"),
-        (broken(lambda s: s.update(k=3)), r"k 3, context 8; expected \[1, 2\], \['a', 'b'\], 2, 8"),
+        (
+            broken(lambda s: s.update(k=3)),
+            r"k 3, context 8, per_story None; expected \[1, 2\], \['a', 'b'\], 2, 8, None",
+        ),
+        (broken(lambda s: s.update(per_story=1)), r"per_story 1; expected .*, 2, 8, None"),
+        (broken(lambda s: s.pop("per_story")), r"not a TopExamples state"),
         (broken(lambda s: s.update(shape=[1, 3])), r"shape \[1, 3\]"),
         (broken(lambda s: s["examples"].pop("b")), r"examples are for a; expected a, b"),
         (broken(lambda s: s["examples"]["a"].append([])), r"examples\.a: expected a list of 1 layers"),
@@ -312,6 +357,11 @@ def test_bad_k_and_bad_states_are_refused_with_one_clear_line():
         (broken(lambda s: ex(s)["weights"].pop()), r"\.weights: expected 5 weights between 0 and 1, one per key seen"),
         (broken(lambda s: ex(s)["weights"].__setitem__(0, 1.5)), r"\.weights: expected 5 weights between 0 and 1"),
         (broken(lambda s: ex(s).pop("weights")), r"\[0\]: expected an example with fields story, query"),
+        (
+            broken(lambda s: ex(s)["key_weights"].pop()),
+            r"\.key_weights: expected 4 weights between 0 and 1, one per key",
+        ),
+        (broken(lambda s: ex(s).update(key=5)), r"\.key_at: 0 does not place key 5 in its key_tokens"),
         (broken(lambda s: s["examples"]["a"][0][1].reverse()), r"\[0\]\[1\]: the examples are not best first"),
         (broken(lambda s: s["examples"]["a"][0][1].append(ex(s))), r"expected a list of at most k=2 examples"),
     ]
@@ -324,8 +374,16 @@ def test_bad_k_and_bad_states_are_refused_with_one_clear_line():
             with pytest.raises(ValueError, match="examples state"):
                 TopExamples.from_state(state)
     assert TopExamples.from_state(good).state() == good
-    with pytest.raises(ValueError, match="merge: other heads, detectors, k or context"):
+    with pytest.raises(ValueError, match="merge: other heads, detectors, k, context or per_story"):
         top.merge(TopExamples(1, 2, ["a", "b"], k=3))
+    with pytest.raises(ValueError, match=r"per_story=1\) than this one's"):
+        top.merge(TopExamples(1, 2, ["a", "b"], k=2, per_story=1))
+    for n in (0, -1, True, 1.5):
+        with pytest.raises(StorylensError, match=r"^examples: per_story must be a whole number of at least 1 or None"):
+            TopExamples(2, 2, ["a"], per_story=n)
+    capped = TopExamples(1, 2, ["a", "b"], k=2, per_story=1)
+    with pytest.raises(ValueError, match=r"examples\.a\[0\]\[0\]: .* or a story passes per_story"):
+        capped.load_state({**good, "per_story": 1})  # each head keeps two queries of story 1
     with pytest.raises(ValueError, match="the batch names 0 stories for 2 rows"):
         top.add(0, "a", vals, torch.ones(2, 5, dtype=torch.bool), uniform(2, 2, 5), replace(b, stories=()))
     with pytest.raises(ValueError, match="no detector 'c'"):

@@ -77,6 +77,26 @@ def test_report_html_is_self_contained(report_dir):
         assert list(cells) == list(heads) and all(float(v) == heads[k][col] for k, v in cells.items()), col
 
 
+def _limits(page: str) -> list[str]:
+    """The report's honest limits, as text."""
+    block = re.search(r"Three honest limits</h2>\s*<ol>(.*?)</ol>", page, flags=re.S).group(1)
+    return [" ".join(re.sub(r"<[^>]+>", "", li).split()) for li in re.findall(r"<li>(.*?)</li>", block, flags=re.S)]
+
+
+def test_the_limits_point_to_the_section_that_switches_heads_off(report_dir, tmp_path):
+    """Limit 2 names the section of this report that switches heads off: the truth section, which
+    the report writes by default; section 8 only where --beyond wrote one; none where neither ran."""
+    page = (report_dir / "report.html").read_text()
+    limit = _limits(page)[1]
+    assert 'id="truth"' in page and "Does attention tell the truth here?" in limit and "section 8" not in limit
+    assert '<a href="#truth">' in page and "<h2>8." not in page
+    bare = tmp_path / "bare"
+    assert main(["report", "--out", str(bare), "--truth-stories", "0", "--no-progress"]) == 0
+    page = (bare / "report.html").read_text()
+    limit = _limits(page)[1]
+    assert 'id="truth"' not in page and "switched none off either" in limit and "section 8" not in limit
+
+
 def _err(capsys, argv):
     code = main(argv)
     err = capsys.readouterr().err.strip()

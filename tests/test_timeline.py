@@ -358,3 +358,35 @@ def test_the_readme_size_table_is_the_kept_runs():
     for run in runs:
         assert read_timeline(run)[0]["step"] == 0 and read_copying(run) is not None, run.name
     assert table(runs) in (root / "README.md").read_text()
+
+
+def test_the_timeline_page_defines_its_induction_score_and_marks_it_in_nats(tmp_path):
+    """On a kept run's real timeline: the page defines the induction score; each figure's heads
+    panel is in shares of attention with no marker, and the marker (a dashed line and its nats
+    label) sits on the panels in nats, the induction score's own panel plotting that score."""
+    from storylens.training.timeline import induction_step
+    from storylens.viz.timeline import timeline_figure
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "sizes" / "blocks-2"
+    entries = read_timeline(run)
+    assert main(["timeline", str(run), "--out", str(tmp_path / "page")]) == 0
+    html = (tmp_path / "page" / "timeline.html").read_text()
+    assert 'id="induction-score"' in html and html.count('href="#induction-score"') == 1
+    assert "induction score</b> is the induction test's mean loss on the first copy minus its" in html
+    mark = induction_step(entries)
+    fig = timeline_figure(
+        entries, "prev_token", mark_tokens=mark["tokens"], mark_label=f"rise {mark['rise']:+.2f} nats"
+    )
+    heads, losses, score = fig.axes
+    assert heads.get_ylabel() == "prev_token (share of attention)" and "nats" in losses.get_ylabel()
+    assert "induction" in score.get_ylabel() and "nats" in score.get_ylabel()
+
+    def marked(ax):
+        return [ln for ln in ax.get_lines() if ln.get_linestyle() == "--" and ln.get_xdata()[0] == mark["tokens"] / 1e6]
+
+    assert marked(heads) == [] and not any("nats" in t.get_text() for t in heads.texts)
+    assert len(marked(losses)) == len(marked(score)) == 1
+    assert [t.get_text() for t in score.texts] == [f"rise {mark['rise']:+.2f} nats"]
+    plotted = [ln for ln in score.get_lines() if len(ln.get_ydata()) == len(entries)][0].get_ydata()
+    first_minus_second = [e["induction"]["first_copy_loss"] - e["induction"]["second_copy_loss"] for e in entries]
+    assert list(plotted) == pytest.approx(first_minus_second, abs=1e-12)  # the stored score is that difference

@@ -7,9 +7,10 @@ only ``k`` entries per head and detector ever exist).
 block's attention map, so no detector is computed twice. For every kept query it records the
 story (its index in source order), the query position (0 = the opening marker), the value, the
 most-attended key (``argmax`` over keys, ties to the earliest key) and its weight, and the
-token ids around the query and around that key, and the query's attention weights over its own
-window up to itself (4 decimals: what a page shades the tokens by). Ids only: text is decoded when
-the examples are written (:meth:`TopExamples.to_json`).
+token ids around the query and around that key, and the query's attention weights over both
+windows up to itself (4 decimals: what a page shades the tokens by), so a view always holds the
+most-attended key with its weight, however far before the query it lies. Ids only: text is decoded
+when the examples are written (:meth:`TopExamples.to_json`).
 
 **Order.** Value descending, then story index ascending, then query position ascending; a
 ``(story, query)`` pair appears at most once. It is a total order, so the top ``k`` of a set
@@ -17,6 +18,13 @@ does not depend on how the set was split: one process, a run resumed from a chec
 :meth:`~TopExamples.state`, and any number of workers :meth:`~TopExamples.merge`-d in any order
 give identical lists, ties included (a 0/1 detector gives thousands of queries with value 1;
 the earliest stories and positions win, never whatever ``torch.topk`` happens to return).
+
+**Spread.** ``per_story`` (default None: no limit) keeps at most that many queries of any one story
+per head and detector: the top ``k`` of the queries left after each story's best ``per_story``
+(same order). It is mergeable too: a query in the capped top ``k`` of a union is in the capped top
+``k`` of its own part, since the part's better queries are fewer story by story.
+``storylens score`` and ``report`` keep :data:`PER_STORY` per story, so a head's examples come from
+at least ``k / PER_STORY`` stories wherever it fires in that many.
 
 **Values** are kept as Python floats equal to the tensor's values (half precision is widened
 exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
@@ -42,6 +50,7 @@ KEY_BEFORE = 3  # key_tokens: the key's window is key - 3 .. key + 3
 KEY_AFTER = 4
 QUERY_AFTER = 3  # tokens: the query's window is query - context .. query + 2
 WEIGHT_DECIMALS = 4  # weights: the query's attention over its window, rounded (enough to shade by)
+PER_STORY = 2  # score and report: at most this many examples of one story per head and detector
 EXAMPLE_FIELDS = (
     "story",
     "query",
@@ -53,8 +62,9 @@ EXAMPLE_FIELDS = (
     "key_tokens",
     "key_at",
     "weights",
+    "key_weights",
 )
-_STATE_KEYS = {"k", "context", "shape", "detectors", "examples"}
+_STATE_KEYS = {"k", "context", "per_story", "shape", "detectors", "examples"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,8 @@ class Example:
     (exclusive), the query at ``tokens[query_at]``; ``key_tokens`` the ids from ``max(0, key - 3)``
     to ``min(length, key + 4)``, the key at ``key_tokens[key_at]``. ``weights[i]`` is the attention
     the query gives ``tokens[i]``, for ``i`` up to and including ``query_at`` (the keys it can see),
-    rounded to :data:`WEIGHT_DECIMALS` decimals."""
+    rounded to :data:`WEIGHT_DECIMALS` decimals; ``key_weights[i]`` the same for ``key_tokens[i]``,
+    for the key window's positions up to the query (``key_weights[key_at] == round(key_weight)``)."""
 
     story: int  # the story's index in source order
     query: int  # query position
@@ -77,6 +88,7 @@ class Example:
     key_tokens: tuple[int, ...]
     key_at: int
     weights: tuple[float, ...]
+    key_weights: tuple[float, ...]
 
     @property
     def order(self) -> tuple[float, int, int]:
@@ -95,17 +107,21 @@ class Example:
             "key_tokens": list(self.key_tokens),
             "key_at": self.key_at,
             "weights": list(self.weights),
+            "key_weights": list(self.key_weights),
         }
 
 
-def _best(examples, k: int) -> list[Example]:
-    """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best)."""
+def _best(examples, k: int, per_story: int | None = None) -> list[Example]:
+    """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best), at
+    most ``per_story`` of one story (None: any number)."""
     out: list[Example] = []
     seen: set[tuple[int, int]] = set()
+    taken: dict[int, int] = {}
     for e in sorted(examples, key=lambda e: e.order):
-        if (e.story, e.query) in seen:
+        if (e.story, e.query) in seen or (per_story is not None and taken.get(e.story, 0) >= per_story):
             continue
         seen.add((e.story, e.query))
+        taken[e.story] = taken.get(e.story, 0) + 1
         out.append(e)
         if len(out) == k:
             break
@@ -134,18 +150,37 @@ def _at_most(xs: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
 
 
-def _seen_weights(rowmaps: torch.Tensor, queries: torch.Tensor, context: int) -> list[list[float]]:
-    """Each kept query's attention on the ``context + 1`` keys from ``max(0, query - context)`` on,
-    rounded to :data:`WEIGHT_DECIMALS` decimals (``rowmaps [N, key]``, ``queries [N]``); the caller
-    keeps those up to the query itself. One gather and one copy for every kept query of a block."""
-    start = (queries - context).clamp(min=0)
-    keys = (start[:, None] + torch.arange(context + 1, device=rowmaps.device)).clamp(max=rowmaps.shape[-1] - 1)
+def _seen_weights(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> list[list[float]]:
+    """Each kept query's attention on the ``width`` keys from ``max(0, around - before)`` on, rounded
+    to :data:`WEIGHT_DECIMALS` decimals (``rowmaps [N, key]``, ``around [N]``: the query, or its
+    most-attended key); the caller keeps those up to the query itself. One gather and one copy for
+    every kept query of a block."""
+    start = (around - before).clamp(min=0)
+    keys = (start[:, None] + torch.arange(width, device=rowmaps.device)).clamp(max=rowmaps.shape[-1] - 1)
     return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in rowmaps.gather(-1, keys).tolist()]
+
+
+def _per_story(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) -> torch.Tensor:
+    """``eligible [R, B * Q]`` narrowed to each row's best ``per_story`` queries of each story (a
+    batch row), ties to the earliest query: the same rule as the top ``k``, story by story."""
+    R, Q = v.shape[0], v.shape[1] // B
+    e = eligible.view(R, B, Q)
+    vs = torch.where(e, v.view(R, B, Q), torch.tensor(-math.inf, dtype=v.dtype, device=v.device))
+    kth = vs.topk(min(per_story, Q), dim=-1).values[..., -1:]  # [R, B, 1]
+    above = e & (vs > kth)
+    tied = e & (vs == kth)
+    room = per_story - above.sum(-1, keepdim=True)
+    return (above | (tied & (tied.cumsum(-1) <= room))).view(R, B * Q)
 
 
 def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple[int, ...], int]:
     start = max(0, at - before)
     return tuple(ids[start : min(len(ids), at + after)]), at - start
+
+
+def _key_seen(query: int, key: int, key_at: int, key_tokens: Sequence[int]) -> int:
+    """How many of the key window's tokens the query sees: those up to the query itself."""
+    return min(len(key_tokens), query - (key - key_at) + 1)
 
 
 class TopExamples:
@@ -158,9 +193,19 @@ class TopExamples:
     checkpoint with :meth:`state` / :meth:`load_state`, read with :meth:`entries`, write with
     :meth:`to_json`. See the module docstring for the order."""
 
-    def __init__(self, n_layer: int, n_head: int, detectors: Sequence[str], k: int = 8, context: int = 8):
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        detectors: Sequence[str],
+        k: int = 8,
+        context: int = 8,
+        per_story: int | None = None,
+    ):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise StorylensError(f"examples: k must be a whole number of at least 1, got {k!r}")
+        if per_story is not None and (isinstance(per_story, bool) or not isinstance(per_story, int) or per_story < 1):
+            raise StorylensError(f"examples: per_story must be a whole number of at least 1 or None, got {per_story!r}")
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
             raise StorylensError(f"examples: context must be a whole number of at least 0, got {context!r}")
         if n_layer < 1 or n_head < 1:
@@ -168,7 +213,7 @@ class TopExamples:
         names = [str(d) for d in detectors]
         if len(set(names)) != len(names):
             raise StorylensError(f"examples: detector names must differ ({', '.join(names)})")
-        self.n_layer, self.n_head, self.k, self.context = n_layer, n_head, k, context
+        self.n_layer, self.n_head, self.k, self.context, self.per_story = n_layer, n_head, k, context, per_story
         self.detectors = tuple(names)
         self._kept: dict[str, list[list[list[Example]]]] = {name: self._empty() for name in self.detectors}
         self._view: _BatchView | None = None  # the current batch's ids and story order
@@ -266,6 +311,8 @@ class TopExamples:
             wq = torch.tensor([e.query if e else -1 for e in worst], dtype=torch.long, device=dev)[:, None]
             earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [R, B * Q]
             eligible &= (v > wv) | ((v == wv) & earlier)
+        if self.per_story is not None and self.per_story < Q:
+            eligible = _per_story(eligible, v, B, self.per_story)
         # per row, the first k of the eligible queries under the order: every value above the k-th
         # largest, then as many of the values equal to it as fit, earliest (story, query) first
         masked = torch.where(eligible, v, torch.tensor(-math.inf, dtype=v.dtype, device=dev))
@@ -293,35 +340,49 @@ class TopExamples:
         key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
         weight = rowmaps.gather(-1, key[:, None])[:, 0]
         qi = qi + start  # the query's position
-        seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context)
+        seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context, self.context + 1)
+        near_key = _seen_weights(rowmaps, key, KEY_BEFORE, KEY_BEFORE + KEY_AFTER)
 
         new: list[list[Example]] = [[] for _ in range(R)]
         rows, story_index = view.rows, view.story_index
-        for r, b, q, x, kk, w, ws in zip(
-            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist(), seen
+        for r, b, q, x, kk, w, ws, wk in zip(
+            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist(), seen, near_key
         ):
             ids = rows[b]
             tokens, query_at = _window(ids, q, self.context, QUERY_AFTER)
             key_tokens, key_at = _window(ids, kk, KEY_BEFORE, KEY_AFTER)
-            weights = tuple(ws[: query_at + 1])
+            weights, key_weights = tuple(ws[: query_at + 1]), tuple(wk[: _key_seen(q, kk, key_at, key_tokens)])
             new[r].append(
-                Example(story_index[b], q, float(x), kk, float(w), tokens, query_at, key_tokens, key_at, weights)
+                Example(
+                    story_index[b],
+                    q,
+                    float(x),
+                    kk,
+                    float(w),
+                    tokens,
+                    query_at,
+                    key_tokens,
+                    key_at,
+                    weights,
+                    key_weights,
+                )
             )
         for r in range(R):
             if new[r]:
                 name = offers[r // H][0]
-                self._kept[name][layer][r % H] = _best(kept[r] + new[r], k)
+                self._kept[name][layer][r % H] = _best(kept[r] + new[r], k, self.per_story)
 
     # ---------------------------------------------------------------- combining and checkpoints
 
     def _same_kind(self, other: TopExamples, what: str) -> None:
-        mine = (self.n_layer, self.n_head, self.detectors, self.k, self.context)
-        theirs = (other.n_layer, other.n_head, other.detectors, other.k, other.context)
+        mine = (self.n_layer, self.n_head, self.detectors, self.k, self.context, self.per_story)
+        theirs = (other.n_layer, other.n_head, other.detectors, other.k, other.context, other.per_story)
         if mine != theirs:
             raise ValueError(
-                f"{what}: other heads, detectors, k or context ({theirs[0]}x{theirs[1]} heads, "
-                f"{', '.join(theirs[2])}, k={theirs[3]}, context={theirs[4]}) than this one's "
-                f"({mine[0]}x{mine[1]} heads, {', '.join(mine[2])}, k={mine[3]}, context={mine[4]})"
+                f"{what}: other heads, detectors, k, context or per_story ({theirs[0]}x{theirs[1]} heads, "
+                f"{', '.join(theirs[2])}, k={theirs[3]}, context={theirs[4]}, per_story={theirs[5]}) than this "
+                f"one's ({mine[0]}x{mine[1]} heads, {', '.join(mine[2])}, k={mine[3]}, context={mine[4]}, "
+                f"per_story={mine[5]})"
             )
 
     def merge(self, other: TopExamples) -> TopExamples:
@@ -331,7 +392,7 @@ class TopExamples:
             for mine, theirs in zip(self._kept[name], other._kept[name]):
                 for h in range(self.n_head):
                     if theirs[h]:
-                        mine[h] = _best(mine[h] + theirs[h], self.k)
+                        mine[h] = _best(mine[h] + theirs[h], self.k, self.per_story)
         return self
 
     def state(self) -> dict:
@@ -341,6 +402,7 @@ class TopExamples:
         return {
             "k": self.k,
             "context": self.context,
+            "per_story": self.per_story,
             "shape": [self.n_layer, self.n_head],
             "detectors": list(self.detectors),
             "examples": {
@@ -356,7 +418,7 @@ class TopExamples:
             raise ValueError(_not_a_state(state))
         try:
             n_layer, n_head = state["shape"]
-            made = cls(n_layer, n_head, state["detectors"], state["k"], state["context"])
+            made = cls(n_layer, n_head, state["detectors"], state["k"], state["context"], state["per_story"])
         except (TypeError, ValueError, StorylensError) as e:
             raise ValueError(f"examples state: bad shape, detectors, k or context ({e})") from None
         return made.load_state(state)
@@ -367,12 +429,12 @@ class TopExamples:
         part is wrong, and changes nothing. Returns ``self``."""
         if not isinstance(state, dict) or set(state) != _STATE_KEYS:
             raise ValueError(_not_a_state(state))
-        given = (state["shape"], state["detectors"], state["k"], state["context"])
-        mine = ([self.n_layer, self.n_head], list(self.detectors), self.k, self.context)
-        if given != mine or any(isinstance(x, bool) for x in (*given[0], given[2], given[3])):
+        given = (state["shape"], state["detectors"], state["k"], state["context"], state["per_story"])
+        mine = ([self.n_layer, self.n_head], list(self.detectors), self.k, self.context, self.per_story)
+        if given != mine or any(isinstance(x, bool) for x in (*given[0], given[2], given[3], given[4])):
             raise ValueError(
-                f"examples state: shape {given[0]!r}, detectors {given[1]!r}, k {given[2]!r}, context {given[3]!r}; "
-                f"expected {mine[0]}, {mine[1]}, {mine[2]}, {mine[3]}"
+                f"examples state: shape {given[0]!r}, detectors {given[1]!r}, k {given[2]!r}, context {given[3]!r}, "
+                f"per_story {given[4]!r}; expected {mine[0]}, {mine[1]}, {mine[2]}, {mine[3]}, {mine[4]}"
             )
         examples = state["examples"]
         if not isinstance(examples, dict) or set(examples) != set(self.detectors):
@@ -400,8 +462,10 @@ class TopExamples:
         if not isinstance(items, list) or len(items) > self.k:
             raise ValueError(f"{where}: expected a list of at most k={self.k} examples")
         out = [self._check_example(x, f"{where}[{i}]") for i, x in enumerate(items)]
-        if out != _best(out, self.k):
-            raise ValueError(f"{where}: the examples are not best first, or a (story, query) repeats")
+        if out != _best(out, self.k, self.per_story):
+            raise ValueError(
+                f"{where}: the examples are not best first, or a (story, query) repeats, or a story passes per_story"
+            )
         return out
 
     def _check_example(self, x, where: str) -> Example:
@@ -420,14 +484,14 @@ class TopExamples:
                 raise ValueError(f"{where}.{field}: expected a finite number, got {v!r}")
             return float(v)
 
-        def weights() -> tuple[float, ...]:
-            v = x["weights"]
+        def weights(field: str, n: int) -> tuple[float, ...]:
+            v = x[field]
             if (
                 not isinstance(v, list)
-                or len(v) != query_at + 1
+                or len(v) != n
                 or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1 for w in v)
             ):
-                raise ValueError(f"{where}.weights: expected {query_at + 1} weights between 0 and 1, one per key seen")
+                raise ValueError(f"{where}.{field}: expected {n} weights between 0 and 1, one per key seen")
             return tuple(float(w) for w in v)
 
         def ids(field: str) -> tuple[int, ...]:
@@ -440,10 +504,12 @@ class TopExamples:
         tokens, key_tokens = ids("tokens"), ids("key_tokens")
         if query_at != query - max(0, query - self.context) or query_at >= len(tokens):
             raise ValueError(f"{where}.query_at: {query_at} does not place query {query} in its tokens")
-        if key_at != key - max(0, key - KEY_BEFORE):
+        if key_at != key - max(0, key - KEY_BEFORE) or key_at >= len(key_tokens) or key > query:
             raise ValueError(f"{where}.key_at: {key_at} does not place key {key} in its key_tokens")
         value, key_weight = number("value"), number("key_weight")
-        return Example(story, query, value, key, key_weight, tokens, query_at, key_tokens, key_at, weights())
+        seen = weights("weights", query_at + 1)
+        near_key = weights("key_weights", _key_seen(query, key, key_at, key_tokens))
+        return Example(story, query, value, key, key_weight, tokens, query_at, key_tokens, key_at, seen, near_key)
 
     # ---------------------------------------------------------------- reading
 
@@ -456,7 +522,7 @@ class TopExamples:
         return list(self._kept[name][layer][head])
 
     def as_json(self, decode: Callable[[int], str], label: Callable[[int, int], str] = head_label) -> dict:
-        """What :meth:`to_json` writes: every head, layer-major (``layer`` and ``head`` counted from 1,
+        """What :meth:`to_json` writes: ``k``, ``per_story`` (None: no limit), the detectors, and every head, layer-major (``layer`` and ``head`` counted from 1,
         like its label), its examples per detector with the token ids decoded one by one
         (``decode(id) -> str``)."""
         texts: dict[int, str] = {}
@@ -479,7 +545,7 @@ class TopExamples:
                         for e in self._kept[name][layer][head]
                     ]
                 heads.append({"label": label(layer, head), "layer": layer + 1, "head": head + 1, "examples": per})
-        return {"k": self.k, "detectors": list(self.detectors), "heads": heads}
+        return {"k": self.k, "per_story": self.per_story, "detectors": list(self.detectors), "heads": heads}
 
     def to_json(
         self,

@@ -70,7 +70,7 @@ from storylens.analysis.detectors import (
     masked_mean,
 )
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
-from storylens.analysis.examples import TopExamples
+from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
 from storylens.analysis.record import record
 from storylens.core.buffers import Workspace
@@ -166,8 +166,9 @@ class HeadScoreAccumulator:
         self.faithful = faithful
         self.norm = {d.name: MeanAccumulator(shape) for d in self.detectors} if faithful else {}
         self.output = MeanAccumulator(shape)
-        # where each head fires: the top `examples` queries per head and detector (0: not kept)
-        self.examples = TopExamples(n_layer, n_head, names, examples) if examples else None
+        # where each head fires: the top `examples` queries per head and detector (0: not kept),
+        # at most PER_STORY of them from one story, so a head's examples span several stories
+        self.examples = TopExamples(n_layer, n_head, names, examples, per_story=PER_STORY) if examples else None
         self._masks: BatchMasks | None = None
         self._sums: list[dict[str, torch.Tensor]] = []
         self._norm_sums: list[dict[str, torch.Tensor]] = []
@@ -403,7 +404,8 @@ class HeadScoreAccumulator:
                 examples = TopExamples.from_state(state["examples"])
             except ValueError as e:
                 raise ValueError(f"state: {e}") from None
-            if (examples.k, examples.detectors) != (self.examples.k, self.examples.detectors):
+            kept_as = (self.examples.k, self.examples.detectors, self.examples.per_story)
+            if (examples.k, examples.detectors, examples.per_story) != kept_as:
                 raise ValueError("state: examples of another size or other detectors")
         self.examples = examples
         self.means, self.first, self.norm = loaded["means"], loaded["first"], loaded["norm"]

@@ -33,6 +33,14 @@ Attention rows sum to 1 up to the rounding of a softmax over ``T`` keys: the sum
 exponentials and the sum of the quotients each carry at most ``T * u`` (worst case, not
 probabilistic), so ``|row sum - 1| <= (2T + 2) * u``. The upper triangle is not rounded at all:
 ``exp(-inf)`` is exactly 0, so it must be exactly 0.
+
+Beside the lesson's figures
+---------------------------
+The lesson gives two figures (2e-5 and 3e-7), each one measurement on its own machine in float32
+(far above float64's rounding). The float32 bounds here are larger: they are derived to hold for
+this model's sums on any CPU's kernels, with the margin above, not measured once. The float64
+bounds are far smaller: float64 rounds 2^29 times finer. :func:`lesson_note` says which, check by
+check, wherever a lesson figure stands beside a bound.
 """
 
 from __future__ import annotations
@@ -98,7 +106,31 @@ class Check:
         return self.measured <= self.bound
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": self.passed, "lesson_note": lesson_note(self)}
+
+
+def lesson_note(c: Check) -> str:
+    """Why ``c``'s bound is larger or smaller than the lesson's figure beside it, and where the
+    measurement falls against that figure; "" where the lesson gives no figure."""
+    if c.lesson is None:
+        return ""
+    here = f"measured here {c.measured:.1e}: " + (
+        "within the lesson's figure too"
+        if c.measured <= c.lesson
+        else "above the lesson's figure (another CPU's kernels round differently), within the bound"
+        if c.passed
+        else "past the bound"
+    )
+    if c.bound > c.lesson:
+        return (
+            f"bound above the lesson's {c.lesson:.0e}: derived for {c.dtype} rounding of this model's sums "
+            f"on any CPU's kernels, with a {LAMBDA:g}x margin; the lesson's is one measurement on its machine; {here}"
+        )
+    finer = unit_roundoff(torch.float32) / unit_roundoff(getattr(torch, c.dtype))
+    return (
+        f"bound below the lesson's {c.lesson:.0e}, a float32 measurement: {c.dtype} rounds "
+        f"2^{round(math.log2(finer))} times finer; {here}"
+    )
 
 
 def as_dtype(model, dtype: torch.dtype):

@@ -456,22 +456,22 @@ def _draw_figures(data: dict, scores, folder: Path) -> list[str]:
     label = scores.best("name_mass").label
     head_title = None
     if main.positions:
-        weights, _ = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
+        weights, queries = name_attention_profile(att[b, h], list(main.positions), main.first_mention)
     else:  # a long story whose main character is mentioned only past the tokens drawn
-        weights = att[b, h][1:].mean(axis=0)
+        weights, queries = att[b, h][1:].mean(axis=0), None
         head_title = (
             f"{label}: where it looks in this story\n{main.name} is mentioned only past the {len(tokens)} "
             f"tokens drawn: mean over every query after the marker, no name to box"
         )
     keep(
         "top_name_head",
-        name_head_figure(
+        name_head_figure(  # its ratio: this story's share over this story's even spread
             tokens,
             weights,
             list(main.positions),
             label=label,
             first_mention=main.first_mention,
-            baseline=scores.name_baseline,
+            queries=queries,
             max_tokens=160,
             title=head_title,
         ),
@@ -686,6 +686,7 @@ def _numerics_rows(s: ReportSummary) -> list[list[str]]:
             f"{c.bound:.2e}",
             "" if c.lesson is None else f"{c.lesson:.0e}",
             "yes" if c.passed else "NO",
+            c.lesson_note,
             c.detail,
         ]
         for c in s.numerics

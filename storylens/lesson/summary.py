@@ -217,6 +217,7 @@ class NumericRow(Plain):
     lesson: float | None
     detail: str
     passed: bool
+    lesson_note: str = ""  # why the bound is larger or smaller than the lesson's figure (checks.lesson_note)
 
 
 @dataclass

@@ -6,18 +6,23 @@ What it shows (built in the browser by ``static/explorer.js``, styled by ``stati
   such as ``prev_token > 0.5`` or ``norm_marker >= 0.1 and output_share < 0.02``, or to the heads
   flagged as looking without moving;
 * a layer x head grid of one chosen column, coloured like a heatmap with the value in each cell;
-* the chosen head's top examples for one detector (the story's tokens around each query, the query
-  marked, the earlier tokens shaded by its attention), and the chosen example's attention over its
-  window as a bar strip.
+* the chosen head's top examples for one detector, at first the head's strongest (the detector on
+  which its score is the largest share of the best head's): the story's tokens around each query,
+  the query marked, the earlier tokens shaded by its attention, and the most-attended key marked
+  and named; where that key lies before the query's window, the tokens around it come first, after
+  a gap mark. The chosen example's attention over those tokens is a bar strip, so it always holds
+  the key's bar. ``storylens score`` keeps at most
+  :data:`~storylens.analysis.examples.PER_STORY` examples of one story per head and detector.
 
 Every view saves as PNG and SVG (``static/export.js``, the same colours and labels as on screen).
 
 **Size.** The page embeds the examples, never the corpus: its size grows with heads x detectors x
 examples kept, not with the stories scored. Each ``(story, query)`` a head keeps is embedded once
 however many of its detectors keep it, as token indices into one table of token texts, with its
-weights as whole numbers of 1e-4 (``weights`` keep 4 decimals). A 30 x 9-head model with 8 examples
-of 7 detectors makes a page of about 1.7 MB, some 100 bytes per head x detector x example
-(measured in ``tests/viz/test_explorer_browser.py``).
+weights as whole numbers of 1e-4 (``weights`` keep 4 decimals), with its key's window only where the
+key lies before the query's. A 30 x 9-head model with 8 examples of 7 detectors makes a page of about
+1.9 MiB, some 120 bytes per head x detector x example (measured in
+``tests/viz/test_explorer_browser.py``).
 
 Story text reaches the page only as JSON data (:func:`~storylens.viz.widget._json_for_script`) and
 the DOM only through ``textContent``. The page's Content-Security-Policy, from
@@ -73,8 +78,9 @@ def _table(heads: Sequence[Mapping]) -> tuple[list[str], list[list], list[int]]:
 def _examples(examples: Mapping, labels: Sequence[str]) -> dict:
     """examples.json made compact for the page: per head (in the table's order) each kept ``(story,
     query)`` once as a *site* ``[story, query, query_at, key, key_weight, key token, [tokens],
-    [weights in 1e-4]]``, and per detector its examples best first as ``[site, value]``; token texts
-    as indices into one shared list."""
+    [weights in 1e-4], key window]``, and per detector its examples best first as ``[site, value]``;
+    token texts as indices into one shared list. The key window is None where the key lies in the
+    query's window, else ``[key_at, [key tokens], [key weights in 1e-4]]``."""
     texts: dict[str, int] = {}
 
     def text(s: str) -> int:
@@ -103,12 +109,21 @@ def _examples(examples: Mapping, labels: Sequence[str]) -> dict:
                             text(x["key_tokens"][x["key_at"]]),
                             [text(t) for t in x["tokens"]],
                             [round(w * WEIGHT_SCALE) for w in x["weights"]],
+                            _key_window(x, text),
                         ]
                     )
                 ranked.append([where[at], x["value"]])
             top[name] = ranked
         per_head.append({"sites": sites, "top": top})
-    return {"k": examples["k"], "detectors": detectors, "tokens": list(texts), "heads": per_head}
+    per_story = examples.get("per_story")  # None: no limit (and examples.json before the limit)
+    return {"k": examples["k"], "perStory": per_story, "detectors": detectors, "tokens": list(texts), "heads": per_head}
+
+
+def _key_window(x: Mapping, text) -> list | None:
+    """An example's key window for the page: None where the key is among the query's window's tokens."""
+    if x["key"] >= x["query"] - x["query_at"]:
+        return None
+    return [x["key_at"], [text(t) for t in x["key_tokens"]], [round(w * WEIGHT_SCALE) for w in x["key_weights"]]]
 
 
 def explorer_data(heads: Sequence[Mapping], examples: Mapping | None, *, title: str, meta: Mapping) -> dict:

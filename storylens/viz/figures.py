@@ -41,6 +41,7 @@ __all__ = [
     "all_heads_figure",
     "name_mass_bar_figure",
     "head_heatmap_figure",
+    "name_even_share",
     "name_head_figure",
     "name_attention_profile",
     "save_png",
@@ -439,6 +440,18 @@ def name_attention_profile(
     return att[queries].mean(axis=0), queries
 
 
+def name_even_share(name_positions: Sequence[int], queries: Sequence[int]) -> float:
+    """This story's even-spread share on the name over ``queries``: the mean over them of (name
+    positions at or before q) / (q + 1), what a head spreading each query's attention evenly over
+    the tokens up to itself would put on the name. The scores' ``name_baseline`` is the same mean
+    over every scored story's name queries."""
+    names = np.asarray(sorted(set(int(p) for p in name_positions)), dtype=np.int64)
+    q = np.asarray(list(queries), dtype=np.int64)
+    if q.size == 0:
+        raise ValueError("no queries given")
+    return float((np.searchsorted(names, q, side="right") / (q + 1)).mean())
+
+
 def name_head_figure(
     tokens: Sequence[str],
     weights,
@@ -446,7 +459,7 @@ def name_head_figure(
     *,
     label: str,
     first_mention: int | None = None,
-    baseline: float | None = None,
+    queries: Sequence[int] | None = None,
     max_tokens: int | None = None,
     line_chars: int = 84,
     title: str | None = None,
@@ -461,14 +474,16 @@ def name_head_figure(
     The colour scale tops out at ``vmax`` (default: the largest weight on any token
     but the first, so an attention sink on the end-of-story marker does not wash
     out the rest; larger weights get the darkest shade).
-    ``label`` is the head label (``"L5H3"``). The title reports the share on the name.
+    ``label`` is the head label (``"L5H3"``). The title reports the share on the name and,
+    where the queries averaged are known (a map, or ``queries`` beside a profile, as
+    :func:`name_attention_profile` returns them), that share over this story's own even spread
+    on the same queries (:func:`name_even_share`): the same story and queries on both sides of
+    the ratio.
     """
     w = np.asarray(weights, dtype=float)
     if w.ndim == 2:
         w, queries = name_attention_profile(w, name_positions, first_mention)
-        n_queries = len(queries)
-    else:
-        n_queries = None
+    n_queries = None if queries is None else len(queries)
     if w.shape[0] != len(tokens):
         raise ValueError(f"{len(tokens)} tokens but {w.shape[0]} weights")
     names = sorted(set(int(p) for p in name_positions))
@@ -502,7 +517,7 @@ def name_head_figure(
     char_in = 0.602 * font_pt / 72  # DejaVu Sans Mono's advance is 0.602 em
     line_in = 1.75 * font_pt / 72
     # Exact placement (no automatic layout): one data unit on x is one character wide.
-    margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.7, 0.16, 0.45, 0.2
+    margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.85, 0.16, 0.45, 0.2  # title: up to three lines
     text_w, text_h = (line_chars + 1) * char_in, n_rows * line_in
     W = text_w + 2 * margin
     H = title_h + text_h + gap + cbar_h + below_cbar
@@ -559,15 +574,16 @@ def name_head_figure(
         fontsize=8,
     )
     cax.tick_params(labelsize=7)
-    parts = [f"{label}: where it looks in this story"]
-    detail = f"share on the name (red boxes): {name_share:.3f}"
-    if baseline is not None and baseline > 0:
-        detail += f" = {name_share / baseline:.1f}× an even spread ({baseline:.3f})"
-    if n_queries is not None:
-        detail += f"; {n_queries} queries averaged"
+    lines = [f"{label}: where it looks in this story", f"share on the name (red boxes): {name_share:.3f}"]
+    if queries is not None and names:
+        even = name_even_share(names, queries)
+        lines[1] += f" = {name_share / even:.1f}× this story's even spread ({even:.3f})"
+    how = [f"both over the same {n_queries} queries after the first mention"] if n_queries is not None else []
     if n < len(tokens):
-        detail += f"; first {n} of {len(tokens)} tokens shown"
-    fig.suptitle(title or (parts[0] + "\n" + detail), fontsize=10, y=1 - 0.1 / H, va="top")
+        how.append(f"first {n} of {len(tokens)} tokens shown")
+    if how:
+        lines.append("; ".join(how))
+    fig.suptitle(title or "\n".join(lines), fontsize=10, y=1 - 0.1 / H, va="top")
     return fig
 
 

@@ -167,6 +167,26 @@ def _shown(text: str) -> str:
     return text.replace("\r", "").replace("\n", "\u21b5").replace("\t", "\u21e5") or "\u2205"
 
 
+def _shown_window(x: dict) -> tuple[list[str], list[float], int]:
+    """What the page shows of an example, in story order: where the key lies before the query's
+    window, the key window's tokens before that window first; (tokens, weights up to the query, the
+    query's place among the tokens)."""
+    first = x["query"] - x["query_at"]
+    tokens, weights = [], []
+    if x["key"] < first:
+        start = x["key"] - x["key_at"]
+        n = min(len(x["key_tokens"]), first - start)
+        tokens, weights = x["key_tokens"][:n], x["key_weights"][:n]
+    return tokens + x["tokens"], weights + x["weights"], len(tokens) + x["query_at"]
+
+
+def _strongest(heads, ex, label):
+    """The detector on which the head's score is the largest share of the best head's (ties: the first)."""
+    row = next(h for h in heads if h["label"] == label)
+    best = {d: max((h[d] for h in heads if _num(h[d])), default=0) for d in ex["detectors"]}
+    return max((d for d in ex["detectors"] if best[d] > 0 and _num(row[d])), key=lambda d: row[d] / best[d])
+
+
 def test_a_head_shows_its_examples_as_examples_json_has_them(page, run):
     out, heads, ex = run
     _open(page, out)
@@ -175,6 +195,9 @@ def test_a_head_shows_its_examples_as_examples_json_has_them(page, run):
     for label in (strongest, heads[-1]["label"]):
         page.click(f'.sle-cell[data-label="{label}"]')
         assert page.get_attribute(".sle-root", "data-head") == label == page.text_content(".sle-head-title")
+        # a clicked head opens on the detector it fires on most, not the grid's column
+        assert page.get_attribute(".sle-root", "data-detector") == _strongest(heads, ex, label)
+        assert page.get_attribute(".sle-strongest", "data-detector") == _strongest(heads, ex, label)
         for detector in ex["detectors"]:
             page.select_option(".sle-detector", detector)
             want = by_label[label][detector]
@@ -185,20 +208,43 @@ def test_a_head_shows_its_examples_as_examples_json_has_them(page, run):
                     tokens: [...e.querySelectorAll('.sle-tokens .sle-tok')].map(t => t.textContent),
                     weights: [...e.querySelectorAll('.sle-tok[data-weight]')].map(t => parseFloat(t.dataset.weight)),
                     query_at: [...e.querySelectorAll('.sle-tokens .sle-tok')].findIndex(t => t.classList.contains('sle-query')),
+                    key: [...e.querySelectorAll('.sle-tok.sle-key')].map(t => [+t.dataset.pos, parseFloat(t.dataset.weight)]),
                 }))""",
             )
             assert [g["value"] for g in got] == [x["value"] for x in want], (label, detector)
+            stories = [x["story"] for x in want]
+            assert max(stories.count(s) for s in stories) <= ex["per_story"]  # spread across stories
             for g, x in zip(got, want):
-                assert (g["story"], g["query"], g["query_at"]) == (x["story"], x["query"], x["query_at"])
-                assert g["tokens"] == [_shown(t) for t in x["tokens"]]
-                assert g["weights"] == x["weights"]  # the shading: exactly the kept weights
+                tokens, weights, query_at = _shown_window(x)
+                assert (g["story"], g["query"], g["query_at"]) == (x["story"], x["query"], query_at)
+                assert g["tokens"] == [_shown(t) for t in tokens]
+                assert g["weights"] == weights  # the shading: exactly the kept weights
+                # the most-attended key is always among them, marked, with its weight
+                assert g["key"] == [[x["key"], round(x["key_weight"], 4)]]
     # the chosen example's map: one bar per key the query sees, the same weights
     page.select_option(".sle-detector", "prev_token")
     want = by_label[heads[-1]["label"]]["prev_token"]
     page.click('.sle-example[data-rank="2"] .sle-tokens')
     assert page.get_attribute(".sle-root", "data-example") == "1"
     bars = page.eval_on_selector_all(".sle-chosen .sle-bar-col", "els => els.map(e => parseFloat(e.dataset.weight))")
-    assert bars == want[1]["weights"]
+    assert bars == _shown_window(want[1])[1]
+    # an example whose key lies before the query's window: its map holds the key's bar, after it a gap
+    far = [
+        (h["label"], d, i)
+        for h in ex["heads"]
+        for d, xs in h["examples"].items()
+        for i, x in enumerate(xs)
+        if x["key"] + 4 < x["query"] - x["query_at"]  # the key window ends before the query's
+    ]
+    assert far  # on both models
+    label, detector, i = far[0]
+    x = by_label[label][detector][i]
+    page.click(f'.sle-cell[data-label="{label}"]')
+    page.select_option(".sle-detector", detector)
+    page.click(f'.sle-example[data-rank="{i + 1}"] .sle-tokens')
+    key_bar = page.eval_on_selector(".sle-chosen .sle-bar-col.sle-key", "e => parseFloat(e.dataset.weight)")
+    assert key_bar == round(x["key_weight"], 4) > 0
+    assert page.eval_on_selector_all(".sle-chosen .sle-bar-gap", "els => els.length") == 1
     # token labels as drawn: at least 9 px everywhere
     for selector in (".sle-tok", ".sle-bar-tok", ".sle-bar-w", ".sle-key-tok"):
         px = page.eval_on_selector_all(

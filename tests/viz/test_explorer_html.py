@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from storylens.analysis.examples import PER_STORY
 from storylens.cli import main
 from storylens.data.stories import EOT
 from storylens.viz.explorer import WEIGHT_SCALE, explorer_html, write_explorer_for
@@ -24,12 +25,21 @@ def embedded(page: str) -> dict:
 
 
 def decoded(data: dict, at: int, detector: str) -> list[dict]:
-    """One head's examples for one detector as examples.json writes them (but key_tokens: its key only)."""
+    """One head's examples for one detector as examples.json writes them (but key_tokens: its key only,
+    and the key's window only where the key lies before the query's window)."""
     ex = data["examples"]
     head = ex["heads"][at]
     out = []
     for site, value in head["top"][detector]:
-        story, query, query_at, key, key_weight, key_token, tokens, weights = head["sites"][site]
+        story, query, query_at, key, key_weight, key_token, tokens, weights, key_window = head["sites"][site]
+        near_key = None
+        if key_window is not None:
+            key_at, key_tokens, key_weights = key_window
+            near_key = {
+                "key_at": key_at,
+                "key_tokens": [ex["tokens"][t] for t in key_tokens],
+                "key_weights": [w / WEIGHT_SCALE for w in key_weights],
+            }
         out.append(
             {
                 "story": story,
@@ -41,9 +51,17 @@ def decoded(data: dict, at: int, detector: str) -> list[dict]:
                 "tokens": [ex["tokens"][t] for t in tokens],
                 "query_at": query_at,
                 "weights": [w / WEIGHT_SCALE for w in weights],
+                "near_key": near_key,
             }
         )
     return out
+
+
+def _near_key(x: dict) -> dict | None:
+    """What the page keeps of an example's key window: all of it where the key lies before the query's window."""
+    if x["key"] >= x["query"] - x["query_at"]:
+        return None
+    return {k: x[k] for k in ("key_at", "key_tokens", "key_weights")}
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +83,24 @@ def test_score_writes_explore_html_with_the_runs_examples(stories_file, tmp_path
     assert data["columns"] == list(heads[0]) and data["rows"] == [list(h.values()) for h in heads]
     assert data["shape"] == [6, 4] and data["meta"]["examples"] == "8 per head and detector"
     assert data["examples"]["detectors"] == examples["detectors"] and data["examples"]["k"] == 8
+    assert examples["per_story"] == data["examples"]["perStory"] == PER_STORY
+    outside = 0
     for at, head in enumerate(examples["heads"]):
         for detector, kept in head["examples"].items():
-            want = [{**{k: x[k] for k in KEPT}, "key_token": x["key_tokens"][x["key_at"]]} for x in kept]
+            want = [
+                {**{k: x[k] for k in KEPT}, "key_token": x["key_tokens"][x["key_at"]], "near_key": _near_key(x)}
+                for x in kept
+            ]
             assert decoded(data, at, detector) == want, (head["label"], detector)
+            # spread: at most PER_STORY of one story, so 6 stories fill all 8
+            stories = [x["story"] for x in kept]
+            assert len(kept) == 8 and max(stories.count(s) for s in stories) <= PER_STORY
+            for x in kept:  # the most-attended key is always shown, with its weight
+                shown = x["weights"] if _near_key(x) is None else x["key_weights"]
+                at_key = x["key"] - (x["query"] - x["query_at"]) if _near_key(x) is None else x["key_at"]
+                assert shown[at_key] == round(x["key_weight"], 4)
+                outside += _near_key(x) is not None
+    assert outside > 0  # keys before the query's window happen on the real model
     # each (story, query) a head keeps once, whatever the number of its detectors that keep it
     sites = [tuple(s[:2]) for h in data["examples"]["heads"] for s in h["sites"]]
     per_head = [[tuple(s[:2]) for s in h["sites"]] for h in data["examples"]["heads"]]

@@ -104,12 +104,23 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
     page.wait_for_selector('.slw-root[data-slw-ready="1"]', timeout=20_000)
     assert page.errors == [] and page.requests == []
     root = ".slw-root"
-    start = run.prompt_len
-    assert int(page.get_attribute(root, "data-written")) == start - 1  # only the prompt at first
+    start, end = run.prompt_len, len(run.ids) - 1
 
     def visible():
         return page.eval_on_selector_all(".slw-tok", "els => els.filter(e => e.offsetParent !== null).length")
 
+    # it opens on the whole story, its last token the query
+    assert int(page.get_attribute(root, "data-written")) == end == int(page.get_attribute(root, "data-query"))
+    assert visible() == len(run.ids)
+    # every button's words are plain ASCII and its mark a drawn SVG path: no glyph a font can lack
+    labels = page.eval_on_selector_all(".slw-replay button", "els => els.map(e => e.textContent)")
+    assert labels == ["Prompt", "Back", "Step", "Play", "Whole story"]
+    marks = page.eval_on_selector_all(
+        ".slw-replay button", "els => els.map(e => e.querySelectorAll('svg path').length)"
+    )
+    assert marks == [1] * 5
+    page.click(".slw-rp-first")
+    assert int(page.get_attribute(root, "data-written")) == start - 1  # the prompt alone
     assert visible() == start
     for k in range(1, 4):
         page.click(".slw-rp-next")
@@ -123,8 +134,11 @@ def test_generation_replay_steps_through_the_recorded_rows(page, tmp_path, model
         # the page embeds 16 bits: within half a step (7.6e-6) of the model's weights
         np.testing.assert_allclose(shown, run.patterns[b, h, q, : q + 1].numpy(), atol=0.5 / 65535 * (1 + 1e-9), rtol=0)
     _assert_drawn(page.screenshot())
-    page.click(".slw-rp-last")
-    assert int(page.get_attribute(root, "data-written")) == len(run.ids) - 1 and visible() == len(run.ids)
+    page.click(".slw-rp-play")
+    assert page.text_content(".slw-rp-play") == "Pause"
+    page.click(".slw-rp-last")  # stops playing; the whole story again
+    assert page.text_content(".slw-rp-play") == "Play"
+    assert int(page.get_attribute(root, "data-written")) == end and visible() == len(run.ids)
 
 
 @torch.no_grad()

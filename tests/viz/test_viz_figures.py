@@ -17,6 +17,7 @@ from storylens.viz import (
     figure_data_uri,
     head_heatmap_figure,
     name_attention_profile,
+    name_even_share,
     name_head_figure,
     name_mass_bar_figure,
     save_png,
@@ -147,11 +148,38 @@ def test_name_head_figure_and_data_uri(story_run):
     assert weights.shape == (len(tokens),)
     assert weights.sum() == pytest.approx(1.0, abs=row_sum_bound(torch.float32, len(tokens)))
     assert min(queries) > names[0] and not set(queries) & set(names)
-    fig = name_head_figure(tokens, att[b, h], names, label=best, baseline=0.05)
+    fig = name_head_figure(tokens, att[b, h], names, label=best)
     assert best in fig.get_suptitle()
+    # the ratio divides this story's share by this story's even spread over the same queries
+    share, even = float(weights[names].sum()), name_even_share(names, queries)
+    assert f"{share:.3f} = {share / even:.1f}× this story's even spread ({even:.3f})" in fig.get_suptitle()
+    assert f"both over the same {len(queries)} queries" in fig.get_suptitle()
     uri = figure_data_uri(fig)
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1])[:8] == PNG_MAGIC
+
+
+def test_the_name_figures_even_spread_is_the_scores_baseline_on_its_story(model, quiz):
+    """name_even_share on one story's scored queries equals the head scores' name_baseline scored on
+    that story alone (two computations: numpy here, float64 torch in storylens.analysis.scores)."""
+    from storylens.analysis import score_heads
+    from storylens.analysis.encode import encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.lm import wrap
+
+    lm = wrap(model)
+    encoded = encode_stories(lm, quiz[:40], name_vocabulary(quiz))
+    story = next(e for e in encoded if e.main is not None and len(e.main.positions) >= 3)
+    positions = list(story.main.positions)
+    n = len(story.ids)
+    queries = [q for q in range(story.main.first_mention + 1, n) if q not in set(positions)]
+    scores = score_heads(lm, [story], progress=False)
+    assert scores.n_name_scored == 1
+    even = name_even_share(positions, queries)
+    # both float64 means of a few hundred terms: apart by at most a few hundred roundings (~1e-14)
+    assert even == pytest.approx(scores.name_baseline, rel=1e-12, abs=0)
+    # by hand on a tiny case: names at 1 and 3, queries 2 and 4: (1/3 + 2/5) / 2
+    assert name_even_share([3, 1], [2, 4]) == pytest.approx((1 / 3 + 2 / 5) / 2, rel=1e-15)
 
 
 def test_heatmap_table_colours_every_head_and_boxes_the_best():

@@ -119,3 +119,20 @@ def test_validation_and_save(tmp_path, story_run):
     toy = toy_widget()
     np.testing.assert_allclose(toy.shares().sum(), 1.0)
     assert toy.words[toy.query] == "He" and toy.shares().argmax() == 0  # "He" looks at "Momo"
+
+
+def test_replay_page_opens_on_the_whole_story_and_draws_its_marks(model):
+    from storylens.lm.generate import record_generation
+    from storylens.viz import replay_widget
+
+    run = record_generation(model, "Once upon a time, there was a dog named Rex.", 12, seed=4)
+    d = _payload(replay_widget(run, model.tokenizer).to_html())
+    assert d["replay"] == {"start": run.prompt_len} and d["query"] == len(run.ids) - 1 == len(d["tokens"]) - 1
+    # the replay buttons' words are ASCII and their marks drawn paths: no media-control glyph
+    # (U+23EE and its kind, missing from many fonts) and no triangle glyph is left in the script
+    js = _static("widget.js")
+    block = js[js.index("// ---- replay") : js.index("var body = el(")]
+    words = re.findall(r'rpButton\("slw-rp-\w+", "\w+", "([^"]*)"', block)
+    assert words == ["Prompt", "Back", "Step", "Play", "Whole story"]
+    assert all(w.isascii() for w in words)
+    assert not re.search(r"\\u2[35][0-9a-f]{2}", block, re.I) and block.isascii()

@@ -4,8 +4,9 @@
  * Four views of one score run, all from the embedded JSON:
  *   the head table  every column, sortable, filtered by an expression or by the flag;
  *   the grid        one column over layers x heads, coloured, the value in each cell;
- *   the examples    the chosen head's top examples for one detector, tokens shaded by attention;
- *   the map         the chosen example's attention over its window, as a bar strip.
+ *   the examples    the chosen head's top examples for one detector (at first its strongest),
+ *                   tokens shaded by attention, the most-attended key always among them;
+ *   the map         the chosen example's attention over those tokens, as a bar strip.
  * Each view draws its SVG export from the same colour and label functions it draws the screen
  * with. Story text reaches the DOM only through textContent.
  */
@@ -20,6 +21,7 @@
   var SHADE = [253, 141, 60];  // a token's background at weight 1 (black text stays readable)
   var NONE_FILL = "#eeeeee", NONE_INK = "#57606a";
   var FLAG = "looks_without_moving";
+  var GAP = "...";  // between the key's tokens and the query's, where tokens are left out
 
   // ------------------------------------------------------------------ small helpers
   function el(tag, cls, text) {
@@ -428,11 +430,33 @@
 
     function site(r, i) {
       var e = ex.heads[r.index], pick = e.top[state.detector][i], s = e.sites[pick[0]];
-      return {
+      var x = {
         rank: i + 1, value: pick[1], story: s[0], query: s[1], queryAt: s[2], key: s[3], keyWeight: s[4],
         keyToken: ex.tokens[s[5]], tokens: s[6].map(function (t) { return ex.tokens[t]; }),
         weights: s[7].map(function (w) { return w / WEIGHT_SCALE; })
       };
+      x.cells = cellsOf(x, s[8]);
+      return x;
+    }
+
+    /* What an example shows, in story order, as {pos, text, weight (null: after the query), query,
+     * key, gap}: where the key lies before the query's window, the tokens around it (up to that
+     * window) come first, then a gap mark where tokens are left out, then the query's window. */
+    function cellsOf(x, keyWin) {
+      var out = [], first = x.query - x.queryAt;
+      if (keyWin) {
+        var keyAt = keyWin[0], start = x.key - keyAt, n = Math.min(keyWin[1].length, first - start);
+        for (var j = 0; j < n; j++) {
+          out.push({ pos: start + j, text: ex.tokens[keyWin[1][j]], weight: keyWin[2][j] / WEIGHT_SCALE,
+            query: false, key: start + j === x.key, gap: false });
+        }
+        if (start + n < first) { out.push({ pos: null, text: GAP, weight: null, query: false, key: false, gap: true }); }
+      }
+      x.tokens.forEach(function (t, j) {
+        out.push({ pos: first + j, text: t, weight: j <= x.queryAt ? x.weights[j] : null,
+          query: j === x.queryAt, key: first + j === x.key, gap: false });
+      });
+      return out;
     }
 
     function exampleTitle(r, x) {
@@ -440,10 +464,10 @@
         ", value " + fmt(x.value);
     }
 
-    /* The window as items {text, fill, bold}: what the screen and tokensSvg both draw. */
+    /* The shown tokens as items {text, fill, bold}: what the screen and tokensSvg both draw. */
     function tokenItems(x) {
-      return x.tokens.map(function (t, i) {
-        return { text: shown(t), fill: i <= x.queryAt ? shade(x.weights[i]) : "#ffffff", bold: i === x.queryAt };
+      return x.cells.map(function (c) {
+        return { text: c.gap ? c.text : shown(c.text), fill: c.weight !== null ? shade(c.weight) : "#ffffff", bold: c.query };
       });
     }
 
@@ -466,14 +490,21 @@
         r.label + "-" + slug(state.detector) + "-example-" + x.rank));
       box.appendChild(head);
       var line = el("div", "sle-tokens");
-      var first = x.query - x.queryAt;
-      tokenItems(x).forEach(function (it, j) {
-        var s = el("span", "sle-tok", it.text);
-        s.style.background = it.fill;
-        if (j <= x.queryAt) { s.dataset.weight = String(x.weights[j]); s.title = "weight " + fmt(x.weights[j]); }
+      var items = tokenItems(x);
+      x.cells.forEach(function (c, j) {
+        if (c.gap) {
+          var g = el("span", "sle-gap", " " + c.text + " ");
+          g.title = "tokens left out between the key's and the query's";
+          line.appendChild(g);
+          return;
+        }
+        var s = el("span", "sle-tok", items[j].text);
+        s.style.background = items[j].fill;
+        s.dataset.pos = String(c.pos);
+        if (c.weight !== null) { s.dataset.weight = String(c.weight); s.title = "weight " + fmt(c.weight); }
         else { s.classList.add("sle-after"); }
-        if (it.bold) { s.classList.add("sle-query"); }
-        if (first + j === x.key) { s.classList.add("sle-key"); }
+        if (c.query) { s.classList.add("sle-query"); }
+        if (c.key) { s.classList.add("sle-key"); s.title += " (the most attended)"; }
         line.appendChild(s);
       });
       box.appendChild(line);
@@ -487,29 +518,40 @@
       return box;
     }
 
-    /* The bar strip of one example: a column per key the query sees, as {x, w, h, fill, tick, weight}. */
+    /* The bar strip of one example: a column per shown key the query sees (the most-attended
+     * among them) and a narrow one for a gap, as {x, w, h, fill, tick, weight, value, query, key, gap}. */
     function stripLayout(x) {
       var left = 8, out = [];
-      for (var j = 0; j <= x.queryAt; j++) {
-        var tk = tick(x.tokens[j]), w = Math.max(34, Math.ceil(X.measure(tk, BAR_FONT)) + 10);
-        out.push({ x: left, w: w, h: Math.round(BAR_H * x.weights[j] * 10) / 10, fill: viridis(x.weights[j]),
-          tick: tk, weight: x.weights[j].toFixed(2), query: j === x.queryAt });
+      x.cells.forEach(function (c) {
+        if (c.gap) {
+          out.push({ x: left, w: 22, h: 0, fill: "#ffffff", tick: GAP, weight: "", value: null, query: false, key: false, gap: true });
+          left += 24;
+          return;
+        }
+        if (c.weight === null) { return; }
+        var tk = tick(c.text), w = Math.max(34, Math.ceil(X.measure(tk, BAR_FONT)) + 10);
+        out.push({ x: left, w: w, h: Math.round(BAR_H * c.weight * 10) / 10, fill: viridis(c.weight),
+          tick: tk, weight: c.weight.toFixed(2), value: c.weight, query: c.query, key: c.key, gap: false });
         left += w + 2;
-      }
+      });
       return { cols: out, width: left + 6 };
     }
 
-    function mapTitle(r, x) { return r.label + " on story " + x.story + ", query " + x.query + ": attention over the window"; }
+    function mapTitle(r, x) {
+      return r.label + " on story " + x.story + ", query " + x.query + ": attention over the window" +
+        " (most attended: key " + x.key + ", weight " + fmt(x.keyWeight) + ")";
+    }
 
     function stripSvg(r, x) {
       var L = stripLayout(x), top = BAR_FONT * 2 + 18, base = top + BAR_FONT + 4 + BAR_H, body = "";
       body += X.text(8, BAR_FONT + 6, mapTitle(r, x), BAR_FONT + 1, { weight: "bold" });
       L.cols.forEach(function (c) {
         var mid = c.x + c.w / 2;
+        if (c.gap) { body += X.text(mid, base - BAR_H / 2, c.tick, BAR_FONT, { anchor: "middle" }); return; }
         body += X.rect(c.x, top + BAR_FONT + 4, c.w, BAR_H, "#f6f8fa");
         body += X.rect(c.x, base - c.h, c.w, c.h, c.fill);
         body += X.text(mid, top + BAR_FONT, c.weight, BAR_FONT, { anchor: "middle" });
-        body += X.text(mid, base + BAR_FONT + 4, c.tick, BAR_FONT, { anchor: "middle", weight: c.query ? "bold" : null });
+        body += X.text(mid, base + BAR_FONT + 4, c.tick, BAR_FONT, { anchor: "middle", weight: c.query || c.key ? "bold" : null });
       });
       return X.doc(Math.max(L.width, X.measure(mapTitle(r, x), BAR_FONT + 1) + 16), base + BAR_FONT + 12, body);
     }
@@ -521,10 +563,16 @@
       head.appendChild(X.buttons(function () { return stripSvg(r, x); }, r.label + "-" + slug(state.detector) + "-example-" + x.rank + "-map"));
       box.appendChild(head);
       var strip = el("div", "sle-strip");
-      stripLayout(x).cols.forEach(function (c, j) {
-        var col = el("div", "sle-bar-col" + (c.query ? " sle-query" : ""));
+      stripLayout(x).cols.forEach(function (c) {
+        if (c.gap) {
+          var gap = el("div", "sle-bar-gap", c.tick);
+          gap.style.width = c.w + "px";
+          strip.appendChild(gap);
+          return;
+        }
+        var col = el("div", "sle-bar-col" + (c.query ? " sle-query" : "") + (c.key ? " sle-key" : ""));
         col.style.width = c.w + "px";
-        col.dataset.weight = String(x.weights[j]);
+        col.dataset.weight = String(c.value);
         col.appendChild(el("span", "sle-bar-w", c.weight));
         var well = el("div", "sle-bar-well");
         well.style.height = BAR_H + "px";
@@ -569,10 +617,19 @@
       det.value = state.detector;
       det.addEventListener("change", function () { state.detector = det.value; state.example = 0; drawDetail(); });
       pick.appendChild(det);
+      var own = strongest(r);
+      if (own !== null) {
+        var why = el("span", "sle-ctl sle-strongest", own === state.detector
+          ? "(its strongest: " + fmt(r[own]) + ", " + Math.round(100 * r[own] / best[own]) + "% of the best head's)"
+          : "(its strongest is " + own + ")");
+        why.dataset.detector = own;
+        pick.appendChild(why);
+      }
       var n = ex.heads[r.index].top[state.detector].length;
-      pick.appendChild(el("span", "sle-ctl", n + " of at most " + ex.k + " examples: the queries where " + state.detector +
-        " is highest over the corpus; each earlier token shaded by the attention the query (outlined) gives it." +
-        " Click an example for its map."));
+      pick.appendChild(el("span", "sle-ctl sle-how", n + " of at most " + ex.k + " examples: the queries where " +
+        state.detector + " is highest over the corpus" + (ex.perStory ? ", at most " + ex.perStory + " from one story" : "") +
+        "; each earlier token shaded by the attention the query (outlined) gives it, the most-attended key" +
+        " underlined. Click an example for its map."));
       detail.appendChild(pick);
       root.dataset.detector = state.detector;
       if (!n) {
@@ -593,11 +650,33 @@
       detail.appendChild(list);
     }
 
+    /* A head's strongest detector: of the detectors with examples and a column, the one where its
+     * score is the largest share of the best head's score (ties: the first); null where none. */
+    var best = {};
+    if (ex) {
+      ex.detectors.forEach(function (d) {
+        if (cols.indexOf(d) < 0) { return; }
+        var vals = heads.map(function (r) { return r[d]; }).filter(isNum);
+        if (vals.length) { best[d] = Math.max.apply(null, vals); }
+      });
+    }
+    function strongest(r) {
+      var pick = null, top = -Infinity;
+      (ex ? ex.detectors : []).forEach(function (d) {
+        if (!(best[d] > 0) || !isNum(r[d])) { return; }
+        var share = r[d] / best[d];
+        if (share > top) { top = share; pick = d; }
+      });
+      return pick;
+    }
+
     function select(r) {
       if (state.head) { state.head.tr.classList.remove("sle-selected"); }
       cells.forEach(function (x) { x.el.classList.toggle("sle-selected", x.row === r); });
       state.head = r;
       state.example = 0;
+      var own = strongest(r);
+      if (own !== null) { state.detector = own; }
       r.tr.classList.add("sle-selected");
       root.dataset.head = r.label;
       drawDetail();

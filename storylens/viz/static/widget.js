@@ -41,6 +41,40 @@
     return { bg: "rgba(31, 119, 180, " + (0.92 * a).toFixed(3) + ")", dark: a > 0.55 };
   }
 
+  // The replay buttons' marks as inline SVG (no font glyph): triangles and bars in currentColor.
+  var ICONS = {
+    first: "M3 2h2v12H3zM13 2v12L6 8z",
+    prev: "M12 2v12L4 8z",
+    next: "M4 2v12l8-6z",
+    play: "M4 2v12l8-6z",
+    pause: "M4 2h3v12H4zM9 2h3v12H9z",
+    last: "M3 2v12l7-6zM11 2h2v12h-2z"
+  };
+  function icon(kind) {
+    var ns = "http://www.w3.org/2000/svg";
+    var svg = document.createElementNS(ns, "svg");
+    svg.setAttribute("viewBox", "0 0 16 16");
+    svg.setAttribute("width", "12");
+    svg.setAttribute("height", "12");
+    svg.setAttribute("aria-hidden", "true");
+    svg.setAttribute("class", "slw-icon slw-icon-" + kind);
+    var path = document.createElementNS(ns, "path");
+    path.setAttribute("d", ICONS[kind]);
+    path.setAttribute("fill", "currentColor");
+    svg.appendChild(path);
+    return svg;
+  }
+  // A replay button: its mark, then its word (marks pointing forward go after the word).
+  function rpButton(cls, kind, word, tip) {
+    var b = el("button", cls);
+    b.type = "button";
+    b.title = tip;
+    var label = el("span", "slw-rp-word", word);
+    if (kind === "next" || kind === "last") { b.appendChild(label); b.appendChild(icon(kind)); }
+    else { b.appendChild(icon(kind)); b.appendChild(label); }
+    return b;
+  }
+
   function option(select, value, text) {
     var o = el("option", null, text);
     o.value = String(value);
@@ -100,23 +134,27 @@
 
     var info = el("div", "slw-info");
     root.appendChild(info);
-    // ---- replay: a generated story, written token by token (data.replay.start = first new token)
+    // ---- replay: a generated story, written token by token (data.replay.start = first new token).
+    // The page opens on the whole story; the buttons' marks are drawn (inline SVG) beside plain
+    // ASCII words, so no font can turn them into empty boxes.
     var replay = data.replay || null;
     var written = T - 1;
     if (replay) {
-      written = Math.max(replay.start - 1, 0);
-      state.query = written;
       var rp = el("div", "slw-replay");
-      var bFirst = el("button", "slw-rp-first", "\u23ee Prompt");
-      var bPrev = el("button", "slw-rp-prev", "\u25c0 Step");
-      var bNext = el("button", "slw-rp-next", "Step \u25b6");
-      var bPlay = el("button", "slw-rp-play", "Play");
-      var bLast = el("button", "slw-rp-last", "All \u23ed");
+      var bFirst = rpButton("slw-rp-first", "first", "Prompt", "Back to the prompt alone");
+      var bPrev = rpButton("slw-rp-prev", "prev", "Back", "Unwrite the last token");
+      var bNext = rpButton("slw-rp-next", "next", "Step", "Write the next token");
+      var bPlay = rpButton("slw-rp-play", "play", "Play", "Write the rest token by token");
+      var bLast = rpButton("slw-rp-last", "last", "Whole story", "Show the whole story");
       var rpInfo = el("span", "slw-rp-info");
-      [bFirst, bPrev, bNext, bPlay, bLast].forEach(function (b) { b.type = "button"; rp.appendChild(b); });
+      [bFirst, bPrev, bNext, bPlay, bLast].forEach(function (b) { rp.appendChild(b); });
       rp.appendChild(rpInfo);
       root.insertBefore(rp, info);
       var timer = null;
+      var setPlaying = function (on) {
+        bPlay.replaceChild(icon(on ? "pause" : "play"), bPlay.firstChild);
+        bPlay.lastChild.textContent = on ? "Pause" : "Play";
+      };
       var setWritten = function (n) {
         written = Math.max(replay.start - 1, Math.min(T - 1, n));
         state.query = written;
@@ -125,7 +163,7 @@
       };
       var stop = function () {
         if (timer !== null) { clearInterval(timer); timer = null; }
-        bPlay.textContent = "Play";
+        setPlaying(false);
       };
       bFirst.addEventListener("click", function () { stop(); setWritten(0); });
       bPrev.addEventListener("click", function () { stop(); setWritten(written - 1); });
@@ -134,7 +172,7 @@
       bPlay.addEventListener("click", function () {
         if (timer !== null) { stop(); return; }
         if (written >= T - 1) { setWritten(0); }
-        bPlay.textContent = "Pause";
+        setPlaying(true);
         timer = setInterval(function () {
           if (written >= T - 1) { stop(); return; }
           setWritten(written + 1);
@@ -424,11 +462,14 @@
       root.setAttribute("data-mode", state.mode);
       root.setAttribute("data-written", String(written));
       if (replay) {
-        var k = written - replay.start + 1;
-        rpInfo.textContent = k > 0
-          ? "Written " + k + " of " + (T - replay.start) + " new tokens. Each one is shown with the " +
-            "attention it gave while the model read it (recorded during KV-cached generation)."
-          : "The prompt (" + replay.start + " tokens). Step or Play to watch the model write.";
+        var k = written - replay.start + 1, nNew = T - replay.start;
+        rpInfo.textContent = k >= nNew
+          ? "The whole story: " + nNew + " new tokens after a " + replay.start + "-token prompt. " +
+            "Go back to the Prompt, then Step or Play to watch the model write it."
+          : k > 0
+            ? "Written " + k + " of " + nNew + " new tokens. Each one is shown with the " +
+              "attention it gave while the model read it (recorded during KV-cached generation)."
+            : "The prompt (" + replay.start + " tokens). Step or Play to watch the model write.";
       }
       info.textContent = "";
       info.appendChild(document.createTextNode("Query: "));
