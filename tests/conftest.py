@@ -23,3 +23,33 @@ def quiz_ids(shipped_model, corpus_split):
     from storylens.model.tokenizer import encode_story
 
     return [encode_story(shipped_model.tokenizer, s, shipped_model.config.block_size).ids for s in corpus_split.quiz]
+
+
+# ---------------------------------------------------------------- the fast tier
+# ``pytest -m "not slow"``: the inner loop. These are marked slow, each for the reason given (the
+# README's "Tests" section lists them; tests/test_newcomer.py checks it names every one).
+SLOW = {
+    "tests/faults/": "kills real storylens processes (report, export-hf, train) at every publish step",
+    "tests/test_wheel.py": "builds the wheel and installs it, torch included, in a fresh virtual environment",
+    "tests/test_notebook.py": "executes the lesson notebook, every cell, in a Jupyter kernel",
+    "tests/analysis/test_crosscheck.py": "boots TransformerLens on the export and runs the whole quiz through it",
+    "tests/test_ray.py": "starts a real local Ray and its actors",
+    "tests/test_ray_robust.py": "starts real local Rays, kills actors, holds a dead address",
+    "tests/test_train.py": "trains real runs in subprocesses, kills and resumes them",
+    "tests/test_timeline.py": "trains real runs with their head timeline in subprocesses",
+    "tests/test_lm.py": "three transformers families, float64 references, reports in subprocesses",
+    "tests/test_long_stories.py": "a report and scores on stories longer than the window",
+    "tests/viz/test_viz_browser.py": "a real headless Chromium",
+    "tests/viz/test_pages_browser.py": "a real headless Chromium over a full report",
+    "tests/viz/test_explorer_browser.py": "a real headless Chromium, and a 30 x 9-head Llama (135 M parameters)",
+    "tests/viz/test_report_scale_browser.py": "a report on a 30 x 9-head Llama (135 M parameters) in Chromium",
+    "tests/test_tooling.py": "mypy and ruff over the whole package",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = item.nodeid
+        for prefix, why in SLOW.items():
+            if where.startswith(prefix):
+                item.add_marker(pytest.mark.slow(reason=why))
