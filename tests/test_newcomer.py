@@ -58,6 +58,19 @@ def test_the_readme_shows_the_same_address_and_no_bare_install():
     assert not BARE_INSTALL.search(readme)
 
 
+def test_the_readme_names_every_slow_test_with_its_reason():
+    """The README's "Tests" section lists exactly what tests/conftest.py marks slow, each with its
+    reason, and every slow entry still names tests that exist (a renamed file is not silently fast)."""
+    from conftest import SLOW
+
+    section = (ROOT / "README.md").read_text().split("## Tests\n", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", section, re.M))
+    assert rows == SLOW
+    for prefix in SLOW:
+        assert (ROOT / prefix).exists(), prefix
+    assert 'pytest -m "not slow"' in section
+
+
 # ---------------------------------------------------------------- 3. progress lines off a terminal
 
 
