@@ -1,5 +1,7 @@
 """Shared fixtures: the real shipped model and the real quiz (corpus from ../shared)."""
 
+import os
+
 import pytest
 
 
@@ -47,9 +49,25 @@ SLOW = {
 }
 
 
+# With pytest-xdist (``-n 2 --dist loadgroup``, the README's command): a file's tests run on one worker,
+# so its module fixtures are built once, and the files that start Ray run on the same worker, one after
+# the other (two local Rays at once on two cores would only wait on each other).
+ONE_WORKER = {"tests/test_ray.py": "ray", "tests/test_ray_robust.py": "ray"}
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each, no oversubscription
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # and for the storylens processes the tests start
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = item.nodeid
         for prefix, why in SLOW.items():
             if where.startswith(prefix):
                 item.add_marker(pytest.mark.slow(reason=why))
+        path = where.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(ONE_WORKER.get(path, path)))

@@ -25,7 +25,8 @@ EXAMPLES = 8
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # a Ray of this test's own ("local"), never one another test or user started on the machine
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
