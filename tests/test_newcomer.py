@@ -391,6 +391,33 @@ def test_report_truth_stories_says_its_cost_and_refuses_past_the_budget(capsys, 
     assert summary["faithfulness"]["n_stories"] == 3
 
 
+def test_the_readme_states_the_budget_and_the_progress_interval_the_code_uses():
+    """The README's ablation budget and progress interval are the constants the commands use, and it
+    says how storylens gets on the PATH after setup (which installs into .venv only)."""
+    from storylens.analysis.truth import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
+    from storylens.core.progress import PROGRESS_EVERY, PROGRESS_EVERY_ENV
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"refuses past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP in one line unless given `{OVER_BUDGET_FLAG}`" in readme
+    assert f"refused past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP without `{OVER_BUDGET_FLAG}`" in readme
+    assert f"a progress line every {PROGRESS_EVERY:g} s (`${PROGRESS_EVERY_ENV}`)" in readme
+    assert "`source .venv/bin/activate` puts `storylens`" in readme
+    assert "python3 -m venv .venv" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+def test_the_readme_perf_table_is_the_benchmark_run():
+    """The README's performance table is what scripts/readme_perf_table.py makes of benchmarks/perf.json,
+    naming the commit each section was measured at."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.readme_perf_table import table
+
+    run = json.loads((ROOT / "benchmarks" / "perf.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("<!-- perf:start -->") + 19 : readme.index("<!-- perf:end -->")].strip()
+    assert shown == table(run), "regenerate it: python scripts/readme_perf_table.py benchmarks/perf.json"
+    assert "commit" in shown.splitlines()[0] and "≤ 7 s" not in shown  # the retired whole-report target
+
+
 # ---------------------------------------------------------------- 5. the notebook's wording and cells
 
 
