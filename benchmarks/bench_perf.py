@@ -22,7 +22,8 @@ each beside its comparator, measured in one run.
    residual dropout 0.1, with attention-probability dropout 0.1 as well, and bf16 autocast.
 
 Every pair is timed in alternating rounds (best of ``--rounds``), so a noisy moment hits both.
-``--json`` writes the figures for ``scripts/readme_tables.py``.
+``--json`` writes the figures for ``scripts/readme_perf_table.py``; each section records the commit it
+was measured at (``--merge`` keeps the sections not run now, with their own commits).
 """
 
 from __future__ import annotations
@@ -407,10 +408,25 @@ def main() -> None:
         res["training"] = tr = bench_training(args.rounds)
         for k, v in tr["tokens_per_s"].items():
             print(f"training {k:40} {v:8.0f} tokens/s  {tr['slowdown'][k]:.2f}x the time of no dropout")
+    for k in SECTIONS:
+        if k not in skip:
+            res[k]["commit"] = _commit()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
             f.write("\n")
+
+
+def _commit() -> str:
+    """The checkout's commit (short hash), ``+changes`` where storylens's own files differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "storylens"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _cpu() -> str:

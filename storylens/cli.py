@@ -570,7 +570,9 @@ def add_report_parser(sub) -> None:
         # argparse formats help with %: the budget's percent sign is written %% (one shows)
         help="switch each detector's strongest heads off on the first N quiz stories, for the table of what "
         f"heads look at, move and matter for (default: up to {TRUTH_STORIES}, as many as cost at most "
-        f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out)",
+        f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP; 0: leave the table out); "
+        f"an N given says its cost once scoring ends and past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP needs "
+        f"{OVER_BUDGET_FLAG}",
     )
     r.add_argument(
         "--stories",
@@ -616,6 +618,7 @@ def add_report_parser(sub) -> None:
         help="also switch heads off, control for position, and measure pronouns (slower)",
     )
     r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    r.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
     r.set_defaults(func=_cmd_report)
 
 
@@ -646,6 +649,7 @@ def _cmd_report(args) -> int:
         detectors=detectors,
         examples=args.examples,
         truth_stories=args.truth_stories,
+        over_budget=args.over_budget,
     )
     print_summary(report)
     return 0

@@ -360,6 +360,77 @@ def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
     assert _rows(out) == ["L4H2"] and err == f"storylens: ablate: {one.describe()}\n"
 
 
+def _truth_cost(quiz_file: Path, n: int):
+    """What ``report --truth-stories n --quiz quiz_file`` estimates on the shipped model: its ablations'
+    heads come from the scoring pass over the same stories, encoded as the report encodes them."""
+    from storylens.analysis.encode import encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.scores import score_heads
+    from storylens.analysis.truth import truth_cost
+    from storylens.lesson.inputs import lesson_data
+    from storylens.lm import load_lm
+
+    lm = load_lm(None)
+    quiz = lesson_data(None, None, str(quiz_file)).quiz
+    encoded = encode_stories(lm, quiz, name_vocabulary(quiz))
+    scores = score_heads(lm, encoded, progress=False)
+    return truth_cost(lm, scores, [len(e.ids) for e in encoded], n)
+
+
+def test_report_truth_stories_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch, corpus_split, tmp_path):
+    """An explicit --truth-stories on a quiz of four stories: with the budget lowered below its estimate,
+    one line naming the estimate, the budget and --over-budget, exit 2, no report folder; with
+    --over-budget the line is said on stderr and the table runs on the stories asked."""
+    import storylens.analysis.truth as truth
+
+    quiz = tmp_path / "quiz.txt"
+    quiz.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:4]))
+    cost = _truth_cost(quiz, 3)
+    assert 0 < cost.scoring < cost.flops < truth.ABLATION_LIMIT_FLOPS / 2  # unpatched, it would just run
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", cost.flops / 2)
+    out = tmp_path / "r"
+    args = ["report", "--quiz", str(quiz), "--out", str(out), "--truth-stories", "3", "--no-progress"]
+    assert main(args) == 2
+    got, err = capsys.readouterr()
+    assert got == "" and err == (
+        f"storylens: error: report: --truth-stories: {cost.describe()}, past the budget of "
+        f"{cost.flops / 2e12:g} TFLOP; pass --over-budget to run it anyway\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quiz.txt"]  # no report, no lock, no build folder
+    assert main([*args, "--over-budget"]) == 0
+    _, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"storylens: report: --truth-stories: {cost.describe()}", err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["faithfulness"]["n_stories"] == 3
+
+
+def test_the_readme_states_the_budget_and_the_progress_interval_the_code_uses():
+    """The README's ablation budget and progress interval are the constants the commands use, and it
+    says how storylens gets on the PATH after setup (which installs into .venv only)."""
+    from storylens.analysis.truth import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
+    from storylens.core.progress import PROGRESS_EVERY, PROGRESS_EVERY_ENV
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"refuses past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP in one line unless given `{OVER_BUDGET_FLAG}`" in readme
+    assert f"refused past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP without `{OVER_BUDGET_FLAG}`" in readme
+    assert f"a progress line every {PROGRESS_EVERY:g} s (`${PROGRESS_EVERY_ENV}`)" in readme
+    assert "`source .venv/bin/activate` puts `storylens`" in readme
+    assert "python3 -m venv .venv" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+def test_the_readme_perf_table_is_the_benchmark_run():
+    """The README's performance table is what scripts/readme_perf_table.py makes of benchmarks/perf.json,
+    naming the commit each section was measured at."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.readme_perf_table import table
+
+    run = json.loads((ROOT / "benchmarks" / "perf.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("<!-- perf:start -->") + 19 : readme.index("<!-- perf:end -->")].strip()
+    assert shown == table(run), "regenerate it: python scripts/readme_perf_table.py benchmarks/perf.json"
+    assert "commit" in shown.splitlines()[0] and "≤ 7 s" not in shown  # the retired whole-report target
+
+
 # ---------------------------------------------------------------- 5. the notebook's wording and cells
 
 

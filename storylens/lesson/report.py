@@ -38,8 +38,10 @@ from storylens.analysis.truth import (
     TRUTH_FLOOR_FLOPS,
     TRUTH_STORIES,
     ablation_flops,
+    check_ablation_budget,
     scoring_flops,
     truth_budget_stories,
+    truth_cost,
     truth_table,
 )
 from storylens.core.background import run_beside
@@ -194,8 +196,13 @@ def build_report(
     check_tokens: int = CHECK_TOKENS,
     examples: int = EXAMPLES,
     truth_stories: int | None = None,
+    over_budget: bool = False,
 ) -> Report:
     """Run the lesson on ``model`` (default: the shipped one) and write the report into ``out``.
+
+    An explicit ``truth_stories`` says its ablations' cost on stderr once the scoring pass has chosen
+    their heads, and past :data:`~storylens.analysis.truth.ABLATION_LIMIT_FLOPS` is refused (a
+    UsageError, nothing written) unless ``over_budget``.
 
     With ``progress`` and stderr not a terminal (no tqdm bar), the long loops print a line every
     ``$STORYLENS_PROGRESS_SECONDS`` (default 10) seconds: ``storylens: report: scoring 120/200
@@ -219,6 +226,7 @@ def build_report(
             check_tokens=check_tokens,
             examples=examples,
             truth_stories=truth_stories,
+            over_budget=over_budget,
         )
 
 
@@ -240,6 +248,7 @@ def _build_report(
     check_tokens,
     examples,
     truth_stories,
+    over_budget,
 ) -> Report:
 
     timings: dict = {}
@@ -277,6 +286,9 @@ def _build_report(
                 f"{quiz if quiz is not None else 'quiz'}: no story has a main character "
                 "(a capitalised name mentioned at least twice): nothing to score name heads on"
             )
+        if truth_stories:  # asked for: its cost said (and past the budget refused) before the figures start
+            cost = truth_cost(lm, scores, [len(e.ids) for e in encoded], truth_stories)
+            check_ablation_budget(cost, "report: --truth-stories", over=over_budget)
         with _timer(timings, "figure data"):
             fig_data = _figure_data(lm, quiz_stories, encoded, scores)
             story_info = fig_data["info"]
