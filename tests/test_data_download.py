@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from test_offline import skip_hub_backoff
 
 from storylens.cli import main
 from storylens.data.stories import EOT, HUB_DATASET, HUB_FILES
@@ -18,6 +19,7 @@ def test_download_offline_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
+    skip_hub_backoff(monkeypatch)
     assert main(["data", "download", "--split", "valid"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1

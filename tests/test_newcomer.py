@@ -61,7 +61,7 @@ def test_the_readme_shows_the_same_address_and_no_bare_install():
 def test_the_readme_names_every_slow_test_with_its_reason():
     """The README's "Tests" section lists exactly what tests/conftest.py marks slow, each with its
     reason, and every slow entry still names tests that exist (a renamed file is not silently fast)."""
-    from conftest import SLOW
+    from tiers import SLOW
 
     section = (ROOT / "README.md").read_text().split("## Tests\n", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", section, re.M))
@@ -308,31 +308,35 @@ def _rows(stdout: str) -> list[str]:
     return rows
 
 
-def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch):
+def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch, corpus_split, tmp_path):
     monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")
-    assert main(["ablate", "--heads", "L4H2", "--mode", "zero"]) == 0
+    quiz = tmp_path / "quiz.txt"  # 40 quiz stories: which heads run does not depend on how many stories
+    quiz.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:40]))
+    ablate = ["ablate", "--quiz", str(quiz), "--mode", "zero", "--heads"]
+    assert main([*ablate, "L4H2"]) == 0
     out, err = capsys.readouterr()
     assert _rows(out) == ["L4H2"]  # one head: its own row, no group of one
     assert re.search(r"^storylens: ablate: ablating heads \d+/\d+ stories", err, re.M), err
-    assert main(["ablate", "--heads", "L5H4", "L4H2", "--mode", "zero"]) == 0
+    assert main([*ablate, "L5H4", "L4H2"]) == 0
     out, _ = capsys.readouterr()
     assert _rows(out) == ["L4H2", "L5H4", "L5H4+L4H2"]  # each alone, then together (in the order given)
-    assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress"]) == 0
+    assert main([*ablate, "L4H2", "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert _rows(out) == ["L4H2"] and err.splitlines() == [
-        f"storylens: ablate: {_ablate_cost(['L4H2'], ('zero',), 0).describe()}"
+        f"storylens: ablate: {_ablate_cost(['L4H2'], ('zero',), 0, quiz).describe()}"
     ]
 
 
-def _ablate_cost(heads, modes, group):
-    """What storylens ablate estimates on the shipped model and its quiz (as ablate counts it)."""
+def _ablate_cost(heads, modes, group, quiz_path=None):
+    """What storylens ablate estimates on the shipped model and its quiz, or the stories of
+    ``quiz_path`` (as ablate reads and counts them)."""
     from storylens.analysis.truth import ablate_cost
     from storylens.lesson.inputs import lesson_data
     from storylens.lesson.report import _quiz_folder
     from storylens.lm import load_lm
 
     lm = load_lm(None)
-    quiz = lesson_data(_quiz_folder(lm), None).quiz
+    quiz = lesson_data(_quiz_folder(lm), None, quiz_path).quiz
     return ablate_cost(lm, [min(len(lm.encode(s)), lm.window) for s in quiz], heads, modes, group)
 
 

@@ -1,10 +1,20 @@
 """No network unless asked: every command runs with no socket opened and no name looked up."""
 
 import socket
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from storylens.cli import main
+
+
+def skip_hub_backoff(monkeypatch):
+    """The hub client retries a refused request five times, sleeping 1, 2, 4, 8 and 8 s between
+    tries (huggingface_hub's http_backoff): the tries still happen, the waits are skipped."""
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.setattr(hub_http, "time", SimpleNamespace(time=time.time, sleep=lambda seconds: None))
 
 
 @pytest.fixture
@@ -65,5 +75,6 @@ def test_the_shipped_model_runs_with_no_network(no_network, capsys):
 def test_allow_download_really_tries_the_network(no_network, capsys, monkeypatch, tmp_path):
     """The guard itself works: with --allow-download the hub client does reach for the network."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    skip_hub_backoff(monkeypatch)
     assert main(["generate", "Once", "--model", HUB_ID, "--allow-download"]) == 1
     assert no_network, "the hub client opened no socket even when allowed: the guard would prove nothing"
