@@ -135,27 +135,45 @@ def _long_py(name: str, tree: ast.Module) -> list[str]:
     return out
 
 
-_JS_FUNCTION = re.compile(r"(?:function\s+(\w+)\s*\(|(\w+)\s*[:=]\s*(?:async\s+)?(?:function\s*\(|\([^()]*\)\s*=>))")
+# a JS function: `function name(`, an anonymous `function (` (a callback; named by what it is
+# assigned to, if anything), or an arrow whose body is a block, `(a, b) => {` or `a => {`
+_JS_FUNCTION = re.compile(
+    r"(?:(\w+)\s*[:=]\s*)?(?:async\s+)?(?:function\b\s*(\w*)\s*\(|(?:\([^()]*\)|\b\w+)\s*=>\s*(?=\{))"
+)
+
+
+def _close(text: str, at: int, pair: str) -> int:
+    """The index of the bracket closing the one opened at text[at] (pair: "()" or "{}"), by count:
+    strings and regexes holding brackets are rare in storylens's JS, and a comment says so where they are."""
+    depth = 0
+    for i in range(at, len(text)):
+        depth += {pair[0]: 1, pair[1]: -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _js_functions(text: str) -> Iterator[tuple[int, str, int]]:
+    """(line, name, lines) of every function, callbacks included; a file's module wrapper, the
+    `(function () {` that opens a line, is its scope, not a function, and is left out."""
+    for m in _JS_FUNCTION.finditer(text):
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        if text[line_start : m.start()].strip() == "(" and m.group(0).startswith("function"):
+            continue
+        body = m.end()
+        if "function" in m.group(0):  # past the parameters to the body's brace
+            body = _close(text, m.end() - 1, "()") + 1
+        body += len(text[body:]) - len(text[body:].lstrip())
+        if not text.startswith("{", body):
+            continue
+        end = _close(text, body, "{}")
+        name = m.group(1) or m.group(2) or "(anonymous)"
+        yield text.count("\n", 0, m.start()) + 1, name, text.count("\n", m.start(), end) + 1
 
 
 def _long_js(name: str, text: str) -> list[str]:
-    """Functions whose braces span more than MAX_LINES lines (a brace count: strings and regexes
-    holding braces are rare in storylens's JS, and a comment says so where they are)."""
-    out = []
-    for m in _JS_FUNCTION.finditer(text):
-        open_at = text.find("{", m.end())
-        if open_at < 0:
-            continue
-        depth, i = 0, open_at
-        while i < len(text):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                break
-            i += 1
-        size = text.count("\n", m.start(), i) + 1
-        if size > MAX_LINES:
-            out.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1} {m.group(1) or m.group(2)} ({size} lines)")
-    return out
+    """Functions whose braces span more than MAX_LINES lines."""
+    return [f"{name}:{line} {fn} ({size} lines)" for line, fn, size in _js_functions(text) if size > MAX_LINES]
 
 
 def _untyped(name: str, tree: ast.Module) -> list[str]:
