@@ -116,8 +116,9 @@
     return d + ": weight " + w.toFixed(v.dec) + " (" + pct(w) + ")";
   }
 
-  function modeButton(mode, text) {
+  function modeButton(mode, text, title) {
     var b = el("button", "slw-mode slw-mode-" + mode, text);
+    if (title) { b.title = title; }
     b.type = "button";
     return b;
   }
@@ -143,9 +144,8 @@
     ui.modes = {
       one: modeButton("one", "One head"),
       all: modeButton("all", v.allAtOnce ? "All " + (v.nB * v.nH) + " heads" : "All heads of the block"),
-      maps: modeButton("maps", "Maps")
+      maps: modeButton("maps", "Maps", "every head of the block as a map of a window of tokens")
     };
-    ui.modes.maps.title = "every head of the block as a map of a window of tokens";
     [lb, lh, ui.badge, ui.modes.one, ui.modes.all, ui.modes.maps].forEach(function (e) { controls.appendChild(e); });
     controls.appendChild(window.StorylensExport.buttons(function () { return viewSvg(v); }, function () { return viewName(v); }));
     v.root.appendChild(controls);
