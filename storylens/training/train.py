@@ -301,6 +301,11 @@ class _Run:
     ema_model: GPT | None  # the weights' moving average (None: cfg.ema_decay is 0)
     timeline: list[dict] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # the EMA's and the model's parameters, in the same order: one fused lerp a step
+        self._ema_params: list[torch.Tensor] = list(self.ema_model.parameters()) if self.ema_model is not None else []
+        self._raw_params: list[torch.Tensor] = list(self.model.parameters())
+
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.block_size
@@ -320,13 +325,9 @@ class _Run:
         write_timeline(path, self.timeline)
 
     def _add_to_timeline(self, entry: dict) -> None:
+        """Keep a measured entry, its seconds counted in the state's ``timeline_seconds``."""
         self.timeline.append(entry)
         self.state["timeline_seconds"] = self.state.get("timeline_seconds", 0.0) + entry["seconds"]
-
-    def __post_init__(self) -> None:
-        # the EMA's and the model's parameters, in the same order: one fused lerp a step
-        self._ema_params: list[torch.Tensor] = list(self.ema_model.parameters()) if self.ema_model is not None else []
-        self._raw_params: list[torch.Tensor] = list(self.model.parameters())
 
     def train_step(self, stream: torch.Tensor) -> tuple[float, float]:
         """One optimizer step on a random batch of ``stream``, the EMA moved towards the new weights;
@@ -374,6 +375,7 @@ class _Run:
             tqdm.write(f"step {step}: quiz perplexity {ppl:.3f}{ema_txt}")
 
     def checkpoint(self) -> None:
+        """Save the weights, optimizer, state and both random states (data order and dropout) atomically."""
         rng = {"data": self.gen.get_state(), "torch": torch.get_rng_state()}
         save_checkpoint(self.out_dir / CHECKPOINT, self.model, self.optimizer, self.state, rng, ema=self.ema_model)
 
