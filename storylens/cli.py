@@ -395,12 +395,39 @@ def _cpu_name() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``storylens`` parser: global options, then one subparser per command (its ``func``)."""
 
     p = _Parser(prog="storylens", description="Read Tiny Storyteller's attention.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"storylens {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (
+        add_generate_parser,
+        add_train_parser,
+        add_timeline_parser,
+        add_export_parser,
+        add_perplexity_parser,
+        add_check_parser,
+        add_data_parser,
+        add_report_parser,
+        add_ablate_parser,
+        add_score_parser,
+    ):
+        add(sub)
+    return p
 
+
+def _add_quiz_stories(p: argparse.ArgumentParser) -> None:
+    """``--stories``: the corpus whose last 200 stories are the quiz (``perplexity``, ``ablate``)."""
+    p.add_argument(
+        "--stories",
+        default=None,
+        help="corpus whose last 200 stories are the quiz "
+        "(default: the shared corpus, else the quiz shipped with the model)",
+    )
+
+
+def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="write a story from a prompt (KV-cached, streamed)")
     g.add_argument("prompt", help="the story's first words")
     g.add_argument("--max-new-tokens", type=int, default=150, help="at most this many new tokens (default 150)")
@@ -419,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(g)
     g.set_defaults(func=cmd_generate)
 
+
+def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train Tiny Storyteller on the training stories")
     t.add_argument("--stories", default=None, help="corpus file (default: ../shared/data/tinystories/stories.txt.gz)")
     t.add_argument("--out", default="runs/tiny-storyteller", help="run folder (checkpoint, tokenizer)")
@@ -439,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="use only the corpus's first N stories (the lesson: --stories tinystories --first 20000)",
     )
+    _add_train_config(t)
+    t.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    t.set_defaults(func=cmd_train)
+
+
+def _add_train_config(t: argparse.ArgumentParser) -> None:
+    """One option per :class:`TrainConfig` field a run may change (``--max-steps``, ``--lr``, ...),
+    unset by default so the config's own default (named in the help) holds."""
     d = TrainConfig()
     for name in (
         "max_steps",
@@ -457,30 +494,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--dtype", choices=["fp32", "bf16"], default=None, help="default fp32 (bf16 autocast is slower here)"
     )
-    t.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
-    t.set_defaults(func=cmd_train)
 
+
+def add_timeline_parser(sub) -> None:
     tl = sub.add_parser("timeline", help="figures and a page of heads forming over training runs")
     tl.add_argument("runs", nargs="+", help="training run folders (or their heads_timeline.jsonl, or exported models)")
     tl.add_argument("--out", default="timeline", help="folder for timeline.html and the PNG/SVG figures")
     tl.add_argument("--heads", type=int, default=3, help="strongest heads drawn per detector (default 3)")
     tl.set_defaults(func=cmd_timeline)
 
+
+def add_export_parser(sub) -> None:
     e = sub.add_parser("export-hf", help="export to a transformers GPT2LMHeadModel folder")
     e.add_argument("dir", help="the folder to write (new, empty, or an earlier export)")
     _add_model(e)
     e.set_defaults(func=cmd_export_hf)
 
+
+def add_perplexity_parser(sub) -> None:
     q = sub.add_parser("perplexity", help="quiz perplexity of a model")
-    q.add_argument(
-        "--stories",
-        default=None,
-        help="corpus whose last 200 stories are the quiz "
-        "(default: the shared corpus, else the quiz shipped with the model)",
-    )
+    _add_quiz_stories(q)
     _add_model(q)
     q.set_defaults(func=cmd_perplexity)
 
+
+def add_check_parser(sub) -> None:
     c = sub.add_parser("check", help="measure the lesson's numerical promises on this machine (float32 and float64)")
     c.add_argument("--stories", default=None, help="corpus whose quiz is used (default: the shared corpus)")
     c.add_argument("--n-stories", type=int, default=None, help="use only the first N quiz stories")
@@ -495,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(c, dtype=False)  # its own --dtype: the precision(s) measured in
     c.set_defaults(func=cmd_check)
 
+
+def add_data_parser(sub) -> None:
     dd = sub.add_parser("data", help="the TinyStories corpus: storylens data download")
     dsub = dd.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     dl = dsub.add_parser("download", help="fetch TinyStories from the Hugging Face Hub into the user cache")
@@ -505,11 +545,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="train (1.9 GB, what the lesson trains on) or valid (19 MB); default train",
     )
     dl.set_defaults(func=cmd_data_download, allow_download=True)
-
-    add_report_parser(sub)
-    add_ablate_parser(sub)
-    add_score_parser(sub)
-    return p
 
 
 # ---------------------------------------------------------------- report and ablate
@@ -671,12 +706,7 @@ def add_ablate_parser(sub) -> None:
         help="replace a head's output by zeros or by its mean output (default: both)",
     )
     _add_model(a)
-    a.add_argument(
-        "--stories",
-        default=None,
-        help="corpus whose last 200 stories are the quiz "
-        "(default: the shared corpus, else the quiz shipped with the model)",
-    )
+    _add_quiz_stories(a)
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
     a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")

@@ -279,6 +279,61 @@ def _actors(ray, workers: int) -> int:
     return workers
 
 
+def _configure_data(ray) -> None:
+    """Ray Data's settings for the run: no bars of its own, chunks back as they finish, an actor's
+    own error, and every actor ready before the first chunk is handed out."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.preserve_order = False  # chunks come back as they finish; merged in order below
+    ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
+    # every actor has loaded its model before the first chunk is handed out (else the first one
+    # ready queues chunks that the others would take)
+    ctx.wait_for_min_actors_s = ACTORS_START_S
+
+
+def _scored(ray, chunks, size: int, scorer: dict):
+    """``chunks`` mapped through one pool of ``size`` :class:`ChunkScorer` actors for the whole run
+    (``scorer``: their arguments), one chunk a call; each actor holds the chunk it scores and the next."""
+    return chunks.map_batches(
+        ChunkScorer,
+        batch_size=1,
+        num_cpus=1,
+        fn_constructor_kwargs=scorer,
+        compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=IN_FLIGHT),
+    )
+
+
+class _InOrder:
+    """The chunks' states merged into ``acc`` in story order, whatever order they come back in: a
+    chunk back before an earlier one waits for its turn, so what is merged is always the first stories."""
+
+    def __init__(self, acc: HeadScoreAccumulator, examples: int, start: int):
+        self.acc, self.examples = acc, examples
+        self.waiting: dict[int, dict] = {}  # chunks back before an earlier one, by their first story
+        self.next = start  # the first story not merged yet
+        self.stats = RecordStats(0, 0, 0)  # of the stories merged
+        self.actor_peaks: dict[int, float] = {}  # each actor process's peak memory (MB)
+
+    def add(self, row: dict) -> bool:
+        """Take one chunk's row and merge every chunk whose turn has come; True if any was merged."""
+        first = int(row["start"])
+        if first < self.next or first in self.waiting:  # Ray Data returns each chunk once; a repeat is a bug
+            raise StorylensError(f"ray: chunk at story {first} came back twice")
+        self.waiting[first] = row
+        pid = int(row["pid"])
+        self.actor_peaks[pid] = max(self.actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
+        merged = False
+        while self.next in self.waiting:
+            row = self.waiting.pop(self.next)
+            acc = self.acc
+            part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=self.examples)
+            acc.merge(part.load_state(json.loads(row["state"])))
+            self.stats = self.stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
+            self.next += int(row["n"])
+            merged = True
+        return merged
+
+
 def score_with_ray(
     model_source,
     source,
@@ -312,42 +367,26 @@ def score_with_ray(
     if batch_size < 1 or chunk_stories < 1:
         raise UsageError("--batch-size and --chunk-stories: must be at least 1")
     ray = _import_ray()
-    stats = RecordStats(0, 0, 0)
-    names = sorted(names)
-    actor_peaks: dict[int, float] = {}
     with _quiet_ray():
         _init_ray(ray, address)
         workers = _actors(ray, workers)
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.execution_options.preserve_order = False  # chunks come back as they finish; merged in order below
-        ctx.raise_original_map_exception = True  # the actor's own error (its one line), not "UDF failed"
-        # every actor has loaded its model before the first chunk is handed out (else the first one
-        # ready queues chunks that the others would take)
-        ctx.wait_for_min_actors_s = ACTORS_START_S
+        _configure_data(ray)
         if total is None:
             total = len(source) if isinstance(source, Sequence) else sum(1 for _ in source)
         if total <= start:
             raise StorylensError("stories: nothing to score (no story)")
         n_chunks = -(-(total - start) // chunk_stories)
-        ds = chunk_dataset(ray, source, start, total, chunk_stories, workers)
-        ds = ds.map_batches(
-            ChunkScorer,
-            batch_size=1,
-            num_cpus=1,
-            fn_constructor_kwargs={
-                "model_source": model_source,
-                "names": names,
-                "batch_size": batch_size,
-                "detectors": detectors,
-                "examples": examples,
-            },
-            # one pool for the whole run; each actor holds the chunk it scores and the next one
-            compute=ray.data.ActorPoolStrategy(size=min(workers, n_chunks), max_tasks_in_flight_per_actor=IN_FLIGHT),
+        scorer = dict(  # each actor's ChunkScorer: the model loaded once, the detectors
+            model_source=model_source,
+            names=sorted(names),
+            batch_size=batch_size,
+            detectors=detectors,
+            examples=examples,
         )
+        chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
+        ds = _scored(ray, chunks, min(workers, n_chunks), scorer)
         lines = ProgressLines(f"scoring on Ray ({workers} workers)", total, enabled=progress, initial=start)
-        waiting: dict[int, dict] = {}  # chunks back before an earlier one: merged when their turn comes
-        nxt = start  # the first story not merged yet
+        merger = _InOrder(acc, examples, start)
         with tqdm(
             total=total,
             initial=start,
@@ -357,33 +396,20 @@ def score_with_ray(
         ) as bar:
             try:
                 for row in ds.iter_rows():
-                    first = int(row["start"])
-                    if first < nxt or first in waiting:  # Ray Data returns each chunk once; a repeat is a bug
-                        raise StorylensError(f"ray: chunk at story {first} came back twice")
-                    waiting[first] = row
-                    pid = int(row["pid"])
-                    actor_peaks[pid] = max(actor_peaks.get(pid, 0.0), float(row["peak_mb"]))
+                    merged = merger.add(row)
                     bar.update(int(row["n"]))
                     lines.update(int(row["n"]))  # off a terminal, instead of the bar
-                    merged = False
-                    while nxt in waiting:
-                        row = waiting.pop(nxt)
-                        part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=examples)
-                        acc.merge(part.load_state(json.loads(row["state"])))
-                        stats = stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
-                        nxt += int(row["n"])
-                        merged = True
                     if merged and on_progress is not None:
-                        on_progress(stats)
+                        on_progress(merger.stats)
             except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
                 raise StorylensError(_ray_failure(e)) from None
-    if waiting or nxt != total:
-        raise StorylensError(f"ray: stories {nxt:,} to {total:,} did not come back from the actors")
+    if merger.waiting or merger.next != total:
+        raise StorylensError(f"ray: stories {merger.next:,} to {total:,} did not come back from the actors")
     if details is not None:
-        details["actor_peak_mb"] = actor_peaks  # each actor process's peak memory (benchmarks)
+        details["actor_peak_mb"] = merger.actor_peaks  # each actor process's peak memory (benchmarks)
         details["workers"] = workers  # as used: --workers capped at the cluster's CPUs
         details["read_on_workers"] = isinstance(source, StorySource)
-    return stats
+    return merger.stats
 
 
 def chunk_dataset(ray, source, start: int, total: int, chunk_stories: int, workers: int):

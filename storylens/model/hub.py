@@ -244,22 +244,12 @@ def save_model_folder(
     return Path(folder)
 
 
-def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
-    """Write a transformers ``GPT2LMHeadModel`` folder with the same weights and tokenizer.
+def _gpt2_config(c: GPTConfig, marker: int):
+    """The transformers ``GPT2Config`` of a model configured as ``c``: no dropout, GELU's tanh form,
+    tied embeddings, the end-of-story ``marker`` as BOS and EOS."""
+    from transformers import GPT2Config
 
-    GPT-2 stores query, key and value as one ``Conv1D`` (``c_attn``, weight ``[in, 3*out]``),
-    so our three ``nn.Linear`` weights are transposed and concatenated.
-    """
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    except ImportError:
-        raise StorylensError(f"export-hf needs transformers: {install_hint('hf')}") from None
-
-    if model.tokenizer is None:
-        raise StorylensError("export-hf: the model has no tokenizer to write beside it")
-    marker = eot_id(model.tokenizer)
-    c = model.config
-    hf_config = GPT2Config(
+    return GPT2Config(
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
         n_embd=c.n_embd,
@@ -275,8 +265,11 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         eos_token_id=marker,
         tie_word_embeddings=True,
     )
-    hf = GPT2LMHeadModel(hf_config)
-    sd = model.state_dict()
+
+
+def _gpt2_state_dict(sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """Our weights under GPT-2's names. GPT-2's ``Conv1D`` stores ``[in, out]`` (our ``nn.Linear``:
+    ``[out, in]``, so transposed) and query, key and value as one ``c_attn`` (``[in, 3*out]``)."""
     new = {
         "transformer.wte.weight": sd["transformer.wte.weight"],
         "transformer.wpe.weight": sd["transformer.wpe.weight"],
@@ -284,7 +277,7 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         "transformer.ln_f.bias": sd["transformer.ln_f.bias"],
         "lm_head.weight": sd["transformer.wte.weight"],
     }
-    for i in range(c.n_layer):
+    for i in range(n_layer):
         p = f"transformer.h.{i}."
         a = p + "attn."
         new[a + "c_attn.weight"] = torch.cat([sd[a + n + ".weight"] for n in ("query", "key", "value")], 0).T
@@ -298,7 +291,25 @@ def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
         new[p + "mlp.c_fc.bias"] = sd[p + "mlp.c_fc.bias"]
         new[p + "mlp.c_proj.weight"] = sd[p + "mlp.c_proj.weight"].T
         new[p + "mlp.c_proj.bias"] = sd[p + "mlp.c_proj.bias"]
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
+    return {k: v.contiguous() for k, v in new.items()}
+
+
+def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
+    """Write a transformers ``GPT2LMHeadModel`` folder with the same weights and tokenizer.
+
+    GPT-2 stores query, key and value as one ``Conv1D`` (``c_attn``, weight ``[in, 3*out]``),
+    so our three ``nn.Linear`` weights are transposed and concatenated.
+    """
+    try:
+        from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+    except ImportError:
+        raise StorylensError(f"export-hf needs transformers: {install_hint('hf')}") from None
+
+    if model.tokenizer is None:
+        raise StorylensError("export-hf: the model has no tokenizer to write beside it")
+    c = model.config
+    hf = GPT2LMHeadModel(_gpt2_config(c, eot_id(model.tokenizer)))
+    missing, unexpected = hf.load_state_dict(_gpt2_state_dict(model.state_dict(), c.n_layer), strict=False)
     missing = [m for m in missing if not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
     if missing or unexpected:
         raise RuntimeError(f"export mapping incomplete: missing {missing}, unexpected {unexpected}")

@@ -10,11 +10,12 @@ order (a seeded ``torch.Generator``) and the dropout RNG are saved with it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -232,47 +233,157 @@ def train(
         return _train_locked(split, out_dir, cfg, resume, progress, copying_samples)
 
 
-def _train_locked(
-    split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, progress: bool, copying_samples: int
-) -> dict:
+def _resume_from(ckpt_path: Path, tok_path: Path, cfg: TrainConfig, prints: dict) -> tuple[Tokenizer, dict, tuple]:
+    """A checkpoint's run, refused if it was made with other settings or its corpus or tokenizer
+    changed since: ``(tokenizer, state, (weights, optimizer, random states, EMA weights))``."""
+    model_sd, opt_sd, state, rng, ema_sd = load_checkpoint(ckpt_path)
+    try:
+        saved_cfg = TrainConfig(**state["train_config"])
+    except (KeyError, TypeError) as e:
+        raise StorylensError(f"{ckpt_path}: checkpoint has no usable training settings ({e})") from None
+    if saved_cfg != cfg:
+        diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved_cfg).items() if getattr(cfg, k) != v}
+        raise StorylensError(f"{ckpt_path}: checkpoint was made with other settings {diff}")
+    tok = load_tokenizer(tok_path)
+    prints["tokenizer"] = _file_digest(tok_path)
+    _check_fingerprints(ckpt_path, state.get("fingerprints"), prints)
+    return tok, state, (model_sd, opt_sd, rng, ema_sd)
 
-    ckpt_path = out_dir / CHECKPOINT
-    tok_path = out_dir / "tokenizer.json"
-    prints = {"train": fingerprint(split.train), "quiz": fingerprint(split.quiz)}
 
-    ema_sd = None
-    if resume:
-        model_sd, opt_sd, state, rng, ema_sd = load_checkpoint(ckpt_path)
-        try:
-            saved_cfg = TrainConfig(**state["train_config"])
-        except (KeyError, TypeError) as e:
-            raise StorylensError(f"{ckpt_path}: checkpoint has no usable training settings ({e})") from None
-        if saved_cfg != cfg:
-            diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved_cfg).items() if getattr(cfg, k) != v}
-            raise StorylensError(f"{ckpt_path}: checkpoint was made with other settings {diff}")
-        tok = load_tokenizer(tok_path)
-        prints["tokenizer"] = _file_digest(tok_path)
-        _check_fingerprints(ckpt_path, state.get("fingerprints"), prints)
-    else:
-        tok = train_tokenizer(split.train, cfg.vocab_size)
-        if tok.get_vocab_size() != cfg.vocab_size:
-            raise StorylensError(
-                f"corpus: too small for a {cfg.vocab_size:,}-token vocabulary (byte-level BPE found only "
-                f"{tok.get_vocab_size():,} tokens in the training stories); give more stories or "
-                f"--vocab-size {tok.get_vocab_size()}"
-            )
-        write_text_atomic(tok_path, tok.to_str())
-        prints["tokenizer"] = _file_digest(tok_path)
-        state = {
-            "step": 0,
-            "losses": [],
-            "evals": [],
-            "train_seconds": 0.0,
-            "timeline_seconds": 0.0,
-            "train_config": asdict(cfg),
-            "fingerprints": prints,
+def _fresh_start(split: Split, tok_path: Path, cfg: TrainConfig, prints: dict) -> tuple[Tokenizer, dict]:
+    """A new run: its tokenizer trained on the training stories and written to ``tok_path``, and
+    its state at step 0 with the fingerprints of its corpus and tokenizer."""
+    tok = train_tokenizer(split.train, cfg.vocab_size)
+    if tok.get_vocab_size() != cfg.vocab_size:
+        raise StorylensError(
+            f"corpus: too small for a {cfg.vocab_size:,}-token vocabulary (byte-level BPE found only "
+            f"{tok.get_vocab_size():,} tokens in the training stories); give more stories or "
+            f"--vocab-size {tok.get_vocab_size()}"
+        )
+    write_text_atomic(tok_path, tok.to_str())
+    prints["tokenizer"] = _file_digest(tok_path)
+    state = {
+        "step": 0,
+        "losses": [],
+        "evals": [],
+        "train_seconds": 0.0,
+        "timeline_seconds": 0.0,
+        "train_config": asdict(cfg),
+        "fingerprints": prints,
+    }
+    return tok, state
+
+
+def _training_stream(tok: Tokenizer, split: Split, cfg: TrainConfig) -> torch.Tensor:
+    """The training stories as one token stream (``<eot> s1 <eot> s2 ...``), refused shorter than a window."""
+    stream = torch.tensor(encode_stream(tok, split.train), dtype=torch.long)  # [tokens]
+    if len(stream) < cfg.block_size + 2:
+        raise StorylensError(
+            f"corpus: the training stories make {len(stream):,} tokens, fewer than one "
+            f"{cfg.block_size}-token window; give more stories"
+        )
+    return stream
+
+
+@dataclass
+class _Run:
+    """A training run's live parts: the model (and its EMA), the optimizer, the data order, the
+    state saved with each checkpoint and the head timeline measured at each evaluation."""
+
+    cfg: TrainConfig
+    split: Split
+    out_dir: Path
+    tok: Tokenizer
+    state: dict
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    gen: torch.Generator  # the data order
+    ema_model: GPT | None  # the weights' moving average (None: cfg.ema_decay is 0)
+    timeline: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # the EMA's and the model's parameters, in the same order: one fused lerp a step
+        self._ema_params: list[torch.Tensor] = list(self.ema_model.parameters()) if self.ema_model is not None else []
+        self._raw_params: list[torch.Tensor] = list(self.model.parameters())
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.block_size
+
+    def shipped(self, weights: str) -> GPT:
+        """The model behind ``weights`` (``shipped_weights``' answer: ``ema`` or ``raw``)."""
+        return self.ema_model if weights == "ema" and self.ema_model is not None else self.model
+
+    def start_timeline(self, resume: bool) -> None:
+        """The head timeline: the entries up to the checkpoint's step (a later one is measured again);
+        a run at step 0 first measures its initial weights, before any step."""
+        path = self.out_dir / TIMELINE_FILE
+        if resume and path.exists():
+            self.timeline = [e for e in read_timeline(path) if e["step"] <= self.state["step"]]
+        if self.state["step"] == 0 and not self.timeline:
+            self._add_to_timeline(timeline_entry(0, 0, "initial", self.model, self.tok, self.split.quiz))
+        write_timeline(path, self.timeline)
+
+    def _add_to_timeline(self, entry: dict) -> None:
+        """Keep a measured entry, its seconds counted in the state's ``timeline_seconds``."""
+        self.timeline.append(entry)
+        self.state["timeline_seconds"] = self.state.get("timeline_seconds", 0.0) + entry["seconds"]
+
+    def train_step(self, stream: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step on a random batch of ``stream``, the EMA moved towards the new weights;
+        returns the loss and the seconds it took."""
+        cfg, step = self.cfg, self.state["step"]
+        t0 = time.time()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = get_batch(stream, cfg, self.gen)  # [batch, block_size] each
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
+            loss = self.model(x, y).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        if self.ema_model is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self._ema_params, self._raw_params, 1.0 - ema_decay_at(step, cfg))
+        dt = time.time() - t0
+        self.state["step"] = step + 1
+        self.state["losses"].append(round(loss.item(), 6))
+        self.state["train_seconds"] += dt
+        return loss.item(), dt
+
+    def evaluate(self, progress: bool) -> None:
+        """The quiz perplexity of the weights (and of the EMA's), and the timeline's entry for the
+        weights this run would ship if it stopped here (``shipped_weights``' rule)."""
+        step, quiz = self.state["step"], self.split.quiz
+        ppl = quiz_perplexity(self.model, self.tok, quiz)
+        row = {
+            "step": step,
+            "quiz_perplexity": ppl,
+            "tokens": step * self.tokens_per_step,
+            "train_seconds": round(self.state["train_seconds"], 1),
         }
+        if self.ema_model is not None:
+            row["quiz_perplexity_ema"] = quiz_perplexity(self.ema_model, self.tok, quiz)
+        self.state["evals"].append(row)
+        weights = shipped_weights({"evals": [row]})
+        entry = timeline_entry(step, row["tokens"], weights, self.shipped(weights), self.tok, quiz)
+        self._add_to_timeline(entry)
+        write_timeline(self.out_dir / TIMELINE_FILE, self.timeline)
+        if progress:
+            ema_txt = f" (EMA {row['quiz_perplexity_ema']:.3f})" if self.ema_model is not None else ""
+            tqdm.write(f"step {step}: quiz perplexity {ppl:.3f}{ema_txt}")
 
+    def checkpoint(self) -> None:
+        """Save the weights, optimizer, state and both random states (data order and dropout) atomically."""
+        rng = {"data": self.gen.get_state(), "torch": torch.get_rng_state()}
+        save_checkpoint(self.out_dir / CHECKPOINT, self.model, self.optimizer, self.state, rng, ema=self.ema_model)
+
+
+def _new_run(cfg: TrainConfig, split: Split, out_dir: Path, tok: Tokenizer, state: dict, saved: tuple | None) -> _Run:
+    """The model, the optimizer and the data order made from ``cfg.seed``, then, resuming, the
+    checkpoint's weights, optimizer and random states put back (each validated first); the EMA a
+    copy of the weights, or the checkpoint's EMA weights."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -283,7 +394,10 @@ def _train_locked(
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(cfg.seed)
-    if resume:
+    ema_sd = None
+    if saved is not None:
+        model_sd, opt_sd, rng, ema_sd = saved
+        ckpt_path = out_dir / CHECKPOINT
         expected = {k: v for k, v in model.state_dict().items()}
         validate_state(ckpt_path, model_sd, expected, "weights")
         if ema_sd is not None:
@@ -296,51 +410,26 @@ def _train_locked(
         torch.set_rng_state(rng["torch"])
     ema_model = None
     if cfg.ema_decay > 0:
-        import copy
-
         ema_model = copy.deepcopy(model)
         if ema_sd is not None:
             ema_model.load_state_dict(ema_sd)
         ema_model.eval()
-        ema_params: list[torch.Tensor] = list(ema_model.parameters())
-        raw_params: list[torch.Tensor] = list(model.parameters())
+    return _Run(cfg, split, out_dir, tok, state, model, optimizer, gen, ema_model)
 
-    stream = torch.tensor(encode_stream(tok, split.train), dtype=torch.long)
-    if len(stream) < cfg.block_size + 2:
-        raise StorylensError(
-            f"corpus: the training stories make {len(stream):,} tokens, fewer than one "
-            f"{cfg.block_size}-token window; give more stories"
-        )
-    tokens_per_step = cfg.batch_size * cfg.block_size
-    # a finished run's state is written again when this one is done: none stale beside a newer timeline
-    (out_dir / "train_state.json").unlink(missing_ok=True)
-    # the head timeline: the entries up to the checkpoint's step (a later one is measured again)
-    timeline_path = out_dir / TIMELINE_FILE
-    timeline = (
-        [e for e in read_timeline(timeline_path) if e["step"] <= state["step"]]
-        if resume and timeline_path.exists()
-        else []
-    )
-    if state["step"] == 0 and not timeline:  # where every score starts: the initial weights, before any step
-        entry = timeline_entry(0, 0, "initial", model, tok, split.quiz)
-        timeline.append(entry)
-        state["timeline_seconds"] = state.get("timeline_seconds", 0.0) + entry["seconds"]
-    write_timeline(timeline_path, timeline)
 
-    def checkpoint():
-        save_checkpoint(
-            ckpt_path, model, optimizer, state, {"data": gen.get_state(), "torch": torch.get_rng_state()}, ema=ema_model
-        )
-
-    # Ctrl-C / SIGTERM only raise a flag; the loop stops between two whole steps,
-    # so the checkpoint never holds a half-applied optimizer step.
+def _train_loop(run: _Run, stream: torch.Tensor, progress: bool) -> None:
+    """Train from the run's step to ``cfg.max_steps``: evaluate every ``eval_every`` steps and at the
+    end, checkpoint every ``checkpoint_minutes`` and at the end. Ctrl-C / SIGTERM only raise a flag;
+    the loop stops between two whole steps, so the checkpoint never holds a half-applied optimizer
+    step, and raises ``KeyboardInterrupt`` once it is saved."""
+    cfg, state = run.cfg, run.state
     stop = []
 
     def on_signal(signum, frame):
         stop.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    model.train()
+    run.model.train()
     last_ckpt = time.time()
     bar = tqdm(
         total=cfg.max_steps, initial=state["step"], disable=None if progress else True, unit="step", dynamic_ncols=True
@@ -350,69 +439,55 @@ def _train_locked(
         while state["step"] < cfg.max_steps:
             if stop:
                 raise _StopRequested()
-            step = state["step"]
-            t0 = time.time()
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            x, y = get_batch(stream, cfg, gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
-                loss = model(x, y).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            if ema_model is not None:
-                with torch.no_grad():
-                    torch._foreach_lerp_(ema_params, raw_params, 1.0 - ema_decay_at(step, cfg))
-            dt = time.time() - t0
-            state["step"] = step + 1
-            state["losses"].append(round(loss.item(), 6))
-            state["train_seconds"] += dt
+            loss, dt = run.train_step(stream)
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.max_steps:
-                ppl = quiz_perplexity(model, tok, split.quiz)
-                row = {
-                    "step": state["step"],
-                    "quiz_perplexity": ppl,
-                    "tokens": state["step"] * tokens_per_step,
-                    "train_seconds": round(state["train_seconds"], 1),
-                }
-                if ema_model is not None:
-                    row["quiz_perplexity_ema"] = quiz_perplexity(ema_model, tok, split.quiz)
-                state["evals"].append(row)
-                # the weights this run would ship if it stopped here (shipped_weights' rule)
-                weights = shipped_weights({"evals": [row]})
-                shipped = ema_model if weights == "ema" and ema_model is not None else model
-                entry = timeline_entry(state["step"], row["tokens"], weights, shipped, tok, split.quiz)
-                timeline.append(entry)
-                write_timeline(timeline_path, timeline)
-                state["timeline_seconds"] = state.get("timeline_seconds", 0.0) + entry["seconds"]
-                if progress:
-                    ema_txt = f" (EMA {row['quiz_perplexity_ema']:.3f})" if ema_model is not None else ""
-                    tqdm.write(f"step {state['step']}: quiz perplexity {ppl:.3f}{ema_txt}")
+                run.evaluate(progress)
             bar.update(1)
             lines.update(1)  # off a terminal, instead of the bar
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens_per_step / dt:,.0f}")
             if time.time() - last_ckpt > cfg.checkpoint_minutes * 60:
-                checkpoint()
+                run.checkpoint()
                 last_ckpt = time.time()
-        checkpoint()
+        run.checkpoint()
     except _StopRequested:
-        checkpoint()
+        run.checkpoint()
         bar.close()
-        raise KeyboardInterrupt(f"stopped at step {state['step']}; checkpoint saved to {ckpt_path}") from None
+        raise KeyboardInterrupt(
+            f"stopped at step {state['step']}; checkpoint saved to {run.out_dir / CHECKPOINT}"
+        ) from None
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         bar.close()
+
+
+def _train_locked(
+    split: Split, out_dir: Path, cfg: TrainConfig, resume: bool, progress: bool, copying_samples: int
+) -> dict:
+    """:func:`train` in its locked folder: start or resume the run, train it, write its state and,
+    once, the copying check of the weights it ships."""
+    tok_path = out_dir / "tokenizer.json"
+    prints = {"train": fingerprint(split.train), "quiz": fingerprint(split.quiz)}
+    saved = None
+    if resume:
+        tok, state, saved = _resume_from(out_dir / CHECKPOINT, tok_path, cfg, prints)
+    else:
+        tok, state = _fresh_start(split, tok_path, cfg, prints)
+    run = _new_run(cfg, split, out_dir, tok, state, saved)
+    stream = _training_stream(tok, split, cfg)
+    # a finished run's state is written again when this one is done: none stale beside a newer timeline
+    (out_dir / "train_state.json").unlink(missing_ok=True)
+    run.start_timeline(resume)
+    _train_loop(run, stream, progress)
     (out_dir / "train_state.json").write_text(json.dumps(state, indent=1))
     if copying_samples and not (out_dir / COPYING_FILE).exists():  # once, when the run is done
         weights = shipped_weights(state)
-        shipped = ema_model if weights == "ema" and ema_model is not None else model
+        shipped = run.shipped(weights)
         shipped.eval()
         result = copying(NativeLM(shipped, tok), split.train, samples=copying_samples)
         result = {"step": state["step"], "weights": weights, **result}
         write_text_atomic(out_dir / COPYING_FILE, json.dumps(result, indent=1) + "\n")
-    return {"model": model, "tokenizer": tok, "state": state}
+    return {"model": run.model, "tokenizer": tok, "state": state}
 
 
 def lesson_files(split: Split) -> dict[str, bytes]:

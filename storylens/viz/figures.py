@@ -16,6 +16,7 @@ import io
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -134,6 +135,123 @@ def _tick_positions(n: int, max_labels: int) -> list[int]:
     return list(range(0, n, step))
 
 
+@dataclass(frozen=True)
+class _HeadGrid:
+    """Every head's map side by side as one RGBA image: ``n_block`` rows of ``n_head`` panels of
+    n x n cells, ``gap`` cells apart across and ``vgap`` down (the room above a panel holds its label)."""
+
+    n_block: int
+    n_head: int
+    n: int
+    gap: int
+    vgap: int
+    image: np.ndarray  # [rows, cols, RGBA], white between the panels
+    panels: dict[str, tuple[slice, slice]]  # head label -> its (row, column) slice of the image
+    head_maps: dict[str, np.ma.MaskedArray]  # head label -> the [query, key] map drawn, mask hidden
+
+    @property
+    def rows(self) -> int:
+        return self.image.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.image.shape[1]
+
+    def panel_row(self, block: int) -> int:
+        """The image row where the panels of ``block`` (0-indexed) start."""
+        return self.vgap + block * (self.n + self.vgap)
+
+    def panel_col(self, head: int) -> int:
+        """The image column where the panels of ``head`` (0-indexed) start."""
+        return head * (self.n + self.gap)
+
+
+def _head_grid(patterns: np.ndarray, cell: float, norm: Normalize) -> _HeadGrid:
+    """Colour ``patterns`` (``[block, head, n, n]``) into one image, a panel ``cell`` inches wide:
+    the masked upper triangle dark, the rest through the attention colour map on ``norm``'s scale."""
+    n_block, n_head, n, _ = patterns.shape
+    gap = max(1, round(n * 0.12 / cell))
+    vgap = max(2, round(n * (0.12 + 0.26) / cell))
+    rows, cols = n_block * n + (n_block - 1) * vgap + vgap, n_head * n + (n_head - 1) * gap
+    grid = _HeadGrid(n_block, n_head, n, gap, vgap, np.ones((rows, cols, 4)), {}, {})
+    cmap = colormaps[ATTENTION_CMAP]
+    upper = np.triu(np.ones((n, n), bool), 1)
+    mask_rgba = np.array(to_rgba(MASK_COLOR))
+    for b in range(n_block):
+        for h in range(n_head):
+            r0, c0 = grid.panel_row(b), grid.panel_col(h)
+            lab = head_label(b, h)
+            grid.head_maps[lab] = np.ma.masked_array(patterns[b, h], mask=upper)
+            rgba = cmap(norm(np.clip(patterns[b, h], 0.0, 1.0)))  # [n, n, RGBA]
+            rgba[upper] = mask_rgba
+            grid.image[r0 : r0 + n, c0 : c0 + n] = rgba
+            grid.panels[lab] = (slice(r0, r0 + n), slice(c0, c0 + n))
+    return grid
+
+
+def _label_head_grid(ax, grid: _HeadGrid, labels: list[str], ticks: list[int], fontsize: float) -> None:
+    """Name and frame each panel; name the tokens at ``ticks`` along the left edge of every row of
+    panels and under every column of the bottom row."""
+    n = grid.n
+    for lab, (rs, cs) in grid.panels.items():
+        ax.text(
+            cs.start + n / 2 - 0.5,
+            rs.start - 0.6,
+            lab,
+            ha="center",
+            va="bottom",
+            fontsize=10,
+            fontweight="bold",
+            gid="head-label",
+        )
+        ax.add_patch(Rectangle((cs.start - 0.5, rs.start - 0.5), n, n, fill=False, edgecolor="#444444", linewidth=0.6))
+    for b in range(grid.n_block):
+        for i in ticks:
+            ax.text(
+                -0.75, grid.panel_row(b) + i, labels[i], ha="right", va="center", fontsize=fontsize, gid="token-label-y"
+            )
+    for h in range(grid.n_head):
+        for i in ticks:
+            ax.text(
+                grid.panel_col(h) + i,
+                grid.rows - 0.25,
+                labels[i],
+                rotation=90,
+                ha="center",
+                va="top",
+                fontsize=fontsize,
+                gid="token-label-x",
+            )
+
+
+def _caption_head_grid(fig: Figure, norm: Normalize, colorbar_label: str, title: str, box: tuple) -> None:
+    """The colour bar under the grid, the title above it and the names of its two axes, placed in
+    inches: ``box`` is the grid's ``(left, bottom, width, height)`` on a figure of ``fig``'s size."""
+    left, bottom, grid_w, grid_h = box
+    width, height = fig.get_size_inches()
+    cax = fig.add_axes(((left + 0.25 * grid_w) / width, 0.42 / height, 0.5 * grid_w / width, 0.12 / height))
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=colormaps[ATTENTION_CMAP]), cax=cax, orientation="horizontal")
+    cb.set_label(colorbar_label, fontsize=9)
+    fig.suptitle(title, fontsize=13, y=1 - 0.2 / height)
+    fig.text(
+        (left + grid_w / 2) / width,
+        0.72 / height,
+        "key (the earlier token looked at)",
+        ha="center",
+        va="bottom",
+        fontsize=10,
+    )
+    fig.text(
+        0.12 / width,
+        (bottom + grid_h / 2) / height,
+        "query (the token doing the looking)",
+        rotation=90,
+        ha="left",
+        va="center",
+        fontsize=10,
+    )
+
+
 def all_heads_figure(
     patterns,
     tokens: Sequence[str],
@@ -165,96 +283,38 @@ def all_heads_figure(
     if len(tokens) != T:
         raise ValueError(f"{len(tokens)} tokens but the attention covers {T} positions")
     n = T if max_tokens is None else min(T, max_tokens)
-    patterns = patterns[:, :, :n, :n]
     labels = [tick_label(t, 10) for t in tokens[:n]]
     ticks = _tick_positions(n, max_labels)
     cell = cell_inches or (3.6 if n <= 40 else 3.2)
     fs = label_fontsize or (6 if len(ticks) > 24 else 7)
-    # the image: panels of n x n cells; gaps of `gap` cells across, `vgap` down (room for a title)
-    gap = max(1, round(n * 0.12 / cell * 1.0))
-    vgap = max(2, round(n * (0.12 + 0.26) / cell))
-    rows, cols = n_block * n + (n_block - 1) * vgap + vgap, n_head * n + (n_head - 1) * gap
     norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=1.0) if gamma != 1 else Normalize(0.0, 1.0)
-    cmap = colormaps[ATTENTION_CMAP]
-    upper = np.triu(np.ones((n, n), bool), 1)
-    image = np.ones((rows, cols, 4))  # white between the panels
-    mask_rgba = np.array(to_rgba(MASK_COLOR))
-    panels, head_maps = {}, {}
-    for b in range(n_block):
-        for h in range(n_head):
-            r0, c0 = vgap + b * (n + vgap), h * (n + gap)
-            lab = head_label(b, h)
-            head_maps[lab] = np.ma.masked_array(patterns[b, h], mask=upper)
-            rgba = cmap(norm(np.clip(patterns[b, h], 0.0, 1.0)))
-            rgba[upper] = mask_rgba
-            image[r0 : r0 + n, c0 : c0 + n] = rgba
-            panels[lab] = (slice(r0, r0 + n), slice(c0, c0 + n))
+    grid = _head_grid(patterns[:, :, :n, :n], cell, norm)
     # margins in inches: room for the token labels (about 0.6 of a point size per character)
     label_in = max(len(x) for x in labels) * fs * 0.62 / 72 + 0.12
     left, bottom, top, right = 0.35 + label_in, 0.95 + label_in, 0.5, 0.15
     per_cell = cell / n
-    width, height = left + cols * per_cell + right, top + rows * per_cell + bottom
+    grid_w, grid_h = grid.cols * per_cell, grid.rows * per_cell
+    width, height = left + grid_w + right, top + grid_h + bottom
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     # what a page and the tests read besides the drawing: Figure has no such attributes of its own
     fig.label_fontsize = fs  # type: ignore[attr-defined]  # points: how large the token labels show
-    fig.grid_image = image  # type: ignore[attr-defined]
-    fig.head_panels = panels  # type: ignore[attr-defined]
-    fig.head_maps = head_maps  # type: ignore[attr-defined]
-    ax = fig.add_axes((left / width, bottom / height, cols * per_cell / width, rows * per_cell / height))
-    ax.imshow(image, interpolation="nearest", aspect="equal")
-    ax.set_xlim(-0.5, cols - 0.5)
-    ax.set_ylim(rows - 0.5, -0.5)
+    fig.grid_image = grid.image  # type: ignore[attr-defined]
+    fig.head_panels = grid.panels  # type: ignore[attr-defined]
+    fig.head_maps = grid.head_maps  # type: ignore[attr-defined]
+    ax = fig.add_axes((left / width, bottom / height, grid_w / width, grid_h / height))
+    ax.imshow(grid.image, interpolation="nearest", aspect="equal")
+    ax.set_xlim(-0.5, grid.cols - 0.5)
+    ax.set_ylim(grid.rows - 0.5, -0.5)
     ax.axis("off")
-    for lab, (rs, cs) in panels.items():
-        ax.text(
-            cs.start + n / 2 - 0.5,
-            rs.start - 0.6,
-            lab,
-            ha="center",
-            va="bottom",
-            fontsize=10,
-            fontweight="bold",
-            gid="head-label",
-        )
-        ax.add_patch(Rectangle((cs.start - 0.5, rs.start - 0.5), n, n, fill=False, edgecolor="#444444", linewidth=0.6))
-    for b in range(n_block):  # token labels along the left edge of each row ...
-        r0 = vgap + b * (n + vgap)
-        for i in ticks:
-            ax.text(-0.75, r0 + i, labels[i], ha="right", va="center", fontsize=fs, gid="token-label-y")
-    for h in range(n_head):  # ... and under each column of the bottom row
-        c0 = h * (n + gap)
-        for i in ticks:
-            ax.text(
-                c0 + i, rows - 0.25, labels[i], rotation=90, ha="center", va="top", fontsize=fs, gid="token-label-x"
-            )
-    cax = fig.add_axes(
-        ((left + 0.25 * cols * per_cell) / width, 0.42 / height, 0.5 * cols * per_cell / width, 0.12 / height)
-    )
-    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, orientation="horizontal")
-    cb.set_label("attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""), fontsize=9)
+    _label_head_grid(ax, grid, labels, ticks, fs)
     shown = f"first {n} of {T} tokens" if n < T else f"{T} tokens"
-    fig.suptitle(
+    _caption_head_grid(
+        fig,
+        norm,
+        "attention share" + (f" (power scale, γ={gamma:g})" if gamma != 1 else ""),
         title or f"All {n_block * n_head} heads on one story ({shown}); rows: query, columns: key",
-        fontsize=13,
-        y=1 - 0.2 / height,
-    )
-    fig.text(
-        (left + cols * per_cell / 2) / width,
-        0.72 / height,
-        "key (the earlier token looked at)",
-        ha="center",
-        va="bottom",
-        fontsize=10,
-    )
-    fig.text(
-        0.12 / width,
-        (bottom + rows * per_cell / 2) / height,
-        "query (the token doing the looking)",
-        rotation=90,
-        ha="left",
-        va="center",
-        fontsize=10,
+        (left, bottom, grid_w, grid_h),
     )
     return fig
 
@@ -452,6 +512,81 @@ def name_even_share(name_positions: Sequence[int], queries: Sequence[int]) -> fl
     return float((np.searchsorted(names, q, side="right") / (q + 1)).mean())
 
 
+def _token_lines(tokens: Sequence[str], line_chars: int) -> list[list[tuple[int, int, str]]]:
+    """Lay ``tokens`` out as monospaced text ``line_chars`` wide, so positions need no renderer: one
+    list per line of ``(position, column, text)`` pieces. A newline inside a token shows as ``↵``
+    and breaks the line; a piece that would overflow starts the next line, its leading spaces dropped."""
+    rows: list[list[tuple[int, int, str]]] = [[]]
+    col = 0
+    for i, token in enumerate(tokens):
+        pieces = token.replace("\r", "").replace("\t", " ").split("\n")
+        for j, piece in enumerate(pieces):
+            if j > 0:  # a newline inside the token: show it, then break the line
+                rows[-1].append((i, col, "↵"))
+                rows.append([])
+                col = 0
+            if not piece:
+                continue
+            if col + len(piece) > line_chars and col > 0:
+                rows.append([])
+                col = 0
+                piece = piece.lstrip(" ") or piece
+            rows[-1].append((i, col, piece))
+            col += len(piece)
+    return [r for r in rows if r] or [[]]
+
+
+def _shade_tokens(ax, lines, w: np.ndarray, norm: Normalize, names: set[int], first, font_pt: float) -> None:
+    """Draw each laid-out token on a background shaded by its weight in ``w`` (one line a data unit
+    down, one character a unit across); name tokens in red, boxed, the first mention's box thicker."""
+    cmap = colormaps["Blues"]
+    for r, row in enumerate(lines):
+        for pos, c, text in row:
+            face = cmap(norm(w[pos]) * 0.85)
+            ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, facecolor=face, edgecolor="none", zorder=1))
+            light = 0.299 * face[0] + 0.587 * face[1] + 0.114 * face[2]
+            is_name = pos in names
+            ax.text(
+                c - 0.5,
+                r + 0.5,
+                text,
+                family="DejaVu Sans Mono",
+                fontsize=font_pt,
+                va="center",
+                ha="left",
+                zorder=3,
+                color=("#7f0000" if light > 0.55 else "#ffdede") if is_name else ("black" if light > 0.55 else "white"),
+                fontweight="bold" if is_name else "normal",
+            )
+            if is_name:  # the first mention (where averaging starts) gets a thicker box
+                ax.add_patch(
+                    Rectangle(
+                        (c - 0.5, r + 0.08),
+                        len(text),
+                        0.84,
+                        fill=False,
+                        edgecolor=NAME_COLOR,
+                        linewidth=2.6 if pos == first else 1.3,
+                        zorder=4,
+                    )
+                )
+
+
+def _name_head_title(label: str, names: list[int], share: float, queries, n: int, n_tokens: int) -> str:
+    """The name-head figure's title: the head, its ``share`` on the name and, when the ``queries``
+    averaged are known, that share over this story's even spread on them; what is shown."""
+    lines = [f"{label}: where it looks in this story", f"share on the name (red boxes): {share:.3f}"]
+    if queries is not None and names:
+        even = name_even_share(names, queries)
+        lines[1] += f" = {share / even:.1f}× this story's even spread ({even:.3f})"
+    how = [f"both over the same {len(queries)} queries after the first mention"] if queries is not None else []
+    if n < n_tokens:
+        how.append(f"first {n} of {n_tokens} tokens shown")
+    if how:
+        lines.append("; ".join(how))
+    return "\n".join(lines)
+
+
 def name_head_figure(
     tokens: Sequence[str],
     weights,
@@ -483,42 +618,19 @@ def name_head_figure(
     w = np.asarray(weights, dtype=float)
     if w.ndim == 2:
         w, queries = name_attention_profile(w, name_positions, first_mention)
-    n_queries = None if queries is None else len(queries)
     if w.shape[0] != len(tokens):
         raise ValueError(f"{len(tokens)} tokens but {w.shape[0]} weights")
     names = sorted(set(int(p) for p in name_positions))
     first = names[0] if first_mention is None and names else first_mention
     name_share = float(w[names].sum()) if names else 0.0
     n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-
-    # Lay the tokens out as monospaced text, so positions can be computed without a renderer.
-    rows: list[list[tuple[int, int, str]]] = [[]]  # (position, column, text)
-    col = 0
-    for i in range(n):
-        t = tokens[i].replace("\r", "").replace("\t", " ")
-        pieces = t.split("\n")
-        for j, piece in enumerate(pieces):
-            if j > 0:  # a newline inside the token: show it, then break the line
-                rows[-1].append((i, col, "↵"))
-                col += 1
-                rows.append([])
-                col = 0
-            if not piece:
-                continue
-            if col + len(piece) > line_chars and col > 0:
-                rows.append([])
-                col = 0
-                piece = piece.lstrip(" ") or piece
-            rows[-1].append((i, col, piece))
-            col += len(piece)
-    rows = [r for r in rows if r] or [[]]
-    n_rows = len(rows)
+    lines = _token_lines(tokens[:n], line_chars)
     font_pt = 9.0
     char_in = 0.602 * font_pt / 72  # DejaVu Sans Mono's advance is 0.602 em
     line_in = 1.75 * font_pt / 72
     # Exact placement (no automatic layout): one data unit on x is one character wide.
     margin, title_h, cbar_h, below_cbar, gap = 0.3, 0.85, 0.16, 0.45, 0.2  # title: up to three lines
-    text_w, text_h = (line_chars + 1) * char_in, n_rows * line_in
+    text_w, text_h = (line_chars + 1) * char_in, len(lines) * line_in
     W = text_w + 2 * margin
     H = title_h + text_h + gap + cbar_h + below_cbar
     fig = Figure(figsize=(W, H))
@@ -526,47 +638,13 @@ def name_head_figure(
     ax = fig.add_axes((margin / W, (below_cbar + cbar_h + gap) / H, text_w / W, text_h / H))
     cax = fig.add_axes((margin / W, below_cbar / H, text_w / W, cbar_h / H))
     ax.set_xlim(-0.5, line_chars + 0.5)
-    ax.set_ylim(n_rows, 0)
+    ax.set_ylim(len(lines), 0)
     ax.axis("off")
-    cmap = colormaps["Blues"]
     if vmax is None:
         rest = w[1:n] if n > 1 else w[:n]
         vmax = float(rest.max()) if rest.size else 1.0
     norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=vmax if vmax > 0 else 1.0, clip=True)
-    name_set = set(names)
-    for r, row in enumerate(rows):
-        for pos, c, text in row:
-            val = w[pos]
-            face = cmap(norm(val) * 0.85)
-            ax.add_patch(Rectangle((c - 0.5, r + 0.08), len(text), 0.84, facecolor=face, edgecolor="none", zorder=1))
-            light = 0.299 * face[0] + 0.587 * face[1] + 0.114 * face[2]
-            is_name = pos in name_set
-            ax.text(
-                c - 0.5,
-                r + 0.5,
-                text,
-                family="DejaVu Sans Mono",
-                fontsize=font_pt,
-                va="center",
-                ha="left",
-                zorder=3,
-                color=("#7f0000" if light > 0.55 else "#ffdede") if is_name else ("black" if light > 0.55 else "white"),
-                fontweight="bold" if is_name else "normal",
-            )
-            if is_name:  # the first mention (where averaging starts) gets a thicker box
-                ax.add_patch(
-                    Rectangle(
-                        (c - 0.5, r + 0.08),
-                        len(text),
-                        0.84,
-                        fill=False,
-                        edgecolor=NAME_COLOR,
-                        linewidth=2.6 if pos == first else 1.3,
-                        zorder=4,
-                    )
-                )
-    from matplotlib.cm import ScalarMappable
-
+    _shade_tokens(ax, lines, w, norm, set(names), first, font_pt)
     cb = fig.colorbar(ScalarMappable(norm=norm, cmap=_truncated_blues()), cax=cax, orientation="horizontal")
     cb.set_label(
         "attention share received (mean over queries after the first mention)"
@@ -574,16 +652,12 @@ def name_head_figure(
         fontsize=8,
     )
     cax.tick_params(labelsize=7)
-    lines = [f"{label}: where it looks in this story", f"share on the name (red boxes): {name_share:.3f}"]
-    if queries is not None and names:
-        even = name_even_share(names, queries)
-        lines[1] += f" = {name_share / even:.1f}× this story's even spread ({even:.3f})"
-    how = [f"both over the same {n_queries} queries after the first mention"] if n_queries is not None else []
-    if n < len(tokens):
-        how.append(f"first {n} of {len(tokens)} tokens shown")
-    if how:
-        lines.append("; ".join(how))
-    fig.suptitle(title or "\n".join(lines), fontsize=10, y=1 - 0.1 / H, va="top")
+    fig.suptitle(
+        title or _name_head_title(label, names, name_share, queries, n, len(tokens)),
+        fontsize=10,
+        y=1 - 0.1 / H,
+        va="top",
+    )
     return fig
 
 
