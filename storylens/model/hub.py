@@ -244,7 +244,7 @@ def save_model_folder(
     return Path(folder)
 
 
-def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
+def export_hf(model: GPT, folder: str | os.PathLike) -> Path:
     """Write a transformers ``GPT2LMHeadModel`` folder with the same weights and tokenizer.
 
     GPT-2 stores query, key and value as one ``Conv1D`` (``c_attn``, weight ``[in, 3*out]``),
