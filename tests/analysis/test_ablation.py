@@ -168,9 +168,7 @@ def test_head_means_ignore_padding(model, small_ids):
 
 def test_table_losses_match_a_direct_computation(model, lm, small_ids):
     starts = [[5, 30], [], [12]]  # pretend name starts
-    table = ablation_loss_table(
-        lm, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]], batch_size=2
-    )
+    table = ablation_loss_table(lm, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]], batch_size=2)
     assert [(r.label, r.mode) for r in table.rows] == [
         ("L1H1", "zero"),
         ("L1H1", "mean"),
