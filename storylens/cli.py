@@ -39,6 +39,7 @@ from storylens.lesson.inputs import lesson_data
 from storylens.lesson.report import _check_writable, _f, _quiz_folder, build_report
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.lm.generate import record_generation, stream_text
+from storylens.model.gpt import GPT
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import encode_story, eot_id
 from storylens.training.copying import COPYING_FILE, read_copying
@@ -90,7 +91,7 @@ def _load(args):
     return load_lm(args.model, allow_download=args.allow_download, dtype=dtype, device=device)
 
 
-def _load_native(args, what: str):
+def _load_native(args, what: str) -> GPT:
     """A storylens model (the commands about storylens's own attention paths, KV cache and export);
     a transformers folder is refused before it is loaded."""
 
@@ -305,12 +306,13 @@ def cmd_data_download(args) -> int:
     return 0
 
 
-def _check_stories(model, args) -> tuple[list[list[int]], str]:
+def _check_stories(model: GPT, args) -> tuple[list[list[int]], str]:
     """The quiz (the corpus's, else the one shipped with the model), cut to the window; for a model
     with neither, stories the model writes itself."""
     import torch
 
-    window = model.config.block_size
+    window, tokenizer = model.config.block_size, model.tokenizer
+    assert tokenizer is not None  # _load_native's model was wrapped, which needs its tokenizer
     try:
         data = lesson_data(getattr(model, "source_folder", None), args.stories)
     except StorylensError as e:
@@ -321,7 +323,7 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
         ids = []
         for _ in range(args.n_stories or 8):
             out = model.generate(
-                torch.tensor([[eot_id(model.tokenizer)]], device=device),
+                torch.tensor([[eot_id(tokenizer)]], device=device),
                 window - 1,
                 temperature=0.8,
                 top_k=40,
@@ -330,7 +332,7 @@ def _check_stories(model, args) -> tuple[list[list[int]], str]:
             ids.append(out[0].tolist())
         return ids, f"{len(ids)} stories the model wrote (no corpus: {str(e).split(':')[-1].strip()})"
     quiz = data.quiz[: args.n_stories] if args.n_stories else data.quiz
-    return [encode_story(model.tokenizer, s, window).ids for s in quiz], f"{len(quiz)} quiz stories"
+    return [encode_story(tokenizer, s, window).ids for s in quiz], f"{len(quiz)} quiz stories"
 
 
 def cmd_check(args) -> int:

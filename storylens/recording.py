@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from storylens.core.errors import StorylensError
-from storylens.lm import wrap
+from storylens.lm import ModelLike, wrap
 from storylens.model.tokenizer import StoryIds
 from storylens.viz import AttentionWidget
 from storylens.viz.tokens import to_numpy_attention, token_texts
@@ -22,7 +22,9 @@ def figure_tokens(n_layer: int, n_head: int, budget: int = FIGURE_BUDGET_BYTES) 
     return int((budget / (12 * n_layer * n_head)) ** 0.5)
 
 
-def story_attention(model, text: str, window: int | None = None, tokenizer=None, *, budget: int | None = None):
+def story_attention(
+    model: ModelLike, text: str, window: int | None = None, tokenizer=None, *, budget: int | None = None
+):
     """Encode one story as the lesson does (``[marker] + story``, cut to the window) and record its
     attention. ``model``: storylens's GPT, an :class:`~storylens.lm.AttentionLM`, or a transformers
     causal LM with its ``tokenizer``. The story is also cut to the tokens whose patterns fit ``budget``
@@ -49,7 +51,7 @@ def story_attention(model, text: str, window: int | None = None, tokenizer=None,
 
 
 def attention_widget(
-    model,
+    model: ModelLike,
     text: str,
     title: str | None = None,
     *,

@@ -127,6 +127,7 @@ def test_the_timeline_ships_with_the_exported_model(reference_run):
 
 def test_a_finished_run_counts_what_it_copies_from_its_training_stories(reference_run, corpus_split):
     from storylens.data.leakage import run_hashes
+    from storylens.lm import wrap
     from storylens.model.hub import load_model
     from storylens.training.copying import copied_share, generated_stories
 
@@ -134,7 +135,7 @@ def test_a_finished_run_counts_what_it_copies_from_its_training_stories(referenc
     copied = read_copying(out)
     assert copied["step"] == STEPS and copied["samples"] == COPY_SAMPLES and copied["run_words"] == 8
     # the same seeds from the exported model write the same stories, and count the same
-    stories = generated_stories(load_model(export), samples=COPY_SAMPLES, seed=copied["seed"])
+    stories = generated_stories(wrap(load_model(export)), samples=COPY_SAMPLES, seed=copied["seed"])
     assert stories[0] == copied["example"] and all("<|endoftext|>" not in s for s in stories)
     again = copied_share(stories, run_hashes(corpus_split.train[:60]))
     assert {k: copied[k] for k in again} == again

@@ -46,7 +46,7 @@ from storylens.core.errors import StorylensError
 from storylens.core.heads import Head, as_heads, head_label
 from storylens.core.modes import eval_mode
 from storylens.core.progress import ProgressLines
-from storylens.lm import AttentionLM, Hook, wrap
+from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 
 MODES = ("zero", "mean")
 
@@ -54,9 +54,8 @@ MODES = ("zero", "mean")
 # ---------------------------------------------------------------- heads and hooks
 
 
-def normalise_heads(model, heads: Iterable[Head | str]) -> tuple[Head, ...]:
+def normalise_heads(lm: AttentionLM, heads: Iterable[Head | str]) -> tuple[Head, ...]:
     """``[(4, 2), "L1H1"] -> (Head(0, 0), Head(4, 2))``: checked against the model, sorted, unique."""
-    lm = wrap(model)
     try:
         return as_heads(heads, lm.n_layer, lm.n_head)
     except ValueError as e:
@@ -68,7 +67,7 @@ def group_label(heads: Sequence[Head]) -> str:
     return "+".join(head_label(b, h) for b, h in heads) if heads else "none"
 
 
-def _mean_vectors(lm, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
+def _mean_vectors(lm: AttentionLM, heads: Sequence[Head], means) -> dict[Head, torch.Tensor]:
     if means is None:
         raise StorylensError("mode 'mean' needs means (from head_output_means)")
     out = {}
@@ -103,7 +102,7 @@ class _HeadReplacer:
 
 
 @contextlib.contextmanager
-def ablate_heads(model, heads: Iterable[Head | str], mode: str = "zero", means=None) -> Iterator[None]:
+def ablate_heads(model: ModelLike, heads: Iterable[Head | str], mode: str = "zero", means=None) -> Iterator[None]:
     """Switch ``heads`` off inside the ``with`` block, through ``blocks.{l}.attn.hook_z``.
 
     ``heads``: :class:`~storylens.core.heads.Head` (0-indexed) or labels like ``"L5H3"``.
@@ -137,7 +136,7 @@ def _pad(stories: Sequence[Sequence[int]], pad_id: int, device: torch.device) ->
     return ids, valid_mask(lengths, ids.shape[1])
 
 
-def _check_stories(lm, stories_ids: Sequence[Sequence[int]]) -> None:
+def _check_stories(lm: AttentionLM, stories_ids: Sequence[Sequence[int]]) -> None:
     if not stories_ids:
         raise StorylensError("stories: nothing to run (empty list)")
     for i, s in enumerate(stories_ids):
@@ -147,7 +146,7 @@ def _check_stories(lm, stories_ids: Sequence[Sequence[int]]) -> None:
 
 @torch.inference_mode()
 def head_output_means(
-    model, stories_ids: Sequence[Sequence[int]], *, batch_size: int = 16, include_marker: bool = True
+    model: ModelLike, stories_ids: Sequence[Sequence[int]], *, batch_size: int = 16, include_marker: bool = True
 ) -> torch.Tensor:
     """Each head's mean output vector, ``[layer, head, head_size]`` (float32).
 
@@ -281,7 +280,7 @@ def _name_other_sums(lm: AttentionLM, ids: torch.Tensor, scored: torch.Tensor, n
 
 @torch.inference_mode()
 def ablation_losses(
-    model,
+    lm: AttentionLM,
     stories_ids: Sequence[Sequence[int]],
     name_starts: Sequence[Iterable[int]],
     conditions: Sequence[Condition],
@@ -295,7 +294,6 @@ def ablation_losses(
     Returns ``({"baseline" | f"{label}/{mode}": tensor([name_sum, other_sum])}, n_name, n_other)``
     with float64 sums. ``name_starts[i]``: positions of story i's mention first tokens.
     """
-    lm = wrap(model)
     _check_stories(lm, stories_ids)
     if len(name_starts) != len(stories_ids):
         raise StorylensError(f"name_starts: {len(name_starts)} entries for {len(stories_ids)} stories")
@@ -347,15 +345,14 @@ def ablation_losses(
     return sums, n_name, n_other
 
 
-def single_head_conditions(model, modes: Sequence[str] = MODES, heads=None) -> list[Condition]:
+def single_head_conditions(lm: AttentionLM, modes: Sequence[str] = MODES, heads=None) -> list[Condition]:
     """One condition per head (all heads by default) and mode."""
-    lm = wrap(model)
     heads = normalise_heads(lm, heads) if heads is not None else tuple(Head.every(lm.n_layer, lm.n_head))
     return [Condition(h.label, (h,), m) for h in heads for m in modes]
 
 
 def ablation_loss_table(
-    model,
+    lm: AttentionLM,
     stories_ids: Sequence[Sequence[int]],
     name_starts: Sequence[Iterable[int]],
     *,
@@ -383,19 +380,18 @@ def ablation_loss_table(
     for m in modes:
         if m not in MODES:
             raise StorylensError(f"modes: {m!r} is not one of {', '.join(MODES)}")
-    model = wrap(model)
-    conditions = single_head_conditions(model, modes, heads)
+    conditions = single_head_conditions(lm, modes, heads)
     for g in groups:
-        group = tuple(dict.fromkeys(normalise_heads(model, [x])[0] for x in g))  # checked, order kept
+        group = tuple(dict.fromkeys(normalise_heads(lm, [x])[0] for x in g))  # checked, order kept
         if not group:
             raise StorylensError("groups: an empty group")
         for m in modes:
             conditions.append(Condition(group_label(group), group, m))
     if "mean" in modes and means is None:
-        means = head_output_means(model, stories_ids, batch_size=batch_size)
+        means = head_output_means(lm, stories_ids, batch_size=batch_size)
     t0 = time.perf_counter()
     sums, n_name, n_other = ablation_losses(
-        model, stories_ids, name_starts, conditions, means=means, batch_size=batch_size, progress=progress
+        lm, stories_ids, name_starts, conditions, means=means, batch_size=batch_size, progress=progress
     )
     seconds = time.perf_counter() - t0
 
@@ -421,7 +417,7 @@ def ablation_loss_table(
 
 
 def name_ablation_table(
-    model,
+    model: ModelLike,
     stories: Sequence[str],
     *,
     name_heads: Sequence[Head | str] | None = None,
@@ -514,7 +510,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 @torch.inference_mode()
 def generation_divergence(
-    model,
+    model: ModelLike,
     prompt: str | Sequence[int],
     heads: Iterable[Head | str],
     seed: int = 0,

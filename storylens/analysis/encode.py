@@ -10,12 +10,16 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from storylens.analysis.names import MainCharacter, main_character, name_vocabulary, pronoun_positions, pronoun_spans
 from storylens.core.batching import BATCH_TOKENS, length_batches, pad_batch, valid_mask
 from storylens.data.sources import chunked
+
+if TYPE_CHECKING:
+    from storylens.lm import AttentionLM
 
 Span = tuple[int, int]
 
@@ -51,7 +55,7 @@ def mention_first_tokens(offsets: Sequence[Span], spans, window: int = 256) -> l
     return sorted(out)
 
 
-def encode_stories(lm, texts: Sequence[str], names, *, start: int = 0) -> list[EncodedStory]:
+def encode_stories(lm: AttentionLM, texts: Sequence[str], names, *, start: int = 0) -> list[EncodedStory]:
     """Encode ``texts`` once (one ``encode_batch``) into :class:`EncodedStory` records; ``start`` is
     the index of ``texts[0]`` in the whole run."""
     window, marker = lm.window, lm.marker_id
@@ -137,7 +141,7 @@ def is_encoded(stories) -> bool:
 
 
 def iter_encoded(
-    lm, stories: Iterable, names, *, chunk_stories: int = CHUNK_STORIES, start: int = 0
+    lm: AttentionLM, stories: Iterable, names, *, chunk_stories: int = CHUNK_STORIES, start: int = 0
 ) -> Iterator[list[EncodedStory]]:
     """The stories encoded ``chunk_stories`` at a time (memory does not grow with the corpus; a
     stream is read as it goes); stories already encoded (:class:`EncodedStory`, e.g. shared by
@@ -148,7 +152,7 @@ def iter_encoded(
 
 
 def iter_batches(
-    lm,
+    lm: AttentionLM,
     stories: Sequence[str],
     *,
     batch_size: int = 16,

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from storylens.core.modes import eval_mode
-from storylens.lm import wrap
+from storylens.lm import ModelLike, wrap
 from storylens.model.evaluate import next_token_perplexity
 
 
-def perplexity(model, stories: Sequence[str], *, batch_size: int = 16, tokenizer=None) -> float:
+def perplexity(model: ModelLike, stories: Sequence[str], *, batch_size: int = 16, tokenizer=None) -> float:
     lm = wrap(model, tokenizer)
     encoded = [lm.encode(s)[: lm.window] for s in stories]
     with eval_mode(lm.module):

@@ -52,7 +52,7 @@ import torch
 
 from storylens.analysis.record import record
 from storylens.core.heads import head_label
-from storylens.lm import wrap
+from storylens.lm import ModelLike, wrap
 
 
 def _as_blocks(pattern: torch.Tensor) -> torch.Tensor:
@@ -351,7 +351,7 @@ class PositionControlAccumulator:
 
 
 def position_control_scores(
-    model, stories: Sequence[str], *, batch_size: int = 16, skip_marker: bool = True
+    model: ModelLike, stories: Sequence[str], *, batch_size: int = 16, skip_marker: bool = True
 ) -> PositionControl:
     """Name mass vs matched-distance control for every head of ``model`` over story texts.
 

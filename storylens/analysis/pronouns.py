@@ -33,7 +33,7 @@ import torch
 from storylens.analysis.position import _as_blocks
 from storylens.analysis.record import record
 from storylens.core.heads import head_label
-from storylens.lm import wrap
+from storylens.lm import ModelLike, wrap
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class PronounAccumulator:
         )
 
 
-def pronoun_attention(model, stories: Sequence[str], *, batch_size: int = 16) -> PronounAttention:
+def pronoun_attention(model: ModelLike, stories: Sequence[str], *, batch_size: int = 16) -> PronounAttention:
     """Pronoun-to-name attention of every head over story texts (one recording pass; to share it,
     pass a :class:`PronounAccumulator` to :func:`storylens.analysis.record.record`).
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from storylens.analysis.ablation import MODES, ablation_loss_table, head_output_means
 from storylens.analysis.detectors import NORM_PREFIX
@@ -19,7 +20,10 @@ from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
 from storylens.analysis.faithful import rank_correlation, rank_moves
 from storylens.analysis.names import name_vocabulary
 from storylens.core.heads import Head
-from storylens.lm import wrap
+from storylens.lm import AttentionLM, ModelLike, wrap
+
+if TYPE_CHECKING:
+    from storylens.analysis.scores import HeadScores
 
 TRUTH_HEADS = 2  # the strongest heads of each detector that are switched off
 TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on (at most, within the budget)
@@ -66,13 +70,13 @@ class Truth:
     sentences: tuple[str, ...]
 
 
-def truth_detectors(scores) -> list[str]:
+def truth_detectors(scores: HeadScores) -> list[str]:
     """The built-in detectors computed for every head, then the user detectors with a norm-weighted twin."""
     extra = [c for c in scores.extra_columns if scores.heads and NORM_PREFIX + c in scores.heads[0].extra]
     return [d for d in (*DETECTORS, *extra) if all(v is not None for v in scores.column(d))]
 
 
-def truth_heads(scores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:
+def truth_heads(scores: HeadScores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:
     """Each detector's ``k`` strongest heads (labels), the heads the table switches off."""
     return {d: [h.label for h in scores.top(d, k)] for d in truth_detectors(scores)}
 
@@ -82,7 +86,7 @@ def switched_off(top: dict[str, list[str]]) -> list[str]:
     return list(dict.fromkeys(label for labels in top.values() for label in labels))
 
 
-def block_flops(lm) -> float:
+def block_flops(lm: AttentionLM) -> float:
     """Floating-point operations one block spends on one token in its weights: two per parameter
     (a multiply and an add; norms and biases included, a slight overcount). Attention's own products,
     which grow with the story, are left out: a like share of every pass counted, they change no ratio
@@ -93,10 +97,10 @@ def block_flops(lm) -> float:
     return 2.0 * sum(p.numel() for p in lm.module.parameters()) / lm.n_layer
 
 
-def head_flops(lm) -> float:
+def head_flops(lm: AttentionLM) -> float:
     """Floating-point operations of the output head (the logits) for one token: two per weight."""
-    m = lm.module
-    out = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else getattr(m, "lm_head", None)
+    output_embeddings = getattr(lm.module, "get_output_embeddings", None)  # a transformers model's
+    out = output_embeddings() if output_embeddings is not None else getattr(lm.module, "lm_head", None)
     return 2.0 * out.weight.numel() if out is not None and hasattr(out, "weight") else 0.0
 
 
@@ -112,34 +116,31 @@ class AblationPasses:
     heads: int
 
 
-def ablation_passes(lm, scores, *, k: int = TRUTH_HEADS) -> AblationPasses:
-    lm = wrap(lm)
+def ablation_passes(lm: AttentionLM, scores: HeadScores, *, k: int = TRUTH_HEADS) -> AblationPasses:
     L = lm.n_layer
     heads = switched_off(truth_heads(scores, k))
     ablated = len(MODES) * sum(L - Head.parse(h).layer for h in heads)
     return AblationPasses(blocks=2 * L + ablated, heads=1 + len(MODES) * len(heads))
 
 
-def ablation_flops(lm, scores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
+def ablation_flops(lm: AttentionLM, scores: HeadScores, lengths: Sequence[int], *, k: int = TRUTH_HEADS) -> list[float]:
     """Each story's ablation work for the table, in floating-point operations: its tokens times
     :func:`ablation_passes`, at :func:`block_flops` a block and :func:`head_flops` an output head.
     (A means pass without logits may skip the last block's MLP: counted, a slight overcount.)"""
-    lm = wrap(lm)
     n = ablation_passes(lm, scores, k=k)
     per_token = n.blocks * block_flops(lm) + n.heads * head_flops(lm)
     return [t * per_token for t in lengths]
 
 
-def scoring_flops(lm, lengths: Sequence[int]) -> float:
+def scoring_flops(lm: AttentionLM, lengths: Sequence[int]) -> float:
     """The scoring pass's work over stories of ``lengths`` tokens: every block over every token, no
     output head."""
-    lm = wrap(lm)
     return lm.n_layer * sum(lengths) * block_flops(lm)
 
 
 def truth_budget_stories(
-    lm,
-    scores,
+    lm: AttentionLM,
+    scores: HeadScores,
     lengths: Sequence[int],
     *,
     k: int = TRUTH_HEADS,
@@ -164,8 +165,8 @@ def truth_budget_stories(
 
 
 def truth_table(
-    model,
-    scores,
+    model: ModelLike,
+    scores: HeadScores,
     stories: Sequence[str] | Sequence[EncodedStory],
     *,
     k: int = TRUTH_HEADS,
@@ -321,14 +322,13 @@ class AblationCost:
 
 
 def ablate_cost(
-    lm, lengths: Sequence[int], heads: Sequence[str] | None, modes: Sequence[str], group: int
+    lm: AttentionLM, lengths: Sequence[int], heads: Sequence[str] | None, modes: Sequence[str], group: int
 ) -> AblationCost:
     """What :func:`~storylens.analysis.ablation.name_ablation_table` will run over stories of ``lengths``
     tokens (an upper bound: it ablates only those with a main character): with ``heads`` None, a
     scoring pass for the name heads and every head alone; else those heads alone; a means pass and the
     unablated losses; and ``group`` heads off together (counted from the first block: an upper bound),
     each head and the group in every one of ``modes``."""
-    lm = wrap(lm)
     L = lm.n_layer
     labels = heads if heads is not None else [h.label for h in Head.every(L, lm.n_head)]
     alone = sum(L - Head.parse(h).layer for h in labels)
@@ -339,9 +339,10 @@ def ablate_cost(
     return AblationCost(passes=blocks / L, flops=flops, scoring=scoring_flops(lm, lengths))
 
 
-def truth_cost(lm, scores, lengths: Sequence[int], n: int, *, k: int = TRUTH_HEADS) -> AblationCost:
+def truth_cost(
+    lm: AttentionLM, scores: HeadScores, lengths: Sequence[int], n: int, *, k: int = TRUTH_HEADS
+) -> AblationCost:
     """What the truth table's ablations cost on the first ``n`` stories of ``lengths``."""
-    lm = wrap(lm)
     first = list(lengths[:n])
     return AblationCost(
         passes=ablation_passes(lm, scores, k=k).blocks / lm.n_layer,

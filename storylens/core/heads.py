@@ -8,8 +8,11 @@ used by every table, figure and JSON field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Head(NamedTuple):
@@ -44,6 +47,13 @@ def parse_head_label(label: str) -> tuple[int, int]:
     if not (b.isdigit() and h.isdigit()) or int(b) < 1 or int(h) < 1:
         raise ValueError(f"not a head label: {label!r} (expected e.g. L5H3)")
     return int(b) - 1, int(h) - 1
+
+
+HeadGrid: TypeAlias = (
+    "np.ndarray | Sequence[Sequence[float | None]] | Mapping[str, float] | Sequence[tuple[str, float]]"
+)
+"""One score per head, as the heatmaps take it: a ``[block, head]`` grid (0-indexed; None: not
+computed), a ``{"L5H3": value}`` mapping or ``("L5H3", value)`` pairs."""
 
 
 def as_heads(heads: Iterable[Head | str | tuple[int, int]], n_layer: int, n_head: int) -> tuple[Head, ...]:

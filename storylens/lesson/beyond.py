@@ -7,13 +7,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from storylens.analysis.ablation import AblationTable, Divergence, generation_divergence, name_ablation_table
 from storylens.analysis.position import PositionControl, PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator, PronounAttention
 from storylens.analysis.record import record
 from storylens.lesson.figures import DIVERGENCE_PROMPT
-from storylens.lm import wrap
+from storylens.lm import AttentionLM
+
+if TYPE_CHECKING:
+    from storylens.analysis.scores import HeadScores
 
 
 @dataclass
@@ -26,9 +30,9 @@ class Beyond:
 
 
 def run_beyond(
-    model,
+    lm: AttentionLM,
     stories,
-    scores,
+    scores: HeadScores,
     *,
     position=None,
     pronouns=None,
@@ -42,7 +46,6 @@ def run_beyond(
     already fed their accumulators (how the report records the quiz once); else one more
     recording pass makes both."""
 
-    lm = wrap(model)
     top = [h.label for h in scores.top("name_mass", k)]
     ablation = name_ablation_table(
         lm, stories, name_heads=top, batch_size=batch_size, progress=progress, encoded=encoded
@@ -64,7 +67,7 @@ def _rank(values: dict[str, float]) -> list[str]:
     return sorted(values, key=lambda k: -values[k])
 
 
-def beyond_summary(b: Beyond, scores) -> dict:
+def beyond_summary(b: Beyond, scores: HeadScores) -> dict:
     name_mass = {h.label: h.name_mass for h in scores.heads}
     abl = {r.label: r for r in b.ablation.rows if r.mode == "zero" and len(r.heads) == 1}
     abl_mean = {r.label: r for r in b.ablation.rows if r.mode == "mean" and len(r.heads) == 1}

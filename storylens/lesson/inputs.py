@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from storylens.core.errors import StorylensError
 from storylens.data.leakage import LeakageReport, check_leakage
@@ -27,6 +28,9 @@ from storylens.data.stories import (
     shipped_quiz,
 )
 from storylens.model.hub import SHIPPED_MODEL
+
+if TYPE_CHECKING:
+    from storylens.lm import ModelLike
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def lesson_quiz_data() -> LessonData:
     )
 
 
-def lesson_quiz(model=None) -> tuple[list[str], str]:
+def lesson_quiz(model: ModelLike | None = None) -> tuple[list[str], str]:
     """The lesson's quiz for ``model`` (default: the shipped one): ``(stories, where from)``."""
     data = lesson_data(getattr(model, "source_folder", None))
     return data.quiz, data.quiz_source
@@ -116,6 +120,6 @@ def leakage_for(data: LessonData, word: str = "Momo"):
     return LeakageReport.from_dict(data.stored_leakage)
 
 
-def lesson_leakage(model=None, word: str = "Momo"):
+def lesson_leakage(model: ModelLike | None = None, word: str = "Momo"):
     """The leakage check for ``model``'s quiz (see :func:`leakage_for`)."""
     return leakage_for(lesson_data(getattr(model, "source_folder", None)), word)

@@ -19,7 +19,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from storylens.core.errors import StorylensError
-from storylens.lm.interface import wrap
+from storylens.lm.interface import ModelLike, wrap
 
 
 @dataclass
@@ -32,7 +32,7 @@ class RecordedGeneration:
 
 @torch.no_grad()
 def record_generation(
-    model,
+    model: ModelLike,
     prompt: str,
     max_new_tokens: int = 100,
     *,

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -60,6 +60,9 @@ from storylens.lm.configs import CONFIG_ERRORS, check_no_custom_code, check_size
 from storylens.model.gpt import GPT, GenerationStep, sample_next
 from storylens.model.hub import hub_offline, load_model
 from storylens.model.tokenizer import eot_id, text_only
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class Hook(Protocol):
@@ -545,7 +548,12 @@ class TransformersLM(AttentionLM):
 # ---------------------------------------------------------------- loading
 
 
-def wrap(model, tokenizer=None, name: str | None = None) -> AttentionLM:
+ModelLike: TypeAlias = "GPT | PreTrainedModel | AttentionLM"
+"""What the public entry points take as a model: storylens's GPT, a transformers causal LM or an
+:class:`AttentionLM`; each calls :func:`wrap` once and hands the :class:`AttentionLM` on."""
+
+
+def wrap(model: ModelLike, tokenizer=None, name: str | None = None) -> AttentionLM:
     """An :class:`AttentionLM` for a model in memory: storylens's GPT or a transformers causal LM
     (with its tokenizer). An :class:`AttentionLM` is returned as it is."""
     if isinstance(model, AttentionLM):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass
@@ -322,6 +326,9 @@ class Transformer(nn.ModuleDict):
 
 
 class GPT(nn.Module):
+    tokenizer: Tokenizer | None = None  # attached by storylens.model.hub's loaders; None when built from a config
+    source_folder: Path | None = None  # the folder it was loaded from, if any
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

@@ -294,7 +294,7 @@ def _gpt2_state_dict(sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, tor
     return {k: v.contiguous() for k, v in new.items()}
 
 
-def export_hf(model: TinyStoryteller, folder: str | os.PathLike) -> Path:
+def export_hf(model: GPT, folder: str | os.PathLike) -> Path:
     """Write a transformers ``GPT2LMHeadModel`` folder with the same weights and tokenizer.
 
     GPT-2 stores query, key and value as one ``Conv1D`` (``c_attn``, weight ``[in, 3*out]``),

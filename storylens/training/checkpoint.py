@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save
 
 from storylens.core.errors import StorylensError
 from storylens.core.publish import write_bytes_atomic
+from storylens.model.gpt import GPT
 
 
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -49,7 +50,7 @@ def validate_state(path: Path, tensors: dict[str, torch.Tensor], expected: dict[
             raise StorylensError(f"{path}: {what} {k} holds NaN or infinite numbers")
 
 
-def save_checkpoint(path: Path, model, optimizer, state: dict, rng: dict[str, torch.Tensor], ema=None) -> None:
+def save_checkpoint(path: Path, model: GPT, optimizer, state: dict, rng: dict[str, torch.Tensor], ema=None) -> None:
     tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     if ema is not None:
         tensors.update({f"ema.{k}": v.detach().clone() for k, v in ema.state_dict().items() if k != "lm_head.weight"})

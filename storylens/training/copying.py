@@ -19,16 +19,15 @@ import torch
 
 from storylens.core.errors import StorylensError
 from storylens.data.leakage import RUN_WORDS, run_hashes, word_runs
-from storylens.lm import wrap
+from storylens.lm import AttentionLM
 
 COPYING_FILE = "copying.json"  # a finished run's copied share, beside its head timeline
 SAMPLES = 50  # stories generated per model
 TOKENS = 200  # new tokens at most per story
 
 
-def generated_stories(model, *, samples: int = SAMPLES, tokens: int = TOKENS, seed: int = 0) -> list[str]:
+def generated_stories(lm: AttentionLM, *, samples: int = SAMPLES, tokens: int = TOKENS, seed: int = 0) -> list[str]:
     """``samples`` stories the model writes from the end-of-story marker, seeds ``seed, seed + 1, ...``."""
-    lm = wrap(model)
     out = []
     with torch.inference_mode():
         for i in range(samples):
@@ -77,10 +76,12 @@ def read_copying(run: str | Path) -> dict | None:
         raise StorylensError(f"{path}: unreadable ({e})") from None
 
 
-def copying(model, train: Sequence[str], *, samples: int = SAMPLES, tokens: int = TOKENS, seed: int = 0) -> dict:
+def copying(
+    lm: AttentionLM, train: Sequence[str], *, samples: int = SAMPLES, tokens: int = TOKENS, seed: int = 0
+) -> dict:
     """:func:`copied_share` of :func:`generated_stories` against the training stories ``train``,
     with the settings that made them and the first generated story."""
-    stories = generated_stories(model, samples=samples, tokens=tokens, seed=seed)
+    stories = generated_stories(lm, samples=samples, tokens=tokens, seed=seed)
     result = copied_share(stories, run_hashes(train))
     return {**result, "samples": samples, "tokens": tokens, "seed": seed, "prompt": "the end-of-story marker",
             "example": stories[0] if stories else ""}  # fmt: skip

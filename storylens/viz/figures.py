@@ -28,7 +28,7 @@ from matplotlib.colors import Normalize, PowerNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
-from storylens.core.heads import head_label, parse_head_label
+from storylens.core.heads import HeadGrid, head_label, parse_head_label
 from storylens.viz.tokens import tick_label, to_numpy_attention
 
 MASK_COLOR = "#262626"  # the causal mask's (always-zero) upper triangle
@@ -372,7 +372,7 @@ def name_mass_bar_figure(
     return fig
 
 
-def _score_grid(scores, n_block: int | None, n_head: int | None) -> np.ndarray:
+def _score_grid(scores: HeadGrid, n_block: int | None, n_head: int | None) -> np.ndarray:
     if isinstance(scores, Mapping):
         parsed = {parse_head_label(k): float(v) for k, v in scores.items()}
         nb = n_block or (max(b for b, _ in parsed) + 1)
@@ -412,7 +412,7 @@ def _is_light(rgba) -> bool:
 
 
 def head_heatmap_figure(
-    scores,
+    scores: HeadGrid,
     *,
     title: str = "Score per head",
     colorbar_label: str = "score",

@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from storylens.core.heads import head_label, parse_head_label
+from storylens.core.heads import HeadGrid, head_label, parse_head_label
 from storylens.viz.figures import _colour_range, _is_light, _score_grid
 
 HEATMAP_CSS = (
@@ -27,7 +27,7 @@ HEATMAP_CSS = (
 
 
 def head_heatmap_html(
-    scores,
+    scores: HeadGrid,
     *,
     title: str = "Score per head",
     fmt: str = "{:.3f}",

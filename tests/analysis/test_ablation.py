@@ -17,11 +17,18 @@ from storylens.analysis.ablation import (
 from storylens.analysis.encode import mention_first_tokens
 from storylens.core.errors import StorylensError
 from storylens.lesson.checks import rounding_bound
+from storylens.lm import wrap
 
 
 @pytest.fixture(scope="module")
 def model(shipped_model):
     return shipped_model
+
+
+@pytest.fixture(scope="module")
+def lm(model):
+    """The wrapped model the internal helpers take (the public entry points wrap it themselves)."""
+    return wrap(model)
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +166,9 @@ def test_head_means_ignore_padding(model, small_ids):
     assert (head_output_means(model, [small_ids[1]])[4] - seen[4][0].mean(0)).abs().max().item() <= tol
 
 
-def test_table_losses_match_a_direct_computation(model, small_ids):
+def test_table_losses_match_a_direct_computation(model, lm, small_ids):
     starts = [[5, 30], [], [12]]  # pretend name starts
-    table = ablation_loss_table(
-        model, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]], batch_size=2
-    )
+    table = ablation_loss_table(lm, small_ids, starts, heads=["L5H3", "L1H1"], groups=[["L5H3", "L4H4"]], batch_size=2)
     assert [(r.label, r.mode) for r in table.rows] == [
         ("L1H1", "zero"),
         ("L1H1", "mean"),
@@ -204,11 +209,11 @@ def test_table_losses_match_a_direct_computation(model, small_ids):
     assert "L5H3+L4H4" in text and "baseline loss" in text
 
 
-def test_losses_reject_bad_name_starts(model, small_ids):
+def test_losses_reject_bad_name_starts(lm, small_ids):
     with pytest.raises(StorylensError):
-        ablation_losses(model, small_ids, [[0], [], []], [Condition("L1H1", ((0, 0),), "zero")])
+        ablation_losses(lm, small_ids, [[0], [], []], [Condition("L1H1", ((0, 0),), "zero")])
     with pytest.raises(StorylensError):
-        ablation_losses(model, small_ids, [[], []], [])
+        ablation_losses(lm, small_ids, [[], []], [])
 
 
 def test_mention_first_tokens():
