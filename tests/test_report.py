@@ -11,8 +11,9 @@ import torch
 from storylens.cli import main
 from storylens.data.stories import EOT
 from storylens.lesson.checks import unit_roundoff
-from storylens.lesson.report import LESSON_TABLE, build_report, lesson_table
+from storylens.lesson.report import build_report
 from storylens.lesson.summary import ReportSummary, load
+from storylens.lesson.tables import LESSON_TABLE, lesson_table
 from storylens.lm import wrap
 
 

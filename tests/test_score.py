@@ -50,7 +50,7 @@ def _score(tmp_path, name, *argv):
 
 def test_every_format_gives_the_same_table(files, tmp_path):
     ref, summary = _score(tmp_path, "txt", "--stories", str(files / "s.txt"))
-    assert summary["stories"]["scored"] == N and len(ref["heads"]) == 24
+    assert summary["stories"]["stories"] == N and len(ref["heads"]) == 24
     assert {"duplicate_token", "induction", "name_mass"} <= set(ref["heads"][0])
     for name, extra in [
         ("s.txt.gz", []),
@@ -62,7 +62,7 @@ def test_every_format_gives_the_same_table(files, tmp_path):
         got, _ = _score(tmp_path, name.replace(".", "_"), "--stories", str(files / name), *extra)
         assert got == ref, name  # the same stories, the same chunks and batches: the same numbers
     half, s = _score(tmp_path, "limit", "--stories", str(files / "s.jsonl"), "--text-field", "story", "--limit", "20")
-    assert s["stories"]["scored"] == 20 and half != ref
+    assert s["stories"]["stories"] == 20 and half != ref
 
 
 def test_bad_sources_are_one_line(files, tmp_path, capsys):
