@@ -53,7 +53,7 @@ import torch
 
 from storylens.core.plain import Plain
 from storylens.lesson.figures import LESSON_FIGURES
-from storylens.model.gpt import KVCache
+from storylens.model.gpt import GPT, KVCache
 from storylens.model.tokenizer import eot_id
 
 LAMBDA = 4.0  # safety constant of the probabilistic rounding bound (see the module docstring)
@@ -141,7 +141,7 @@ def lesson_note(c: Check) -> str:
     )
 
 
-def as_dtype(model, dtype: torch.dtype):
+def as_dtype(model: GPT, dtype: torch.dtype) -> GPT:
     """The model itself in its own dtype, else a copy in ``dtype`` (the original is untouched)."""
     if next(model.parameters()).dtype == dtype:
         return model
@@ -149,7 +149,7 @@ def as_dtype(model, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -> list[Check]:
+def fused_vs_explicit(model: GPT, stories_ids: list[list[int]], dtype: torch.dtype) -> list[Check]:
     """Logits of the fused kernel vs the explicit softmax, rows summing to 1, and the upper triangle."""
     m = as_dtype(model, dtype)
     name = str(dtype).replace("torch.", "")
@@ -191,7 +191,7 @@ def fused_vs_explicit(model, stories_ids: list[list[int]], dtype: torch.dtype) -
 
 
 @torch.no_grad()
-def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
+def prefix_keys_values(model: GPT, ids: list[int], dtype: torch.dtype) -> Check:
     """The keys and values of a prefix, computed alone, against the same positions in the full run."""
 
     m = as_dtype(model, dtype)
@@ -217,7 +217,7 @@ def prefix_keys_values(model, ids: list[int], dtype: torch.dtype) -> Check:
 
 
 @torch.no_grad()
-def cached_vs_recomputed(model, dtype: torch.dtype, n_tokens: int = 200, seed: int = 7) -> list[Check]:
+def cached_vs_recomputed(model: GPT, dtype: torch.dtype, n_tokens: int = 200, seed: int = 7) -> list[Check]:
     """Generate ``n_tokens`` from the end-of-story marker twice (KV cache, recompute), same seed."""
     m = as_dtype(model, dtype)
     name = str(dtype).replace("torch.", "")
@@ -253,13 +253,19 @@ def cached_vs_recomputed(model, dtype: torch.dtype, n_tokens: int = 200, seed: i
     ]
 
 
-def _marker_id(model) -> int:
+def _marker_id(model: GPT) -> int:
 
-    return eot_id(model.tokenizer) if getattr(model, "tokenizer", None) is not None else 0
+    tokenizer = getattr(model, "tokenizer", None)  # the shipped model carries its tokenizer
+    return eot_id(tokenizer) if tokenizer is not None else 0
 
 
 def run_checks(
-    model, stories_ids: list[list[int]], *, dtypes=(torch.float32, torch.float64), gen_tokens: int = 200, on_step=None
+    model: GPT,
+    stories_ids: list[list[int]],
+    *,
+    dtypes=(torch.float32, torch.float64),
+    gen_tokens: int = 200,
+    on_step=None,
 ) -> list[Check]:
     """Every check, in every dtype: the learner's own numbers, each with its bound."""
     checks: list[Check] = []
