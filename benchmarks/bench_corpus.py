@@ -121,8 +121,8 @@ def child(corpus: str, n: int, engine: str, workers: int, batch_size: int, befor
                 "batch_size": batch_size,
                 "threads": torch.get_num_threads(),
                 "wall_s": wall,
-                "first_pass_s": run.summary["seconds"]["first_pass"],
-                "scoring_s": run.summary["seconds"]["scoring"],
+                "first_pass_s": run.summary.timings_s["first_pass"],
+                "scoring_s": run.summary.timings_s["scoring"],
                 "driver_peak_mb": peak_rss_mb(),
                 "actor_peak_mb": sorted(details.get("actor_peak_mb", {}).values()),
             }

@@ -15,8 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.readme_check_table import table as check_table
-from storylens.lesson.report import LESSON_TABLE, lesson_table
-from storylens.lesson.summary import BeyondSummary, Faithfulness, load
+from storylens.analysis.truth import Truth
+from storylens.lesson.beyond import BeyondSummary
+from storylens.lesson.summary import load
+from storylens.lesson.tables import LESSON_TABLE, lesson_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -63,7 +65,7 @@ def beyond_paragraph(b: BeyondSummary) -> str:
     return text
 
 
-def truth_table(f: Faithfulness) -> str:
+def truth_table(f: Truth) -> str:
     """The README's "what heads move" table, from the report's faithfulness section."""
     rho = {a.detector: a.rho for a in f.agreements}
     lines = [

@@ -30,13 +30,14 @@ from storylens.core.offline import hub_offline
 from storylens.core.progress import NO_PROGRESS_HELP, progress_command
 from storylens.core.publish import check_target_folder, write_text_atomic
 from storylens.corpus.ray_engine import check_address
-from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET, score_corpus
+from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET, ScoreOptions, score_corpus
 from storylens.data.sources import open_source
 from storylens.data.stories import download_tinystories, load_split
 from storylens.lesson.checks import lesson_note, run_checks
 from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
 from storylens.lesson.inputs import lesson_data
-from storylens.lesson.report import _check_writable, _f, _quiz_folder, build_report
+from storylens.lesson.report import ReportOptions, _quiz_folder, build_report
+from storylens.lesson.tables import f3
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.lm.generate import record_generation, stream_text
 from storylens.model.gpt import GPT
@@ -570,7 +571,7 @@ def print_summary(report, file=None) -> None:
         st = lk.stats
         p(
             f"leakage ({lk.source}): {st.n_duplicates} identical, {st.n_mentioning} mention {st.word!r}, "
-            f"{st.run_words}-word runs in training: mean {_f(st.run_share_mean)}, max {_f(st.run_share_max)}"
+            f"{st.run_words}-word runs in training: mean {f3(st.run_share_mean)}, max {f3(st.run_share_max)}"
         )
     else:
         p(f"leakage: {lk.source}")
@@ -583,10 +584,10 @@ def print_summary(report, file=None) -> None:
     first, argmax = pt.highest_first, pt.best_argmax_first
     p(
         f"previous-token heads above {PREV_HEAD_LEVEL}: {pt.above_half}; highest {pt.highest.head} "
-        f"{_f(pt.highest.prev_token)}; first {first.stories} stories: {first.head} {_f(first.prev_token)} "
-        f"(last four {_f(first.prev4)}), best top-key share {argmax.head} {_f(argmax.share)}"
+        f"{f3(pt.highest.prev_token)}; first {first.stories} stories: {first.head} {f3(first.prev_token)} "
+        f"(last four {f3(first.prev4)}), best top-key share {argmax.head} {f3(argmax.share)}"
     )
-    p(f"{mk.called.removeprefix('the ')}: highest {mk.highest.head} {_f(mk.highest.marker)}")
+    p(f"{mk.called.removeprefix('the ')}: highest {mk.highest.head} {f3(mk.highest.marker)}")
     p("")
     p(
         f"top name head: {nr.head}  name mass {nr.name_mass:.3f} vs baseline {nr.baseline:.3f} "
@@ -661,20 +662,7 @@ def add_report_parser(sub) -> None:
 
 def _cmd_report(args) -> int:
 
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size: must be at least 1 (got {args.batch_size})")
-    if args.prev_limit < 0:
-        raise UsageError(f"--prev-limit: must be 0 or more (got {args.prev_limit})")
-    if not args.word.strip() or len(args.word.split()) != 1:
-        raise UsageError(
-            f"--word: give one word for the leakage check to count (the lesson's: Momo), not {args.word!r}"
-        )
-    _check_writable(_out_path(args.out))
-    detectors = [load_detector(f) for f in args.detector]
-    lm = _load(args)
-    report = build_report(
-        args.out,
-        model=lm,
+    options = ReportOptions(
         stories=args.stories,
         quiz=args.quiz,
         text_field=args.text_field,
@@ -683,11 +671,14 @@ def _cmd_report(args) -> int:
         batch_size=args.batch_size,
         beyond=args.beyond,
         progress=not args.no_progress,
-        detectors=detectors,
+        detectors=tuple(load_detector(f) for f in args.detector),
         examples=args.examples,
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
     )
+    out = _out_path(args.out)
+    check_target_folder(out)  # before the model or any story: a bad --out costs nothing
+    report = build_report(out, model=_load(args), options=options)
     print_summary(report)
     return 0
 
@@ -822,20 +813,7 @@ def cmd_score(args) -> int:
 
     if args.engine != "ray" and (args.address or args.workers != 2):
         raise UsageError("--workers and --address: only with --engine ray")
-    if args.workers < 1:
-        raise UsageError(f"--workers: must be at least 1 (got {args.workers})")
-    if args.engine == "ray" and args.address:
-        check_address(args.address)  # in seconds, before the first pass reads the corpus
-    check_target_folder(_out_path(args.out))  # before the model or any story: a bad --out costs nothing
-    source = open_source(
-        args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
-    )
-    detectors = BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector)
-    lm = _load(args)
-    run = score_corpus(
-        lm,
-        source,
-        args.out,
+    options = ScoreOptions(
         batch_size=args.batch_size,
         chunk_stories=args.chunk_stories,
         checkpoint_every=args.checkpoint_every,
@@ -844,22 +822,29 @@ def cmd_score(args) -> int:
         workers=args.workers,
         address=args.address,
         model_source=args.model,
-        detectors=detectors,
+        detectors=BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector),
         progress=not args.no_progress,
         examples=args.examples,
     )
-    s = run.summary
-    st = s["stories"]
-    print(
-        f"{st['scored']:,} stories from {st['source']}: {st['cut_to_window']:,} cut to the window, "
-        f"{st['with_main_character']:,} with a main character ({st['name_scored']:,} scored for names)"
+    if args.engine == "ray" and args.address:
+        check_address(args.address)  # in seconds, before the first pass reads the corpus
+    out = _out_path(args.out)
+    check_target_folder(out)  # before the model or any story: a bad --out costs nothing
+    source = open_source(
+        args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
     )
-    for name, top in s["top"].items():
-        if top is not None:
-            print(f"  {name:16} highest {top['head']} {top['score']:.3f}")
+    run = score_corpus(_load(args), source, out, options)
+    s, st = run.summary, run.summary.stories
     print(
-        f"written to {run.out} (scoring {s['seconds']['scoring']:.1f} s, first pass {s['seconds']['first_pass']:.1f} s, "
-        f"engine {s['engine']['name']})"
+        f"{st.stories:,} stories from {st.source}: {st.cut_to_window:,} cut to the window, "
+        f"{st.with_main_character:,} with a main character ({st.name_scored:,} scored for names)"
+    )
+    for name, top in s.top.items():
+        if top is not None:
+            print(f"  {name:16} highest {top.head} {top.score:.3f}")
+    print(
+        f"written to {run.out} (scoring {s.timings_s['scoring']:.1f} s, first pass {s.timings_s['first_pass']:.1f} s, "
+        f"engine {s.engine.name})"
     )
     return 0
 

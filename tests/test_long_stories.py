@@ -63,15 +63,15 @@ def late_story(lm, corpus_split):
 def test_the_story_shown_is_one_whose_name_is_drawn(lm, late_story):
     """Of a long story whose main character comes past the tokens drawn and a short one with an early
     name, the figures show the short one; alone, the long one is shown (never refused)."""
-    from storylens.lesson.report import _pick_story
+    from storylens.lesson.drawing import pick_story
 
     long_text, _, short = late_story
     shown = figure_tokens(LAYERS, HEADS)
     both = [long_text, short]
     mains = [e.main for e in encode_stories(lm, both, name_vocabulary(both))]
     assert all(m is not None for m in mains)
-    assert _pick_story(both, mains, shown) == 1
-    assert _pick_story([long_text], mains[:1], shown) == 0
+    assert pick_story(both, mains, shown) == 1
+    assert pick_story([long_text], mains[:1], shown) == 0
 
 
 def test_a_report_on_a_long_story_finishes_with_its_story_cut(lm, late_story, tmp_path):

@@ -287,11 +287,12 @@ def test_commands_offer_quiz_only_where_they_have_it(capsys, tmp_path):
 
 def test_the_shipped_report_keeps_the_lesson_wording(tmp_path):
     """The shipped model still reads as the lesson's: its name, its marker and the lesson column."""
-    from storylens.lesson.report import _display_name, _marker_words
+    from storylens.analysis.run_info import display_name
+    from storylens.lesson.tables import marker_words
     from storylens.lm import load_lm
 
     lm = load_lm()
-    assert _display_name(lm) == "Tiny Storyteller" and _marker_words(lm) == "the end-of-story marker"
+    assert display_name(lm) == "Tiny Storyteller" and marker_words(lm) == "the end-of-story marker"
 
 
 # ---------------------------------------------------------------- 4. ablate --heads

@@ -11,8 +11,9 @@ import torch
 from storylens.cli import main
 from storylens.data.stories import EOT
 from storylens.lesson.checks import unit_roundoff
-from storylens.lesson.report import LESSON_TABLE, build_report, lesson_table
+from storylens.lesson.report import build_report
 from storylens.lesson.summary import ReportSummary, load
+from storylens.lesson.tables import LESSON_TABLE, lesson_table
 from storylens.lm import wrap
 
 
@@ -151,6 +152,28 @@ def test_the_typed_summary_is_summary_json(report_dir):
     assert ReportSummary.from_dict(s.to_dict()) == s
     assert s.to_json() == text
     assert s.number_to_reproduce.head == s.name_heads.top[0].head and s.beyond is None
+
+
+def test_the_summary_holds_the_results_themselves(report_dir):
+    """No mirror classes: the summary's parts are the analysis results (the checks, the faithfulness
+    table, the leakage figures, the model as score names it), read back as those types."""
+    from storylens.analysis.run_info import ModelInfo
+    from storylens.analysis.truth import Truth, TruthRow
+    from storylens.lesson.checks import Check
+
+    s = load(report_dir)
+    assert isinstance(s.model, ModelInfo) and all(isinstance(c, Check) for c in s.numerics) and s.numerics
+    assert isinstance(s.faithfulness, Truth) and isinstance(s.faithfulness.rows[0], TruthRow)
+    assert s.faithfulness.stories_chosen and isinstance(s.faithfulness.agreements[0].moves, tuple)
+
+
+def test_report_options_are_checked_once_when_built():
+    from storylens.core.errors import UsageError
+    from storylens.lesson.report import ReportOptions
+
+    for bad in ({"batch_size": 0}, {"prev_limit": -1}, {"word": "two words"}, {"truth_stories": -1}, {"examples": -2}):
+        with pytest.raises(UsageError):
+            ReportOptions(**bad)
 
 
 def test_the_page_escapes_a_hostile_model_name_and_quiz_name(tmp_path, shipped_model):

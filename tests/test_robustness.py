@@ -303,7 +303,7 @@ def test_two_score_runs_into_one_out_one_is_refused_and_no_checkpoint_is_lost(co
         "try again when that one has finished\n"
     )
     assert first.wait() == 0, first.stderr.read()
-    assert json.loads((out / "summary.json").read_text())["stories"]["scored"] == 96
+    assert json.loads((out / "summary.json").read_text())["stories"]["stories"] == 96
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "o"]  # no lock file, no checkpoint left
 
 

@@ -50,7 +50,7 @@ def _score(tmp_path, name, *argv):
 
 def test_every_format_gives_the_same_table(files, tmp_path):
     ref, summary = _score(tmp_path, "txt", "--stories", str(files / "s.txt"))
-    assert summary["stories"]["scored"] == N and len(ref["heads"]) == 24
+    assert summary["stories"]["stories"] == N and len(ref["heads"]) == 24
     assert {"duplicate_token", "induction", "name_mass"} <= set(ref["heads"][0])
     for name, extra in [
         ("s.txt.gz", []),
@@ -62,7 +62,35 @@ def test_every_format_gives_the_same_table(files, tmp_path):
         got, _ = _score(tmp_path, name.replace(".", "_"), "--stories", str(files / name), *extra)
         assert got == ref, name  # the same stories, the same chunks and batches: the same numbers
     half, s = _score(tmp_path, "limit", "--stories", str(files / "s.jsonl"), "--text-field", "story", "--limit", "20")
-    assert s["stories"]["scored"] == 20 and half != ref
+    assert s["stories"]["stories"] == 20 and half != ref
+
+
+def test_the_summary_is_typed_and_named_as_the_reports(files, tmp_path):
+    """score's summary.json reads back into its types and writes back the same text; the model and the
+    stories carry the report's names (the same ModelInfo, the report's quiz keys)."""
+    from dataclasses import fields
+
+    from storylens.corpus.summary import load
+    from storylens.lesson.summary import QuizInfo
+
+    _score(tmp_path, "typed", "--stories", str(files / "s.txt"))
+    text = (tmp_path / "typed" / "summary.json").read_text(encoding="utf-8")
+    s = load(tmp_path / "typed")
+    assert s.to_json() == text
+    assert s.model.display_name == "Tiny Storyteller" and s.model.parameters > 0 and s.model.n_heads == 24
+    assert list(s.stories.to_dict()) == [f.name for f in fields(QuizInfo)][: len(s.stories.to_dict())]
+    assert set(s.timings_s) == {"first_pass", "scoring"} and s.top["name_mass"].head.startswith("L")
+
+
+def test_options_are_checked_once_when_built():
+    """Bad settings are refused when the options are built, before any model or story."""
+    from storylens.core.errors import UsageError
+    from storylens.corpus.score import ScoreOptions
+
+    for bad in ({"batch_size": 0}, {"engine": "spark"}, {"workers": 0}, {"examples": -1}, {"checkpoint_every": 0}):
+        with pytest.raises(UsageError):
+            ScoreOptions(**bad)
+    assert ScoreOptions(detectors=[]).detectors == ()
 
 
 def test_bad_sources_are_one_line(files, tmp_path, capsys):

@@ -20,6 +20,7 @@ from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
 from storylens.analysis.faithful import rank_correlation, rank_moves
 from storylens.analysis.names import name_vocabulary
 from storylens.core.heads import Head
+from storylens.core.plain import Plain
 from storylens.lm import AttentionLM, ModelLike, wrap
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ AGREE, PART = 0.8, 0.5  # Spearman's rho at or above AGREE: "agree"; below PART:
 
 
 @dataclass(frozen=True)
-class TruthRow:
+class TruthRow(Plain):
     detector: str
     head: str  # L{block}H{head}
     raw: float
@@ -53,14 +54,14 @@ class TruthRow:
 
 
 @dataclass(frozen=True)
-class Agreement:
+class Agreement(Plain):
     detector: str
     rho: float | None  # Spearman's rank correlation, raw vs norm-weighted, over every head
     moves: tuple[tuple[str, float, float], ...]  # (head, raw rank, norm-weighted rank), 1 = strongest
 
 
 @dataclass(frozen=True)
-class Truth:
+class Truth(Plain):
     rows: tuple[TruthRow, ...]
     agreements: tuple[Agreement, ...]
     n_stories: int  # stories the ablations ran on
@@ -68,6 +69,7 @@ class Truth:
     n_other_positions: int
     flagged: tuple[tuple[str, str], ...]  # (head, detectors) of every head that looks without moving
     sentences: tuple[str, ...]
+    stories_chosen: str = ""  # how the stories were chosen and their cost, in words (the report says it)
 
 
 def truth_detectors(scores: HeadScores) -> list[str]:

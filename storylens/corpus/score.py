@@ -24,29 +24,28 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS
+from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.names import NameVocabulary
 from storylens.analysis.record import RecordStats, record
-from storylens.analysis.scores import HeadScoreAccumulator, score_table
+from storylens.analysis.run_info import StoriesInfo, model_info
+from storylens.analysis.scores import HeadScoreAccumulator, HeadScores, score_table
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
-from storylens.core.publish import check_target_folder, publish_folder, write_text_atomic
+from storylens.core.publish import publish_folder, write_text_atomic
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.corpus.summary import NAME_DEFINITION, EngineInfo, NamesInfo, ScoreSummary, TopHead
+from storylens.data.sources import StorySource
+from storylens.lm import AttentionLM
 from storylens.viz.explorer import write_explorer_for
 from storylens.viz.tokens import token_text
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
-
-
-@dataclass
-class ScoreRun:
-    out: Path
-    scores: object  # HeadScores
-    summary: dict
 
 
 EXAMPLES = 8  # queries kept per head and detector, where it fires most (examples.json)
@@ -71,7 +70,7 @@ def check_examples(k, heads: int | None = None, detectors: int | None = None) ->
         )
 
 
-def write_examples(examples, lm, path: Path) -> Path:
+def write_examples(examples, lm: AttentionLM, path: Path) -> Path:
     """examples.json: the kept queries with their tokens as text (:func:`storylens.viz.tokens.token_text`)."""
     return examples.to_json(path, lambda i: token_text(lm.tokenizer, i))
 
@@ -95,7 +94,7 @@ def first_pass(source, *, progress: bool = True):
     return vocab, n
 
 
-def _fingerprint(lm, source, names, settings: dict) -> dict:
+def _fingerprint(lm: AttentionLM, source: StorySource, names: frozenset[str], settings: dict) -> dict:
     digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).hexdigest()[:16]
     return {
         "model": str(lm.name),
@@ -107,218 +106,219 @@ def _fingerprint(lm, source, names, settings: dict) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How ``storylens score`` runs, built once (by the command line, or from :func:`score_corpus`'s
+    keywords) and checked once, here, before the first story.
+
+    ``batch_size`` stories a batch, ``chunk_stories`` a chunk (the unit of a checkpoint and of a Ray
+    task); a checkpoint every ``checkpoint_every`` batches, gone on from with ``resume``; ``engine``
+    "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
+    a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
+    ``examples``: the queries kept per head and detector where it fires most (0: none)."""
+
+    batch_size: int = BATCH_STORIES
+    chunk_stories: int = CHUNK_STORIES
+    checkpoint_every: int = 50
+    resume: bool = False
+    engine: str = "local"
+    workers: int = 2
+    address: str | None = None
+    model_source: str | None = None
+    detectors: tuple[Detector, ...] = BUILTIN_DETECTORS
+    progress: bool = True
+    examples: int = EXAMPLES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "detectors", tuple(self.detectors))
+        check_examples(self.examples)
+        if self.batch_size < 1 or self.chunk_stories < 1 or self.checkpoint_every < 1:
+            raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
+        if self.engine not in ("local", "ray"):
+            raise UsageError(f"--engine: local or ray (got {self.engine!r})")
+        if self.workers < 1:
+            raise UsageError(f"--workers: must be at least 1 (got {self.workers})")
+
+
+@dataclass
+class ScoreRun:
+    out: Path
+    scores: HeadScores
+    summary: ScoreSummary
+
+
 def score_corpus(
-    lm,
-    source,
-    out,
-    *,
-    batch_size: int = BATCH_STORIES,
-    chunk_stories: int = CHUNK_STORIES,
-    checkpoint_every: int = 50,
-    resume: bool = False,
-    engine: str = "local",
-    workers: int = 2,
-    address: str | None = None,
-    model_source: str | None = None,
-    detectors=None,
-    progress: bool = True,
-    examples: int = EXAMPLES,
+    lm: AttentionLM, source: StorySource, out: str | os.PathLike, options: ScoreOptions | None = None, **changes: Any
 ) -> ScoreRun:
     """Score every head of ``lm`` over ``source`` and write the table into ``out`` (see the module
-    docstring). ``model_source`` is what each Ray actor loads (a folder or hub id; None: the shipped
-    model). ``examples``: the queries kept per head and detector where it fires most (examples.json;
-    0: none)."""
+    docstring): ``options`` (default :class:`ScoreOptions`), with any of its fields given as keywords
+    changed: ``score_corpus(lm, source, "out", batch_size=8)``. ``out`` is checked by
+    :func:`~storylens.core.publish.publish_folder` before the first story: a bad one costs nothing."""
 
-    detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
-    check_examples(examples, lm.n_layer * lm.n_head, len(detectors))
-    if batch_size < 1 or chunk_stories < 1 or checkpoint_every < 1:
-        raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
-    if engine not in ("local", "ray"):
-        raise UsageError(f"--engine: local or ray (got {engine!r})")
+    opts = replace(options or ScoreOptions(), **changes)
+    check_examples(opts.examples, lm.n_layer * lm.n_head, len(opts.detectors))
     out = Path(out)
-    check_target_folder(out)  # before the first story: a bad --out costs nothing
     # off a terminal (a log, CI) a line every few seconds says how far it is: storylens: score: ...
     with (
         progress_command("score"),
         publish_folder(out, "score") as tmp,
     ):  # the lock is held for the whole run, checkpoints included
-        summary, scores = _score_into(
-            tmp,
-            lm,
-            source,
-            out,
-            batch_size=batch_size,
-            chunk_stories=chunk_stories,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            engine=engine,
-            workers=workers,
-            address=address,
-            model_source=model_source,
-            detectors=detectors,
-            progress=progress,
-            examples=examples,
-        )
+        summary, scores = _score_into(tmp, lm, source, checkpoint_path(out), opts)
     ckpt = checkpoint_path(out)
     if ckpt.exists():
         ckpt.unlink()
     return ScoreRun(out, scores, summary)
 
 
-def _score_into(
-    tmp: Path,
-    lm,
-    source,
-    out: Path,
-    *,
-    batch_size,
-    chunk_stories,
-    checkpoint_every,
-    resume,
-    engine,
-    workers,
-    address,
-    model_source,
-    detectors,
-    progress,
-    examples,
-):
+def _resumed(ckpt: Path, fingerprint: dict, acc: HeadScoreAccumulator, n_total: int, resume: bool) -> RecordStats:
+    """The stories an earlier run's checkpoint holds, its sums loaded into ``acc`` (none: no checkpoint);
+    a checkpoint there without ``resume``, unreadable, or made with other settings is refused."""
+    if not ckpt.exists():
+        return RecordStats(0, 0, 0)
+    if not resume:
+        raise StorylensError(
+            f"{ckpt}: an earlier run's checkpoint is there; pass --resume to go on from it "
+            "(or delete it to start again)"
+        )
+    try:
+        saved = json.loads(ckpt.read_text())
+    except (OSError, ValueError) as e:
+        raise StorylensError(
+            f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
+        raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
+    try:
+        done = _checked_stats(saved.get("stats"), n_total)
+        acc.load_state(saved.get("state") or {}, max_stories=done.n_stories)
+    except ValueError as e:
+        raise StorylensError(f"{ckpt}: not a valid checkpoint ({e}); delete it to start again") from None
+    return done
 
-    ckpt = checkpoint_path(out)
+
+def _score_into(
+    tmp: Path, lm: AttentionLM, source: StorySource, ckpt: Path, opts: ScoreOptions
+) -> tuple[ScoreSummary, HeadScores]:
+    """The two passes (resuming from ``ckpt`` where asked), then every file written into ``tmp``."""
     t0 = time.perf_counter()
-    vocab, n_total = first_pass(source, progress=progress)
+    vocab, n_total = first_pass(source, progress=opts.progress)
     names = vocab.names()
     t_names = time.perf_counter() - t0
     settings = {
-        "batch_size": batch_size,
-        "chunk_stories": chunk_stories,
-        "detectors": [d.name for d in detectors],
-        "examples": examples,
+        "batch_size": opts.batch_size,
+        "chunk_stories": opts.chunk_stories,
+        "detectors": [d.name for d in opts.detectors],
+        "examples": opts.examples,
     }
     fingerprint = _fingerprint(lm, source, names, settings)
-
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples)
-    done = RecordStats(0, 0, 0)
-    if ckpt.exists():
-        if not resume:
-            raise StorylensError(
-                f"{ckpt}: an earlier run's checkpoint is there; pass --resume to go on from it "
-                "(or delete it to start again)"
-            )
-        try:
-            saved = json.loads(ckpt.read_text())
-        except (OSError, ValueError) as e:
-            raise StorylensError(
-                f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again"
-            ) from None
-        if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
-            raise StorylensError(f"{ckpt}: was made with other settings, model or stories; delete it to start again")
-        try:
-            done = _checked_stats(saved.get("stats"), n_total)
-            acc.load_state(saved.get("state") or {}, max_stories=done.n_stories)
-        except ValueError as e:
-            raise StorylensError(f"{ckpt}: not a valid checkpoint ({e}); delete it to start again") from None
-
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples)
+    done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
     t1 = time.perf_counter()
+    used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
+    on_chunk = _checkpointer(ckpt, fingerprint, acc, done, n_total, opts)
+    stats = done + _second_pass(lm, source, names, acc, done, n_total, opts, on_chunk, used)
+    seconds = time.perf_counter() - t1
+    scores = score_table(acc, stats, None, lm.window)
+    summary = ScoreSummary(
+        model=model_info(lm),
+        stories=StoriesInfo(
+            source=source.describe(),
+            stories=stats.n_stories,
+            cut_to_window=stats.n_cut,
+            with_main_character=stats.n_main_character,
+            name_scored=scores.n_name_scored,
+        ),
+        names=NamesInfo(NAME_DEFINITION, len(names), len(vocab.lower), len(vocab.capitalised)),
+        engine=EngineInfo(
+            opts.engine, used.get("workers", opts.workers) if opts.engine == "ray" else 1, done.n_stories
+        ),
+        timings_s={"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
+        detectors=[d.name for d in opts.detectors],
+        top={d.name: _top(scores, d.name) for d in opts.detectors},
+    )
+    scores.to_csv(tmp / "heads.csv")
+    scores.to_json(tmp / "heads.json")
+    if acc.examples is not None:
+        write_examples(acc.examples, lm, tmp / "examples.json")
+    (tmp / "summary.json").write_text(summary.to_json(), encoding="utf-8")
+    title = f"storylens explorer: {summary.model.display_name}"
+    write_explorer_for(tmp, title=title, meta=summary.explorer_meta(opts.examples))
+    return summary, scores
+
+
+def _checkpointer(
+    ckpt: Path, fingerprint: dict, acc: HeadScoreAccumulator, done: RecordStats, n_total: int, opts: ScoreOptions
+) -> Callable[[RecordStats], None]:
+    """What runs after a chunk (on Ray: whenever the chunks merged in order grow): a checkpoint every
+    ``checkpoint_every`` batches."""
     batches_since = [0]
     last = [done]
 
     def progress_made(stats_here: RecordStats) -> None:
-        """After a chunk (on Ray: whenever the chunks merged in order grow): a checkpoint every
-        ``checkpoint_every`` batches."""
         now = done + stats_here
-        batches_since[0] += -(-(now.n_stories - last[0].n_stories) // batch_size)
+        batches_since[0] += -(-(now.n_stories - last[0].n_stories) // opts.batch_size)
         last[0] = now
-        if batches_since[0] >= checkpoint_every and now.n_stories < n_total:
+        if batches_since[0] >= opts.checkpoint_every and now.n_stories < n_total:
             write_text_atomic(
                 ckpt, json.dumps({"fingerprint": fingerprint, "stats": list(_astuple(now)), "state": acc.state()})
             )
             batches_since[0] = 0
 
-    used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
-    if engine == "ray":  # the workers read the source themselves, skipping what is done
-        stats = done + score_with_ray(
-            model_source,
+    return progress_made
+
+
+def _second_pass(
+    lm: AttentionLM,
+    source: StorySource,
+    names: frozenset[str],
+    acc: HeadScoreAccumulator,
+    done: RecordStats,
+    n_total: int,
+    opts: ScoreOptions,
+    on_chunk: Callable[[RecordStats], None],
+    used: dict,
+) -> RecordStats:
+    """The recording pass over the stories after ``done``, on Ray (the workers read the source
+    themselves, skipping what is done; ``used`` gets what the engine used) or here."""
+    if opts.engine == "ray":
+        return score_with_ray(
+            opts.model_source,
             source,
             names,
             acc,
-            workers=workers,
-            address=address,
+            workers=opts.workers,
+            address=opts.address,
             details=used,
-            batch_size=batch_size,
-            chunk_stories=chunk_stories,
+            batch_size=opts.batch_size,
+            chunk_stories=opts.chunk_stories,
             total=n_total,
-            progress=progress,
-            detectors=detectors,
-            examples=examples,
+            progress=opts.progress,
+            detectors=opts.detectors,
+            examples=opts.examples,
             start=done.n_stories,
-            on_progress=progress_made,
+            on_progress=on_chunk,
         )
-    else:
-        lines = ProgressLines("scoring", n_total, enabled=progress, initial=done.n_stories)  # a measure: counts
-        stats = done + record(
-            lm,
-            _skip(source, done.n_stories),
-            [acc, lines],
-            batch_size=batch_size,
-            names=names,
-            progress=progress,
-            chunk_stories=chunk_stories,
-            start=done.n_stories,
-            total=n_total,
-            on_chunk=progress_made,
-        )
-    seconds = time.perf_counter() - t1
-    scores = score_table(acc, stats, None, lm.window)
-    summary = {
-        "model": {"name": str(lm.name), "blocks": lm.n_layer, "heads": lm.n_head, "window": lm.window},
-        "stories": {
-            "source": source.describe(),
-            "scored": stats.n_stories,
-            "cut_to_window": stats.n_cut,
-            "with_main_character": stats.n_main_character,
-            "name_scored": scores.n_name_scored,
-        },
-        "names": {
-            "definition": "a capitalised word whose lower-case form appears nowhere in the stories scored",
-            "names": len(names),
-            "lower_case_words": len(vocab.lower),
-            "capitalised_words": len(vocab.capitalised),
-        },
-        "engine": {
-            "name": engine,
-            "workers": used.get("workers", workers) if engine == "ray" else 1,
-            "resumed_from": done.n_stories,
-        },
-        "seconds": {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
-        "detectors": [d.name for d in detectors],
-        "top": {d.name: _top(scores, d.name) for d in detectors},
-    }
-    scores.to_csv(tmp / "heads.csv")
-    scores.to_json(tmp / "heads.json")
-    if acc.examples is not None:
-        write_examples(acc.examples, lm, tmp / "examples.json")
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    write_explorer_for(tmp, title=f"storylens explorer: {lm.name}", meta=explorer_meta(summary, examples))
-    return summary, scores
+    lines = ProgressLines("scoring", n_total, enabled=opts.progress, initial=done.n_stories)  # a measure: counts
+    return record(
+        lm,
+        _skip(source, done.n_stories),
+        [acc, lines],
+        batch_size=opts.batch_size,
+        names=names,
+        progress=opts.progress,
+        chunk_stories=opts.chunk_stories,
+        start=done.n_stories,
+        total=n_total,
+        on_chunk=on_chunk,
+    )
 
 
-def explorer_meta(summary: dict, examples: int) -> dict:
-    """What explore.html says about the run, from its summary.json: the model, the stories, the examples kept."""
-    model, stories = summary["model"], summary["stories"]
-    return {
-        "model": f"{model['name']} ({model['blocks']} blocks x {model['heads']} heads)",
-        "stories": f"{stories['scored']:,} from {stories['source']}",
-        "examples": f"{examples} per head and detector" if examples else "not kept (--examples 0)",
-    }
-
-
-def _top(scores, column: str) -> dict | None:
+def _top(scores: HeadScores, column: str) -> TopHead | None:
     try:
         h = scores.best(column)
     except ValueError:
         return None
-    return {"head": h.label, "score": scores.column(column)[scores.heads.index(h)]}
+    return TopHead(h.label, scores.column(column)[scores.heads.index(h)])
 
 
 def _checked_stats(stats, n_total: int):
@@ -340,7 +340,7 @@ def _checked_stats(stats, n_total: int):
     return RecordStats(n, cut, main)
 
 
-def weights_sha256(lm) -> str:
+def weights_sha256(lm: AttentionLM) -> str:
     """A hash of every weight's bytes, in order (with its name, shape and dtype): a checkpoint made
     with other weights of the same shapes is never resumed. About a second per 500 MB of weights."""
     import torch

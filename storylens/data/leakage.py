@@ -25,6 +25,8 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from storylens.core.plain import Plain
+
 RUN_WORDS = 8  # the leakage check's shared word runs: 8 words
 
 
@@ -104,20 +106,36 @@ class LeakageReport:
             fields[k] = tuple(fields[k])
         return cls(**fields)
 
-    def summary(self) -> dict:
-        """The headline numbers as a plain dict (no per-story lists)."""
-        return {
-            "n_quiz": self.n_quiz,
-            "n_train": self.n_train,
-            "n_duplicates": self.n_duplicates,
-            "word": self.word,
-            "n_mentioning": self.n_mentioning,
-            "run_words": self.run_words,
-            "run_share_mean": self.run_share_mean,
-            "run_share_max": self.run_share_max,
-            "run_share_argmax": self.run_share_argmax,
-            "n_too_short": self.n_too_short,
-        }
+    def summary(self) -> LeakageStats:
+        """The headline numbers (no per-story lists): what a report's ``summary.json`` holds."""
+        return LeakageStats(
+            n_quiz=self.n_quiz,
+            n_train=self.n_train,
+            n_duplicates=self.n_duplicates,
+            word=self.word,
+            n_mentioning=self.n_mentioning,
+            run_words=self.run_words,
+            run_share_mean=self.run_share_mean,
+            run_share_max=self.run_share_max,
+            run_share_argmax=self.run_share_argmax,
+            n_too_short=self.n_too_short,
+        )
+
+
+@dataclass(frozen=True)
+class LeakageStats(Plain):
+    """:meth:`LeakageReport.summary`: the leakage check's headline numbers."""
+
+    n_quiz: int
+    n_train: int
+    n_duplicates: int
+    word: str
+    n_mentioning: int
+    run_words: int
+    run_share_mean: float | None
+    run_share_max: float | None
+    run_share_argmax: int | None
+    n_too_short: int
 
 
 def check_leakage(

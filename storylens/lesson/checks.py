@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from storylens.core.plain import Plain
 from storylens.lesson.figures import LESSON_FIGURES
 from storylens.model.gpt import GPT, KVCache
 from storylens.model.tokenizer import eot_id
@@ -93,7 +94,10 @@ def row_sum_bound(dtype: torch.dtype, keys: int) -> float:
 
 
 @dataclass
-class Check:
+class Check(Plain):
+    """One numerical check; ``to_dict`` adds whether it passed and :func:`lesson_note` (a report's
+    ``numerics`` rows), ``from_dict`` reads such a row back."""
+
     name: str  # what is compared
     dtype: str  # "float32" or "float64"
     measured: float  # the largest difference seen
@@ -107,6 +111,10 @@ class Check:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "passed": self.passed, "lesson_note": lesson_note(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Check:
+        return cls(d["name"], d["dtype"], d["measured"], d["bound"], d.get("lesson"), d.get("detail", ""))
 
 
 def lesson_note(c: Check) -> str:

@@ -49,7 +49,7 @@ def test_run_shares_by_hand():
     assert r.run_share_mean == pytest.approx((1 / 3 + 0 + 0 + 1) / 4)
     assert r.run_share_max == 1.0 and r.run_share_argmax == 4
     assert (r.n_duplicates, r.n_mentioning, r.n_quiz, r.n_train) == (2, 2, 5, 3)
-    assert r.summary()["n_duplicates"] == 2
+    assert r.summary().n_duplicates == 2
 
 
 def test_runs_do_not_cross_story_boundaries():

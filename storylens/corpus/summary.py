@@ -1,0 +1,74 @@
+"""``storylens score``'s summary, typed: what it writes as ``summary.json``.
+
+Named as the report's summary names the same things (:mod:`storylens.lesson.summary`): the model is
+the same :class:`~storylens.analysis.run_info.ModelInfo`, the stories the same
+:class:`~storylens.analysis.run_info.StoriesInfo` (the report's ``quiz`` holds the same keys and
+more), the seconds each phase took ``timings_s``. :meth:`ScoreSummary.to_dict` is ``summary.json``
+exactly; :func:`load` reads one back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from storylens.analysis.run_info import ModelInfo, StoriesInfo
+from storylens.core.plain import Plain
+
+NAME_DEFINITION = "a capitalised word whose lower-case form appears nowhere in the stories scored"
+
+
+@dataclass
+class NamesInfo(Plain):
+    """The first pass's name vocabulary: how many names, and the word sets they come from."""
+
+    definition: str
+    names: int
+    lower_case_words: int
+    capitalised_words: int
+
+
+@dataclass
+class EngineInfo(Plain):
+    name: str  # "local" or "ray"
+    workers: int  # what the engine really used (Ray caps --workers at the cluster's CPUs)
+    resumed_from: int  # stories done by an earlier run (a checkpoint), 0 when started afresh
+
+
+@dataclass
+class TopHead(Plain):
+    head: str
+    score: float
+
+
+@dataclass
+class ScoreSummary(Plain):
+    model: ModelInfo
+    stories: StoriesInfo
+    names: NamesInfo
+    engine: EngineInfo
+    timings_s: dict[str, float]  # first_pass, scoring
+    detectors: list[str]
+    top: dict[str, TopHead | None]  # per detector, its highest head (None: no head has a value)
+
+    def to_json(self) -> str:
+        """``summary.json``'s text."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def explorer_meta(self, examples: int) -> dict:
+        """What explore.html says about the run: the model, the stories, the examples kept."""
+        return {
+            "model": self.model.described,
+            "stories": f"{self.stories.stories:,} from {self.stories.source}",
+            "examples": f"{examples} per head and detector" if examples else "not kept (--examples 0)",
+        }
+
+
+def load(path: str | os.PathLike) -> ScoreSummary:
+    """A score run's ``summary.json`` (or the folder holding it), typed."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "summary.json"
+    return ScoreSummary.from_dict(json.loads(path.read_text(encoding="utf-8")))

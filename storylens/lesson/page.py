@@ -1,0 +1,135 @@
+"""The report's page: ``report.html`` is ``templates/report.html.j2`` (and ``beyond.html.j2`` with
+``--beyond``) rendered by Jinja2 with autoescaping, from the typed summary, the head scores, the
+figures and the widget."""
+
+from __future__ import annotations
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
+
+from storylens.analysis.scores import HeadScores
+from storylens.core.heads import parse_head_label
+from storylens.lesson.drawing import BARS_SHOWN, GRID_DPI, GRID_LABEL_PT, LESSON_GRID_HEADS
+from storylens.lesson.figures import LESSON_FIGURES
+from storylens.lesson.summary import ReportSummary
+from storylens.lesson.tables import (
+    agreement_rows,
+    beyond_rows,
+    f3,
+    head_rows,
+    leak_rows,
+    num,
+    numerics_rows,
+    truth_rows,
+)
+from storylens.viz import HEATMAP_CSS, head_heatmap_html
+from storylens.viz.widget import page_script
+
+CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
+CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
+
+SCORE_TITLES = {
+    "name_mass": "Name mass (share of attention on the main character's name)",
+    "name_ratio": "Name mass / even-spread baseline",
+    "prev_token": "Attention on the previous token",
+    "prev_argmax": "Share of queries whose top key is the previous token",
+    "prev4": "Attention on the last four tokens",
+    "marker": "Attention on the end-of-story marker",
+    "duplicate_token": "Attention on earlier copies of the query's token (duplicate-token)",
+    "induction": "Attention on the token after an earlier copy of the query's token (induction)",
+}
+
+
+_ENV = Environment(
+    loader=PackageLoader("storylens.lesson", "templates"),
+    autoescape=True,  # every value is escaped; trusted HTML fragments come in as Markup
+    undefined=StrictUndefined,
+    keep_trailing_newline=True,
+)
+_ENV.filters["num"] = num
+
+
+def _column_title(col: str, marker: str) -> str:
+    if col.startswith("norm_"):
+        return "Norm-weighted: " + _column_title(col[len("norm_") :], marker).lower()
+    if col == "output_share":
+        return "Output share: the head's part of its block's head-output sizes"
+    return f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
+
+
+def _overview(scores: HeadScores, marker: str) -> list[dict]:
+    """The overview's grids: every detector raw, then norm-weighted, then the output share (the
+    columns this run has values for), each a block x head table."""
+    raw = [*SCORE_TITLES, *scores.extra_columns]
+    cols = [*raw, *(f"norm_{c}" for c in raw), "output_share"]
+    have = [c for c in cols if any(v is not None and v == v for v in scores.column(c))]
+    return [{"col": c, "title": _column_title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
+
+
+def _heat(scores: HeadScores, col: str, marker: str) -> dict:
+    """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
+    table is coloured over its own range, and its caption says so."""
+
+    title = _column_title(col, marker)
+    values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
+    note = (
+        f"Colours: this table's own range, {min(values):.3f} (black) to {max(values):.3f} (light yellow); "
+        "compare tables by their numbers, not their colours."
+        if values
+        else "No values."
+    )
+    table = head_heatmap_html(scores.grid(col), title=title, highlight=scores.best(col).label)
+    return {"table": Markup(table), "note": note}
+
+
+def _page(
+    s: ReportSummary, scores: HeadScores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str
+) -> dict:
+    """What the template reads: the summary, the lesson's figures, and the page's tables and fragments."""
+
+    lesson = s.model.lesson_comparison  # the lesson's figures are Tiny Storyteller's: only beside its kind
+    example = LESSON_FIGURES.top_head if lesson else s.name_heads.top[0].head  # a head this model has
+    ex_block, ex_head = parse_head_label(example)  # 0-based
+    counter = next((c for c in s.numerics if c.name == "key/value computations" and c.dtype == "float32"), None)
+    return {
+        "s": s,
+        "L": LESSON_FIGURES,
+        "lesson": lesson,
+        "n_heads": s.model.n_heads,
+        "name": s.model.display_name,
+        "example": example,
+        "ex_block": ex_block,
+        "ex_head": ex_head,
+        "heatmap_css": Markup(HEATMAP_CSS),
+        "toy_html": Markup(toy_html),
+        "widget_html": Markup(widget_html),
+        "figs": {k: Markup(v) for k, v in figs.items()},
+        "svgs": svgs,
+        "lesson_grid": s.model.n_heads <= LESSON_GRID_HEADS,
+        "bars_shown": BARS_SHOWN,
+        "overview": _overview(scores, s.marker.called),
+        "page_js": Markup(page_script()),
+        "explore": True,
+        "label_px": GRID_LABEL_PT * GRID_DPI / 72,
+        "check_stories": CHECK_STORIES,
+        "check_tokens": CHECK_TOKENS,
+        "counter": counter,
+        "numerics_rows": numerics_rows(s),
+        "leak_rows": leak_rows(s),
+        "name_rows": [
+            [h.head, f3(h.name_mass), f3(s.name_heads.baseline), f"{h.ratio:.1f}x"] for h in s.name_heads.top
+        ],
+        "heat": {c: _heat(scores, c, s.marker.called) for c in (*SCORE_TITLES, *scores.extra_columns)},
+        "extra_columns": list(scores.extra_columns),
+        "all_rows": head_rows(scores),
+        "beyond": beyond_rows(s.beyond),
+        "truth_rows": truth_rows(s.faithfulness),
+        "agreement_rows": agreement_rows(s.faithfulness),
+    }
+
+
+def report_html(
+    s: ReportSummary, scores: HeadScores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str
+) -> str:
+    """report.html: templates/report.html.j2 (and beyond.html.j2 with ``--beyond``), autoescaped."""
+    return _ENV.get_template("report.html.j2").render(_page(s, scores, figs, svgs, widget_html, toy_html))
