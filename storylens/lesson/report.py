@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import EncodedStory, encode_stories
 from storylens.analysis.names import name_vocabulary
