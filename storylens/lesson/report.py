@@ -27,12 +27,12 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS
+from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON, MORE, OVERVIEW
 from storylens.analysis.encode import encode_stories
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
-from storylens.analysis.scores import score_heads
+from storylens.analysis.scores import HeadScores, score_heads
 from storylens.analysis.truth import (
     TRUTH_BUDGET,
     TRUTH_FLOOR_FLOPS,
@@ -104,16 +104,6 @@ LESSON_GRID_HEADS = 24  # up to this many heads, "all heads on one story" is the
 BARS_SHOWN = 40  # the name-mass bars show every head up to this many, else the strongest 40
 WIDGET_BUDGET = 4 * 2**20  # bytes of the widget's embedded attention in report.html (8 bits past it)
 GRID_DPI = 100  # the lesson quotes two previous-token figures on the first 100 quiz stories
-SCORE_TITLES = {
-    "name_mass": "Name mass (share of attention on the main character's name)",
-    "name_ratio": "Name mass / even-spread baseline",
-    "prev_token": "Attention on the previous token",
-    "prev_argmax": "Share of queries whose top key is the previous token",
-    "prev4": "Attention on the last four tokens",
-    "marker": "Attention on the end-of-story marker",
-    "duplicate_token": "Attention on earlier copies of the query's token (duplicate-token)",
-    "induction": "Attention on the token after an earlier copy of the query's token (induction)",
-}
 
 
 @dataclass
@@ -656,28 +646,19 @@ _ENV = Environment(
 _ENV.filters["num"] = _num
 
 
-def _column_title(col: str, marker: str) -> str:
-    if col.startswith("norm_"):
-        return "Norm-weighted: " + _column_title(col[len("norm_") :], marker).lower()
-    if col == "output_share":
-        return "Output share: the head's part of its block's head-output sizes"
-    return f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
-
-
-def _overview(scores, marker: str) -> list[dict]:
+def _overview(scores: HeadScores, marker: str) -> list[dict]:
     """The overview's grids: every detector raw, then norm-weighted, then the output share (the
     columns this run has values for), each a block x head table."""
-    raw = [*SCORE_TITLES, *scores.extra_columns]
-    cols = [*raw, *(f"norm_{c}" for c in raw), "output_share"]
+    cols = scores.shown(OVERVIEW)
     have = [c for c in cols if any(v is not None and v == v for v in scores.column(c))]
-    return [{"col": c, "title": _column_title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
+    return [{"col": c, "title": scores.title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
 
 
-def _heat(scores, col: str, marker: str) -> dict:
+def _heat(scores: HeadScores, col: str, marker: str) -> dict:
     """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
     table is coloured over its own range, and its caption says so."""
 
-    title = _column_title(col, marker)
+    title = scores.title(col, marker)
     values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
     note = (
         f"Colours: this table's own range, {min(values):.3f} (black) to {max(values):.3f} (light yellow); "
@@ -766,7 +747,7 @@ def _beyond_rows(b: BeyondSummary | None) -> dict | None:
 
 
 def _page(
-    s: ReportSummary, scores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str
+    s: ReportSummary, scores: HeadScores, figs: dict[str, str], svgs: dict[str, str], widget_html: str, toy_html: str
 ) -> dict:
     """What the template reads: the summary, the lesson's figures, and the page's tables and fragments."""
 
@@ -802,8 +783,8 @@ def _page(
         "name_rows": [
             [h.head, _f(h.name_mass), _f(s.name_heads.baseline), f"{h.ratio:.1f}x"] for h in s.name_heads.top
         ],
-        "heat": {c: _heat(scores, c, s.marker.called) for c in (*SCORE_TITLES, *scores.extra_columns)},
-        "extra_columns": list(scores.extra_columns),
+        "heat": {c: _heat(scores, c, s.marker.called) for c in (*scores.shown(LESSON), *scores.shown(MORE))},
+        "more_columns": scores.shown(MORE),
         "all_rows": _head_rows(scores),
         "beyond": _beyond_rows(s.beyond),
         "truth_rows": _truth_rows(s.faithfulness),
