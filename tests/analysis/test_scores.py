@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import BatchMasks
+from storylens.analysis.detectors import SCORE_COLUMNS, BatchMasks
 from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
 from storylens.analysis.scores import (
-    SCORE_COLUMNS,
     HeadScoreAccumulator,
     HeadScores,
     build_table,
