@@ -92,7 +92,7 @@ def test_grouped_heads_read_their_own_group_and_the_cache():
 
 
 def _columns(scores) -> dict[str, list]:
-    return {k: [r[k] for r in scores.to_rows()] for k in scores.to_rows()[0] if k not in ("label", "extra")}
+    return {k: [r[k] for r in scores.to_rows()] for k in scores.to_rows()[0] if k != "label"}
 
 
 def _same(a, b) -> float:

@@ -65,13 +65,18 @@ def test_report_html_is_self_contained(report_dir):
     assert "<script src" not in page
     srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", page)
     assert len(srcs) >= 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
-    # the overview: a grid per column (the eight detectors raw, then norm-weighted, then the output
-    # share); the sections' eight score heatmaps after it. Every cell the head's value in heads.json
+    # the overview: a grid per column (every detector raw, then norm-weighted, then the output share,
+    # as the detectors declare); the sections' score heatmaps after it (the lesson's, then the ones
+    # past it). Every cell the head's value in heads.json
+    from storylens.analysis.detectors import BUILTIN_COLUMNS, LESSON, MORE, OVERVIEW
+
     overview = dict(re.findall(r'<div class="sl-ov" data-col="([a-z0-9_]+)">(.*?)</div>', page, flags=re.S))
     raw = ["name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"]
-    assert list(overview) == [*raw, *(f"norm_{c}" for c in raw), "output_share"]
+    assert list(overview) == [c.name for c in BUILTIN_COLUMNS if OVERVIEW in c.shown]
+    assert list(overview)[:8] == raw and list(overview)[-1] == "output_share"
+    assert all(f"norm_{c}" in overview for c in raw)
     tables = re.findall(r'<table class="slh">(.*?)</table>', page, flags=re.S)
-    assert len(tables) == len(overview) + 8
+    assert len(tables) == len(overview) + sum(bool({LESSON, MORE} & c.shown) for c in BUILTIN_COLUMNS)
     heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
     for col, grid in [*overview.items(), ("name_mass", tables[len(overview)])]:
         cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', grid))
@@ -238,14 +243,25 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     import math
     import sys
 
+    from storylens.analysis.detectors import BUILTIN_DETECTORS, TRUTH
     from storylens.analysis.encode import encode_stories
     from storylens.analysis.names import name_vocabulary
     from storylens.analysis.scores import HeadScores
-    from storylens.analysis.truth import DETECTORS, TRUTH_HEADS, TRUTH_STORIES, truth_budget_stories
+    from storylens.analysis.truth import TRUTH_HEADS, TRUTH_STORIES, truth_budget_stories
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
 
     f = load(report_dir).faithfulness
+    DETECTORS = [d.name for d in BUILTIN_DETECTORS if TRUTH in d.shown]  # the detectors the table checks
+    assert DETECTORS[:7] == [
+        "name_mass",
+        "prev_token",
+        "prev_argmax",
+        "prev4",
+        "marker",
+        "duplicate_token",
+        "induction",
+    ]
     heads = {h["label"]: h for h in json.loads((report_dir / "heads.json").read_text())["heads"]}
     for d in DETECTORS:
         rows = [r for r in f.rows if r.detector == d]

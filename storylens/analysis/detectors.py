@@ -20,14 +20,24 @@ TransformerLens's two token patterns (its ``head_detector``), as masses:
     have one. (TransformerLens averages its "mul" score over every position, queries with no
     such key adding 0; storylens averages over the queries the pattern applies to.)
 
+``first_mass``
+    Attention on position 0, the token that opens every sequence (where attention sinks rest),
+    over queries q >= 1.
+
 A user pattern (:func:`pattern_detector`) is any function of the token ids ``[batch, tokens]``
 giving key weights ``[batch, query, key]``; its score is the attention-weighted sum of those
 weights over the queries whose row is not all zero.
+
+The detectors own the head table's columns: each :class:`Detector` carries its column's title,
+meaning and where it is shown, and declares the columns derived from it; :func:`table_columns`
+lays the table out from the list of detectors (built-in and user ones alike), and every reader
+(the table's files, the report, the faithfulness table, the training timeline) reads it from there.
+Adding a built-in detector is its definition here, appended to :data:`BUILTIN_DETECTORS`, and its test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,32 +47,34 @@ from torch.nn import functional as F
 from storylens.core.errors import StorylensError
 
 PREV_SPAN = 4  # prev4: attention on the last four positions together
+NORM_PREFIX = "norm_"  # norm_<column>: the same detector on the norm-weighted map (storylens.analysis.faithful)
+FIRST_SUFFIX = "_first"  # <detector>_first: the same detector over only the first stories (the lesson's)
 
-# every column the head table already has: a user detector may not take one of these names
-SCORE_COLUMNS = (  # the head table's score columns, in order (storylens.analysis.scores)
-    "name_mass",
-    "name_baseline",
-    "name_ratio",
-    "prev_token",
-    "prev_argmax",
-    "prev4",
-    "prev_token_first",
-    "prev_argmax_first",
-    "prev4_first",
-    "marker",
-    "duplicate_token",
-    "induction",
-)
-NORM_PREFIX = "norm_"  # norm_<detector>: the same detector on the norm-weighted map (storylens.analysis.faithful)
-NORM_COLUMNS = tuple(
-    NORM_PREFIX + c
-    for c in ("name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
-)
-MOVE_COLUMNS = ("output_norm", "output_share")  # what each head writes (storylens.analysis.faithful)
-FLAG_COLUMN = "looks_without_moving"  # the detectors a head is strong on while it writes almost nothing
-RESERVED_COLUMNS = frozenset(
-    ("label", "block", "head", "layer", "extra", FLAG_COLUMN, *SCORE_COLUMNS, *NORM_COLUMNS, *MOVE_COLUMNS)
-)
+# where a column is shown (Column.shown): the report's overview grids (raw, then norm-weighted), the
+# lesson's own sections of the report (which name their columns), the report's "More detectors",
+# the faithfulness table (its strongest heads switched off), the training timeline's figures
+OVERVIEW, LESSON, MORE, TRUTH, TIMELINE = "overview", "lesson", "more", "truth", "timeline"
+SHOWN_BEYOND_LESSON = frozenset((OVERVIEW, MORE, TRUTH))  # a detector beyond the lesson's, a user's among them
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the head table (:class:`storylens.analysis.scores.HeadScores`): its name, its title
+    (a table's or heatmap's heading; ``{marker}`` stands for what the model's opening token is called),
+    what it means in one line, where it is shown (``OVERVIEW`` .. ``TIMELINE``), and whether it has a
+    norm-weighted twin ``norm_<name>``."""
+
+    name: str
+    title: str
+    meaning: str
+    shown: frozenset[str] = frozenset()
+    norm: bool = False
+
+    @property
+    def twin(self) -> Column:
+        """The norm-weighted twin: the same score on the norm-weighted map, in the overview where this one is."""
+        meaning = f"{self.name} on the norm-weighted map (what the head moves, not only where it looks)"
+        return Column(NORM_PREFIX + self.name, "Norm-weighted: " + self.title.lower(), meaning, self.shown & {OVERVIEW})
 
 
 # ---------------------------------------------------------------- what a batch offers
@@ -392,7 +404,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Detector:
-    """A named detector: ``values(pattern, masks) -> [B, H, q]`` and ``queries(masks) -> [B, q]``."""
+    """A named detector: ``values(pattern, masks) -> [B, H, q]`` and ``queries(masks) -> [B, q]``,
+    and what its column of the head table needs: a title, a one-line meaning, where it is shown
+    (:class:`Column`), the columns derived from it, and whether the ``*_first`` twin is kept. Every
+    detector has its norm-weighted twin ``norm_<name>`` (when the norm-weighted map is scored)."""
 
     name: str
     values: Callable[[torch.Tensor, Masks], torch.Tensor]
@@ -403,9 +418,26 @@ class Detector:
     # detector. A detector made by hand without it gets whole maps and the norm-weighted map itself.
     rows: bool = False
     scale_free: bool = False
+    title: str = ""  # "" : "Detector <name>"
+    meaning: str = ""
+    shown: frozenset[str] = SHOWN_BEYOND_LESSON
+    derived: tuple[Column, ...] = ()  # columns computed from this one's (following it in the table)
+    flags: bool = True  # looks_without_moving may name it (storylens.analysis.faithful)
+    kind: str = ""  # the kind of head it finds, as the training timeline's formation table says ("" : none)
 
     def story_means(self, pattern: torch.Tensor, masks: Masks) -> torch.Tensor:
         return masked_mean(self.values(pattern, masks), self.queries(masks))
+
+    @property
+    def column(self) -> Column:
+        """Its own column (with a norm-weighted twin)."""
+        title = self.title or f"Detector {self.name}"
+        return Column(self.name, title, self.meaning or title, self.shown, norm=True)
+
+    @property
+    def first_column(self) -> Column:
+        """``<name>_first``: the same over the first stories only (``max_stories_prev``)."""
+        return Column(self.name + FIRST_SUFFIX, f"{self.column.title} (first stories)", self.column.meaning)
 
 
 def _duplicate_queries(m: Masks) -> torch.Tensor:
@@ -416,10 +448,48 @@ def _induction_queries(m: Masks) -> torch.Tensor:
     return m.sparse_keys("induction_keys")[1][:, 0].any(-1)
 
 
-NAME_MASS = Detector("name_mass", lambda p, m: m.column_mass(p)[..., 0], lambda m: m.name_queries, rows=True)
-MARKER = Detector("marker", lambda p, m: m.column_mass(p)[..., 1], lambda m: m.queries, rows=True)
+NAME_BASELINE = Column(
+    "name_baseline",
+    "Even-spread baseline of name mass",
+    "name tokens at or before q over q + 1, over the name queries: what an even spread would give (one number)",
+)
+NAME_RATIO = Column(
+    "name_ratio",
+    "Name mass / even-spread baseline",
+    "name_mass / name_baseline: a ratio of the two means",
+    frozenset((OVERVIEW, LESSON)),
+    norm=True,
+)
+NAME_MASS = Detector(
+    "name_mass",
+    lambda p, m: m.column_mass(p)[..., 0],
+    lambda m: m.name_queries,
+    rows=True,
+    title="Name mass (share of attention on the main character's name)",
+    meaning="attention on the main character's name tokens, over the queries after its first mention",
+    shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
+    derived=(NAME_BASELINE, NAME_RATIO),
+    kind="name",
+)
+MARKER = Detector(
+    "marker",
+    lambda p, m: m.column_mass(p)[..., 1],
+    lambda m: m.queries,
+    rows=True,
+    title="Attention on {marker}",
+    meaning="attention on the end-of-story marker tokens, over queries q >= 1",
+    shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
+)
 PREV_TOKEN = Detector(
-    "prev_token", lambda p, m: prev_token(p, m.start), lambda m: m.queries, first_columns=True, rows=True
+    "prev_token",
+    lambda p, m: prev_token(p, m.start),
+    lambda m: m.queries,
+    first_columns=True,
+    rows=True,
+    title="Attention on the previous token",
+    meaning="attention on position q - 1, over queries q >= 1",
+    shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
+    kind="previous-token",
 )
 PREV_ARGMAX = Detector(
     "prev_argmax",
@@ -428,20 +498,112 @@ PREV_ARGMAX = Detector(
     first_columns=True,
     rows=True,
     scale_free=True,
+    title="Share of queries whose top key is the previous token",
+    meaning="share of queries q >= 1 whose most-attended key is q - 1 (ties to the earliest key)",
+    shown=frozenset((OVERVIEW, LESSON, TRUTH)),
 )
-PREV4 = Detector("prev4", lambda p, m: prev_span(p, start=m.start), lambda m: m.queries, first_columns=True, rows=True)
+PREV4 = Detector(
+    "prev4",
+    lambda p, m: prev_span(p, start=m.start),
+    lambda m: m.queries,
+    first_columns=True,
+    rows=True,
+    title="Attention on the last four tokens",
+    meaning="attention on positions q - 1 .. q - 4 together, over queries q >= 1",
+    shown=frozenset((OVERVIEW, LESSON, TRUTH)),
+)
 DUPLICATE_TOKEN = Detector(
     "duplicate_token",
     lambda p, m: pairs_mass(p, *m.key_pairs("duplicate_keys"), m.start),
     _duplicate_queries,
     rows=True,
+    title="Attention on earlier copies of the query's token (duplicate-token)",
+    meaning="attention on earlier positions holding the query's token, over the queries that have one",
+    shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
 )
 INDUCTION = Detector(
-    "induction", lambda p, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start), _induction_queries, rows=True
+    "induction",
+    lambda p, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start),
+    _induction_queries,
+    rows=True,
+    title="Attention on the token after an earlier copy of the query's token (induction)",
+    meaning="attention on the positions just after an earlier copy of the query's token, over the queries that have one",
+    shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
+    kind="induction",
+)
+FIRST_MASS = Detector(
+    "first_mass",
+    lambda p, m: p[..., 0].clone(),  # a copy: the map's memory is reused once its block is scored
+    lambda m: m.queries,
+    rows=True,
+    title="Attention on position 0 (the opening token)",
+    meaning="attention on position 0, the token that opens every sequence, over queries q >= 1",
+    shown=frozenset((OVERVIEW, MORE)),
+    flags=False,  # a head resting on the opening token is expected to write little (an attention sink)
 )
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)
-BUILTIN_DETECTORS = LESSON_DETECTORS + (DUPLICATE_TOKEN, INDUCTION)
+BUILTIN_DETECTORS = LESSON_DETECTORS + (DUPLICATE_TOKEN, INDUCTION, FIRST_MASS)
+
+# what each head writes (storylens.analysis.faithful), and the flag drawn from it: not detectors
+OUTPUT_NORM = Column("output_norm", "Output norm", "the mean size of what the head writes, over queries q >= 1")
+OUTPUT_SHARE = Column(
+    "output_share",
+    "Output share: the head's part of its block's head-output sizes",
+    "output_norm over the sum of its block's heads' output norms",
+    frozenset((OVERVIEW,)),
+)
+FLAG = Column(
+    "looks_without_moving",
+    "Looks without moving",
+    "the detectors a head is strong on while it writes almost nothing, comma-separated",
+)
+
+
+def score_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
+    """The raw score columns of ``detectors``, in the table's order: each detector's own, then
+    those derived from it; the ``*_first`` twins follow the last detector that keeps them."""
+    firsts = [d for d in detectors if d.first_columns]
+    out: list[Column] = []
+    for d in detectors:
+        out += [d.column, *d.derived]
+        if firsts and d is firsts[-1]:
+            out += [f.first_column for f in firsts]
+    return tuple(out)
+
+
+def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
+    """Every column of the head table for ``detectors`` (after label, block, head), in order: the raw
+    scores (:func:`score_columns`), their norm-weighted twins, what each head writes, the flag."""
+    raw = score_columns(detectors)
+    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, FLAG)
+
+
+BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)
+SCORE_COLUMNS = tuple(c.name for c in score_columns(BUILTIN_DETECTORS))  # the built-in raw score columns
+# a user detector may not take a column's name, nor one a head's row answers to itself
+RESERVED_COLUMNS = frozenset(
+    ("label", "block", "head", "layer", "at", "scores", "row", *(c.name for c in BUILTIN_COLUMNS))
+)
+
+
+def columns_named(names: Sequence[str]) -> tuple[Column, ...]:
+    """The columns called ``names`` (a head table read back from a file): a built-in's as declared,
+    any other name a user detector's (with its norm-weighted twin where ``norm_<name>`` is there too)."""
+    known = {c.name: c for c in BUILTIN_COLUMNS}
+    user = {n: pattern_column(n) for n in names if n not in known and not n.startswith(NORM_PREFIX)}
+    for n in names:
+        if n not in known and n.startswith(NORM_PREFIX) and n[len(NORM_PREFIX) :] in user:
+            known[n] = user[n[len(NORM_PREFIX) :]].twin
+    known.update(user)
+    return tuple(known.get(n) or Column(n, n, n) for n in names)
+
+
+def pattern_column(name: str) -> Column:
+    """A user pattern's column (:func:`pattern_detector`)."""
+    return Column(
+        name, f"Detector {name} (a pattern of key weights)", f"the user pattern {name}", SHOWN_BEYOND_LESSON, True
+    )
 
 
 def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Detector:
@@ -464,4 +626,12 @@ def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> D
         w = full.__dict__[cache_key]
         return w if isinstance(m, BatchMasks) else m._cut(w)
 
-    return Detector(name, lambda p, m: keys_mass(p, keys(m)), lambda m: (keys(m) != 0).any(-1), rows=True)
+    column = pattern_column(name)
+    return Detector(
+        name,
+        lambda p, m: keys_mass(p, keys(m)),
+        lambda m: (keys(m) != 0).any(-1),
+        rows=True,
+        title=column.title,
+        meaning=column.meaning,
+    )

@@ -51,8 +51,8 @@ import csv
 import json
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,14 +60,21 @@ import torch
 from storylens.analysis.accumulate import MeanAccumulator
 from storylens.analysis.detectors import (
     BUILTIN_DETECTORS,
-    FLAG_COLUMN,
-    MOVE_COLUMNS,
-    NORM_COLUMNS,
+    FIRST_SUFFIX,
+    FLAG,
+    NAME_BASELINE,
+    NAME_MASS,
+    NAME_RATIO,
     NORM_PREFIX,
-    SCORE_COLUMNS,
+    OUTPUT_NORM,
+    OUTPUT_SHARE,
+    PREV_TOKEN,
     BatchMasks,
+    Column,
     Detector,
+    columns_named,
     masked_mean,
+    table_columns,
 )
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
@@ -413,23 +420,24 @@ class HeadScoreAccumulator:
         return self
 
     def columns(self, with_first: bool) -> dict[str, torch.Tensor | None]:
-        """Every score as a ``[layer, head]`` float64 tensor (None: not computed)."""
+        """Every score as a ``[layer, head]`` float64 tensor (None: not computed); the columns
+        derived from a detector's (:mod:`storylens.analysis.detectors`) where it was scored."""
         cols: dict[str, torch.Tensor | None] = {k: a.mean() for k, a in self.means.items()}
-        mass = cols.get("name_mass")
+        mass = cols.get(NAME_MASS.name)
         if mass is not None:
             base = self.name_baseline.mean()
-            cols["name_baseline"] = base.expand_as(mass)
-            cols["name_ratio"] = mass / base
+            cols[NAME_BASELINE.name] = base.expand_as(mass)
+            cols[NAME_RATIO.name] = mass / base
         for k, a in self.first.items():
-            cols[f"{k}_first"] = a.mean() if with_first else None
+            cols[k + FIRST_SUFFIX] = a.mean() if with_first else None
         for k, a in self.norm.items():
             cols[NORM_PREFIX + k] = a.mean()
-        norm_mass = cols.get(NORM_PREFIX + "name_mass")
-        if norm_mass is not None and self.norm["name_mass"].count == self.means["name_mass"].count:
+        norm_mass = cols.get(NORM_PREFIX + NAME_MASS.name)
+        if norm_mass is not None and self.norm[NAME_MASS.name].count == self.means[NAME_MASS.name].count:
             # the same stories behind both means (a batch recorded without value vectors would not be)
-            cols[NORM_PREFIX + "name_ratio"] = norm_mass / self.name_baseline.mean()
+            cols[NORM_PREFIX + NAME_RATIO.name] = norm_mass / self.name_baseline.mean()
         output = self.output.mean()
-        cols["output_norm"], cols["output_share"] = output, shares(output)
+        cols[OUTPUT_NORM.name], cols[OUTPUT_SHARE.name] = output, shares(output)
         return cols
 
 
@@ -438,39 +446,54 @@ class HeadScoreAccumulator:
 
 @dataclass(frozen=True)
 class HeadScore:
-    """One head's row. ``block`` and ``head`` count from 1, like ``label``."""
+    """One head's row: the head, every score column (``scores``, in the table's order: built-in
+    and user detectors alike, see :func:`storylens.analysis.detectors.table_columns`) and the flag.
+    A column reads as ``row["name_mass"]`` or ``row.name_mass``; ``block`` and ``head`` count from 1,
+    like ``label``."""
 
-    label: str
-    block: int
-    head: int
-    name_mass: float
-    name_baseline: float
-    name_ratio: float
-    prev_token: float
-    prev_argmax: float
-    prev4: float
-    prev_token_first: float | None
-    prev_argmax_first: float | None
-    prev4_first: float | None
-    marker: float
-    duplicate_token: float | None = None
-    induction: float | None = None
-    # the same detectors on the norm-weighted map, and what the head writes (storylens.analysis.faithful)
-    norm_name_mass: float | None = None
-    norm_name_ratio: float | None = None
-    norm_prev_token: float | None = None
-    norm_prev_argmax: float | None = None
-    norm_prev4: float | None = None
-    norm_marker: float | None = None
-    norm_duplicate_token: float | None = None
-    norm_induction: float | None = None
-    output_norm: float | None = None
-    output_share: float | None = None
+    at: Head  # 0-based
+    scores: Mapping[str, float | None] = field(hash=False)
     looks_without_moving: str = ""  # the detectors it is strong on while writing almost nothing, comma-separated
-    extra: dict = field(default_factory=dict, hash=False)  # user detectors: {name: score, norm_name: score}
 
+    @property
+    def label(self) -> str:
+        return self.at.label
 
-TABLE_COLUMNS = SCORE_COLUMNS + NORM_COLUMNS + MOVE_COLUMNS + (FLAG_COLUMN,)
+    @property
+    def block(self) -> int:
+        return self.at.layer + 1
+
+    @property
+    def head(self) -> int:
+        return self.at.head + 1
+
+    def __getitem__(self, name: str) -> float | None:
+        return self.scores[name]
+
+    def value(self, name: str) -> float:
+        """Column ``name`` where it must have been computed (the lesson's columns on a finished run):
+        a ValueError naming the head and column if it was not."""
+        v = self.scores[name]
+        if v is None:
+            raise ValueError(f"{self.label}: {name} was not computed on this run")
+        return v
+
+    def __getattr__(self, name: str) -> float | None:
+        scores = self.__dict__.get("scores")  # absent while a copy or unpickling is being made
+        if scores is None or name not in scores:
+            raise AttributeError(f"{type(self).__name__} has no column {name!r}")
+        return scores[name]
+
+    def row(self) -> dict[str, object]:
+        """label, block, head (1-based), every score column (NaN as None), the flag."""
+        cells = {k: _clean(v) for k, v in self.scores.items()}
+        return {
+            "label": self.label,
+            "block": self.block,
+            "head": self.head,
+            **cells,
+            FLAG.name: self.looks_without_moving,
+        }
 
 
 def _clean(x: float | None) -> float | None:
@@ -479,7 +502,9 @@ def _clean(x: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class HeadScores:
-    """Scores of every head (one :class:`HeadScore` per head, block-major) plus counts."""
+    """Scores of every head (one :class:`HeadScore` per head, block-major) plus counts, and what each
+    column is (``columns``: its title, meaning and where it is shown; read from the heads' own columns
+    when not given)."""
 
     heads: tuple[HeadScore, ...]
     n_stories: int  # stories scored
@@ -490,10 +515,15 @@ class HeadScores:
     n_prev_first: int | None  # stories behind the *_first columns
     window: int
     examples: TopExamples | None = field(default=None, compare=False, repr=False)  # where each head fires
+    columns: tuple[Column, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.columns and self.heads:
+            object.__setattr__(self, "columns", columns_named([*self.heads[0].scores, FLAG.name]))
 
     @property
-    def name_baseline(self) -> float:
-        return self.heads[0].name_baseline
+    def name_baseline(self) -> float | None:
+        return self.heads[0][NAME_BASELINE.name]
 
     @property
     def n_skipped_no_name(self) -> int:
@@ -502,13 +532,18 @@ class HeadScores:
 
     def counts(self) -> dict:
         """The story counts (and the baseline), as a plain dict."""
-        return {**{k: getattr(self, k) for k in _COUNT_FIELDS}, "name_baseline": _clean(self.name_baseline)}
+        return {**{k: vars(self)[k] for k in _COUNT_FIELDS}, NAME_BASELINE.name: _clean(self.name_baseline)}
 
-    @property
-    def extra_columns(self) -> tuple[str, ...]:
-        """The user detectors' columns, in the order given (their norm-weighted ``norm_<name>`` twins
-        are in :attr:`HeadScore.extra` too, and in :meth:`column`)."""
-        return tuple(k for k in self.heads[0].extra if not k.startswith(NORM_PREFIX)) if self.heads else ()
+    def shown(self, where: str) -> tuple[str, ...]:
+        """The columns shown ``where`` (``storylens.analysis.detectors.OVERVIEW`` .. ``TIMELINE``), in order."""
+        return tuple(c.name for c in self.columns if where in c.shown)
+
+    def title(self, name: str, marker: str = "the end-of-story marker") -> str:
+        """Column ``name``'s title, ``marker`` naming the model's opening token."""
+        for c in self.columns:
+            if c.name == name:
+                return c.title.format(marker=marker)
+        raise KeyError(f"{name!r} is not a column of this table")
 
     @property
     def n_layer(self) -> int:
@@ -519,21 +554,17 @@ class HeadScores:
         return max(h.head for h in self.heads)
 
     def to_rows(self) -> list[dict]:
-        """One dict per head: label, block, head (1-based), then every score column (user detectors last)."""
-        rows = []
-        for h in self.heads:
-            row = {k: _clean(v) if isinstance(v, float) else v for k, v in asdict(h).items() if k != "extra"}
-            row.update({k: _clean(v) for k, v in h.extra.items()})
-            rows.append(row)
-        return rows
+        """One dict per head: label, block, head (1-based), then every column in the table's order."""
+        return [h.row() for h in self.heads]
 
     def column(self, name: str) -> list:
         """One column, block-major (a score column's values are floats or None)."""
-        if self.heads and name in self.heads[0].extra:
-            return [h.extra[name] for h in self.heads]
-        if name not in TABLE_COLUMNS:
-            raise KeyError(f"{name!r} is not a score column (one of {', '.join(TABLE_COLUMNS + self.extra_columns)})")
-        return [getattr(h, name) for h in self.heads]
+        if name == FLAG.name:
+            return [h.looks_without_moving for h in self.heads]
+        if not self.heads or name not in self.heads[0].scores:
+            known = ", ".join([*(self.heads[0].scores if self.heads else ()), FLAG.name])
+            raise KeyError(f"{name!r} is not a score column (one of {known})")
+        return [h[name] for h in self.heads]
 
     def at(self, head: Head) -> HeadScore:
         """The row of a 0-based :class:`~storylens.core.heads.Head`."""
@@ -541,7 +572,7 @@ class HeadScores:
 
     def grid(self, name: str) -> list[list[float | None]]:
         """``grid[block][head]`` (0-indexed) of one column, for heatmaps."""
-        n_head = max(h.head for h in self.heads)
+        n_head = self.n_head
         col = self.column(name)
         return [col[i : i + n_head] for i in range(0, len(col), n_head)]
 
@@ -551,7 +582,7 @@ class HeadScores:
                 return h
         raise KeyError(f"{label!r}: no such head (L1H1 .. {self.heads[-1].label})")
 
-    def top(self, name: str = "name_mass", k: int = 6, *, largest: bool = True) -> list[HeadScore]:
+    def top(self, name: str = NAME_MASS.name, k: int = 6, *, largest: bool = True) -> list[HeadScore]:
         """The ``k`` heads with the largest (or smallest) ``name``; ties keep block-major order."""
         col = [v for v in self.column(name) if v is not None]
         if len(col) < len(self.heads):
@@ -559,7 +590,7 @@ class HeadScores:
         order = sorted(range(len(col)), key=lambda i: -col[i] if largest else col[i])
         return [self.heads[i] for i in order[:k]]
 
-    def best(self, name: str = "name_mass", *, largest: bool = True) -> HeadScore:
+    def best(self, name: str = NAME_MASS.name, *, largest: bool = True) -> HeadScore:
         return self.top(name, 1, largest=largest)[0]
 
     def count(self, name: str, *, above: float | None = None, below: float | None = None) -> int:
@@ -597,44 +628,41 @@ class HeadScores:
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
-            keys = [f.name for f in fields(HeadScore) if f.name != "extra"]
-            heads = tuple(
-                HeadScore(
-                    **{k: row[k] for k in keys if k in row}, extra={k: v for k, v in row.items() if k not in keys}
-                )
-                for row in doc["heads"]
-            )
+            heads = tuple(_read_row(row) for row in doc["heads"])
             c = doc["counts"]
             return cls(heads=heads, **{k: c[k] for k in _COUNT_FIELDS})
         except OSError as e:
             raise StorylensError(f"{path}: cannot read ({e.strerror})") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StorylensError(f"{path}: not a head-scores JSON file ({type(e).__name__}: {e})") from None
 
 
+def _read_row(row: dict) -> HeadScore:
+    """A :meth:`HeadScore.row` read back."""
+    at = Head(int(row["block"]) - 1, int(row["head"]) - 1)
+    if Head.parse(row["label"]) != at:
+        raise ValueError(f"head {row['label']!r} is not block {row['block']}, head {row['head']}")
+    scores = {k: v for k, v in row.items() if k not in ("label", "block", "head", FLAG.name)}
+    return HeadScore(at, scores, str(row.get(FLAG.name, "")))
+
+
 def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore, ...]:
+    """One :class:`HeadScore` per head, block-major: every column of ``acc``'s detectors
+    (:func:`~storylens.analysis.detectors.table_columns`; None where not computed) and the flag."""
     cols = acc.columns(with_first)
-    known = {f.name for f in fields(HeadScore)}
+    names = [c.name for c in table_columns(acc.detectors) if c != FLAG]
     flags = None
     if acc.output.count:
-        raw = {d.name: v for d in acc.detectors if (v := cols[d.name]) is not None}
-        share = cols["output_share"]
+        raw = {d.name: v for d in acc.detectors if d.flags and (v := cols[d.name]) is not None}
+        share = cols[OUTPUT_SHARE.name]
         assert share is not None  # computed whenever an output was counted
         flags = looks_without_moving(raw, share)
     rows = []
     for head in Head.every(acc.n_layer, acc.n_head):
-        vals = {k: (None if v is None else _clean(float(v[head]))) for k, v in cols.items()}  # NaN: nothing counted
-        rows.append(
-            HeadScore(
-                label=head.label,
-                block=head.layer + 1,
-                head=head.head + 1,
-                # the lesson's columns are always computed; only those typed `float | None` may be None
-                **{k: vals.get(k) for k in SCORE_COLUMNS + NORM_COLUMNS + MOVE_COLUMNS},  # type: ignore[arg-type]
-                looks_without_moving=",".join(flags[head.layer][head.head]) if flags else "",
-                extra={k: v for k, v in vals.items() if k not in known},
-            )
-        )
+        scores = {
+            k: (None if (v := cols.get(k)) is None else _clean(float(v[head]))) for k in names
+        }  # NaN: none counted
+        rows.append(HeadScore(head, scores, ",".join(flags[head.layer][head.head]) if flags else ""))
     return tuple(rows)
 
 
@@ -644,17 +672,19 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
 def score_table(acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, window: int) -> HeadScores:
     """The :class:`HeadScores` of a finished accumulator and the run's counts."""
     with_first = max_stories_prev is not None
-    first = acc.first.get("prev_token")
+    first = acc.first.get(PREV_TOKEN.name)
+    mass = acc.means.get(NAME_MASS.name)
     return HeadScores(
         heads=build_table(acc, with_first),
         n_stories=stats.n_stories,
         n_cut=stats.n_cut,
         n_main_character=stats.n_main_character,
-        n_name_scored=acc.means["name_mass"].count if "name_mass" in acc.means else 0,
+        n_name_scored=mass.count if mass is not None else 0,
         max_stories_prev=max_stories_prev,
         n_prev_first=first.count if with_first and first is not None else None,
         window=window,
         examples=acc.examples,
+        columns=table_columns(acc.detectors),
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storylens.analysis.ablation import MODES, ablation_loss_table, head_output_means
-from storylens.analysis.detectors import NORM_PREFIX
+from storylens.analysis.detectors import NORM_PREFIX, TRUTH
 from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
 from storylens.analysis.faithful import rank_correlation, rank_moves
 from storylens.analysis.names import name_vocabulary
@@ -36,7 +36,6 @@ TRUTH_STORIES = 50  # the first stories of the quiz the ablations run on (at mos
 # scoring passes of 200 (benchmarks/bench_record.py's Llama); the shipped model fits 34 in the teraflop.
 TRUTH_BUDGET = 0.2
 TRUTH_FLOOR_FLOPS = 1e12
-DETECTORS = ("name_mass", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction")
 AGREE, PART = 0.8, 0.5  # Spearman's rho at or above AGREE: "agree"; below PART: "part"
 
 
@@ -73,9 +72,9 @@ class Truth(Plain):
 
 
 def truth_detectors(scores: HeadScores) -> list[str]:
-    """The built-in detectors computed for every head, then the user detectors with a norm-weighted twin."""
-    extra = [c for c in scores.extra_columns if scores.heads and NORM_PREFIX + c in scores.heads[0].extra]
-    return [d for d in (*DETECTORS, *extra) if all(v is not None for v in scores.column(d))]
+    """The detectors shown in the faithfulness table (:data:`~storylens.analysis.detectors.TRUTH`,
+    built-in and user ones alike), those computed for every head."""
+    return [d for d in scores.shown(TRUTH) if all(v is not None for v in scores.column(d))]
 
 
 def truth_heads(scores: HeadScores, k: int = TRUTH_HEADS) -> dict[str, list[str]]:

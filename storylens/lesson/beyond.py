@@ -151,7 +151,7 @@ class BeyondSummary(Plain):
 
 
 def _ablation_findings(table: AblationTable, scores: HeadScores) -> AblationFindings:
-    name_mass = {h.label: h.name_mass for h in scores.heads}
+    name_mass = {h.label: h.value("name_mass") for h in scores.heads}
     abl = {r.label: r for r in table.rows if r.mode == "zero" and len(r.heads) == 1}
     abl_mean = {r.label: r for r in table.rows if r.mode == "mean" and len(r.heads) == 1}
     name_loss_rank = _rank({k: r.name_increase for k, r in abl.items()})
@@ -186,7 +186,7 @@ def _ablation_findings(table: AblationTable, scores: HeadScores) -> AblationFind
 def beyond_summary(b: Beyond, scores: HeadScores) -> BeyondSummary:
     """The three experiments' findings: the ablations ranked, the top six heads by excess over the
     position control and by pronoun mass, and the generation with the top name head off."""
-    name_mass = {h.label: h.name_mass for h in scores.heads}
+    name_mass = {h.label: h.value("name_mass") for h in scores.heads}
     pos_rows = {r["label"]: r for r in b.position.to_rows()}
     excess_rank = _rank({k: r["excess"] for k, r in pos_rows.items()})
     pron_rows = {r["label"]: r for r in b.pronouns.to_rows()}

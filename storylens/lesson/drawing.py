@@ -109,14 +109,14 @@ def draw_figures(data: dict, scores: HeadScores, folder: Path) -> list[str]:
             title=f"All {data['n_heads']} heads on quiz story {info['index'] + 1} (first {GRID_TOKENS} tokens)",
         )
         keep("all_heads", grid, dpi=GRID_DPI)  # shown at its own size: labels GRID_LABEL_PT at GRID_DPI
-    rows = [(h.label, h.name_mass) for h in scores.heads]
+    rows = [(h.label, h.value("name_mass")) for h in scores.heads]
     title = f"Name mass per head over {scores.n_name_scored} quiz stories"
     if len(rows) > BARS_SHOWN:  # past that a bar per head is unreadable: the strongest, in order
         rows = sorted(rows, key=lambda r: -r[1])[:BARS_SHOWN]
         title = (
             f"Name mass: the {BARS_SHOWN} highest of {data['n_heads']} heads, over {scores.n_name_scored} quiz stories"
         )
-    keep("name_mass", name_mass_bar_figure(rows, scores.name_baseline, title=title))
+    keep("name_mass", name_mass_bar_figure(rows, scores.heads[0].value("name_baseline"), title=title))
     b, h = info["block"], info["head"]
     label = scores.best("name_mass").label
     head_title = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
+from storylens.analysis.detectors import LESSON, MORE, OVERVIEW
 from storylens.analysis.scores import HeadScores
 from storylens.core.heads import parse_head_label
 from storylens.lesson.drawing import BARS_SHOWN, GRID_DPI, GRID_LABEL_PT, LESSON_GRID_HEADS
@@ -28,18 +29,6 @@ from storylens.viz.widget import page_script
 CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
 CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
 
-SCORE_TITLES = {
-    "name_mass": "Name mass (share of attention on the main character's name)",
-    "name_ratio": "Name mass / even-spread baseline",
-    "prev_token": "Attention on the previous token",
-    "prev_argmax": "Share of queries whose top key is the previous token",
-    "prev4": "Attention on the last four tokens",
-    "marker": "Attention on the end-of-story marker",
-    "duplicate_token": "Attention on earlier copies of the query's token (duplicate-token)",
-    "induction": "Attention on the token after an earlier copy of the query's token (induction)",
-}
-
-
 _ENV = Environment(
     loader=PackageLoader("storylens.lesson", "templates"),
     autoescape=True,  # every value is escaped; trusted HTML fragments come in as Markup
@@ -49,28 +38,19 @@ _ENV = Environment(
 _ENV.filters["num"] = num
 
 
-def _column_title(col: str, marker: str) -> str:
-    if col.startswith("norm_"):
-        return "Norm-weighted: " + _column_title(col[len("norm_") :], marker).lower()
-    if col == "output_share":
-        return "Output share: the head's part of its block's head-output sizes"
-    return f"Attention on {marker}" if col == "marker" else SCORE_TITLES.get(col, f"Detector {col} (from --detector)")
-
-
 def _overview(scores: HeadScores, marker: str) -> list[dict]:
     """The overview's grids: every detector raw, then norm-weighted, then the output share (the
     columns this run has values for), each a block x head table."""
-    raw = [*SCORE_TITLES, *scores.extra_columns]
-    cols = [*raw, *(f"norm_{c}" for c in raw), "output_share"]
+    cols = scores.shown(OVERVIEW)
     have = [c for c in cols if any(v is not None and v == v for v in scores.column(c))]
-    return [{"col": c, "title": _column_title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
+    return [{"col": c, "title": scores.title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
 
 
 def _heat(scores: HeadScores, col: str, marker: str) -> dict:
     """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
     table is coloured over its own range, and its caption says so."""
 
-    title = _column_title(col, marker)
+    title = scores.title(col, marker)
     values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
     note = (
         f"Colours: this table's own range, {min(values):.3f} (black) to {max(values):.3f} (light yellow); "
@@ -119,8 +99,8 @@ def _page(
         "name_rows": [
             [h.head, f3(h.name_mass), f3(s.name_heads.baseline), f"{h.ratio:.1f}x"] for h in s.name_heads.top
         ],
-        "heat": {c: _heat(scores, c, s.marker.called) for c in (*SCORE_TITLES, *scores.extra_columns)},
-        "extra_columns": list(scores.extra_columns),
+        "heat": {c: _heat(scores, c, s.marker.called) for c in (*scores.shown(LESSON), *scores.shown(MORE))},
+        "more_columns": scores.shown(MORE),
         "all_rows": head_rows(scores),
         "beyond": beyond_rows(s.beyond),
         "truth_rows": truth_rows(s.faithfulness),

@@ -78,12 +78,12 @@ def _previous_token(scores: HeadScores) -> PreviousToken:
     argmax_first, argmax_all = scores.best("prev_argmax_first"), scores.best("prev_argmax")
     return PreviousToken(
         above_half=scores.count("prev_token", above=PREV_HEAD_LEVEL),
-        highest=PrevHighest(prev.label, prev.prev_token),
+        highest=PrevHighest(prev.label, prev.value("prev_token")),
         highest_first=PrevFirst(
             prev_first.label, prev_first.prev_token_first, prev_first.prev4_first, scores.n_prev_first
         ),
         best_argmax_first=ArgmaxFirst(argmax_first.label, argmax_first.prev_argmax_first, scores.n_prev_first),
-        best_argmax_all=ArgmaxAll(argmax_all.label, argmax_all.prev_argmax),
+        best_argmax_all=ArgmaxAll(argmax_all.label, argmax_all.value("prev_argmax")),
     )
 
 
@@ -93,28 +93,29 @@ def report_summary(
     """The report's figures (without the numerical checks, ``--beyond`` and the timings: the caller adds them)."""
 
     top = scores.top("name_mass", TOP_HEADS)
+    baseline = top[0].value("name_baseline")  # computed wherever name_mass is (top() refuses a column with gaps)
     marker = scores.best("marker")
     return ReportSummary(
         model=model_info(lm),
         quiz=_quiz_info(scores, leakage, data.quiz_source, data),
         leakage=_leakage_summary(leakage, data),
         name_heads=NameHeads(
-            baseline=scores.name_baseline,
-            top=[HeadMass(h.label, h.name_mass, h.name_ratio) for h in top],
-            below_baseline=scores.count("name_mass", below=scores.name_baseline),
+            baseline=baseline,
+            top=[HeadMass(h.label, h.value("name_mass"), h.value("name_ratio")) for h in top],
+            below_baseline=scores.count("name_mass", below=baseline),
         ),
         previous_token=_previous_token(scores),
         marker=Marker(
-            highest=MarkerHighest(marker.label, marker.marker),
+            highest=MarkerHighest(marker.label, marker.value("marker")),
             above_half=scores.count("marker", above=MARKER_HEAD_LEVEL),
             called=marker_words(lm),
         ),
         story_shown=StoryShown(story_info["index"] + 1, story_info["name"], story_info["tokens"]),
         number_to_reproduce=NumberToReproduce(
             head=top[0].label,
-            name_mass=top[0].name_mass,
-            baseline=scores.name_baseline,
-            ratio=top[0].name_ratio,
+            name_mass=top[0].value("name_mass"),
+            baseline=baseline,
+            ratio=top[0].value("name_ratio"),
             stories=scores.n_name_scored,
             of=scores.n_stories,
         ),

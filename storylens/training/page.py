@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from storylens.analysis.detectors import BUILTIN_DETECTORS, TIMELINE
 from storylens.core.errors import StorylensError
 from storylens.core.publish import publish_folder
 from storylens.training.copying import read_copying
@@ -31,8 +32,8 @@ from storylens.training.timeline import (
 from storylens.viz.figures import figure_png_bytes
 from storylens.viz.timeline import figure_svg, timeline_figure
 
-COLUMNS = ("prev_token", "name_mass", "induction", "duplicate_token", "marker")  # one figure each
-KINDS = {"prev_token": "previous-token", "name_mass": "name", "induction": "induction"}  # the formation table
+COLUMNS = tuple(d.name for d in BUILTIN_DETECTORS if TIMELINE in d.shown)  # one figure each
+KINDS = {d.name: d.kind for d in BUILTIN_DETECTORS if d.kind}  # the formation table: the kind of head each finds
 
 _ENV = Environment(loader=PackageLoader("storylens.training", "templates"), autoescape=True, undefined=StrictUndefined)
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, BatchMasks, pattern_detector
+from storylens.analysis.detectors import (
+    BUILTIN_DETECTORS,
+    DUPLICATE_TOKEN,
+    FIRST_MASS,
+    INDUCTION,
+    BatchMasks,
+    pattern_detector,
+)
 from storylens.analysis.encode import make_batch
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
@@ -42,6 +49,34 @@ def test_duplicate_and_induction_by_hand():
     # here that is exactly the previous token, so the previous-token head scores 1
     assert INDUCTION.story_means(att(), m)[0].tolist() == pytest.approx([0.25, 1.0])
     assert DUPLICATE_TOKEN.queries(m).tolist() == [[False, False, False, True, True]]
+
+
+def test_first_mass_is_the_attention_on_position_0():
+    """first_mass: attention on key 0 (the opening token), over queries q >= 1 inside each story, the
+    same on whole maps and on chunks of rows; a column of the head table with its norm-weighted twin."""
+    m = BatchMasks(batch(), torch.float32)
+    assert FIRST_MASS.story_means(att(), m)[0].tolist() == pytest.approx([(0.5 + 0.2 + 0.1 + 0.1) / 4, 0.25])
+    g = torch.Generator().manual_seed(3)
+    lengths = [9, 4, 1]
+    ids = [torch.randint(1, 20, (n,), generator=g).tolist() for n in lengths]
+    b = make_batch(ids, [None] * 3, [True] * 3, marker_id=0)
+    T = max(lengths)
+    logits = torch.randn(3, 2, T, T, generator=g).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    probs = logits.softmax(-1)  # [batch, head, query, key]
+    masks = BatchMasks(b, torch.float32)
+    want = torch.stack([probs[i, :, 1:n, 0].mean(-1) if n > 1 else torch.zeros(2) for i, n in enumerate(lengths)])
+    assert torch.allclose(FIRST_MASS.story_means(probs, masks), want, atol=1e-6)
+    assert FIRST_MASS.queries(masks).sum(-1).tolist() == [n - 1 for n in lengths]
+    for start, stop in [(0, 4), (4, 7), (7, 9)]:  # chunks of rows: the same values, row for row
+        rows = masks.rows(start, stop, stop)
+        got = FIRST_MASS.values(probs[:, :, start:stop, :stop], rows)
+        assert torch.equal(got, probs[:, :, start:stop, 0])
+    acc = HeadScoreAccumulator(1, 2)
+    acc.update([probs], b)
+    row = build_table(acc, with_first=False)[0]
+    assert row.first_mass == pytest.approx(want[:2, 0].mean().item(), abs=1e-6)  # the third story: no query
+    names = list(row.row())
+    assert names.index("first_mass") < names.index("norm_name_mass") < names.index("norm_first_mass")
 
 
 def test_a_user_pattern():
@@ -120,6 +155,7 @@ def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
         "marker",
         "duplicate_token",
         "induction",
+        "first_mass",
     ]
 
 

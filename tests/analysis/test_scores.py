@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import BatchMasks
+from storylens.analysis.detectors import SCORE_COLUMNS, BatchMasks
 from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
 from storylens.analysis.scores import (
-    SCORE_COLUMNS,
     HeadScoreAccumulator,
     HeadScores,
     build_table,
@@ -228,6 +227,42 @@ def test_table_files_round_trip(tmp_path):
         HeadScores.from_json(tmp_path / "scores.csv")
     with pytest.raises(StorylensError, match="cannot write"):
         hs.to_csv(tmp_path / "no" / "such" / "dir.csv")
+
+
+def test_built_in_and_user_detectors_are_one_kind(tmp_path):
+    """A user detector's column sits with the built-ins' (its norm-weighted twin with theirs), reads
+    like them (``row.opening``, ``row["opening"]``) and is shown where a detector past the lesson's
+    is; every column's title, meaning and place come from the detectors, read back from a file too."""
+    from types import SimpleNamespace
+
+    from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON, MORE, OVERVIEW, TRUTH, pattern_detector
+    from storylens.analysis.scores import score_table
+
+    def opening(ids):  # every query on the marker at position 0: the first_mass detector's keys
+        w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])
+        w[:, 1:, 0] = 1
+        return w
+
+    acc = HeadScoreAccumulator(2, 2, BUILTIN_DETECTORS + (pattern_detector("opening", opening),))
+    acc.update(hand_attentions(), hand_batch())
+    hs = score_table(acc, SimpleNamespace(n_stories=2, n_cut=0, n_main_character=1), None, 5)
+    names = list(hs.to_rows()[0])
+    assert names.index("first_mass") + 1 == names.index("opening") < names.index("norm_name_mass")
+    assert names.index("norm_first_mass") + 1 == names.index("norm_opening") < names.index("output_norm")
+    assert names[-1] == "looks_without_moving"
+    for h in hs.heads:
+        assert h.opening == h["opening"] == h["first_mass"] == h.first_mass
+    assert hs.column("opening") == hs.column("first_mass")
+    assert hs.shown(MORE) == ("duplicate_token", "induction", "first_mass", "opening")
+    assert hs.shown(LESSON) == ("name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker")
+    assert "opening" in hs.shown(TRUTH) and "first_mass" not in hs.shown(TRUTH)
+    assert hs.shown(OVERVIEW)[-3:] == ("norm_first_mass", "norm_opening", "output_share")
+    assert hs.title("norm_marker", "the opening token (BOS)") == "Norm-weighted: attention on the opening token (BOS)"
+    assert hs.title("opening").startswith("Detector opening")
+    back = HeadScores.from_json(hs.to_json(tmp_path / "heads.json"))
+    assert back == hs and back.columns == hs.columns
+    with pytest.raises(AttributeError, match="no column 'nope'"):
+        getattr(hs.heads[0], "nope")  # noqa: B009
 
 
 # ---------------------------------------------------------------- real model
