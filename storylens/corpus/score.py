@@ -255,11 +255,11 @@ def _score_into(
             on_progress=progress_made,
         )
     else:
-        lines = ProgressLines("scoring", n_total, enabled=progress, initial=done.n_stories)  # a measure: counts
+        lines = ProgressLines("scoring", n_total, enabled=progress, initial=done.n_stories)
         stats = done + record(
             lm,
             _skip(source, done.n_stories),
-            [acc, lines],
+            [acc],
             batch_size=batch_size,
             names=names,
             progress=progress,
@@ -267,6 +267,7 @@ def _score_into(
             start=done.n_stories,
             total=n_total,
             on_chunk=progress_made,
+            on_batch=lines.update,
         )
     seconds = time.perf_counter() - t1
     scores = score_table(acc, stats, None, lm.window)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, BatchMasks, pattern_detector
+from storylens.analysis.detectors import BUILTIN_DETECTORS, DUPLICATE_TOKEN, INDUCTION, Masks, pattern_detector
 from storylens.analysis.encode import make_batch
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
@@ -35,7 +35,7 @@ def att():
 
 
 def test_duplicate_and_induction_by_hand():
-    m = BatchMasks(batch(), torch.float32)
+    m = Masks(batch(), torch.float32)
     # duplicate: q=3 -> key 1 (0.2), q=4 -> key 2 (0.4): mean 0.3; the previous-token head: 0
     assert DUPLICATE_TOKEN.story_means(att(), m)[0].tolist() == pytest.approx([0.3, 0.0])
     # induction: the token after the earlier copy: q=3 -> key 2 (0.3), q=4 -> key 3 (0.2): 0.25;
@@ -51,7 +51,7 @@ def test_a_user_pattern():
         return w
 
     d = pattern_detector("opening", first_key)
-    m = BatchMasks(batch(), torch.float32)
+    m = Masks(batch(), torch.float32)
     assert d.story_means(att(), m)[0].tolist() == pytest.approx([(0.5 + 0.2 + 0.1 + 0.1) / 4, 0.25])
     with pytest.raises(ValueError):
         pattern_detector("not a name", first_key)
@@ -157,7 +157,7 @@ def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
     b = make_batch(ids, [None] * len(ids), [True] * len(ids), marker_id=0)
     T, H = max(lengths), 3
     pattern = torch.rand(len(ids), H, T, T, generator=g, dtype=torch.float64).tril()
-    m = BatchMasks(b, torch.float64)
+    m = Masks(b, torch.float64)
     # each mass sums at most T - 1 weights in [0, 1], in a different order on each side: each sum is
     # within (T - 2) u (T - 1) of the exact one (u = 2^-53), so the two within twice that (1.0e-13);
     # a factor 2 of margin on top
