@@ -252,12 +252,13 @@ class _Pass:
         self, layer: int, probs: torch.Tensor, start: int, masses: torch.Tensor | None, heads: torch.Tensor
     ) -> None:
         n, keys = probs.shape[-2], probs.shape[-1]
+        masks = self._masks(probs)
         columns = {} if masses is None else {name: masses[..., i] for i, name in enumerate(self.formed)}
         norms = self.norms.get(layer) if self.plan.key_norms else None
-        if start + n >= probs.shape[-1] and norms is not None:  # the block's last rows: its norms go with them
+        if start + n >= masks.batch.ids.shape[1] and norms is not None:  # the block's last rows: its norms go
             del self.norms[layer]
         outputs = head_norms(heads.transpose(1, 2), self.factors[layer]) if self.plan.outputs else None
-        masks = self._masks(probs).rows(start, start + n, keys)
+        masks = masks.rows(start, start + n, keys)
         self._feed(Chunk(layer, start, probs, masks, columns, None if norms is None else norms[..., :keys], outputs))
 
 
