@@ -134,7 +134,10 @@ class Plan:
 def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
     """The plan of :func:`record` for ``measures`` on ``lm`` (see the module docstring)."""
     needs = [m.needs for m in measures]
-    columns = tuple({c.name: c for n in reversed(needs) for c in reversed(n.columns)}.values())[::-1]
+    columns: dict[str, KeyColumn] = {}  # by name, the first measure's, in the order asked
+    for n in needs:
+        for c in n.columns:
+            columns.setdefault(c.name, c)
     wanted = any(n.key_norms or n.outputs for n in needs)
     no_norms = lm.moving_unsupported() if wanted else None
     whole = [type(m).__name__ for m, n in zip(measures, needs) if not n.streams]
@@ -146,7 +149,7 @@ def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
         streamed, why = True, "chunks of rows: every measure streams and the model's attention can"
     readable = no_norms is None
     key, out = any(n.key_norms for n in needs) and readable, any(n.outputs for n in needs) and readable
-    return Plan(streamed, why, columns if streamed else (), key, out, no_norms)
+    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms)
 
 
 @dataclass(frozen=True)
