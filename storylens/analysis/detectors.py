@@ -86,6 +86,7 @@ class _KeySets:
         self.name_queries = self.inside & (first >= 0) & (pos > first) & ~batch.name_mask
         self.key_columns = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None].to(dtype)  # [B, 1, T, 2]
         self.cache: dict[str, Any] = {}  # Masks.cached: what detectors make once per batch
+        self.whole: Masks  # the whole batch's view (set by Masks)
 
     @cached_property
     def story_columns(self) -> torch.Tensor:
@@ -160,6 +161,7 @@ class Masks:
     def __init__(self, batch: StoryBatch, dtype: torch.dtype):
         T = batch.ids.shape[1]
         self._set(_KeySets(batch, dtype), 0, T, T, None)
+        self._sets.whole = self
 
     def _set(self, sets: _KeySets, start: int, stop: int, keys: int, mass) -> None:
         self._sets, self.batch, self.dtype = sets, sets.batch, sets.dtype
@@ -178,11 +180,10 @@ class Masks:
         T = self._sets.inside.shape[1]
         return (self.start, self.stop, self.keys) == (0, T, T)
 
-    @cached_property
+    @property
     def full(self) -> Masks:
-        """The whole batch's masks (these, when :attr:`whole`)."""
-        T = self._sets.inside.shape[1]
-        return self if self.whole and self._mass is None else self._view(0, T, T)
+        """The whole batch's masks (every view of the batch shares one)."""
+        return self._sets.whole
 
     def rows(self, start: int, stop: int, keys: int) -> Masks:
         """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a

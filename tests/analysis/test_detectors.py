@@ -171,3 +171,21 @@ def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
             rows = m.rows(start, stop, stop)
             got = pairs_mass(pattern[:, :, start:stop, :stop].contiguous(), *rows.key_pairs(name), start)
             assert torch.allclose(got, dense[..., start:stop], rtol=0, atol=bound), (name, start)
+
+
+def test_one_mask_type_for_batches_and_rows_sharing_what_it_makes():
+    """A chunk's masks are the batch's cut to its rows and keys; every view of a batch shares what
+    is made once (``cached``), and masses formed elsewhere (``with_mass``) stand for that map only."""
+    m = Masks(batch(), torch.float32)
+    rows = m.rows(2, 4, 4)
+    assert rows.full is m and m.rows(0, 5, 5) is m and (rows.start, rows.stop, rows.keys) == (2, 4, 4)
+    assert torch.equal(rows.queries, m.queries[:, 2:4]) and rows.key_columns.shape[-2] == 4
+    made: list[int] = []
+    first = rows.cached("k", lambda: made.append(1) or torch.ones(1))
+    assert m.cached("k", lambda: made.append(2) or torch.zeros(1)) is first and made == [1]
+    p = att()[:, :, 2:4, :4]
+    formed = torch.rand(1, 2, 2, 2)
+    given = rows.with_mass(p, formed)
+    assert given.column_mass(p) is formed  # the kernel's masses, not made again
+    assert torch.allclose(given.column_mass(p.clone()), rows.column_mass(p))  # another map: made from it
+    assert torch.allclose(rows.column_mass(p), m.column_mass(att())[:, :, 2:4])
