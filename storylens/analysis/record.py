@@ -119,6 +119,25 @@ class Measure(Protocol):
     def end(self) -> object: ...  # what it returns is not read
 
 
+class Counter:
+    """A measure that reads no attention: ``update(stories)`` after every batch (how a progress
+    line, :class:`~storylens.core.progress.ProgressLines`, counts a recording)."""
+
+    needs = Needs()
+
+    def __init__(self, update: Callable[[int], None]):
+        self.update, self._stories = update, 0
+
+    def begin(self, batch: StoryBatch) -> None:
+        self._stories = len(batch.ids)
+
+    def feed(self, chunk: Chunk) -> None:
+        pass
+
+    def end(self) -> None:
+        self.update(self._stories)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a recording pass feeds its measures, and why."""
@@ -294,7 +313,6 @@ def record(
     start: int = 0,
     total: int | None = None,
     on_chunk: Callable[[RecordStats], None] | None = None,
-    on_batch: Callable[[int], None] | None = None,
 ) -> RecordStats:
     """Run ``stories`` (texts, or :class:`~storylens.analysis.encode.EncodedStory` records already
     encoded) through ``lm`` once, feeding every measure (see the module docstring), in batches
@@ -305,9 +323,8 @@ def record(
     batches mark the stories among the first that many (for the lesson's first-100 columns).
     Stories are encoded and batched ``chunk_stories`` at a time, chunk by chunk in order, so the
     same stories always make the same batches; ``start`` is the index of the first story (a run
-    resumed after ``start`` stories), ``total`` the count for the progress bar, ``on_batch(stories
-    in it)`` is called after every batch and ``on_chunk(stats so far)`` after every chunk (where a
-    long run checkpoints)."""
+    resumed after ``start`` stories), ``total`` the count for the progress bar, and
+    ``on_chunk(stats so far)`` is called after every chunk (where a long run checkpoints)."""
     from tqdm.auto import tqdm
 
     names = _check(stories, batch_size, names)
@@ -330,8 +347,6 @@ def record(
             for idx in length_batches([len(s.ids) for s in chunk], batch_size, batch_tokens):
                 wiring.run(batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit))
                 bar.update(len(idx))
-                if on_batch is not None:
-                    on_batch(len(idx))
             if on_chunk is not None:
                 on_chunk(RecordStats(n, n_cut, n_main))
     if n == 0:

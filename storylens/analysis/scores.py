@@ -72,7 +72,7 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
-from storylens.analysis.record import Chunk, KeyColumn, Needs, record
+from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -674,7 +674,7 @@ def score_heads(
     max_stories_prev: int | None = None,
     names: frozenset[str] | set[str] | None = None,
     detectors: Sequence[Detector] = BUILTIN_DETECTORS,
-    measures: Sequence = (),
+    measures: Sequence[Measure] = (),
     progress: bool = True,
     chunk_stories: int = CHUNK_STORIES,
     tokenizer=None,

@@ -30,7 +30,7 @@ from pathlib import Path
 from storylens.analysis.detectors import BUILTIN_DETECTORS
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.names import NameVocabulary
-from storylens.analysis.record import RecordStats, record
+from storylens.analysis.record import Counter, RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator, score_table
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
@@ -259,7 +259,7 @@ def _score_into(
         stats = done + record(
             lm,
             _skip(source, done.n_stories),
-            [acc],
+            [acc, Counter(lines.update)],
             batch_size=batch_size,
             names=names,
             progress=progress,
@@ -267,7 +267,6 @@ def _score_into(
             start=done.n_stories,
             total=n_total,
             on_chunk=progress_made,
-            on_batch=lines.update,
         )
     seconds = time.perf_counter() - t1
     scores = score_table(acc, stats, None, lm.window)

@@ -32,6 +32,7 @@ from storylens.analysis.encode import encode_stories
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
+from storylens.analysis.record import Counter
 from storylens.analysis.scores import score_heads
 from storylens.analysis.truth import (
     TRUTH_BUDGET,
@@ -270,7 +271,7 @@ def _build_report(
         measures = _beyond_measures(lm) if beyond else ()
         with _timer(timings, "scoring"):  # the one recording pass: head scores (and --beyond's measures)
             encoded = encode_stories(lm, quiz_stories, name_vocabulary(quiz_stories))  # once, for every step
-            lines = ProgressLines("scoring", len(encoded), enabled=progress)  # a measure that only counts
+            lines = Counter(ProgressLines("scoring", len(encoded), enabled=progress).update)  # counts batches
             scores = score_heads(
                 lm,
                 encoded,
