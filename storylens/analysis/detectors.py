@@ -193,8 +193,11 @@ class Masks:
 
     def with_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> Masks:
         """These masks, with ``column_mass(pattern)`` already formed (``[B, H, q, 2]``: name and
-        marker, e.g. in the attention's product with the values: :mod:`storylens.analysis.record`)."""
-        return self._view(self.start, self.stop, self.keys, (pattern, mass))
+        marker, e.g. in the attention's product with the values: :mod:`storylens.analysis.record`).
+        The same rows: the key pairs these masks cut for them are shared."""
+        view = self._view(self.start, self.stop, self.keys, (pattern, mass))
+        view._pairs = self._pairs
+        return view
 
     def cached(self, key: str, make: Callable[[], T_]) -> T_:
         """``make()``, made once per batch (every view of it shares the result): how a detector keeps
