@@ -89,7 +89,7 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
     import torch
 
     from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
-    from storylens.analysis.faithful import head_norms, key_norms, ov_factor
+    from storylens.analysis.record import _Pass, plan
     from storylens.analysis.scores import HeadScoreAccumulator, score_heads
     from storylens.lm import NativeLM
     from storylens.model.hub import export_hf, load_model
@@ -108,34 +108,15 @@ def bench_scoring(rounds: int, with_tl: bool) -> dict:
 
     lm = NativeLM(model)
 
-    factors = [ov_factor(lm.head_output_weights(i)) for i in range(L)]
-
     @torch.inference_mode()
     def record_and_score(detectors=LESSON_DETECTORS, faithful: bool = False, examples: int = 0):
         """The lesson's measures (as TransformerLens gets below); ``faithful``: also every detector on the
         norm-weighted map and the output norms (hook_v, hook_z); ``examples``: the top examples too."""
         acc = HeadScoreAccumulator(L, H, detectors, faithful=faithful, examples=examples)
-        feed = [(f"blocks.{i}.attn.hook_pattern", lambda p, hook: acc.block(hook.layer, p)) for i in range(L)]
-        if faithful:
-            feed += [
-                (
-                    f"blocks.{i}.attn.hook_v",
-                    lambda v, hook: acc.value_norms(hook.layer, key_norms(v, factors[hook.layer])),
-                )
-                for i in range(L)
-            ]
-            feed += [
-                (
-                    f"blocks.{i}.attn.hook_z",
-                    lambda z, hook: acc.output_norms(hook.layer, head_norms(z, factors[hook.layer])),
-                )
-                for i in range(L)
-            ]
-        with lm.hooks(feed):
+        wiring = _Pass(lm, [acc], plan(lm, [acc]))  # record()'s own wiring, over the batches made above
+        with wiring.context():
             for b in batches:
-                acc.begin(b)
-                lm.forward(b.ids, record_attention=True, logits=False)
-                acc.end()
+                wiring.run(b)
         return acc
 
     fns = {

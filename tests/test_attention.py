@@ -13,10 +13,28 @@ import pytest
 import torch
 
 from storylens.lm import wrap
-from storylens.lm.attention import NAME, grouped_attention
+from storylens.lm.attention import NAME, attach, grouped_attention, streaming
 
 BOUND = 1e-10
 transformers = pytest.importorskip("transformers")
+
+
+class _Rows:
+    """A row consumer for the tests: ``sink(layer, rows, start[, masses])``, ``columns(layer)`` carried."""
+
+    def __init__(self, sink, columns=None):
+        self.sink, self.columns = sink, columns
+
+    def key_weights(self, layer):
+        return None if self.columns is None else self.columns(layer)
+
+    def rows(self, layer, probs, start, masses, heads):
+        self.sink(layer, probs, start, *(() if masses is None else (masses,)))
+
+
+def _streaming(modules, sink, chunk_bytes, columns=None):
+    """Stream plain attention modules (each given its tap, as a model wrapper does)."""
+    return streaming(attach(modules), _Rows(sink, columns), chunk_bytes)
 
 
 def _model(kind: str):
@@ -118,7 +136,6 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     from storylens.analysis import pattern_detector, score_heads
     from storylens.analysis.detectors import BUILTIN_DETECTORS
     from storylens.data.stories import load_split
-    from storylens.lm.attention import streaming
 
     stories = load_split().quiz[:6]
     same_token = pattern_detector("same_token", lambda ids: (ids[:, :, None] == ids[:, None, :]).float())
@@ -127,14 +144,21 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     lm.chunk_bytes = 3000  # a few rows a chunk, not dividing the stories' lengths
     chunks: list[tuple[int, int, int]] = []
 
-    def spy(modules, sink, chunk_bytes, columns=None):
-        def seen(layer, rows, start, *masses):
+    class Seen:  # the recording's consumer, watched
+        def __init__(self, consumer, chunk_bytes):
+            self.consumer, self.chunk_bytes = consumer, chunk_bytes
+
+        def key_weights(self, layer):
+            return self.consumer.key_weights(layer)
+
+        def rows(self, layer, rows, start, masses, heads):
             chunks.append((layer, start, rows.shape[-2]))
             assert rows.shape[-1] >= start + rows.shape[-2]  # every key its rows can see
-            assert rows.shape[-2] == 1 or rows.numel() * rows.element_size() <= chunk_bytes
-            sink(layer, rows, start, *masses)
+            assert rows.shape[-2] == 1 or rows.numel() * rows.element_size() <= self.chunk_bytes
+            self.consumer.rows(layer, rows, start, masses, heads)
 
-        return streaming(modules, seen, chunk_bytes, columns)
+    def spy(taps, consumer, chunk_bytes):
+        return streaming(taps, Seen(consumer, chunk_bytes), chunk_bytes)
 
     monkeypatch.setattr(interface, "stream_attention", spy)
     got = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)
@@ -175,18 +199,16 @@ def test_a_hand_made_detector_gets_whole_maps(tokenizer):
 
 def test_streamed_attention_on_another_device():
     """Every tensor the streamed path makes is made on the inputs' device (checked on ``meta``)."""
-    from storylens.lm.attention import streaming
-
     B, H, G, T, d = 2, 6, 2, 50, 8
     q = torch.empty(B, H, T, d, device="meta")
     k, v = torch.empty(B, G, T, d, device="meta"), torch.empty(B, G, T, d, device="meta")
     module, seen = torch.nn.Module(), []
-    with streaming([module], lambda layer, rows, start: seen.append((rows.device.type, start)), 2000):
+    with _streaming([module], lambda layer, rows, start: seen.append((rows.device.type, start)), 2000):
         out, probs = grouped_attention(module, q, k, v, None, scaling=0.5)
     assert probs is None and out.shape == (B, T, H, d) and out.device.type == "meta"
     assert len(seen) > 1 and {dev for dev, _ in seen} == {"meta"}
     mask = torch.ones(B, 1, T, T, dtype=torch.bool, device="meta")
-    with streaming([module], lambda *a: None, 2000):
+    with _streaming([module], lambda *a: None, 2000):
         out, _ = grouped_attention(module, q, k, v, mask, scaling=0.5)
     assert out.device.type == "meta"
 
@@ -196,8 +218,6 @@ def test_streamed_chunks_reuse_two_buffers_and_change_nothing():
     memory reused chunk after chunk and layer after layer, though a chunk of rows sees more keys
     than the last), and the layer's output and every chunk's
     rows are bit for bit those of a run that allocates afresh (outside inference mode)."""
-    from storylens.lm.attention import streaming
-
     torch.manual_seed(0)
     B, H, G, T, d = 2, 6, 2, 40, 8
     q, k, v = torch.randn(B, H, T, d), torch.randn(B, G, T, d), torch.randn(B, G, T, d)
@@ -210,7 +230,7 @@ def test_streamed_chunks_reuse_two_buffers_and_change_nothing():
             rows.append((layer, start, chunk.clone()))
             places.add(chunk.data_ptr())
 
-        with torch.inference_mode(inference), streaming(modules, sink, 2000):
+        with torch.inference_mode(inference), _streaming(modules, sink, 2000):
             outs = [grouped_attention(m, q, k, v, None, scaling=0.3)[0].clone() for m in modules]
         return outs, rows, places
 
@@ -240,8 +260,6 @@ def test_key_columns_come_back_as_each_heads_rows_times_its_own_columns():
     """Columns carried through the probabilities-times-values product come back, chunk by chunk, as
     ``rows @ columns`` for each query head (grouped heads reading their own columns, not the group's
     others'), with and without a mask, and leave the layer's output as it was (float64)."""
-    from storylens.lm.attention import streaming
-
     torch.manual_seed(4)
     B, H, G, T, d, c = 2, 6, 2, 30, 8, 3
     q, k, v = (torch.randn(B, n, T, d, dtype=torch.float64) for n in (H, G, G))
@@ -255,16 +273,59 @@ def test_key_columns_come_back_as_each_heads_rows_times_its_own_columns():
         def sink(layer, rows, start, masses, seen=seen):
             seen.append((start, rows.clone(), masses.clone()))
 
-        with torch.inference_mode(), streaming([module], sink, 3000, columns=lambda layer: columns):
+        with torch.inference_mode(), _streaming([module], sink, 3000, columns=lambda layer: columns):
             out, _ = grouped_attention(module, q, k, v, mask, scaling=0.4)
-        with torch.inference_mode(), streaming([module], lambda *a: None, 3000):
+        with torch.inference_mode(), _streaming([module], lambda *a: None, 3000):
             plain, _ = grouped_attention(module, q, k, v, mask, scaling=0.4)
         assert len(seen) > 1 and torch.allclose(out, plain, rtol=0, atol=1e-13)
         for start, rows, masses in seen:
             keys = rows.shape[-1]
             assert torch.allclose(masses, rows @ columns[:, :, :keys], rtol=0, atol=1e-13), start
     with (
-        pytest.raises(ValueError, match="columns"),
-        streaming([module], sink, 3000, columns=lambda layer: columns[:, :2]),
+        pytest.raises(ValueError, match="key weights"),
+        _streaming([module], sink, 3000, columns=lambda layer: columns[:, :2]),
     ):
         grouped_attention(module, q, k, v, None, scaling=0.4)
+
+
+def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(tokenizer):
+    """Every measure streams: chunks of rows, with the key norms and head output sizes asked for; one
+    measure that does not (``Needs(streams=False)``) makes the whole pass hand whole maps, and the
+    plan says so and why. Both ways the chunks carry the same norms and output sizes."""
+    from storylens.analysis.record import Needs, plan, record
+    from storylens.data.stories import load_split
+
+    class Kept:
+        def __init__(self, streams):
+            self.needs, self.seen = Needs(key_norms=True, outputs=True, streams=streams), []
+
+        def begin(self, batch):
+            pass
+
+        def feed(self, chunk):
+            n, keys = chunk.probs.shape[-2:]
+            assert chunk.key_norms is not None and chunk.key_norms.shape[-1] == keys
+            assert chunk.outputs is not None and chunk.outputs.shape[-1] == n
+            assert chunk.masks.start == chunk.start and chunk.masks.stop == chunk.stop
+            self.seen.append((chunk.layer, chunk.start, n, keys, chunk.outputs.clone()))
+
+        def end(self):
+            pass
+
+    lm = wrap(_model("llama"), tokenizer)
+    lm.chunk_bytes = 3000
+    stories = load_split().quiz[:2]
+    rows, whole = Kept(True), Kept(False)
+    streamed = plan(lm, [rows])
+    assert streamed.streamed and streamed.key_norms and streamed.outputs and "every measure streams" in streamed.why
+    switched = plan(lm, [rows, whole])
+    assert not switched.streamed and "Kept cannot take chunks of rows" in switched.why
+    record(lm, stories, [rows], batch_size=2, progress=False)
+    assert any(n < keys for _, _, n, keys, _ in rows.seen)  # chunks of rows
+    by_rows, rows.seen = rows.seen, []
+    record(lm, stories, [rows, whole], batch_size=2, progress=False)
+    assert all(start == 0 and n == keys for _, start, n, keys, _ in rows.seen + whole.seen)  # whole maps
+    for layer in range(lm.n_layer):
+        chunked = torch.cat([o for la, _, _, _, o in by_rows if la == layer], -1)
+        (full,) = [o for la, _, _, _, o in whole.seen if la == layer]
+        assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-6)

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, BatchMasks
+from storylens.analysis.detectors import BUILTIN_DETECTORS, Masks
 from storylens.analysis.encode import EncodedStory, batch_of, encode_stories, length_batches
 from storylens.analysis.examples import TopExamples
 from storylens.analysis.names import name_vocabulary
-from storylens.analysis.record import record
+from storylens.analysis.record import Needs, record
 from storylens.core.errors import StorylensError
 from storylens.lm import wrap
 
@@ -35,7 +35,7 @@ def recorded(shipped_model, corpus_split):
         for idx in length_batches([len(s.ids) for s in encoded], 4):
             batch = batch_of([encoded[i] for i in idx], lm.marker_id, lm.device)
             patterns = lm.patterns(batch.ids)
-            masks = BatchMasks(batch, patterns[0].dtype)
+            masks = Masks(batch, patterns[0].dtype)
             blocks = []
             for layer, pattern in enumerate(patterns):
                 per = {d.name: (d.values(pattern, masks), d.queries(masks)) for d in BUILTIN_DETECTORS}
@@ -201,18 +201,18 @@ def test_fed_by_the_recording_hooks(shipped_model, recorded):
     lm, _, batches = recorded
 
     class Feed:
+        needs = Needs(streams=False)
+
         def __init__(self):
             self.top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
 
         def begin(self, batch):
-            self.batch, self.masks = batch, None
+            self.batch = batch
 
-        def block(self, layer, pattern):
-            if self.masks is None:
-                self.masks = BatchMasks(self.batch, pattern.dtype)
+        def feed(self, chunk):
+            m, p = chunk.masks, chunk.probs
             for d in BUILTIN_DETECTORS:
-                self.top.add(layer, d.name, d.values(pattern, self.masks), d.queries(self.masks), pattern, self.batch)
-            self.masks.__dict__.pop("_column_mass", None)
+                self.top.add(chunk.layer, d.name, d.values(p, m), d.queries(m), p, self.batch)
 
         def end(self):
             pass

@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from storylens.analysis.encode import encode_stories, length_batches
 from storylens.analysis.names import name_vocabulary
+from storylens.analysis.record import Counter
 from storylens.analysis.scores import score_heads
 from storylens.core.batching import BATCH_TOKENS, pad_batch, valid_mask
 from storylens.core.errors import StorylensError
@@ -460,7 +461,7 @@ def name_ablation_table(
             batch_size=batch_size,
             faithful=False,  # only the name heads are wanted here
             progress=progress,
-            measures=(ProgressLines("scoring", len(stories), enabled=progress),),
+            measures=(Counter(ProgressLines("scoring", len(stories), enabled=progress).update),),
         )
         name_heads = [h.label for h in scores.top("name_mass", k)]
     groups = [list(name_heads)] if name_heads else []

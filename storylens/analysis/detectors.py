@@ -40,11 +40,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, TypeVar
 
 import torch
 from torch.nn import functional as F
 
+from storylens.analysis.encode import StoryBatch
 from storylens.core.errors import StorylensError
+
+T_ = TypeVar("T_")
 
 PREV_SPAN = 4  # prev4: attention on the last four positions together
 NORM_PREFIX = "norm_"  # norm_<column>: the same detector on the norm-weighted map (storylens.analysis.faithful)
@@ -80,15 +84,12 @@ class Column:
 # ---------------------------------------------------------------- what a batch offers
 
 
-class BatchMasks:
-    """Masks of one batch, made once and shared by every block and detector.
+class _KeySets:
+    """A batch's masks and key sets, made once (each the first time it is read) and shared by every
+    :class:`Masks` view of the batch: whole, a chunk of rows, or either with formed column masses."""
 
-    ``batch``: a :class:`storylens.analysis.encode.StoryBatch` (ids, lengths, name and marker
-    masks, first mentions)."""
-
-    def __init__(self, batch, dtype: torch.dtype):
-        self.batch = batch
-        self.dtype = dtype
+    def __init__(self, batch: StoryBatch, dtype: torch.dtype):
+        self.batch, self.dtype = batch, dtype
         T = batch.ids.shape[1]
         pos = torch.arange(T, device=batch.ids.device)[None, :]
         self.inside = pos < batch.lengths[:, None]  # [B, T] real tokens
@@ -96,32 +97,8 @@ class BatchMasks:
         first = batch.first_mention[:, None]
         self.name_queries = self.inside & (first >= 0) & (pos > first) & ~batch.name_mask
         self.key_columns = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None].to(dtype)  # [B, 1, T, 2]
-
-    start = 0  # the first query row a pattern handed with these masks holds (RowMasks: a chunk's)
-
-    @property
-    def full(self) -> BatchMasks:
-        """The whole batch's masks: these (a :class:`RowMasks`' are its parent's)."""
-        return self
-
-    def rows(self, start: int, stop: int, keys: int) -> RowMasks:
-        """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a
-        detector reads with a chunk of a map (``[batch, head, stop - start, keys]``)."""
-        return RowMasks(self, start, stop, keys)
-
-    def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
-        """``[B, H, q, 2]``: attention on the name tokens and on the markers, one product for both
-        (kept for the block being scored: the name and marker detectors share it)."""
-        last = self.__dict__.get("_column_mass")
-        if last is None or last[0] is not pattern:
-            last = (pattern, columns_mass(pattern, *self.column_keys))
-            self.__dict__["_column_mass"] = last
-        return last[1]
-
-    def offer_column_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> None:
-        """Hand over ``column_mass(pattern)`` formed elsewhere (``[B, H, q, 2]``, as :func:`key_columns_mass`
-        with ``key_columns`` inside each story: in the attention's product with the values)."""
-        self.__dict__["_column_mass"] = (pattern, mass)
+        self.cache: dict[str, Any] = {}  # Masks.cached: what detectors make once per batch
+        self.whole: Masks  # the whole batch's view (set by Masks)
 
     @cached_property
     def story_columns(self) -> torch.Tensor:
@@ -157,29 +134,19 @@ class BatchMasks:
         dup = self.duplicate_keys  # dup[q, j]: j < q holds ids[q]
         return F.pad(dup, (1, 0))[..., : dup.shape[-1]]  # key k = j + 1 (<= q)
 
-    def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key set ``name`` ("duplicate_keys" or "induction_keys") as indices: ``[B, 1, q, m]``
-        key positions, latest first, and a ``[B, 1, q, m]`` 0/1 weight, ``m`` the most keys any
-        query has. A query's duplicates are few, so gathering them reads a sliver of each map (not
-        all of it); they are found by sorting the tokens, so no ``[q, k]`` table is ever made."""
-        key = f"_sparse_{name}"
-        if key not in self.__dict__:
-            if name not in ("duplicate_keys", "induction_keys"):
-                raise ValueError(f"sparse_keys: no key set {name!r}")
-            index, valid = duplicate_index(self.batch.ids, self.inside)  # [B, q, m]
-            if name == "induction_keys":  # the position just after each earlier occurrence
-                index = torch.where(valid, index + 1, 0)
-            self.__dict__[key] = (index[:, None], valid[:, None].to(self.dtype))
-        return self.__dict__[key]
+    @cached_property
+    def sparse(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Both token key sets as indices (see :meth:`Masks.sparse_keys`), from one sort of the tokens."""
+        index, valid = duplicate_index(self.batch.ids, self.inside)  # [B, q, m]
+        weight = valid[:, None].to(self.dtype)
+        after = torch.where(valid, index + 1, 0)  # the position just after each earlier occurrence
+        return {"duplicate_keys": (index[:, None], weight), "induction_keys": (after[:, None], weight)}
 
     def key_pairs(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key set ``name`` (as :meth:`sparse_keys`) as ``(query, key)`` pairs, each story's in
-        rising query order: ``[B, P]`` query positions (``T`` past a story's last pair) and ``[B, P]``
-        key positions (0 there), ``P`` the most pairs any story has. Only the pairs there are, not
-        every query padded to the most keys any query has (most queries have few)."""
-        key = f"_pairs_{name}"
-        if key not in self.__dict__:
-            index, valid = self.sparse_keys(name)  # [B, 1, q, m]
+        """See :meth:`Masks.key_pairs` (the whole batch's, made once)."""
+        key = f"pairs:{name}"
+        if key not in self.cache:
+            index, valid = self.sparse[name]  # [B, 1, q, m]
             index, valid = index[:, 0], valid[:, 0] > 0
             B, T, m = index.shape
             count = valid.sum((1, 2))  # [B]
@@ -189,101 +156,194 @@ class BatchMasks:
             real = torch.arange(P, device=index.device)[None, :] < count[:, None]
             queries = torch.where(real, rank // m, T)
             keys = torch.where(real, index.view(B, T * m).gather(1, rank), 0)
-            self.__dict__[key] = (queries, keys)
-        return self.__dict__[key]
-
-    def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
-        """A user pattern's key weights, ``[B, q, k]``, kept inside each story and causal. Anything
-        but finite weights from 0 to 1 of the right shape is refused in one line naming the detector
-        (a weight is how much a key counts: 1 fully, 0 not at all)."""
-        ids = self.batch.ids
-        B, T = ids.shape
-        where = f"detector {name}: pattern(ids)"
-        try:
-            raw = fn(ids.clone())
-        except Exception as e:  # the user's code: any error becomes one line
-            raise StorylensError(f"{where} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-        except SystemExit as e:
-            raise StorylensError(f"{where} called sys.exit({e.code!r})") from None
-        if isinstance(raw, (str, bytes)) or not hasattr(raw, "shape"):
-            raise StorylensError(
-                f"{where} returned {type(raw).__name__}; expected a [batch, query, key] tensor of shape {(B, T, T)}"
-            )
-        try:
-            w = torch.as_tensor(raw).to(device=ids.device, dtype=self.dtype)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise StorylensError(
-                f"{where} returned weights that are not numbers ({' '.join(str(e).split())[:120]})"
-            ) from None
-        if tuple(w.shape) != (B, T, T):
-            raise StorylensError(
-                f"{where} returned weights of shape {tuple(w.shape)}; expected {(B, T, T)} ([batch, query, key])"
-            )
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        w = torch.where(causal & self.inside[:, :, None] & self.inside[:, None, :], w, torch.zeros((), dtype=w.dtype))
-        if not torch.isfinite(w).all():
-            raise StorylensError(f"{where} returned NaN or infinite weights; a weight is a number from 0 to 1")
-        if (w < 0).any() or (w > 1).any():
-            raise StorylensError(
-                f"{where} returned weights from {w.min().item():g} to {w.max().item():g}; "
-                "a weight is a number from 0 to 1 (how much that key counts)"
-            )
-        return w
+            self.cache[key] = (queries, keys)
+        return self.cache[key]
 
 
-class RowMasks:
-    """:class:`BatchMasks` cut to a chunk of query rows (``start .. stop - 1``) and the keys they
-    can see (``0 .. keys - 1``): the same attributes, for a detector handed that chunk of a map.
-    Every query-indexed mask is sliced from the batch's, so a chunk's values are the full map's."""
+class Masks:
+    """What a detector reads besides the attention: one batch's masks and key sets, cut to the query
+    rows ``start .. stop - 1`` and the keys ``0 .. keys - 1`` of the map handed with them (the whole
+    batch: ``Masks(batch, dtype)``; a chunk of rows: :meth:`rows`). Every view of a batch shares its
+    key sets, each made once, the first time any view reads it (no map-sized table is made for a
+    chunk); query-indexed masks are sliced from the batch's, so a chunk's values are the full map's.
 
-    def __init__(self, full: BatchMasks, start: int, stop: int, keys: int):
-        self.full, self.batch, self.dtype = full, full.batch, full.dtype
+    ``batch``: a :class:`storylens.analysis.encode.StoryBatch` (ids, lengths, name and marker
+    masks, first mentions)."""
+
+    def __init__(self, batch: StoryBatch, dtype: torch.dtype):
+        T = batch.ids.shape[1]
+        self._set(_KeySets(batch, dtype), 0, T, T, None)
+        self._sets.whole = self
+
+    def _set(self, sets: _KeySets, start: int, stop: int, keys: int, mass) -> None:
+        self._sets, self.batch, self.dtype = sets, sets.batch, sets.dtype
         self.start, self.stop, self.keys = start, stop, keys
-        self.inside = full.inside[:, start:stop]
-        self.queries = full.queries[:, start:stop]
-        self.name_queries = full.name_queries[:, start:stop]
-        self.key_columns = full.key_columns[:, :, :keys]
-        self._column_mass: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mass: tuple[torch.Tensor, torch.Tensor] | None = mass  # (the map, its column masses)
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _view(self, start: int, stop: int, keys: int, mass=None) -> Masks:
+        view = Masks.__new__(Masks)
+        view._set(self._sets, start, stop, keys, mass)
+        return view
+
+    @property
+    def whole(self) -> bool:
+        """Whether these are the whole batch's masks (every query row, every key)."""
+        T = self._sets.inside.shape[1]
+        return (self.start, self.stop, self.keys) == (0, T, T)
+
+    @property
+    def full(self) -> Masks:
+        """The whole batch's masks (every view of the batch shares one)."""
+        return self._sets.whole
+
+    def rows(self, start: int, stop: int, keys: int) -> Masks:
+        """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a
+        detector reads with a chunk of a map (``[batch, head, stop - start, keys]``)."""
+        view = self._view(start, stop, keys)
+        return self.full if view.whole else view
+
+    def with_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> Masks:
+        """These masks, with ``column_mass(pattern)`` already formed (``[B, H, q, 2]``: name and
+        marker, e.g. in the attention's product with the values: :mod:`storylens.analysis.record`).
+        The same rows: the key pairs these masks cut for them are shared."""
+        view = self._view(self.start, self.stop, self.keys, (pattern, mass))
+        view._pairs = self._pairs
+        return view
+
+    def cached(self, key: str, make: Callable[[], T_]) -> T_:
+        """``make()``, made once per batch (every view of it shares the result): how a detector keeps
+        what it derives from the batch alone (a user pattern's key weights)."""
+        cache = self._sets.cache
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def cut(self, keys: torch.Tensor) -> torch.Tensor:
+        """A batch-wide ``[B, q, k]`` key set cut to these rows and keys."""
+        return keys if self.whole else keys[:, self.start : self.stop, : self.keys]
+
+    @cached_property
+    def inside(self) -> torch.Tensor:  # [B, q]
+        return self._sets.inside if self.whole else self._sets.inside[:, self.start : self.stop]
+
+    @cached_property
+    def queries(self) -> torch.Tensor:  # [B, q]
+        return self._sets.queries if self.whole else self._sets.queries[:, self.start : self.stop]
+
+    @cached_property
+    def name_queries(self) -> torch.Tensor:  # [B, q]
+        return self._sets.name_queries if self.whole else self._sets.name_queries[:, self.start : self.stop]
+
+    @cached_property
+    def key_columns(self) -> torch.Tensor:
+        """``[B, 1, keys, 2]``: the name and marker tokens as key columns."""
+        return self._sets.key_columns if self.whole else self._sets.key_columns[:, :, : self.keys]
+
+    @property
+    def story_columns(self) -> torch.Tensor:
+        """``[B, T, 2]``: the name and marker key columns, 0 past each story's end (the whole batch's)."""
+        return self._sets.story_columns
+
+    @property
+    def column_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :attr:`_KeySets.column_keys` (the whole batch's)."""
+        return self._sets.column_keys
+
+    @property
+    def duplicate_keys(self) -> torch.Tensor:
+        """``[B, q, k]``: earlier positions holding the query's token."""
+        return self.cut(self._sets.duplicate_keys)
+
+    @property
+    def induction_keys(self) -> torch.Tensor:
+        """``[B, q, k]``: positions right after an earlier occurrence of the query's token."""
+        return self.cut(self._sets.induction_keys)
+
     def column_mass(self, pattern: torch.Tensor) -> torch.Tensor:
-        """As :meth:`BatchMasks.column_mass`, for this chunk."""
-        last = self._column_mass
+        """``[B, H, q, 2]``: attention on the name tokens and on the markers, one product for both
+        (kept for the map being scored: the name and marker detectors share it), or the masses
+        formed elsewhere (:meth:`with_mass`)."""
+        last = self._mass
         if last is None or last[0] is not pattern:
-            last = self._column_mass = (pattern, columns_mass(pattern, *self.full.column_keys))
+            last = self._mass = (pattern, columns_mass(pattern, *self._sets.column_keys))
         return last[1]
 
-    def offer_column_mass(self, pattern: torch.Tensor, mass: torch.Tensor) -> None:
-        """As :meth:`BatchMasks.offer_column_mass`, for this chunk."""
-        self._column_mass = (pattern, mass)
-
-    def _cut(self, keys: torch.Tensor) -> torch.Tensor:  # [B, q, k] -> this chunk's rows and keys
-        return keys[:, self.start : self.stop, : self.keys]
-
     def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        index, weight = self.full.sparse_keys(name)  # [B, 1, q, m]: key positions below each query
+        """The key set ``name`` ("duplicate_keys" or "induction_keys") as indices: ``[B, 1, q, m]``
+        key positions, latest first, and a ``[B, 1, q, m]`` 0/1 weight, ``m`` the most keys any
+        query has. A query's duplicates are few, so gathering them reads a sliver of each map (not
+        all of it); they are found by sorting the tokens, so no ``[q, k]`` table is ever made."""
+        if name not in ("duplicate_keys", "induction_keys"):
+            raise ValueError(f"sparse_keys: no key set {name!r}")
+        index, weight = self._sets.sparse[name]
+        if self.whole:
+            return index, weight
         return index[:, :, self.start : self.stop], weight[:, :, self.start : self.stop]
 
     def key_pairs(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`BatchMasks.key_pairs`, the pairs whose query is in this chunk (``stop`` past them)."""
-        if name in self._pairs:
-            return self._pairs[name]
-        queries, keys = self.full.key_pairs(name)
-        lo = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.start))  # [B, 1]
-        hi = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.stop))
-        P = max(int((hi - lo).max()), 1)
-        at = lo + torch.arange(P, device=queries.device)[None, :]  # [B, P]
-        real = at < hi
-        at = at.clamp(max=queries.shape[1] - 1)
-        pairs = torch.where(real, queries.gather(1, at), self.stop), torch.where(real, keys.gather(1, at), 0)
-        self._pairs[name] = pairs
-        return pairs
+        """The key set ``name`` (as :meth:`sparse_keys`) as ``(query, key)`` pairs, each story's in
+        rising query order: ``[B, P]`` query positions (``stop`` past a story's last pair in these
+        rows) and ``[B, P]`` key positions (0 there), ``P`` the most pairs any story has here. Only
+        the pairs there are, not every query padded to the most keys any query has (most have few)."""
+        queries, keys = self._sets.key_pairs(name)
+        if self.whole:
+            return queries, keys
+        if name not in self._pairs:
+            lo = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.start))  # [B, 1]
+            hi = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.stop))
+            P = max(int((hi - lo).max()), 1)
+            at = lo + torch.arange(P, device=queries.device)[None, :]  # [B, P]
+            real = at < hi
+            at = at.clamp(max=queries.shape[1] - 1)
+            self._pairs[name] = (
+                torch.where(real, queries.gather(1, at), self.stop),
+                torch.where(real, keys.gather(1, at), 0),
+            )
+        return self._pairs[name]
 
     def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
-        return self._cut(self.full.pattern_keys(fn, name))
+        """A user pattern's key weights, ``[B, q, k]`` (these rows and keys), kept inside each story
+        and causal. Anything but finite weights from 0 to 1 of the right shape is refused in one line
+        naming the detector (a weight is how much a key counts: 1 fully, 0 not at all)."""
+        return self.cut(_pattern_weights(self._sets, fn, name))
 
 
-Masks = BatchMasks | RowMasks  # what a detector reads: a whole batch's masks or a chunk of rows
+def _pattern_weights(sets: _KeySets, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> torch.Tensor:
+    """:meth:`Masks.pattern_keys` over the whole batch."""
+    ids = sets.batch.ids
+    B, T = ids.shape
+    where = f"detector {name}: pattern(ids)"
+    try:
+        raw = fn(ids.clone())
+    except Exception as e:  # the user's code: any error becomes one line
+        raise StorylensError(f"{where} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    except SystemExit as e:
+        raise StorylensError(f"{where} called sys.exit({e.code!r})") from None
+    if isinstance(raw, (str, bytes)) or not hasattr(raw, "shape"):
+        raise StorylensError(
+            f"{where} returned {type(raw).__name__}; expected a [batch, query, key] tensor of shape {(B, T, T)}"
+        )
+    try:
+        w = torch.as_tensor(raw).to(device=ids.device, dtype=sets.dtype)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise StorylensError(
+            f"{where} returned weights that are not numbers ({' '.join(str(e).split())[:120]})"
+        ) from None
+    if tuple(w.shape) != (B, T, T):
+        raise StorylensError(
+            f"{where} returned weights of shape {tuple(w.shape)}; expected {(B, T, T)} ([batch, query, key])"
+        )
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    w = torch.where(causal & sets.inside[:, :, None] & sets.inside[:, None, :], w, torch.zeros((), dtype=w.dtype))
+    if not torch.isfinite(w).all():
+        raise StorylensError(f"{where} returned NaN or infinite weights; a weight is a number from 0 to 1")
+    if (w < 0).any() or (w > 1).any():
+        raise StorylensError(
+            f"{where} returned weights from {w.min().item():g} to {w.max().item():g}; "
+            "a weight is a number from 0 to 1 (how much that key counts)"
+        )
+    return w
 
 
 # ---------------------------------------------------------------- the pure functions
@@ -380,7 +440,7 @@ def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_mass(pattern: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Attention on a key set given as pairs (:meth:`BatchMasks.key_pairs`: ``queries``, ``keys``
+    """Attention on a key set given as pairs (:meth:`Masks.key_pairs`: ``queries``, ``keys``
     ``[B, P]``, a query past the chunk's rows marking no pair), for a chunk of rows whose first
     query is ``start``: ``[B, H, q]``, equal to :func:`keys_mass` on the same key set. One
     gather of the pairs' weights from the map seen flat (a query's few keys, not every query padded
@@ -413,7 +473,7 @@ class Detector:
     values: Callable[[torch.Tensor, Masks], torch.Tensor]
     queries: Callable[[Masks], torch.Tensor]
     first_columns: bool = False  # also scored over the first N stories (the lesson's *_first)
-    # reads a chunk of query rows right (masks a RowMasks, its first row masks.start) and is linear
+    # reads a chunk of query rows right (masks cut to them, its first row masks.start) and is linear
     # in each row (or, scale_free, unchanged when a row is scaled): every built-in and pattern
     # detector. A detector made by hand without it gets whole maps and the norm-weighted map itself.
     rows: bool = False
@@ -617,14 +677,10 @@ def pattern_detector(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> D
         raise ValueError(
             f"detector name {name!r} starts with {NORM_PREFIX!r}, kept for the norm-weighted columns; choose another NAME"
         )
-    cache_key = f"_pattern_{name}"
+    cache_key = f"pattern:{name}"
 
-    def keys(m: BatchMasks | RowMasks) -> torch.Tensor:
-        full = m.full
-        if cache_key not in full.__dict__:
-            full.__dict__[cache_key] = full.pattern_keys(fn, name)
-        w = full.__dict__[cache_key]
-        return w if isinstance(m, BatchMasks) else m._cut(w)
+    def keys(m: Masks) -> torch.Tensor:
+        return m.cut(m.cached(cache_key, lambda: m.full.pattern_keys(fn, name)))
 
     column = pattern_column(name)
     return Detector(

@@ -38,10 +38,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from storylens.analysis.encode import StoryBatch
 from storylens.core.errors import StorylensError
 from storylens.core.heads import head_label
 from storylens.core.publish import write_text_atomic
@@ -130,7 +130,7 @@ def _best(examples, k: int, per_story: int | None = None) -> list[Example]:
 
 @dataclass(frozen=True)
 class _BatchView:
-    batch: Any
+    batch: StoryBatch
     Q: int  # query rows
     start: int  # the first of them
     device: torch.device
@@ -171,6 +171,17 @@ def _per_story(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) 
     tied = e & (vs == kth)
     room = per_story - above.sum(-1, keepdim=True)
     return (above | (tied & (tied.cumsum(-1) <= room))).view(R, B * Q)
+
+
+def _first_k(eligible: torch.Tensor, v: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the first ``k`` of the eligible queries under the order: every value above the k-th
+    largest, then as many of the values equal to it as fit, earliest (story, query) first."""
+    masked = torch.where(eligible, v, torch.tensor(-math.inf, dtype=v.dtype, device=v.device))
+    kth = masked.topk(min(k, v.shape[1]), dim=-1).values[:, -1:]  # [R, 1]; -inf: fewer than k eligible
+    above = eligible & (v > kth)
+    tied = eligible & (v == kth)
+    room = k - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1) <= room))
 
 
 def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple[int, ...], int]:
@@ -226,7 +237,7 @@ class TopExamples:
 
     # ---------------------------------------------------------------- feeding
 
-    def _batch_view(self, batch, Q: int, device: torch.device, start: int = 0) -> _BatchView:
+    def _batch_view(self, batch: StoryBatch, Q: int, device: torch.device, start: int = 0) -> _BatchView:
         """What every call on ``batch`` (its query rows ``start .. start + Q - 1``) shares, made once
         per batch and chunk of rows (the last one is kept)."""
         last = self._view
@@ -254,7 +265,13 @@ class TopExamples:
         return self._view
 
     def add(
-        self, layer: int, name: str, values: torch.Tensor, counted: torch.Tensor, pattern: torch.Tensor, batch
+        self,
+        layer: int,
+        name: str,
+        values: torch.Tensor,
+        counted: torch.Tensor,
+        pattern: torch.Tensor,
+        batch: StoryBatch,
     ) -> None:
         """Offer one block's per-query values of detector ``name``: ``values [B, H, Q]``, ``counted
         [B, Q]`` (only counted queries qualify), ``pattern [B, H, Q, K]`` (for the most-attended
@@ -262,7 +279,12 @@ class TopExamples:
         self.add_block(layer, [(name, values, counted)], pattern, batch)
 
     def add_block(
-        self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern, batch, start: int = 0
+        self,
+        layer: int,
+        offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+        pattern: torch.Tensor,
+        batch: StoryBatch,
+        start: int = 0,
     ) -> None:
         """:meth:`add` for several detectors of one block at once, ``offers = [(name, values, counted),
         ...]``: one selection over every (detector, head) row, so a block costs a few tensor calls
@@ -270,6 +292,26 @@ class TopExamples:
         ``start ..`` of the block (a chunk of a map), not all of them; chunks may come in any order."""
         if not offers:
             return
+        B, H, Q = self._check_offers(layer, offers, pattern)
+        if B == 0 or Q == 0:
+            return
+        kept = [self._kept[name][layer][h] for name, _, _ in offers for h in range(H)]  # row r = d * H + h
+        view = self._batch_view(batch, Q, offers[0][1].device, start)
+        v, eligible = self._eligible(offers, kept, view)
+        take = _first_k(eligible, v, self.k)
+        ri, fi = take.nonzero(as_tuple=True)  # at most k per row
+        if ri.numel() == 0:
+            return
+        new = self._examples(ri, fi, v[ri, fi], pattern, view, len(kept))
+        for r in range(len(kept)):
+            if new[r]:
+                name = offers[r // H][0]
+                self._kept[name][layer][r % H] = _best(kept[r] + new[r], self.k, self.per_story)
+
+    def _check_offers(
+        self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern: torch.Tensor
+    ) -> tuple[int, int, int]:
+        """``(B, H, Q)`` of the offers, every shape checked against them and this instance."""
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"examples: no layer {layer} (0 .. {self.n_layer - 1})")
         first = offers[0][1]
@@ -285,25 +327,27 @@ class TopExamples:
                 raise ValueError(f"examples: counted of shape {tuple(counted.shape)}; expected {(B, Q)}")
         if pattern.dim() != 4 or tuple(pattern.shape[:3]) != (B, H, Q):
             raise ValueError(f"examples: pattern of shape {tuple(pattern.shape)}; expected [{B}, {H}, {Q}, key]")
-        if B == 0 or Q == 0:
-            return
-        D = len(offers)
-        kept = [self._kept[name][layer][h] for name, _, _ in offers for h in range(H)]  # row r = d * H + h
-        k = self.k
-        dev = first.device
-        view = self._batch_view(batch, Q, dev, start)
+        return B, H, Q
 
+    def _eligible(
+        self, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], kept: list[list[Example]], view: _BatchView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (detector, head) row's values ``[D * H, B * Q]`` (rows in story order, so a flat index
+        ``b * Q + q`` runs in (story, query) order) and which of them may enter its top ``k``."""
+        dev = view.device
+        B, H, Q = offers[0][1].shape
+        D = len(offers)
         v = torch.stack([values.detach() for _, values, _ in offers])  # [D, B, H, Q]
         if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
             v = v.to(torch.float32)  # exact: every half value is a float32
         c = torch.stack([counted.detach().to(device=dev, dtype=torch.bool) for _, _, counted in offers])  # [D, B, Q]
-        if view.perm is not None:  # rows in story order, so that a flat index b * Q + q runs in (story, query) order
+        if view.perm is not None:
             v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
         R = D * H
         v = v.transpose(1, 2).reshape(R, B * Q)  # [D * H, B * Q]
         c = (c & view.inside).reshape(D, 1, B * Q).expand(D, H, B * Q).reshape(R, B * Q)
         eligible = c & v.isfinite()
-        full = [len(kept[r]) == k for r in range(R)]
+        full = [len(kept[r]) == self.k for r in range(R)]
         if any(full):  # a row that keeps k examples takes only queries that beat its worst one
             worst = [kept[r][-1] if full[r] else None for r in range(R)]
             wv = _at_most([e.value if e else -math.inf for e in worst], v.dtype).to(dev)[:, None]
@@ -313,23 +357,17 @@ class TopExamples:
             eligible &= (v > wv) | ((v == wv) & earlier)
         if self.per_story is not None and self.per_story < Q:
             eligible = _per_story(eligible, v, B, self.per_story)
-        # per row, the first k of the eligible queries under the order: every value above the k-th
-        # largest, then as many of the values equal to it as fit, earliest (story, query) first
-        masked = torch.where(eligible, v, torch.tensor(-math.inf, dtype=v.dtype, device=dev))
-        kth = masked.topk(min(k, B * Q), dim=-1).values[:, -1:]  # [R, 1]; -inf: fewer than k eligible
-        above = eligible & (v > kth)
-        tied = eligible & (v == kth)
-        room = k - above.sum(-1, keepdim=True)
-        take = above | (tied & (tied.cumsum(-1) <= room))
-        ri, fi = take.nonzero(as_tuple=True)  # at most k per row
-        if ri.numel() == 0:
-            return
-        val = v[ri, fi]
+        return v, eligible
+
+    def _examples(
+        self, ri: torch.Tensor, fi: torch.Tensor, val: torch.Tensor, pattern: torch.Tensor, view: _BatchView, R: int
+    ) -> list[list[Example]]:
+        """The :class:`Example` of each taken (row ``ri``, flat query ``fi``), per row: its most-attended
+        key (the earliest key holding the row's maximum), its weight and the windows around both."""
+        B, H, Q, K = pattern.shape
         hi = ri % H
         bs, qi = fi // Q, fi % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
-        # the most-attended key of each kept query: the earliest key holding the row's maximum
-        K = pattern.shape[-1]
         flat_rows = (bi * H + hi) * Q + qi
         if pattern.is_contiguous():
             rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, flat_rows.to(pattern.device))
@@ -339,11 +377,10 @@ class TopExamples:
         top = rowmaps.amax(-1, keepdim=True)
         key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
         weight = rowmaps.gather(-1, key[:, None])[:, 0]
-        qi = qi + start  # the query's position
+        qi = qi + view.start  # the query's position
         seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context, self.context + 1)
         near_key = _seen_weights(rowmaps, key, KEY_BEFORE, KEY_BEFORE + KEY_AFTER)
-
-        new: list[list[Example]] = [[] for _ in range(R)]
+        new: list[list[Example]] = [[] for _ in range(R)]  # per (detector, head) row
         rows, story_index = view.rows, view.story_index
         for r, b, q, x, kk, w, ws, wk in zip(
             ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist(), seen, near_key
@@ -367,10 +404,7 @@ class TopExamples:
                     key_weights,
                 )
             )
-        for r in range(R):
-            if new[r]:
-                name = offers[r // H][0]
-                self._kept[name][layer][r % H] = _best(kept[r] + new[r], k, self.per_story)
+        return new
 
     # ---------------------------------------------------------------- combining and checkpoints
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from storylens.analysis.encode import StoryBatch
 from storylens.analysis.position import _as_blocks
-from storylens.analysis.record import record
+from storylens.analysis.record import Chunk, Needs, record
 from storylens.core.heads import head_label
 from storylens.lm import ModelLike, wrap
 
@@ -194,13 +195,19 @@ class PronounAccumulator:
             n += self.add(stacked[i, :, :, :L, :L], names, pronoun_positions[i], first)
         return n
 
-    # --- a measure for storylens.analysis.record: fed block by block from the one recording
-    def begin(self, batch) -> None:
+    # --- a measure for storylens.analysis.record: fed whole maps, block by block, from the one recording
+    needs = Needs(streams=False)  # a story's distances and spans read its whole map
+    _batch: StoryBatch | None = None
+
+    def begin(self, batch: StoryBatch) -> None:
         self._batch = batch
 
-    def block(self, layer: int, pattern: torch.Tensor) -> None:
+    def feed(self, chunk: Chunk) -> None:
+        if self._batch is None:
+            raise RuntimeError("feed() before begin(batch)")
+        layer, pattern = chunk.layer, chunk.probs
         for i, story in enumerate(self._batch.stories):
-            if not story.name_positions:
+            if not story.name_positions or story.main is None:
                 continue
             T = len(story.ids)
             s = story_pronoun_mass(

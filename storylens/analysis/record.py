@@ -1,63 +1,174 @@
 """The one recording driver: run the stories through the model once, in batches, and hand every
-block's pattern (its attention probabilities) to every measure the moment it exists.
+block's attention to every measure the moment it exists, as :class:`Chunk` objects.
 
-A *measure* is any object with three methods (an accumulator):
+**The contract.** A *measure* (:class:`Measure`) declares what it needs in ``needs``
+(:class:`Needs`) and implements three methods:
 
 ``begin(batch)``
     a new :class:`~storylens.analysis.encode.StoryBatch` is about to run;
-``block(layer, pattern)``
-    block ``layer``'s pattern ``[batch, head, query, key]`` (read it; it is freed with its block);
+``feed(chunk)``
+    a :class:`Chunk` of block ``chunk.layer``'s attention: query rows ``chunk.start ..`` of its
+    probabilities ``[batch, head, n, keys]`` over the keys they see, with the batch's masks cut to
+    those rows and whatever the measure's ``needs`` asked for. A block's chunks come in order and
+    cover every query once; a whole map is one chunk (``start == 0``);
 ``end()``
     the batch is done.
 
-A measure with ``faithful = True`` and two more methods, ``value_norms(layer, norms)`` and
-``output_norms(layer, norms)``, is handed,
-from the same pass, ``|f_j|`` for every key before the block's pattern (``norms [batch, head, key]``,
-each value vector through its head's slice of the output projection, from ``hook_v``) and the size
-of what each head writes at every query after it (``[batch, head, query]``, from ``hook_z``): see
-:mod:`storylens.analysis.faithful`.
+Nothing else is looked up on a measure: what it needs is read from its declaration, once.
 
-A measure with a ``block_rows(layer, rows, start)`` method (and no false ``rows`` attribute) can
-also be fed a block's map a chunk of query rows at a time, ``[batch, head, n, keys]`` holding
-queries ``start .. start + n - 1`` over the keys they see, in order, covering every query once.
-When every measure can, and the model forms its maps in storylens's own attention
-(:func:`storylens.lm.attention.streaming`), no block's whole map ever exists: memory stays within
-a fixed budget whatever the story's length, and no map-sized buffer is allocated. The chunk a
-measure is handed is written, in inference mode, into memory reused for the next chunk: read it,
-and copy what you keep. Such a measure may also have ``key_columns(layer)``, key weights
-``[batch, head, key, c]`` (or None) for the attention to carry through its product with the values:
-it is then fed ``block_rows(layer, rows, start, masses)``, ``masses [batch, head, n, c]`` being the
-chunk's rows times those columns.
+**The plan** (:func:`plan`, which :func:`record` follows): when every measure streams
+(``Needs.streams``) and the model forms its maps in storylens's own attention
+(:func:`storylens.lm.attention.streaming`), blocks are handed over a chunk of query rows at a time
+and no block's whole map ever exists: memory stays within a fixed budget whatever the story's
+length. The chunk's probabilities are written, in inference mode, into memory reused for the next
+chunk: read them, and copy what you keep. The named key columns the measures ask for
+(:class:`KeyColumn`, deduplicated by name) are then carried through the attention's own
+``probs @ V`` product (extra columns of the value matrix) and come back in ``chunk.columns``. Else
+(a measure that does not stream, a model whose attention cannot) every block's whole map is handed
+over as one chunk from ``hook_pattern``, and ``chunk.columns`` is empty: a measure forms what it
+needs from ``chunk.probs``.
+
+``key_norms`` (:mod:`storylens.analysis.faithful`): ``|f_j|`` for every key (each value vector
+through its head's slice of the output projection, from ``hook_v``); ``outputs``: the size of what
+each head writes at each of the chunk's queries ``|sum_j alpha_ij f_j|`` (from the head outputs the
+streamed kernel forms with the chunk, or from ``hook_z``). Where the model's value vectors or output
+weights cannot be read, both stay None (the plan says why).
 
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
-control and the pronoun measure from the same patterns.
+control and the pronoun measure from the same patterns (the latter two take whole maps).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Protocol
 
 import torch
 
-from storylens.analysis.encode import CHUNK_STORIES, batch_of, is_encoded, iter_encoded, length_batches
+from storylens.analysis.detectors import Masks
+from storylens.analysis.encode import (
+    CHUNK_STORIES,
+    EncodedStory,
+    StoryBatch,
+    batch_of,
+    is_encoded,
+    iter_encoded,
+    length_batches,
+)
 from storylens.analysis.faithful import head_norms, key_norms, ov_factor
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
-from storylens.lm import Hook
+from storylens.lm import AttentionLM, Hook, HookFn
+
+
+@dataclass(frozen=True)
+class KeyColumn:
+    """A named key column a measure wants summed under each query's attention: ``weights(masks,
+    key_norms) -> [batch, 1 or head, keys]`` (the whole batch's masks; ``key_norms [batch, head,
+    keys]`` or None), or None where it cannot be formed (it needs key norms and there are none)."""
+
+    name: str
+    weights: Callable[[Masks, torch.Tensor | None], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a measure needs handed with each chunk, besides the probabilities and the masks."""
+
+    columns: tuple[KeyColumn, ...] = ()  # key columns whose attention-weighted sums it reads (chunk.columns)
+    key_norms: bool = False  # |f_j| of every key (chunk.key_norms)
+    outputs: bool = False  # the size of what each head writes at each query (chunk.outputs)
+    streams: bool = True  # it can take a block's map a chunk of query rows at a time (else: whole maps)
+    # gradients: causal scores (the next issue) will ask here for the gradient at each head's output
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Query rows ``start .. start + n - 1`` of block ``layer``'s attention (a whole map: ``start == 0``
+    and ``n == keys``), and what the measures' :class:`Needs` asked for."""
+
+    layer: int
+    start: int  # the first query row
+    probs: torch.Tensor  # [batch, head, n, keys]: the rows over the keys they see
+    masks: Masks  # the batch's masks cut to these rows and keys
+    columns: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> [batch, head, n], from probs @ V
+    key_norms: torch.Tensor | None = None  # [batch, head, keys]: |f_j| (asked for, and readable)
+    outputs: torch.Tensor | None = None  # [batch, head, n]: |sum_j alpha_ij f_j| (asked for, and readable)
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.probs.shape[-2]
 
 
 class Measure(Protocol):
-    def begin(self, batch) -> None: ...
+    """Fed by :func:`record` (see the module docstring)."""
 
-    def block(self, layer: int, pattern: torch.Tensor) -> None: ...
+    @property
+    def needs(self) -> Needs: ...
+
+    def begin(self, batch: StoryBatch) -> None: ...
+
+    def feed(self, chunk: Chunk) -> None: ...
 
     def end(self) -> object: ...  # what it returns is not read
+
+
+class Counter:
+    """A measure that reads no attention: ``update(stories)`` after every batch (how a progress
+    line, :class:`~storylens.core.progress.ProgressLines`, counts a recording)."""
+
+    needs = Needs()
+
+    def __init__(self, update: Callable[[int], None]):
+        self.update, self._stories = update, 0
+
+    def begin(self, batch: StoryBatch) -> None:
+        self._stories = len(batch.ids)
+
+    def feed(self, chunk: Chunk) -> None:
+        pass
+
+    def end(self) -> None:
+        self.update(self._stories)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a recording pass feeds its measures, and why."""
+
+    streamed: bool  # chunks of query rows from storylens's attention (else whole maps from hook_pattern)
+    why: str  # why streamed or not
+    columns: tuple[KeyColumn, ...]  # every key column asked for, once each (formed in probs @ V when streamed)
+    key_norms: bool  # |f_j| handed over
+    outputs: bool  # head output sizes handed over
+    no_norms: str | None = None  # why key norms and outputs were asked for but cannot be read
+
+
+def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
+    """The plan of :func:`record` for ``measures`` on ``lm`` (see the module docstring)."""
+    needs = [m.needs for m in measures]
+    columns: dict[str, KeyColumn] = {}  # by name, the first measure's, in the order asked
+    for n in needs:
+        for c in n.columns:
+            columns.setdefault(c.name, c)
+    wanted = any(n.key_norms or n.outputs for n in needs)
+    no_norms = lm.moving_unsupported() if wanted else None
+    whole = [type(m).__name__ for m, n in zip(measures, needs) if not n.streams]
+    if whole:
+        streamed, why = False, f"whole maps: {', '.join(whole)} cannot take chunks of rows"
+    elif not lm.can_stream():
+        streamed, why = False, f"whole maps: {lm.name}'s attention cannot stream"
+    else:
+        streamed, why = True, "chunks of rows: every measure streams and the model's attention can"
+    readable = no_norms is None
+    key, out = any(n.key_norms for n in needs) and readable, any(n.outputs for n in needs) and readable
+    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms)
 
 
 @dataclass(frozen=True)
@@ -72,18 +183,130 @@ class RecordStats:
         )
 
 
-def _takes_rows(measure) -> bool:
-    return callable(getattr(measure, "block_rows", None)) and bool(getattr(measure, "rows", True))
+class _Pass:
+    """One recording's wiring: turns what the model hands over (hooks, or the streamed kernel's rows)
+    into :class:`Chunk` objects for every measure, per :class:`Plan`."""
+
+    def __init__(self, lm: AttentionLM, measures: Sequence[Measure], chosen: Plan):
+        self.lm, self.measures, self.plan = lm, measures, chosen
+        self.factors: list[torch.Tensor] = []  # per block, the output weights' factor (storylens.analysis.faithful)
+        if chosen.key_norms or chosen.outputs:
+            with torch.inference_mode():
+                self.factors = [ov_factor(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
+        self.masks: Masks | None = None
+        self.norms: dict[int, torch.Tensor] = {}  # per block, |f_j| [B, H, keys] (from hook_v)
+        self.waiting: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # whole map, output sizes
+        self.formed: list[str] = []  # the key columns in the streamed kernel's masses, in order
+
+    def context(self) -> ExitStack:
+        """The model's hooks, and the streamed attention if planned."""
+        lm, chosen, n = self.lm, self.plan, self.lm.n_layer
+        hooks: list[tuple[str, HookFn]] = []
+        if not chosen.streamed:
+            hooks += [(f"blocks.{i}.attn.hook_pattern", self._pattern) for i in range(n)]
+            if chosen.outputs:
+                hooks += [(f"blocks.{i}.attn.hook_z", self._outputs) for i in range(n)]
+        if chosen.key_norms:
+            hooks += [(f"blocks.{i}.attn.hook_v", self._values) for i in range(n)]
+        stack = ExitStack()
+        stack.enter_context(lm.hooks(hooks))
+        if chosen.streamed:
+            stack.enter_context(lm.streaming(self))
+        return stack
+
+    def run(self, batch: StoryBatch) -> None:
+        self.masks, self.norms, self.waiting = Masks(batch, self.lm.dtype), {}, {}
+        for m in self.measures:
+            m.begin(batch)
+        self.lm.forward(batch.ids, record_attention=True, logits=False)
+        for m in self.measures:
+            m.end()
+        self.masks = None
+
+    def _masks(self, probs: torch.Tensor) -> Masks:
+        if self.masks is None:
+            raise RuntimeError("record: attention outside a batch")
+        if self.masks.dtype != probs.dtype:
+            self.masks = Masks(self.masks.batch, probs.dtype)
+        return self.masks
+
+    def _feed(self, chunk: Chunk) -> None:
+        for m in self.measures:
+            m.feed(chunk)
+
+    # --- hooks
+    def _values(self, v: torch.Tensor, hook: Hook) -> None:
+        self.norms[hook.layer] = key_norms(v, self.factors[hook.layer])
+
+    def _pattern(self, pattern: torch.Tensor, hook: Hook) -> None:
+        self._whole(hook.layer, pattern, None)
+
+    def _outputs(self, z: torch.Tensor, hook: Hook) -> None:
+        self._whole(hook.layer, None, head_norms(z, self.factors[hook.layer]))
+
+    def _whole(self, layer: int, pattern: torch.Tensor | None, outputs: torch.Tensor | None) -> None:
+        """A whole map is fed once its head outputs are in too (``hook_z`` fires before or after it)."""
+        if self.plan.outputs:
+            held = self.waiting.pop(layer, (None, None))
+            pattern, outputs = pattern if pattern is not None else held[0], outputs if outputs is not None else held[1]
+            if pattern is None or outputs is None:
+                self.waiting[layer] = (pattern, outputs)
+                return
+        assert pattern is not None
+        norms = self.norms.pop(layer, None) if self.plan.key_norms else None
+        self._feed(Chunk(layer, 0, pattern, self._masks(pattern), {}, norms, outputs))
+
+    # --- the streamed kernel's consumer (storylens.lm.attention.RowConsumer)
+    def key_weights(self, layer: int) -> torch.Tensor | None:
+        if not self.plan.columns or self.masks is None:
+            return None
+        masks, norms = self.masks, self.norms.get(layer)
+        B, T = masks.batch.ids.shape
+        formed = [(c.name, c.weights(masks, norms)) for c in self.plan.columns]
+        self.formed = [name for name, w in formed if w is not None]
+        weights = [w for _, w in formed if w is not None]
+        if not weights:
+            return None
+        dtype = reduce(torch.promote_types, [w.dtype for w in weights])
+        return torch.stack([w.to(dtype).expand(B, self.lm.n_head, T) for w in weights], -1)  # [B, H, T, c]
+
+    def rows(
+        self, layer: int, probs: torch.Tensor, start: int, masses: torch.Tensor | None, heads: torch.Tensor
+    ) -> None:
+        n, keys = probs.shape[-2], probs.shape[-1]
+        masks = self._masks(probs)
+        columns = {} if masses is None else {name: masses[..., i] for i, name in enumerate(self.formed)}
+        norms = self.norms.get(layer) if self.plan.key_norms else None
+        if start + n >= masks.batch.ids.shape[1] and norms is not None:  # the block's last rows: its norms go
+            del self.norms[layer]
+        outputs = head_norms(heads.transpose(1, 2), self.factors[layer]) if self.plan.outputs else None
+        masks = masks.rows(start, start + n, keys)
+        self._feed(Chunk(layer, start, probs, masks, columns, None if norms is None else norms[..., :keys], outputs))
+
+
+def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] | None) -> frozenset[str] | None:
+    """Refuse what cannot be recorded; the name vocabulary (a first pass over the texts, if needed)."""
+    if isinstance(stories, str):
+        raise StorylensError("stories: a list of stories, not one string")
+    if isinstance(stories, Sequence) and len(stories) == 0:
+        raise StorylensError("stories: nothing to score (empty list)")
+    if batch_size < 1:
+        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
+    if names is None and not is_encoded(stories):
+        if not isinstance(stories, Sequence):
+            raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")
+        return frozenset(name_vocabulary(stories))
+    return None if names is None else frozenset(names)
 
 
 def record(
-    lm,
-    stories: Iterable,
+    lm: AttentionLM,
+    stories: Iterable[str] | Iterable[EncodedStory],
     measures: Sequence[Measure],
     *,
     batch_size: int = 16,
     batch_tokens: int | None = BATCH_TOKENS,
-    names=None,
+    names: frozenset[str] | set[str] | None = None,
     first_limit: int | None = None,
     progress: bool = True,
     chunk_stories: int = CHUNK_STORIES,
@@ -104,92 +327,25 @@ def record(
     ``on_chunk(stats so far)`` is called after every chunk (where a long run checkpoints)."""
     from tqdm.auto import tqdm
 
-    if isinstance(stories, str):
-        raise StorylensError("stories: a list of stories, not one string")
-    if isinstance(stories, Sequence) and len(stories) == 0:
-        raise StorylensError("stories: nothing to score (empty list)")
-    if batch_size < 1:
-        raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
-    if names is None and not is_encoded(stories):
-        if not isinstance(stories, Sequence):
-            raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")
-        names = name_vocabulary(stories)
-
-    def feed(pattern: torch.Tensor, hook: Hook) -> None:
-        for m in measures:
-            m.block(hook.layer, pattern)
-
-    asking = [m for m in measures if callable(getattr(m, "key_columns", None))]
-    widths: dict[int, list[tuple[Any, int]]] = {}  # per block: (measure, how many columns it asked for)
-
-    def columns(layer: int) -> torch.Tensor | None:
-        asked = [(m, cast(Any, m).key_columns(layer)) for m in asking]
-        asked = [(m, c) for m, c in asked if c is not None]
-        widths[layer] = [(m, c.shape[-1]) for m, c in asked]
-        return None if not asked else asked[0][1] if len(asked) == 1 else torch.cat([c for _, c in asked], -1)
-
-    def feed_rows(layer: int, rows: torch.Tensor, start: int, masses: torch.Tensor | None = None) -> None:
-        given: dict[int, torch.Tensor] = {}
-        if masses is not None:
-            at = 0
-            for m, width in widths.get(layer, []):
-                given[id(m)] = masses[..., at : at + width]
-                at += width
-        for m in measures:
-            if id(m) in given:
-                cast(Any, m).block_rows(layer, rows, start, given[id(m)])
-            else:
-                cast(Any, m).block_rows(layer, rows, start)
-
-    hooks: list[tuple[str, Callable[[torch.Tensor, Hook], None]]] = []
-    streamed = lm.streaming(feed_rows, columns if asking else None) if all(_takes_rows(m) for m in measures) else None
-    if streamed is None:
-        hooks = [(f"blocks.{i}.attn.hook_pattern", feed) for i in range(lm.n_layer)]
-    movers: list[Any] = [m for m in measures if getattr(m, "faithful", False)]
-    why_not = lm.moving_unsupported() if movers else None
-    if why_not is not None:  # raw scores still; the norm-weighted columns stay empty
-        print(f"storylens: note: {why_not}; the norm-weighted columns and output norms are left empty", file=sys.stderr)
-        movers = []
-    if movers:
-        with torch.inference_mode():
-            factors = [ov_factor(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
-
-        def values(v: torch.Tensor, hook: Hook) -> None:
-            norms = key_norms(v, factors[hook.layer])
-            for m in movers:
-                m.value_norms(hook.layer, norms)
-
-        def outputs(z: torch.Tensor, hook: Hook) -> None:
-            norms = head_norms(z, factors[hook.layer])
-            for m in movers:
-                m.output_norms(hook.layer, norms)
-
-        hooks += [(f"blocks.{i}.attn.hook_v", values) for i in range(lm.n_layer)]
-        hooks += [(f"blocks.{i}.attn.hook_z", outputs) for i in range(lm.n_layer)]
-
+    names = _check(stories, batch_size, names)
+    chosen = plan(lm, measures)
+    if chosen.no_norms is not None:  # raw scores still; the norm-weighted columns stay empty
+        print(
+            f"storylens: note: {chosen.no_norms}; the norm-weighted columns and output norms are left empty",
+            file=sys.stderr,
+        )
+    wiring = _Pass(lm, measures, chosen)
     n = n_cut = n_main = 0
     if total is None and isinstance(stories, Sequence):
         total = start + len(stories)
-    with (
-        eval_mode(lm.module),
-        torch.inference_mode(),
-        lm.hooks(hooks),
-        streamed if streamed is not None else nullcontext(),
-        tqdm(
-            total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True
-        ) as bar,
-    ):  # None: terminals only
+    bar = tqdm(total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True)
+    with eval_mode(lm.module), torch.inference_mode(), wiring.context(), bar:  # disable None: terminals only
         for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
             n += len(chunk)
             n_cut += sum(s.cut for s in chunk)
             n_main += sum(s.main is not None for s in chunk)
             for idx in length_batches([len(s.ids) for s in chunk], batch_size, batch_tokens):
-                batch = batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit)
-                for m in measures:
-                    m.begin(batch)
-                lm.forward(batch.ids, record_attention=True, logits=False)
-                for m in measures:
-                    m.end()
+                wiring.run(batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit))
                 bar.update(len(idx))
             if on_chunk is not None:
                 on_chunk(RecordStats(n, n_cut, n_main))

@@ -69,9 +69,9 @@ from storylens.analysis.detectors import (
     OUTPUT_NORM,
     OUTPUT_SHARE,
     PREV_TOKEN,
-    BatchMasks,
     Column,
     Detector,
+    Masks,
     columns_named,
     masked_mean,
     table_columns,
@@ -79,11 +79,11 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
-from storylens.analysis.record import record
+from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
-from storylens.lm import wrap
+from storylens.lm import ModelLike, wrap
 
 _COUNT_FIELDS = (
     "n_stories",
@@ -113,7 +113,13 @@ def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor
 Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # detector: ([batch, layer, head] values, [batch] counted)
 
 
-def refuse_non_finite(batch: StoryBatch, raw: Scores, norm: Scores, output, dtype: torch.dtype) -> None:
+def refuse_non_finite(
+    batch: StoryBatch,
+    raw: Scores,
+    norm: Scores,
+    output: tuple[torch.Tensor, torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> None:
     """Refuse a batch in which a head's score of a story that counts is NaN or infinite (its
     attention, formed from overflowing queries or keys, or its value vectors are): one line naming
     the earliest such head (the layers after it only inherit it), L{layer}H{head} from 1."""
@@ -128,7 +134,7 @@ def refuse_non_finite(batch: StoryBatch, raw: Scores, norm: Scores, output, dtyp
     if not found:
         return
     layer, head, b, what = min(found, key=lambda f: f[:2])
-    stories = getattr(batch, "stories", ())
+    stories = batch.stories
     story = f" on story {stories[b].index + 1}" if b < len(stories) else ""
     name = str(dtype).replace("torch.", "")
     raise StorylensError(
@@ -141,16 +147,46 @@ def _add(sums: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
     sums[name] = x if name not in sums else sums[name] + x
 
 
+def _story_column(i: int) -> KeyColumn:
+    """Column ``i`` of the masks' name and marker key columns (0: name, 1: marker): ``[B, 1, T]``."""
+    return KeyColumn(("name", "marker")[i], lambda m, norms: m.story_columns[:, None, :, i])
+
+
+def _norm_column(i: int | None) -> KeyColumn:
+    """``|f_j|`` (None), or ``|f_j|`` times the name (0) or marker (1) column: ``[B, H, T]``, or None
+    without key norms. Under each query's attention: the norm-weighted map's row sums and column masses."""
+
+    def weights(m: Masks, norms: torch.Tensor | None) -> torch.Tensor | None:
+        if norms is None or i is None:
+            return norms
+        return norms * m.story_columns[:, None, :, i].to(norms.dtype)
+
+    return KeyColumn("key_norm" if i is None else ("norm_name", "norm_marker")[i], weights)
+
+
+# what the head scores read from probs @ V when the attention streams: the name and marker masses,
+# and (norm-weighted) the row sums and those masses of the map scaled by |f_j|
+MASS_COLUMNS = (_story_column(0), _story_column(1))
+NORM_MASS_COLUMNS = (_norm_column(None), _norm_column(0), _norm_column(1))
+
+
+def _formed_mass(chunk: Chunk, probs: torch.Tensor, names: tuple[str, str]) -> Masks:
+    """The chunk's masks, with ``probs``' name and marker masses where the kernel formed them."""
+    cols = chunk.columns
+    if names[0] in cols and names[1] in cols:
+        return chunk.masks.with_mass(probs, torch.stack([cols[names[0]], cols[names[1]]], -1))
+    return chunk.masks
+
+
 class HeadScoreAccumulator:
     """Every detector's per-story means, summed and counted batch by batch (a measure for
-    :func:`storylens.analysis.record.record`): :meth:`begin` a batch, :meth:`block` for every
-    block's map as the model makes it (no map outlives its block), :meth:`end`. Mergeable:
+    :func:`storylens.analysis.record.record`): :meth:`begin` a batch, :meth:`feed` every chunk of
+    every block's map as the model makes it (no map outlives its block), :meth:`end`. Mergeable:
     :meth:`merge` adds another accumulator's sums and counts (float64), in any order.
 
     ``faithful`` (default): also every detector on the norm-weighted map and each head's output
-    norm (:mod:`storylens.analysis.faithful`), from the value vectors and head outputs that
-    :func:`~storylens.analysis.record.record` hands over (:meth:`value_norms`, :meth:`output_norms`);
-    a batch recorded without them adds to the raw columns only."""
+    norm (:mod:`storylens.analysis.faithful`), from the key norms and head outputs the chunks
+    carry (:attr:`needs`); a batch recorded without them adds to the raw columns only."""
 
     def __init__(
         self,
@@ -176,117 +212,87 @@ class HeadScoreAccumulator:
         # where each head fires: the top `examples` queries per head and detector (0: not kept),
         # at most PER_STORY of them from one story, so a head's examples span several stories
         self.examples = TopExamples(n_layer, n_head, names, examples, per_story=PER_STORY) if examples else None
-        self._masks: BatchMasks | None = None
+        # every detector reads chunks of rows (Detector.rows): else whole maps
+        streams = all(d.rows for d in self.detectors)
+        self.needs = (
+            Needs(MASS_COLUMNS + NORM_MASS_COLUMNS, key_norms=True, outputs=True, streams=streams)
+            if faithful
+            else Needs(MASS_COLUMNS, streams=streams)
+        )
+        self._batch: StoryBatch | None = None
+        self._masks: Masks | None = None  # the batch's, from its first chunk
         self._sums: list[dict[str, torch.Tensor]] = []
         self._norm_sums: list[dict[str, torch.Tensor]] = []
         self._rows_seen: list[int] = []
-        self._key_norms: dict[int, torch.Tensor] = {}
+        self._out_rows: list[list[torch.Tensor]] = []
         self._out_blocks: list[torch.Tensor | None] = []
         self._scratch = Workspace()  # a batch's scratch memory (the norm-weighted chunk), freed at end()
 
-    @property
-    def rows(self) -> bool:
-        """Whether it can be fed a map a chunk of query rows at a time (:meth:`block_rows`): every
-        detector reads chunks (``Detector.rows``)."""
-        return all(d.rows for d in self.detectors)
-
-    def begin(self, batch: StoryBatch, dtype: torch.dtype = torch.float32) -> None:
-        self._masks = BatchMasks(batch, dtype)
+    def begin(self, batch: StoryBatch) -> None:
+        self._batch, self._masks = batch, None
         self._sums = [{} for _ in range(self.n_layer)]  # per block and detector: [B, H] sums over counted queries
         self._norm_sums = [{} for _ in range(self.n_layer)]
         self._rows_seen = [0] * self.n_layer
-        self._key_norms = {}
+        self._out_rows = [[] for _ in range(self.n_layer)]  # per block, [B, H, n] output sizes of its chunks
         self._out_blocks = [None] * self.n_layer
 
-    def value_norms(self, layer: int, norms: torch.Tensor) -> None:
-        """``|f_j|`` of block ``layer``'s keys ``[batch, head, key]`` (before its pattern)."""
-        if self.faithful:
-            self._key_norms[layer] = norms
-
-    def output_norms(self, layer: int, norms: torch.Tensor) -> None:
-        """``|sum_j alpha_ij f_j|`` of block ``layer`` ``[batch, head, query]`` (after its pattern)."""
-        if self._masks is None:
-            raise RuntimeError("output_norms() before begin(batch)")
-        self._out_blocks[layer] = masked_mean(norms, self._masks.queries)  # may come before the pattern
-
-    def block(self, layer: int, pattern: torch.Tensor) -> None:
-        """Block ``layer``'s whole map ``[batch, head, query, key]``."""
-        self.block_rows(layer, pattern, 0)
-
-    update_block = block
-
-    def key_columns(self, layer: int) -> torch.Tensor | None:
-        """``[batch, head, key, c]``: key weights whose attention-weighted sums :meth:`block_rows`
-        reads, for the attention to form in its product with the values
-        (:func:`storylens.lm.attention.streaming`) and hand back as ``masses``: the name and marker
-        columns (what the name and marker detectors sum), and, once block ``layer``'s value norms
-        are in, ``|f_j|`` and ``|f_j|`` times each (the norm-weighted map's row sums and column
-        masses). None before :meth:`begin`."""
-        if self._masks is None:
-            return None
-        full = self._masks
-        norms = self._key_norms.get(layer)
-        dtype = full.dtype if norms is None else norms.dtype
-        cols = full.story_columns.to(dtype)[:, None]  # [B, 1, T, 2]
-        B, T = full.inside.shape
-        if norms is None:
-            return cols.expand(B, self.n_head, T, 2)
-        n = norms[..., None]  # [B, H, T, 1]
-        return torch.cat([cols.expand(B, self.n_head, T, 2), n, n * cols], -1)
-
-    def block_rows(self, layer: int, pattern: torch.Tensor, start: int, masses: torch.Tensor | None = None) -> None:
-        """Query rows ``start .. start + n - 1`` of block ``layer``'s map, ``[batch, head, n, keys]``
-        (the keys those rows can see, at least ``start + n``): every detector's per-query values are
-        summed over the counted queries; :meth:`end` divides by the counts. A block is fed in
-        order, row chunks that together cover every query once. ``masses [batch, head, n, c]``:
-        these rows times :meth:`key_columns`, formed with the attention's output (else computed here)."""
-        if self._masks is None:
-            raise RuntimeError("block() before begin(batch)")
-        if self._masks.dtype != pattern.dtype:
-            self._masks = BatchMasks(self._masks.batch, pattern.dtype)
-        full = self._masks
-        n, keys = pattern.shape[-2], pattern.shape[-1]
-        T = full.inside.shape[1]
-        masks = full if (start, n, keys) == (0, T, T) else full.rows(start, start + n, keys)
-        if masses is not None:  # the name and marker masses of the raw rows
-            masks.offer_column_mass(pattern, masses[..., :2])
+    def feed(self, chunk: Chunk) -> None:
+        """A chunk of block ``chunk.layer``'s map (:class:`~storylens.analysis.record.Chunk`): every
+        detector's per-query values are summed over the counted queries; :meth:`end` divides by the
+        counts. A block's chunks come in order and cover every query once."""
+        if self._batch is None:
+            raise RuntimeError("feed() before begin(batch)")
+        layer, probs = chunk.layer, chunk.probs
+        full = self._masks = chunk.masks.full
+        masks = _formed_mass(chunk, probs, ("name", "marker"))
         sums, offers = self._sums[layer], []
         for d in self.detectors:
-            values, counted = d.values(pattern, masks), d.queries(masks)
+            values, counted = d.values(probs, masks), d.queries(masks)
             _add(sums, d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
             offers.append((d.name, values, counted))
         if self.examples is not None:  # where each head fires: every detector's values in one selection
-            self.examples.add_block(layer, offers, pattern, full.batch, start=start)
-        norms = self._key_norms.get(layer)
-        if norms is not None:  # the same detectors on the norm-weighted map (storylens.analysis.faithful)
-            scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
-            if torch.is_inference_mode_enabled():
-                room = pattern.shape[0] * pattern.shape[1] * n * T  # a chunk of these rows over every key
-                scratch = self._scratch.take("scaled", pattern.shape, pattern.dtype, pattern.device, room)
-            formed = masses if masses is not None and masses.shape[-1] == 5 else None  # row sums, column masses
-            scaled, total = norm_scaled(pattern, norms[..., :keys], scratch, row_sums=formed is None)
-            if formed is not None:
-                total = formed[..., 2]
-                masks.offer_column_mass(scaled, formed[..., 3:5])
-            assert total is not None
-            weighted = None
-            for d, (_, _, counted) in zip(self.detectors, offers):
-                if not d.rows:  # a hand-made detector: on the map itself
-                    weighted = norm_weighted(pattern, norms[..., :keys]) if weighted is None else weighted
-                    values = d.values(weighted, masks)
-                else:  # linear in a row: divided after; scale free: as it is
-                    values = d.values(scaled, masks)
-                    values = values if d.scale_free else row_divide(values, total)
-                _add(self._norm_sums[layer], d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
-            del scaled, weighted
-        self._rows_seen[layer] += n
-        if self._rows_seen[layer] >= T:
-            self._key_norms.pop(layer, None)  # nothing of this block's maps is kept
+            self.examples.add_block(layer, offers, probs, full.batch, start=chunk.start)
+        if self.faithful and chunk.key_norms is not None:
+            self._norm_weighted(chunk, [counted for _, _, counted in offers])
+        T = full.inside.shape[1]
+        self._rows_seen[layer] += probs.shape[-2]
+        if self.faithful and chunk.outputs is not None:
+            self._out_rows[layer].append(chunk.outputs)
+            if self._rows_seen[layer] >= T:  # the block's every query: its mean output size
+                rows = self._out_rows[layer]
+                outputs = rows[0] if len(rows) == 1 else torch.cat(rows, -1)  # [B, H, T]
+                self._out_blocks[layer], self._out_rows[layer] = masked_mean(outputs, full.queries), []
+
+    def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor]) -> None:
+        """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the
+        rows scaled by ``|f_j|``, a detector linear in a row divided after by the row's sum."""
+        probs, norms, cols = chunk.probs, chunk.key_norms, chunk.columns
+        assert norms is not None
+        scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
+        if torch.is_inference_mode_enabled():
+            room = probs.shape[0] * probs.shape[1] * probs.shape[-2] * chunk.masks.full.inside.shape[1]
+            scratch = self._scratch.take("scaled", probs.shape, probs.dtype, probs.device, room)
+        formed = cols["key_norm"] if "key_norm" in cols else None  # the row sums, from probs @ V
+        scaled, total = norm_scaled(probs, norms, scratch, row_sums=formed is None)
+        total = formed if formed is not None else total
+        assert total is not None
+        masks = _formed_mass(chunk, scaled, ("norm_name", "norm_marker"))
+        weighted = None
+        for d, count in zip(self.detectors, counted):
+            if not d.rows:  # a hand-made detector: on the map itself
+                weighted = norm_weighted(probs, norms) if weighted is None else weighted
+                values = d.values(weighted, masks)
+            else:  # linear in a row: divided after; scale free: as it is
+                values = d.values(scaled, masks)
+                values = values if d.scale_free else row_divide(values, total)
+            _add(self._norm_sums[chunk.layer], d.name, (values * count.to(values.dtype)[:, None, :]).sum(-1))
 
     def end(self) -> dict[str, torch.Tensor]:
         """Adds the batch; returns its per-story means, ``{detector: [batch, layer, head]}``."""
-        if self._masks is None:
+        if self._batch is None:
             raise RuntimeError("end(): no batch begun")
+        if self._masks is None:
+            raise RuntimeError(f"end(): no map for blocks {list(range(self.n_layer))}")
         T = self._masks.inside.shape[1]
         missing = [i for i, n in enumerate(self._rows_seen) if n < T]
         if missing:
@@ -296,7 +302,7 @@ class HeadScoreAccumulator:
         if 0 < normed < self.n_layer or 0 < len(outs) < self.n_layer:
             raise RuntimeError(f"end(): value vectors or head outputs for only some blocks ({normed}, {len(outs)})")
         masks, sums, norm_sums = self._masks, self._sums, self._norm_sums
-        self._masks, self._sums, self._norm_sums, self._out_blocks = None, [], [], []
+        self._batch, self._masks, self._sums, self._norm_sums, self._out_blocks = None, None, [], [], []
         self._scratch = Workspace()
         batch = masks.batch
         raw, norm = {}, {}  # per detector: [B, L, H] per-story means, and the stories that count
@@ -326,9 +332,11 @@ class HeadScoreAccumulator:
         return out
 
     def update(self, patterns: Sequence[torch.Tensor], batch: StoryBatch) -> dict[str, torch.Tensor]:
-        self.begin(batch, patterns[0].dtype)
+        """One batch of whole maps ``[batch, head, query, key]``, one per block (raw scores only)."""
+        self.begin(batch)
+        masks = Masks(batch, patterns[0].dtype)
         for layer, pattern in enumerate(patterns):
-            self.block(layer, pattern)
+            self.feed(Chunk(layer, 0, pattern, masks))
         return self.end()
 
     def merge(self, other: HeadScoreAccumulator) -> HeadScoreAccumulator:
@@ -689,14 +697,14 @@ def score_table(acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, 
 
 
 def score_heads(
-    model,
+    model: ModelLike,
     stories: Sequence[str] | Sequence[EncodedStory],
     *,
     batch_size: int = 16,
     max_stories_prev: int | None = None,
     names: frozenset[str] | set[str] | None = None,
     detectors: Sequence[Detector] = BUILTIN_DETECTORS,
-    measures: Sequence = (),
+    measures: Sequence[Measure] = (),
     progress: bool = True,
     chunk_stories: int = CHUNK_STORIES,
     tokenizer=None,

@@ -43,9 +43,8 @@ class ProgressLines:
     seconds (default ``$STORYLENS_PROGRESS_SECONDS``, else 10), only where no tqdm bar shows:
     ``enabled`` (the caller's progress switch) and the stream is not a terminal. Call
     :meth:`update` with the stories just done (``initial``: how many were done before, as a resumed
-    run starts); a loop shorter than ``every`` prints nothing. It is
-    also a measure for :func:`storylens.analysis.record.record` (``begin``/``block``/``end``), so
-    a recording pass counts its batches without a loop of its own."""
+    run starts); a loop shorter than ``every`` prints nothing. A recording pass counts its batches
+    with it (``record(..., [..., Counter(lines.update)])``, :class:`storylens.analysis.record.Counter`)."""
 
     def __init__(
         self,
@@ -91,16 +90,3 @@ class ProgressLines:
         else:
             line += f" {self.unit}"
         print(line, file=self.stream, flush=True)
-
-    # a measure (storylens.analysis.record): counts each batch's stories, reads no attention
-    def begin(self, batch) -> None:
-        self._batch = len(batch.ids)
-
-    def block(self, layer: int, pattern) -> None:
-        pass
-
-    def block_rows(self, layer: int, rows, start: int) -> None:
-        pass
-
-    def end(self) -> None:
-        self.update(self._batch)

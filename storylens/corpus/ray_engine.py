@@ -120,7 +120,7 @@ def peak_rss_mb() -> float:
 
 def _actor_failure(e: BaseException) -> str:
     """One line for an exception raised while an actor scored a chunk. A user pattern (called from
-    :meth:`BatchMasks.pattern_keys <storylens.analysis.detectors.BatchMasks.pattern_keys>`) is named
+    :meth:`Masks.pattern_keys <storylens.analysis.detectors.Masks.pattern_keys>`) is named
     by its file, as ``--detector FILE`` gave it."""
 
     what = f"{type(e).__name__}: {_one_line(e)}"

@@ -32,7 +32,7 @@ from typing import Any
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.names import NameVocabulary
-from storylens.analysis.record import RecordStats, record
+from storylens.analysis.record import Counter, RecordStats, record
 from storylens.analysis.run_info import StoriesInfo, model_info
 from storylens.analysis.scores import HeadScoreAccumulator, HeadScores, score_table
 from storylens.core.errors import StorylensError, UsageError
@@ -302,7 +302,7 @@ def _second_pass(
     return record(
         lm,
         _skip(source, done.n_stories),
-        [acc, lines],
+        [acc, Counter(lines.update)],
         batch_size=opts.batch_size,
         names=names,
         progress=opts.progress,

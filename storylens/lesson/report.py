@@ -27,6 +27,7 @@ from storylens.analysis.encode import EncodedStory, encode_stories
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
+from storylens.analysis.record import Counter
 from storylens.analysis.scores import HeadScores, score_heads
 from storylens.analysis.truth import (
     TRUTH_BUDGET,
@@ -212,7 +213,7 @@ def _score(
     """The quiz encoded (once, for every step) and every head scored in one recording pass that also
     feeds ``measures``; an explicit ``--truth-stories`` then says its cost (refused past the budget)."""
     encoded = encode_stories(lm, quiz, name_vocabulary(quiz))
-    lines = ProgressLines("scoring", len(encoded), enabled=opts.progress)  # a measure that only counts
+    lines = Counter(ProgressLines("scoring", len(encoded), enabled=opts.progress).update)  # counts batches
     scores = score_heads(
         lm,
         encoded,

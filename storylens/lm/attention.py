@@ -21,18 +21,21 @@ where the attention is plainly causal, so no ``T x S`` mask is built for a long 
 used by :class:`~storylens.lm.interface.TransformersLM` for every model that dispatches through
 that interface (``_supports_attention_backend``); others keep transformers' eager attention.
 
-**Streamed** (:func:`streaming`, used by :func:`storylens.analysis.record.record`): inside that
-context a layer's queries are taken :func:`query_chunk` rows at a time, each chunk's probabilities
-``[B, H, rows, keys]`` are handed to the sink and freed, and the layer returns no map, so one
+**Streamed** (:func:`streaming`, used by :func:`storylens.analysis.record.record`): each attention
+module the model wrapper wraps holds an :class:`AttentionTap` (:func:`attach`), the kernel's one
+consumer, owned by the wrapper (no module-level state). Inside the context a layer's queries are
+taken :func:`query_chunk` rows at a time, each chunk's probabilities ``[B, H, rows, keys]`` are
+handed to the tap's :class:`RowConsumer` and freed, and the layer returns no map, so one
 layer's attention never holds more than a fixed memory budget whatever the story's length (and no
 map-sized temporary is ever allocated, the larger part of the cost on a CPU). In inference mode
 each chunk's scores and probabilities are written into two buffers the context takes once and reuses
 chunk after chunk and layer after layer (:class:`~storylens.core.buffers.Workspace`), so the rows a
-sink is handed are overwritten by the next chunk: it copies what it keeps. A sink may also ask for
-*key columns* (``columns(layer) -> [B, H, keys, c]``): they ride along as extra columns of each
-group's value matrix (padded to :data:`COLUMN_ALIGN`), so ``rows @ columns`` comes out of the
-probabilities-times-values product that runs anyway, handed to the sink with each chunk, instead of
-a pass over the chunk of its own (the name and marker masses, the norm-weighted row sums). A chunk of queries
+consumer is handed are overwritten by the next chunk: it copies what it keeps. The consumer may also
+ask for *key weights* (``key_weights(layer) -> [B, H, keys, c]``): they ride along as extra columns of each
+group's value matrix (padded to :data:`COLUMN_ALIGN`), so ``rows @ weights`` comes out of the
+probabilities-times-values product that runs anyway, handed over with each chunk (with each head's
+output at those rows), instead of a pass over the chunk of its own (the name and marker masses, the
+norm-weighted row sums). A chunk of queries
 ``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
 rows' up to the order of the softmax's sum (the scaling is taken inside the one product,
 ``baddbmm(buffer, q, k^T, beta=0, alpha=scaling)``, and where no mask is given only the corner of
@@ -40,7 +43,7 @@ keys ahead of the chunk's queries, ``[rows, rows]``, is set to -inf: no ``[rows,
 bias is built or read); where the softmax runs in float32 under float64 inputs
 (Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
 
-**Fused** (:func:`fused`, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
+**Fused** (:func:`fused`, a count on the same taps, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
 probabilities are asked for: switching heads off, head output means, perplexity): inside that context
 the layer calls transformers' own sdpa attention (``sdpa_attention_forward``, the function the model
 runs with ``attn_implementation="sdpa"``, on the same sdpa mask), so a forward pass that reads no
@@ -54,6 +57,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -67,31 +71,69 @@ NAME = "storylens"
 # (benchmarks/bench_long.py)
 CHUNK_BYTES = 32 * 2**20
 
-# sink(layer, probs [B, H, rows, keys], first_row[, masses [B, H, rows, c]]): set by streaming(), read by grouped_attention
-Sink = Callable[..., None]
-# columns(layer) -> [B, H, keys, c] key weights carried through probs @ value, or None
-Columns = Callable[[int], "torch.Tensor | None"]
-_STREAM: dict[
-    int, tuple[int, Sink, int, Workspace, Columns | None]
-] = {}  # id(module) -> (layer, sink, chunk bytes, buffers, columns)
 COLUMN_ALIGN = 16  # the value matrix widened by key columns is padded to a multiple of this (BLAS's speed)
-_FUSED: dict[int, int] = {}  # id(attention module) -> how many fused() contexts hold it
+TAP = "storylens_tap"  # the attribute under which a wrapped model's attention module holds its tap
+
+
+class RowConsumer(Protocol):
+    """What a streamed layer hands its probabilities to, a chunk of query rows at a time."""
+
+    def key_weights(self, layer: int) -> torch.Tensor | None:
+        """``[B, H, keys, c]`` key weights to carry through ``probs @ value`` (None: none)."""
+        ...
+
+    def rows(
+        self, layer: int, probs: torch.Tensor, start: int, masses: torch.Tensor | None, heads: torch.Tensor
+    ) -> None:
+        """Query rows ``start .. start + n - 1``: ``probs [B, H, n, keys]`` (overwritten by the next
+        chunk), ``masses [B, H, n, c]`` (``probs @ key_weights``, or None) and each head's output at
+        those rows ``heads [B, H, n, d]`` (what ``hook_z`` would see there)."""
+        ...
+
+
+class AttentionTap:
+    """The consumer of one attention module's kernel, owned by the model wrapper (which attaches
+    one to each attention module it wraps, :func:`attach`): while a :func:`streaming` context holds
+    it, the layer hands its probabilities to ``consumer`` chunk by chunk; while a :func:`fused`
+    context holds it, the layer runs transformers' sdpa attention."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.consumer: RowConsumer | None = None
+        self.chunk_bytes = CHUNK_BYTES
+        self.buffers = Workspace()
+        self.fused = 0  # how many fused() contexts hold it
+
+
+def attach(modules: Sequence[nn.Module]) -> list[AttentionTap]:
+    """One tap per attention module (``modules[i]`` is block ``i``), kept on the module itself (a
+    module wrapped twice keeps its tap)."""
+    taps = []
+    for i, m in enumerate(modules):
+        tap = m.__dict__.get(TAP)
+        if not isinstance(tap, AttentionTap):
+            tap = AttentionTap(i)
+            object.__setattr__(m, TAP, tap)  # a plain attribute, not a submodule: no state, no repr
+        taps.append(tap)
+    return taps
+
+
+def _tap(module: nn.Module) -> AttentionTap | None:
+    tap = module.__dict__.get(TAP)
+    return tap if isinstance(tap, AttentionTap) else None
 
 
 @contextmanager
-def fused(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside: the attention of ``modules`` runs transformers' sdpa attention and returns no
+def fused(taps: Sequence[AttentionTap]) -> Iterator[None]:
+    """Inside: the attention of these taps' modules runs transformers' sdpa attention and returns no
     probabilities (see the module docstring); a streamed module still streams."""
-    keys = [id(m) for m in modules]
-    for key in keys:
-        _FUSED[key] = _FUSED.get(key, 0) + 1
+    for tap in taps:
+        tap.fused += 1
     try:
         yield
     finally:
-        for key in keys:
-            _FUSED[key] -= 1
-            if not _FUSED[key]:
-                del _FUSED[key]
+        for tap in taps:
+            tap.fused -= 1
 
 
 @cache
@@ -102,29 +144,23 @@ def _sdpa() -> Callable[..., tuple[torch.Tensor, None]]:
 
 
 @contextmanager
-def streaming(
-    modules: Sequence[nn.Module], sink: Sink, chunk_bytes: int = CHUNK_BYTES, columns: Columns | None = None
-) -> Iterator[None]:
-    """Inside: the attention of ``modules[i]`` (block ``i``) hands its probabilities to
-    ``sink(i, rows, first_row)`` chunk by chunk and returns none (see the module docstring; ``rows``
-    is overwritten by the next chunk).
-
-    ``columns(i)``: key weights ``[B, H, keys, c]`` for block ``i`` (or None), carried through the
-    product of the probabilities and the values (extra columns of each group's value matrix, so no
-    pass over the probabilities of their own): the sink is then called ``sink(i, rows, first_row,
-    masses)``, ``masses [B, H, rows, c]`` being ``rows @ columns`` over the keys the rows see."""
+def streaming(taps: Sequence[AttentionTap], consumer: RowConsumer, chunk_bytes: int = CHUNK_BYTES) -> Iterator[None]:
+    """Inside: the attention of each tap's module hands its probabilities to ``consumer.rows`` chunk by
+    chunk and returns none (see the module docstring; the rows are overwritten by the next chunk),
+    with ``consumer.key_weights(layer)`` carried through the product of the probabilities and the
+    values (extra columns of each group's value matrix, so no pass over the probabilities of their own)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: must be at least 1, got {chunk_bytes}")
-    buffers = Workspace()
-    mine = {id(m): (i, sink, chunk_bytes, buffers, columns) for i, m in enumerate(modules)}
-    if mine.keys() & _STREAM.keys():
+    if any(tap.consumer is not None for tap in taps):
         raise RuntimeError("streaming(): these attention modules are already streamed")
-    _STREAM.update(mine)
+    buffers = Workspace()  # one for every layer: chunk after chunk and layer after layer
+    for tap in taps:
+        tap.consumer, tap.chunk_bytes, tap.buffers = consumer, chunk_bytes, buffers
     try:
         yield
     finally:
-        for key in mine:
-            _STREAM.pop(key, None)
+        for tap in taps:
+            tap.consumer, tap.buffers = None, Workspace()
 
 
 def query_chunk(batch: int, heads: int, keys: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -165,10 +201,10 @@ def grouped_attention(
     if H % G:
         raise ValueError(f"{H} query heads cannot share {G} key/value heads evenly")
     scaling = d**-0.5 if scaling is None else scaling
-    streamed = _STREAM.get(id(module))
-    if streamed is not None and not (dropout and module.training):
-        return _streamed(module, query, key, value, attention_mask, scaling, *streamed), None
-    if id(module) in _FUSED:
+    tap = _tap(module)
+    if tap is not None and tap.consumer is not None and not (dropout and module.training):
+        return _streamed(module, query, key, value, attention_mask, scaling, tap, tap.consumer), None
+    if tap is not None and tap.fused:
         return _sdpa()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     q = query.reshape(B, G, (H // G) * T, d)  # each group's query heads stacked on the query axis
     scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).view(B, H, T, S)
@@ -201,13 +237,10 @@ def _streamed(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float,
-    layer: int,
-    sink: Sink,
-    chunk_bytes: int,
-    buffers: Workspace,
-    columns: Columns | None,
+    tap: AttentionTap,
+    consumer: RowConsumer,
 ) -> torch.Tensor:
-    """:func:`grouped_attention`'s output ``[B, T, H, d]``, the probabilities handed to ``sink`` a
+    """:func:`grouped_attention`'s output ``[B, T, H, d]``, the probabilities handed to ``consumer`` a
     chunk of queries at a time (the module docstring)."""
     B, H, T, d = query.shape
     G, S = key.shape[1], key.shape[2]
@@ -215,14 +248,15 @@ def _streamed(
     soft = softmax_dtype(module, query.dtype)
     full_rows = soft != query.dtype and query.dtype == torch.float64  # keep eager's rows bit for bit
     itemsize = max(torch.finfo(soft).bits, torch.finfo(query.dtype).bits) // 8
-    rows = query_chunk(B, H, S, itemsize, chunk_bytes)
+    layer, buffers = tap.layer, tap.buffers
+    rows = query_chunk(B, H, S, itemsize, tap.chunk_bytes)
     grouped = query.view(B, G, r, T, d)
     out = torch.empty(B, G, r, T, d, dtype=value.dtype, device=value.device)
-    extra = columns(layer) if columns is not None else None
+    extra = consumer.key_weights(layer)
     c = 0
     if extra is not None:  # each group's values widened by its heads' key columns: [B, G, S, d + r * c + pad]
         if extra.shape[:3] != (B, H, S):
-            raise ValueError(f"columns: shape {tuple(extra.shape)}; expected [{B}, {H}, {S}, c]")
+            raise ValueError(f"key weights: shape {tuple(extra.shape)}; expected [{B}, {H}, {S}, c]")
         c = extra.shape[-1]
         packed = extra.to(value.dtype).view(B, G, r, S, c).permute(0, 1, 3, 2, 4).reshape(B, G, S, r * c)
         pad = -(d + r * c) % COLUMN_ALIGN
@@ -256,14 +290,14 @@ def _streamed(
             probs = torch.softmax(per_head, dim=-1, dtype=soft)
         probs = probs.to(value.dtype)
         moved = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys])  # [B, G, r*n, width]
-        if extra is None:
-            sink(layer, probs, q0)
-        else:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
+        masses = None
+        if extra is not None:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
             wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
             masses = wide.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3).reshape(B, H, n, c)
-            sink(layer, probs, q0, masses)
-        out[:, :, :, q0:q1] = moved[..., :d].view(B, G, r, n, d)
-        del scores, per_head, probs, moved
+        heads = moved[..., :d].view(B, H, n, d)  # each head's output at these rows
+        consumer.rows(layer, probs, q0, masses, heads)
+        out[:, :, :, q0:q1] = heads.view(B, G, r, n, d)
+        del scores, per_head, probs, moved, masses, heads
     return out.view(B, H, T, d).transpose(1, 2)
 
 

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
-from storylens.lm.attention import CHUNK_BYTES
+from storylens.lm.attention import CHUNK_BYTES, RowConsumer, attach
 from storylens.lm.attention import NAME as ATTENTION
 from storylens.lm.attention import fused as fused_attention
 from storylens.lm.attention import register as register_attention
@@ -169,13 +169,16 @@ class AttentionLM:
             return str(e)
         return None
 
-    def streaming(self, sink, columns=None) -> AbstractContextManager | None:
-        """A context inside which every block hands its attention probabilities to
-        ``sink(layer, rows [batch, head, n, keys], first_row)`` a chunk of query rows at a time and
-        keeps no whole map (:func:`storylens.lm.attention.streaming`; ``columns``: key weights
-        carried through the probabilities-times-values product, handed to the sink as a fourth
-        argument); None where this model's attention cannot (then ``hook_pattern`` gives whole maps)."""
-        return None
+    def can_stream(self) -> bool:
+        """Whether this model's attention can hand its probabilities over a chunk of query rows at a
+        time (:meth:`streaming`); where not, ``hook_pattern`` gives whole maps."""
+        return False
+
+    def streaming(self, consumer: RowConsumer) -> AbstractContextManager:
+        """A context inside which every block hands its attention probabilities to ``consumer`` a
+        chunk of query rows at a time and keeps no whole map (:func:`storylens.lm.attention.streaming`);
+        only where :meth:`can_stream`."""
+        raise StorylensError(f"{type(self).__name__}: its attention cannot stream")
 
     # --- running
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
@@ -399,6 +402,7 @@ class TransformersLM(AttentionLM):
         self.vocab_size = int(cfg.vocab_size)
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
         self._attn = [_attention_of(layer) for layer in self.layers]
+        self._taps = attach(self._attn)  # each attention module's consumer (storylens.lm.attention)
         self._proj = [_output_projection(a) for a in self._attn]
         self._value: list[tuple[nn.Module, str]] | None = None  # found when hook_v is first asked for
 
@@ -408,10 +412,13 @@ class TransformersLM(AttentionLM):
         w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
         return w.reshape(self.n_head, -1, w.shape[1])
 
-    def streaming(self, sink, columns=None) -> AbstractContextManager | None:
-        if getattr(self.module.config, "_attn_implementation", None) != ATTENTION:
-            return None  # switched to another attention since
-        return stream_attention(self._attn, sink, self.chunk_bytes, columns)
+    def can_stream(self) -> bool:
+        return getattr(self.module.config, "_attn_implementation", None) == ATTENTION  # not switched since
+
+    def streaming(self, consumer: RowConsumer) -> AbstractContextManager:
+        if not self.can_stream():
+            return super().streaming(consumer)
+        return stream_attention(self._taps, consumer, self.chunk_bytes)
 
     def moving_unsupported(self) -> str | None:
         try:
@@ -482,7 +489,7 @@ class TransformersLM(AttentionLM):
         ``hook_pattern`` or other forward hook on its attention), where storylens's attention runs."""
         if not wanted or getattr(self.module.config, "_attn_implementation", None) != ATTENTION:
             return contextlib.nullcontext()
-        return fused_attention([a for a in self._attn if not a._forward_hooks])
+        return fused_attention([t for a, t in zip(self._attn, self._taps) if not a._forward_hooks])
 
     def blocks(self) -> list[nn.Module] | None:
         return list(self.layers)

@@ -8,7 +8,7 @@ from storylens.analysis.detectors import (
     DUPLICATE_TOKEN,
     FIRST_MASS,
     INDUCTION,
-    BatchMasks,
+    Masks,
     pattern_detector,
 )
 from storylens.analysis.encode import make_batch
@@ -42,7 +42,7 @@ def att():
 
 
 def test_duplicate_and_induction_by_hand():
-    m = BatchMasks(batch(), torch.float32)
+    m = Masks(batch(), torch.float32)
     # duplicate: q=3 -> key 1 (0.2), q=4 -> key 2 (0.4): mean 0.3; the previous-token head: 0
     assert DUPLICATE_TOKEN.story_means(att(), m)[0].tolist() == pytest.approx([0.3, 0.0])
     # induction: the token after the earlier copy: q=3 -> key 2 (0.3), q=4 -> key 3 (0.2): 0.25;
@@ -54,7 +54,7 @@ def test_duplicate_and_induction_by_hand():
 def test_first_mass_is_the_attention_on_position_0():
     """first_mass: attention on key 0 (the opening token), over queries q >= 1 inside each story, the
     same on whole maps and on chunks of rows; a column of the head table with its norm-weighted twin."""
-    m = BatchMasks(batch(), torch.float32)
+    m = Masks(batch(), torch.float32)
     assert FIRST_MASS.story_means(att(), m)[0].tolist() == pytest.approx([(0.5 + 0.2 + 0.1 + 0.1) / 4, 0.25])
     g = torch.Generator().manual_seed(3)
     lengths = [9, 4, 1]
@@ -63,7 +63,7 @@ def test_first_mass_is_the_attention_on_position_0():
     T = max(lengths)
     logits = torch.randn(3, 2, T, T, generator=g).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
     probs = logits.softmax(-1)  # [batch, head, query, key]
-    masks = BatchMasks(b, torch.float32)
+    masks = Masks(b, torch.float32)
     want = torch.stack([probs[i, :, 1:n, 0].mean(-1) if n > 1 else torch.zeros(2) for i, n in enumerate(lengths)])
     assert torch.allclose(FIRST_MASS.story_means(probs, masks), want, atol=1e-6)
     assert FIRST_MASS.queries(masks).sum(-1).tolist() == [n - 1 for n in lengths]
@@ -86,7 +86,7 @@ def test_a_user_pattern():
         return w
 
     d = pattern_detector("opening", first_key)
-    m = BatchMasks(batch(), torch.float32)
+    m = Masks(batch(), torch.float32)
     assert d.story_means(att(), m)[0].tolist() == pytest.approx([(0.5 + 0.2 + 0.1 + 0.1) / 4, 0.25])
     with pytest.raises(ValueError):
         pattern_detector("not a name", first_key)
@@ -193,7 +193,7 @@ def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
     b = make_batch(ids, [None] * len(ids), [True] * len(ids), marker_id=0)
     T, H = max(lengths), 3
     pattern = torch.rand(len(ids), H, T, T, generator=g, dtype=torch.float64).tril()
-    m = BatchMasks(b, torch.float64)
+    m = Masks(b, torch.float64)
     # each mass sums at most T - 1 weights in [0, 1], in a different order on each side: each sum is
     # within (T - 2) u (T - 1) of the exact one (u = 2^-53), so the two within twice that (1.0e-13);
     # a factor 2 of margin on top
@@ -207,3 +207,21 @@ def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
             rows = m.rows(start, stop, stop)
             got = pairs_mass(pattern[:, :, start:stop, :stop].contiguous(), *rows.key_pairs(name), start)
             assert torch.allclose(got, dense[..., start:stop], rtol=0, atol=bound), (name, start)
+
+
+def test_one_mask_type_for_batches_and_rows_sharing_what_it_makes():
+    """A chunk's masks are the batch's cut to its rows and keys; every view of a batch shares what
+    is made once (``cached``), and masses formed elsewhere (``with_mass``) stand for that map only."""
+    m = Masks(batch(), torch.float32)
+    rows = m.rows(2, 4, 4)
+    assert rows.full is m and m.rows(0, 5, 5) is m and (rows.start, rows.stop, rows.keys) == (2, 4, 4)
+    assert torch.equal(rows.queries, m.queries[:, 2:4]) and rows.key_columns.shape[-2] == 4
+    made: list[int] = []
+    first = rows.cached("k", lambda: made.append(1) or torch.ones(1))
+    assert m.cached("k", lambda: made.append(2) or torch.zeros(1)) is first and made == [1]
+    p = att()[:, :, 2:4, :4]
+    formed = torch.rand(1, 2, 2, 2)
+    given = rows.with_mass(p, formed)
+    assert given.column_mass(p) is formed  # the kernel's masses, not made again
+    assert torch.allclose(given.column_mass(p.clone()), rows.column_mass(p))  # another map: made from it
+    assert torch.allclose(rows.column_mass(p), m.column_mass(att())[:, :, 2:4])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import SCORE_COLUMNS, BatchMasks
+from storylens.analysis.detectors import SCORE_COLUMNS, Masks
 from storylens.analysis.encode import length_batches, make_batch
 from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
 from storylens.analysis.scores import (
@@ -91,7 +91,7 @@ def story_scores(attentions, batch):
     from types import SimpleNamespace
 
     out = HeadScoreAccumulator(len(attentions), attentions[0].shape[1]).update(attentions, batch)
-    m = BatchMasks(batch, attentions[0].dtype)
+    m = Masks(batch, attentions[0].dtype)
     return SimpleNamespace(
         **out,
         has_name_queries=m.name_queries.any(-1),
