@@ -7,8 +7,9 @@
 quiz stories, and seeded random GPT-2 and Llama (grouped key/value heads) models, saved with the
 shipped tokenizer, on the first 60 quiz stories. ``compare`` reads heads.json, examples.json and
 summary.json of each and prints the largest difference of every numeric column, the columns or
-keys one side has and the other lacks, and exits 1 if any number differs by more than ``--tol``
-(default 1e-7) or a column is missing.
+keys the second lacks (and those it adds), and exits 1 if any number differs by more than ``--tol``
+(default 1e-7) or a column of the first is missing. Timings, and paths that differ only in their folder,
+are not compared.
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ def _numbers(doc, path: str = "") -> dict[str, object]:
     return {path: doc}
 
 
+TIMINGS = ("/seconds/", "/timings_s/")  # how long steps took: never equal twice
+
+
+def _skipped(key: str, va: object, vb: object) -> bool:
+    """Timings, and paths that differ only by where each run was made (a folder's or checkout's path)."""
+    if any(t in key + "/" for t in TIMINGS):
+        return True
+    return isinstance(va, str) and isinstance(vb, str) and "/" in va and Path(va).name == Path(vb).name
+
+
 def compare(a: Path, b: Path, tol: float, renames: dict[str, str]) -> int:
     bad = 0
     for folder in sorted(p for p in a.iterdir() if p.is_dir() and not p.name.startswith("model-")):
@@ -124,14 +135,17 @@ def compare(a: Path, b: Path, tol: float, renames: dict[str, str]) -> int:
                     differ.append(f"only in {a.name}: {k}")
                     continue
                 vb = nb[k]
+                if _skipped(k, va, vb):
+                    continue
                 if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
                     d = abs(float(va) - float(vb))
                     if d > worst:
                         worst, where = d, k
-                elif va != vb and not k.endswith(("seconds", "elapsed", "time")):
+                elif va != vb:
                     differ.append(f"differs: {k}: {va!r} vs {vb!r}")
-            differ += [f"only in {b.name}: {k}" for k in nb if k not in na]
+            added = [f"new in {b.name}: {k}" for k in nb if k not in na]  # an addition is listed, not a failure
             status = "ok" if worst <= tol and not differ else "DIFFERS"
+            differ += added
             bad += status != "ok"
             print(f"{folder.name}/{name}: {len(na)} values, largest difference {worst:.3g} {where} [{status}]")
             for line in differ[:10]:
