@@ -16,7 +16,7 @@ prints, for the working tree or for a git revision (``--rev``, e.g. the commit b
 - **files a new built-in detector touches**: the detectors module, its test, and every file of the
   first measure.
 
-tests/test_layers.py holds the package to 0 on each (the last to 2).
+tests/test_engine_measures.py holds the package to 0 on each (the last to 2).
 """
 
 from __future__ import annotations
