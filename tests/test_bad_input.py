@@ -334,15 +334,18 @@ def test_dot_targets_are_refused(capsys, target):
 
 def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp_path, corpus_split):
     """--examples K keeps heads x detectors x K examples: at most EXAMPLES_BUDGET in all (the
-    shipped model: 24 heads x 7 detectors), refused past it before a story is scored."""
+    shipped model: 24 heads x every built-in detector), refused past it before a story is scored."""
+    from storylens.analysis.detectors import BUILTIN_DETECTORS
     from storylens.corpus.score import EXAMPLES_BUDGET
+
+    d = len(BUILTIN_DETECTORS)
 
     stories = tmp_path / "stories.txt"
     stories.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:3]))
-    most = EXAMPLES_BUDGET // (24 * 7)
+    most = EXAMPLES_BUDGET // (24 * d)
     for k in (most + 1, 10**12):
         want = (
-            f"storylens: error: --examples {k:,}: 24 heads x 7 detectors x {k:,} = {24 * 7 * k:,} examples, past "
+            f"storylens: error: --examples {k:,}: 24 heads x {d} detectors x {k:,} = {24 * d * k:,} examples, past "
             f"the budget of {EXAMPLES_BUDGET:,} kept in all (about 1 KB each in memory, and again in examples.json "
             f"and explore.html); at most {most:,} here"
         )

@@ -643,7 +643,7 @@ BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)
 SCORE_COLUMNS = tuple(c.name for c in score_columns(BUILTIN_DETECTORS))  # the built-in raw score columns
 # a user detector may not take a column's name, nor one a head's row answers to itself
 RESERVED_COLUMNS = frozenset(
-    ("label", "block", "head", "layer", "at", "scores", "row", *(c.name for c in BUILTIN_COLUMNS))
+    ("label", "block", "head", "layer", "at", "scores", "row", "value", *(c.name for c in BUILTIN_COLUMNS))
 )
 
 

@@ -124,18 +124,20 @@ def _actor_failure(e: BaseException) -> str:
     by its file, as ``--detector FILE`` gave it."""
 
     what = f"{type(e).__name__}: {_one_line(e)}"
-    tb = e.__traceback__
-    while tb is not None:
+    tb, found = e.__traceback__, None
+    while tb is not None:  # where the pattern is called: detectors._pattern_weights (its local fn)
         frame = tb.tb_frame
-        if frame.f_code.co_name == "pattern_keys" and frame.f_code.co_filename == detectors.__file__:
-            fn = frame.f_locals.get("fn")
-            code = getattr(fn, "__code__", None)
-            where = f"--detector {code.co_filename}" if code is not None else "--detector"
-            if tb.tb_next is None:  # pattern_keys itself: the weights were not what a pattern must give
-                return f"{where}: {_one_line(e)} (in a Ray actor)"
-            return f"{where}: {getattr(fn, '__name__', 'pattern')}() raised {what} (in a Ray actor)"
+        if frame.f_code.co_name == "_pattern_weights" and frame.f_code.co_filename == detectors.__file__:
+            found = tb
         tb = tb.tb_next
-    return f"ray: an actor failed scoring a chunk: {what}"
+    if found is None:
+        return f"ray: an actor failed scoring a chunk: {what}"
+    fn = found.tb_frame.f_locals.get("fn")
+    code = getattr(fn, "__code__", None)
+    where = f"--detector {code.co_filename}" if code is not None else "--detector"
+    if found.tb_next is None:  # raised there: the weights were not what a pattern must give
+        return f"{where}: {_one_line(e)} (in a Ray actor)"
+    return f"{where}: {getattr(fn, '__name__', 'pattern')}() raised {what} (in a Ray actor)"
 
 
 def _ray_failure(e: BaseException) -> str:
