@@ -155,8 +155,13 @@ def _validate_generate(args) -> None:
         raise UsageError(f"--temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
     if args.top_k < 0:
         raise UsageError(f"--top-k: must be 0 (off) or more (got {args.top_k})")
-    if not 0 <= args.seed < 2**64:
-        raise UsageError(f"--seed: must be between 0 and 2^64 - 1 (got {args.seed})")
+    _check_seed(args.seed)
+
+
+def _check_seed(seed: int) -> None:
+    """A sampling seed torch takes: 0 to 2^64 - 1 (a negative one would wrap to another seed)."""
+    if not 0 <= seed < 2**64:
+        raise UsageError(f"--seed: must be between 0 and 2^64 - 1 (got {seed})")
 
 
 def cmd_generate(args) -> int:
@@ -702,7 +707,9 @@ def add_ablate_parser(sub) -> None:
     _add_quiz_stories(a)
     a.add_argument("--quiz", default=None, help="measure on every story of this file instead")
     a.add_argument("--prompt", default=DIVERGENCE_PROMPT, help="prompt for the generation side-by-side")
-    a.add_argument("--seed", type=int, default=0, help="sampling seed for the side-by-side generation")
+    a.add_argument(
+        "--seed", type=int, default=0, help="sampling seed for the side-by-side generation, 0 to 2^64 - 1 (default 0)"
+    )
     a.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     a.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
     a.set_defaults(func=_cmd_ablate)
@@ -711,6 +718,7 @@ def add_ablate_parser(sub) -> None:
 def _cmd_ablate(args) -> int:
 
     modes = (args.mode,) if args.mode else ("zero", "mean")
+    _check_seed(args.seed)
     heads = None
     if args.heads:  # wrong on its face: refused before the model loads
         try:

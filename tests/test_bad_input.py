@@ -181,6 +181,13 @@ def test_generate_options(capsys, argv, expect):
     assert one_line(capsys, ["generate", "Once", *argv], code=2) == f"storylens: error: {expect}"
 
 
+@pytest.mark.parametrize("seed", ["-5", str(2**64)])
+def test_ablate_refuses_a_seed_torch_would_wrap_before_the_model_loads(capsys, seed):
+    assert one_line(capsys, ["ablate", "--seed", seed], code=2) == (
+        f"storylens: error: --seed: must be between 0 and 2^64 - 1 (got {seed})"
+    )
+
+
 def test_prompt_that_is_not_valid_text(capsys):
     bad = b"Once \xff\xfe".decode("utf-8", "surrogateescape")  # what Python makes of non-UTF-8 argv bytes
     assert one_line(capsys, ["generate", bad], code=2) == (
