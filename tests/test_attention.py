@@ -312,7 +312,7 @@ def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(to
         def end(self):
             pass
 
-    lm = wrap(_model("llama"), tokenizer)
+    lm = wrap(_model("llama").double(), tokenizer)  # float64: the two paths differ only in a sum's order
     lm.chunk_bytes = 3000
     stories = load_split().quiz[:2]
     rows, whole = Kept(True), Kept(False)
@@ -328,4 +328,6 @@ def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(to
     for layer in range(lm.n_layer):
         chunked = torch.cat([o for la, _, _, _, o in by_rows if la == layer], -1)
         (full,) = [o for la, _, _, _, o in whole.seen if la == layer]
-        assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-6)
+        # |sum_j a_j f_j| summed in another order: at most 2 K u sum_j a_j |f_j| apart (K <= 128 keys,
+        # u = 2^-53, |f_j| well under 100 here): below 3e-12; 1e-10 leaves a margin for any CPU
+        assert torch.allclose(chunked, full, rtol=0, atol=1e-10)

@@ -62,10 +62,13 @@ def test_first_mass_is_the_attention_on_position_0():
     b = make_batch(ids, [None] * 3, [True] * 3, marker_id=0)
     T = max(lengths)
     logits = torch.randn(3, 2, T, T, generator=g).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-    probs = logits.softmax(-1)  # [batch, head, query, key]
-    masks = Masks(b, torch.float32)
-    want = torch.stack([probs[i, :, 1:n, 0].mean(-1) if n > 1 else torch.zeros(2) for i, n in enumerate(lengths)])
-    assert torch.allclose(FIRST_MASS.story_means(probs, masks), want, atol=1e-6)
+    probs = logits.double().softmax(-1)  # [batch, head, query, key], float64: only a sum's order differs
+    masks = Masks(b, torch.float64)
+    want = torch.stack(
+        [probs[i, :, 1:n, 0].mean(-1) if n > 1 else torch.zeros(2, dtype=torch.float64) for i, n in enumerate(lengths)]
+    )
+    # a mean of at most 8 numbers in [0, 1], summed in another order: within 8 u = 9e-16 of each other
+    assert torch.allclose(FIRST_MASS.story_means(probs, masks), want, rtol=0, atol=1e-13)
     assert FIRST_MASS.queries(masks).sum(-1).tolist() == [n - 1 for n in lengths]
     for start, stop in [(0, 4), (4, 7), (7, 9)]:  # chunks of rows: the same values, row for row
         rows = masks.rows(start, stop, stop)
@@ -74,7 +77,8 @@ def test_first_mass_is_the_attention_on_position_0():
     acc = HeadScoreAccumulator(1, 2)
     acc.update([probs], b)
     row = build_table(acc, with_first=False)[0]
-    assert row.first_mass == pytest.approx(want[:2, 0].mean().item(), abs=1e-6)  # the third story: no query
+    # the third story: no query; two float64 means of means, each within 1e-15 of the exact one
+    assert row.first_mass == pytest.approx(want[:2, 0].mean().item(), rel=0, abs=1e-13)
     names = list(row.row())
     assert names.index("first_mass") < names.index("norm_name_mass") < names.index("norm_first_mass")
 
