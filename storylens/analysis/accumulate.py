@@ -80,3 +80,104 @@ class MeanAccumulator:
             raise ValueError(f"a sum of {total[bad].flatten()[0].item():g} over {count} stories is outside 0..{count}")
         acc.total, acc.count = total, count
         return acc
+
+
+def pooled_ratio(
+    sum_c: torch.Tensor,
+    sum_n: torch.Tensor | float,
+    sum_c2: torch.Tensor,
+    sum_cn: torch.Tensor,
+    sum_n2: torch.Tensor | float,
+    stories: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled per-token figure and its standard error from per-story sums.
+
+    Story ``s`` contributes ``c_s`` (e.g. the change in its summed loss) over ``n_s`` tokens; the
+    figure is ``R = sum c_s / sum n_s`` (per token, pooled as perplexity is), and its standard error
+    the ratio estimator's, by the delta method over stories drawn at random:
+
+        se(R)^2 = S / (S - 1) * sum_s (c_s - R n_s)^2 / (sum_s n_s)^2,
+
+    with ``sum_s (c_s - R n_s)^2 = sum c^2 - 2 R sum c n + R^2 sum n^2`` (so only the five sums
+    are kept: streamed and mergeable). NaN for the error with fewer than two stories; clamped at 0
+    where rounding leaves the sum of squares slightly negative. Float64 throughout."""
+    c, cc, cn = (torch.as_tensor(x, dtype=torch.float64) for x in (sum_c, sum_c2, sum_cn))
+    n, nn = (torch.as_tensor(x, dtype=torch.float64) for x in (sum_n, sum_n2))
+    ratio = c / n
+    if stories < 2:
+        return ratio, torch.full_like(ratio, float("nan"))
+    spread = (cc - 2 * ratio * cn + ratio * ratio * nn).clamp(min=0)
+    return ratio, (stories / (stories - 1) * spread).sqrt() / n
+
+
+class RatioAccumulator:
+    """Streamed sums for :func:`pooled_ratio`: per story a value ``c_s`` of shape ``shape`` over
+    ``n_s`` tokens. ``add(c [batch, *shape], n [batch])``; :meth:`merge` adds another's sums in any
+    order (float64); :meth:`result` gives ``(ratio, se)``."""
+
+    def __init__(self, shape: tuple[int, ...] = ()):
+        z = torch.zeros(shape, dtype=torch.float64)
+        self.c, self.c2, self.cn = z.clone(), z.clone(), z.clone()
+        self.n, self.n2, self.count = 0.0, 0.0, 0
+
+    def add(self, c: torch.Tensor, n: torch.Tensor) -> None:
+        c, n = c.detach().cpu().to(torch.float64), n.detach().cpu().to(torch.float64)
+        w = n.reshape(-1, *([1] * (c.dim() - 1)))
+        self.c += c.sum(0)
+        self.c2 += (c * c).sum(0)
+        self.cn += (c * w).sum(0)
+        self.n += float(n.sum())
+        self.n2 += float((n * n).sum())
+        self.count += int(n.shape[0])
+
+    def merge(self, other: RatioAccumulator) -> RatioAccumulator:
+        if other.c.shape != self.c.shape:
+            raise ValueError(f"merge: shapes {tuple(self.c.shape)} and {tuple(other.c.shape)} differ")
+        self.c += other.c
+        self.c2 += other.c2
+        self.cn += other.cn
+        self.n += other.n
+        self.n2 += other.n2
+        self.count += other.count
+        return self
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ratio, se)``; NaN while no token was added."""
+        if self.n == 0:
+            nan = torch.full_like(self.c, float("nan"))
+            return nan, nan.clone()
+        return pooled_ratio(self.c, self.n, self.c2, self.cn, self.n2, self.count)
+
+    def state(self) -> dict:
+        """The sums as plain data (float64 written exactly by JSON's shortest repr)."""
+        return {
+            "c": self.c.tolist(),
+            "c2": self.c2.tolist(),
+            "cn": self.cn.tolist(),
+            "n": self.n,
+            "n2": self.n2,
+            "count": self.count,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, shape: tuple[int, ...]) -> RatioAccumulator:
+        """The accumulator :meth:`state` wrote; ValueError naming what is wrong."""
+        if not isinstance(state, dict) or set(state) != {"c", "c2", "cn", "n", "n2", "count"}:
+            raise ValueError("not a ratio accumulator's state")
+        acc = cls(shape)
+        count = state["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count {count!r} is not a whole number of 0 or more")
+        try:
+            sums = {k: torch.tensor(state[k], dtype=torch.float64) for k in ("c", "c2", "cn")}
+            n, n2 = float(state["n"]), float(state["n2"])
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError("sums are not numbers") from None
+        for k, v in sums.items():
+            if v.shape != acc.c.shape or not torch.isfinite(v).all():
+                raise ValueError(f"{k}: shape {tuple(v.shape)} or a value not finite")
+        if not (n >= 0 and n2 >= 0 and n == n and n2 == n2) or (sums["c2"] < 0).any():
+            raise ValueError("token counts or sums of squares negative or not numbers")
+        acc.c, acc.c2, acc.cn = sums["c"], sums["c2"], sums["cn"]
+        acc.n, acc.n2, acc.count = n, n2, count
+        return acc
