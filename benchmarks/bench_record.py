@@ -15,6 +15,8 @@ at most 16 stories and 4,096 padded tokens a batch, ``storylens.core.batching``)
   every built-in detector, raw attention only;
 * ``score``: the same as ``storylens score`` runs it (also every norm-weighted column and the
   output norms, from the same pass);
+* ``score, no sink columns``: ``score`` without the sink and context columns
+  (:mod:`storylens.analysis.sinks`): what they cost;
 * ``score, eager``: the same with transformers' eager attention, the path before storylens's own;
 * ``TL patterns``: TransformerLens ``run_with_cache`` keeping only the patterns, over the same
   batches (caching alone, no score computed), where TransformerLens loads the model.
@@ -118,9 +120,11 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
         with torch.inference_mode():
             lm.forward(batches[i], logits=False)
 
-    def score(faithful: bool, impl: str):
+    def score(faithful: bool, impl: str, sinks: bool = True):
         def run(i: int, acc) -> None:  # score_heads' recording of this batch, into the round's accumulator
             attention(impl)
+            if not sinks:
+                acc.sinks = None  # the same pass without the sink and context columns (their cost)
             record(lm, groups[i], [acc], progress=False)
 
         return run, faithful
@@ -129,6 +133,7 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
         "bare": (bare, None),
         "score (raw)": score(False, own),
         "score": score(True, own),
+        "score, no sink columns": score(True, own, sinks=False),
         "score, eager": score(True, "eager"),
     }
     tl_note = None

@@ -45,6 +45,7 @@ def table(r: dict) -> str:
                 "score (raw)": "`score_heads`' recording, every built-in detector, raw attention",
                 "score": "the same as `storylens score` (also norm-weighted columns, output norms)"
                 + _rounds(s, "score", "bare"),
+                "score, no sink columns": "the same without the sink and context columns (their cost)",
                 "score, eager": "the same with transformers' eager attention (before)",
                 "TL patterns": "TransformerLens `run_with_cache`, patterns only (no scores)",
             }[side]

@@ -82,7 +82,7 @@ def truth_table(f: Truth) -> str:
             else f"{r.zero_increase:+.3f} / {r.mean_increase:+.3f} on {r.where}"
         )
         lines.append(f"| {r.detector} | {r.head} | {r.raw:.3f} | {norm} | {share} | {off} | {corr} |")
-    flagged = ", ".join(f"{h} ({d})" for h, d in f.flagged) or "none"
+    dormant = ", ".join(f.dormant) or "none"
     lines.append("")
     lines.append(
         (
@@ -90,8 +90,7 @@ def truth_table(f: Truth) -> str:
             if f.stories_chosen
             else f"Ablations on the first {f.n_stories} quiz stories."
         )
-        + " Heads that look without moving (strong on a detector, "
-        f"under a quarter of an even share of their block's output): {flagged}."
+        + f" Dormant heads (switching one to its mean moves nothing): {dormant}."
     )
     return "\n".join(lines)
 

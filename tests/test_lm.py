@@ -356,16 +356,19 @@ def test_norm_weighted_scores_and_output_norms_equal_the_direct_computation(tiny
     sums: dict[str, dict] = {}
     out_norms: dict[tuple[int, int], list[float]] = {}
     prev: dict[tuple[int, int], list[tuple[float, int, int]]] = {}  # every (value, story, query) of prev_token
+    seen: list[tuple[list, list]] = []  # per story, every block's probabilities and value vectors (the sink columns)
     for i, text in enumerate(stories):
         ids, pos, first = _story(lm, text, names)
         atts, hidden = _attention_inputs(lm.module, ids)
-        weighted = []
+        weighted, fs = [], []
+        seen.append((atts, fs))
         for layer, (a, x) in enumerate(zip(atts, hidden)):
             attn = _attention_of(_decoder_layers(lm.module)[layer])
             with torch.no_grad():
                 v, w_o = _value_and_output(attn, kind, x, lm.n_head)
                 f = torch.einsum("thd,hde->hte", v, w_o)  # [head, key, d_model]
             norms = f.norm(dim=-1)  # [head, key]
+            fs.append(f)
             w = a * norms[:, None, :]
             weighted.append(w / w.sum(-1, keepdim=True))
             moved = torch.einsum("hqk,hke->hqe", a, f).norm(dim=-1)  # |sum_j a_ij f_j|  [head, query]
@@ -396,6 +399,9 @@ def test_norm_weighted_scores_and_output_norms_equal_the_direct_computation(tiny
         assert [(e.story, e.query) for e in have] == [(s, q) for _, s, q in want], Head(layer, h).label
         assert all(abs(e.value - w[0]) <= 1e-9 for e, w in zip(have, want))
         assert all(e.key_weight >= e.value for e in have)  # the most-attended key holds at least this share
+    from sink_reference import assert_sink_columns
+
+    assert assert_sink_columns(got, seen) == 5 * 2 * 4  # sink_rate .. active_rate, every head
     moved_most = max(abs(getattr(r, "norm_" + k) - getattr(r, k)) for r in got.heads for k in sums)
     print(f"{kind}: the norm weighting moves a score by up to {moved_most:.2e}")
     assert moved_most > 1e-6  # the weighting is not the identity here, so the comparison tests it

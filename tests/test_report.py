@@ -68,15 +68,17 @@ def test_report_html_is_self_contained(report_dir):
     # the overview: a grid per column (every detector raw, then norm-weighted, then the output share,
     # as the detectors declare); the sections' score heatmaps after it (the lesson's, then the ones
     # past it). Every cell the head's value in heads.json
-    from storylens.analysis.detectors import BUILTIN_COLUMNS, LESSON, MORE, OVERVIEW
+    from storylens.analysis.detectors import BUILTIN_COLUMNS, LESSON, MORE, OVERVIEW, SINKS
 
     overview = dict(re.findall(r'<div class="sl-ov" data-col="([a-z0-9_]+)">(.*?)</div>', page, flags=re.S))
     raw = ["name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"]
     assert list(overview) == [c.name for c in BUILTIN_COLUMNS if OVERVIEW in c.shown]
-    assert list(overview)[:8] == raw and list(overview)[-1] == "output_share"
+    assert list(overview)[:8] == raw and list(overview)[-2:] == ["output_share", "context_share"]
     assert all(f"norm_{c}" in overview for c in raw)
     tables = re.findall(r'<table class="slh">(.*?)</table>', page, flags=re.S)
-    assert len(tables) == len(overview) + sum(bool({LESSON, MORE} & c.shown) for c in BUILTIN_COLUMNS)
+    sections = sum(bool({LESSON, MORE} & c.shown) for c in BUILTIN_COLUMNS)
+    sinks = sum(SINKS in c.shown for c in BUILTIN_COLUMNS)  # the grids of sinks and dormant heads
+    assert len(tables) == len(overview) + sections + sinks
     heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
     for col, grid in [*overview.items(), ("name_mass", tables[len(overview)])]:
         cells = dict(re.findall(r'data-head="(L\dH\d)" data-value="([^"]+)"', grid))
@@ -272,7 +274,7 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
             assert (r.raw, r.norm, r.share) == (h[d], h["norm_" + d], h["output_share"])
             assert math.isfinite(r.zero_increase) and math.isfinite(r.mean_increase)
             assert r.where == ("name tokens" if d == "name_mass" else "next tokens")
-            assert r.flagged == (d in h["looks_without_moving"].split(","))
+            assert r.dormant == bool(h["dormant"])
     assert {a.detector for a in f.agreements} == set(DETECTORS)
     assert all(a.rho is None or -1 <= a.rho <= 1 for a in f.agreements)
     assert len(f.sentences) == len(DETECTORS) + 1

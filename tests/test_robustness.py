@@ -424,7 +424,7 @@ def test_a_detector_that_misbehaves_is_one_line(corpus_file, tmp_path, capsys, n
         "marker",
         "norm_marker",
         "output_share",
-        "looks_without_moving",
+        "dormant",
     ],
 )
 def test_a_detector_name_that_is_already_a_column(tmp_path, corpus_file, capsys, name):

@@ -149,7 +149,7 @@ def _check_stories(lm: AttentionLM, stories_ids: Sequence[Sequence[int]]) -> Non
 def head_output_means(
     model: ModelLike, stories_ids: Sequence[Sequence[int]], *, batch_size: int = 16, include_marker: bool = True
 ) -> torch.Tensor:
-    """Each head's mean output vector, ``[layer, head, head_size]`` (float32).
+    """Each head's mean output vector, ``[layer, head, head_size]`` (float32; float64 for a float64 model).
 
     The mean is over every real token position of every story (padding never counts),
     each position weighted equally; ``include_marker=False`` leaves out position 0 (the
@@ -178,7 +178,9 @@ def head_output_means(
             count += int(valid.sum())
     if count == 0:
         raise StorylensError("stories: no token positions to average over")
-    return (torch.stack([totals[i] for i in range(lm.n_layer)]) / count).to(torch.float32)
+    return (torch.stack([totals[i] for i in range(lm.n_layer)]) / count).to(
+        torch.promote_types(lm.dtype, torch.float32)
+    )
 
 
 # ---------------------------------------------------------------- the loss table

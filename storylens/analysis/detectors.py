@@ -46,6 +46,7 @@ import torch
 from torch.nn import functional as F
 
 from storylens.analysis.encode import StoryBatch
+from storylens.analysis.sinks import ACTIVE_SHARE, DORMANT_NATS, DORMANT_SHARE, SINK_THRESHOLD
 from storylens.core.errors import StorylensError
 
 T_ = TypeVar("T_")
@@ -58,6 +59,7 @@ FIRST_SUFFIX = "_first"  # <detector>_first: the same detector over only the fir
 # lesson's own sections of the report (which name their columns), the report's "More detectors",
 # the faithfulness table (its strongest heads switched off), the training timeline's figures
 OVERVIEW, LESSON, MORE, TRUTH, TIMELINE = "overview", "lesson", "more", "truth", "timeline"
+SINKS = "sinks"  # the report's grids of sinks and dormant heads (storylens.analysis.sinks)
 SHOWN_BEYOND_LESSON = frozenset((OVERVIEW, MORE, TRUTH))  # a detector beyond the lesson's, a user's among them
 
 
@@ -482,7 +484,6 @@ class Detector:
     meaning: str = ""
     shown: frozenset[str] = SHOWN_BEYOND_LESSON
     derived: tuple[Column, ...] = ()  # columns computed from this one's (following it in the table)
-    flags: bool = True  # looks_without_moving may name it (storylens.analysis.faithful)
     kind: str = ""  # the kind of head it finds, as the training timeline's formation table says ("" : none)
 
     def story_means(self, pattern: torch.Tensor, masks: Masks) -> torch.Tensor:
@@ -598,8 +599,7 @@ FIRST_MASS = Detector(
     rows=True,
     title="Attention on position 0 (the opening token)",
     meaning="attention on position 0, the token that opens every sequence, over queries q >= 1",
-    shown=frozenset((OVERVIEW, MORE)),
-    flags=False,  # a head resting on the opening token is expected to write little (an attention sink)
+    shown=frozenset((OVERVIEW, MORE, SINKS)),
 )
 
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)
@@ -613,10 +613,45 @@ OUTPUT_SHARE = Column(
     "output_norm over the sum of its block's heads' output norms",
     frozenset((OVERVIEW,)),
 )
+SINK_RATE = Column(
+    "sink_rate",
+    f"Sink rate: the share of stories with attention on position 0 above {SINK_THRESHOLD}",
+    f"the share of stories whose first_mass exceeds {SINK_THRESHOLD} (Gu et al. 2024's Sink^{SINK_THRESHOLD})",
+    frozenset((SINKS,)),
+)
+FIRST_VALUE_RATIO = Column(
+    "first_value_ratio",
+    "First value ratio: |f_0| over the mean |f_j| of the other keys",
+    "the opening token's value vector through the head's output slice, over the mean of the story's other keys' "
+    "(Guo et al. 2024's value-state drain), mean over stories",
+    frozenset((SINKS,)),
+)
+CONTEXT_SHARE = Column(
+    "context_share",
+    "Context share: the part of what the head writes that depends on the story",
+    "E|o_i - mean(o)|^2 / E|o_i|^2 over every query q >= 1, o_i the head's output through its slice of the "
+    "output projection and mean(o) its corpus mean: what mean ablation removes, as a share of the output",
+    frozenset((OVERVIEW, SINKS)),
+)
+CONTEXT_NORM = Column(
+    "context_norm",
+    "Context norm: the size of the story-dependent output",
+    "sqrt(E|o_i - mean(o)|^2) over every query q >= 1",
+    frozenset((SINKS,)),
+)
+ACTIVE_RATE = Column(
+    "active_rate",
+    f"Active rate: the share of stories where the head's own context share exceeds {ACTIVE_SHARE}",
+    f"the share of stories in which the head's context share, about the story's own mean, exceeds {ACTIVE_SHARE}",
+    frozenset((SINKS,)),
+)
+OLD_FLAG = "looks_without_moving"  # the flag before dormant (storylens 0.x runs): refused when read back
+SINK_COLUMNS = (SINK_RATE, FIRST_VALUE_RATIO, CONTEXT_SHARE, CONTEXT_NORM, ACTIVE_RATE)
 FLAG = Column(
-    "looks_without_moving",
-    "Looks without moving",
-    "the detectors a head is strong on while it writes almost nothing, comma-separated",
+    "dormant",
+    "Dormant: switching the head to its mean moves nothing",
+    f"its story-dependent output is under {DORMANT_SHARE} of an even share of its block's (context_norm^2 against "
+    f"the block's mean) and, where AtP was computed, |atp_mean| + 2 se is under {DORMANT_NATS} nats",
 )
 
 
@@ -634,9 +669,10 @@ def score_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
 
 def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     """Every column of the head table for ``detectors`` (after label, block, head), in order: the raw
-    scores (:func:`score_columns`), their norm-weighted twins, what each head writes, the flag."""
+    scores (:func:`score_columns`), their norm-weighted twins, what each head writes, the sink and
+    context columns (:mod:`storylens.analysis.sinks`), the flag."""
     raw = score_columns(detectors)
-    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, FLAG)
+    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, FLAG)
 
 
 BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)

@@ -15,24 +15,17 @@ projection (no bias; with grouped key/value heads, the value of the group head `
     ``|sum_j alpha_ij f_j|``: the size of what the head writes into the residual stream.
 ``output_share``
     a head's ``output_norm`` over the sum of its block's heads' ``output_norm``.
-``looks_without_moving``
-    the detectors on which a head ranks among the strongest by its raw score (the top
-    :data:`TOP_SHARE` of heads, at least one) while its output share is negligible (below
-    :data:`NEGLIGIBLE_SHARE` of an even share, ``1 / n_head``): it looks there and writes almost
-    nothing, as an attention sink does.
+What a head moves that depends on the story (sinks, dormant heads): :mod:`storylens.analysis.sinks`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from storylens.core.errors import StorylensError
-
-TOP_SHARE = 0.1  # "among the strongest": the top tenth of heads on a detector's raw score
-NEGLIGIBLE_SHARE = 0.25  # "negligible": under a quarter of an even share of the block's head outputs
 
 
 def ov_factor(w_o: torch.Tensor) -> torch.Tensor:
@@ -59,12 +52,14 @@ def ov_factor(w_o: torch.Tensor) -> torch.Tensor:
     return r.transpose(-1, -2).to(dtype)
 
 
-def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``|x[b, t, g] W_O^h|`` for ``x [batch, tokens, group, d]`` and ``factor = ov_factor(W_O)``
+def head_images(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``x[b, t, g] F_h`` for ``x [batch, tokens, group, d]`` and ``factor = ov_factor(W_O)``
     ``[head, d, k]``, query head ``h`` reading group ``h // (head // group)`` (as transformers'
-    ``repeat_kv``; ``group = head`` for head outputs): ``[batch, head, tokens]``, in ``factor``'s
-    dtype (float32 at least: a half-precision square overflows or keeps three digits). One matrix
-    product per group for all of its heads, then each product's length; no copy of a group per head."""
+    ``repeat_kv``; ``group = head`` for head outputs): ``[batch, head, tokens, k]``, in ``factor``'s
+    dtype (float32 at least: a half-precision square overflows or keeps three digits). ``F_h = R^T``
+    with ``W_O^h^T = Q R``, so ``x W_O^h = (x F_h) Q^T``: each vector's image in an orthonormal frame
+    of the head's output space, with every length, distance and mean of the ``x W_O^h`` themselves.
+    One matrix product per group for all of its heads; no copy of a group per head."""
     B, T, G, d = x.shape
     H, k = factor.shape[0], factor.shape[-1]
     if H % G:
@@ -72,8 +67,13 @@ def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     r = H // G
     xt = x.to(factor.dtype).permute(2, 0, 1, 3).reshape(G, B * T, d)  # [G, BT, d]
     per_group = factor.view(G, r, d, k).permute(0, 2, 1, 3).reshape(G, d, r * k)  # [G, d, r * k]
-    y = torch.bmm(xt, per_group).view(G, B * T, r, k)  # x F_h for each head h of the group
-    return torch.linalg.vector_norm(y, dim=-1).view(G, B, T, r).permute(1, 0, 3, 2).reshape(B, H, T)
+    y = torch.bmm(xt, per_group).view(G, B, T, r, k)  # x F_h for each head h of the group
+    return y.permute(1, 0, 3, 2, 4).reshape(B, H, T, k)
+
+
+def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``|x[b, t, g] W_O^h|`` ``[batch, head, tokens]``: the lengths of :func:`head_images`."""
+    return torch.linalg.vector_norm(head_images(x, factor), dim=-1)
 
 
 def key_norms(v: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -110,31 +110,6 @@ def norm_weighted(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
 def shares(output_norm: torch.Tensor) -> torch.Tensor:
     """``[layer, head]``: each head's share of its block's summed head-output norms."""
     return output_norm / output_norm.sum(-1, keepdim=True)
-
-
-def looks_without_moving(
-    raw: Mapping[str, torch.Tensor],
-    share: torch.Tensor,
-    *,
-    top: float = TOP_SHARE,
-    negligible: float = NEGLIGIBLE_SHARE,
-) -> list[list[tuple[str, ...]]]:
-    """``[layer][head]``: the detectors (of ``raw``, each ``[layer, head]``) on which the head is among
-    the top ``top`` share of heads by raw score while its output ``share`` is under ``negligible`` of
-    an even share (see the module docstring)."""
-    n_layer, n_head = share.shape
-    k = max(1, math.ceil(top * n_layer * n_head))
-    quiet = share < negligible / n_head
-    flags: list[list[list[str]]] = [[[] for _ in range(n_head)] for _ in range(n_layer)]
-    for name, scores in raw.items():
-        flat = torch.nan_to_num(scores.flatten().to(torch.float64), nan=-math.inf)
-        if not torch.isfinite(flat).any():
-            continue
-        strong = torch.zeros(flat.shape, dtype=torch.bool)
-        strong[sorted(range(len(flat)), key=lambda i: (-float(flat[i]), i))[:k]] = True
-        for i in torch.nonzero(strong.view(n_layer, n_head) & quiet).tolist():
-            flags[i[0]][i[1]].append(name)
-    return [[tuple(f) for f in row] for row in flags]
 
 
 def ranks(values: Sequence[float]) -> list[float]:

@@ -31,8 +31,10 @@ needs from ``chunk.probs``.
 ``key_norms`` (:mod:`storylens.analysis.faithful`): ``|f_j|`` for every key (each value vector
 through its head's slice of the output projection, from ``hook_v``); ``outputs``: the size of what
 each head writes at each of the chunk's queries ``|sum_j alpha_ij f_j|`` (from the head outputs the
-streamed kernel forms with the chunk, or from ``hook_z``). Where the model's value vectors or output
-weights cannot be read, both stay None (the plan says why).
+streamed kernel forms with the chunk, or from ``hook_z``), and ``output_vectors`` the vectors
+themselves in an orthonormal frame of each head's output space (``k <= head size`` numbers instead of
+``d_model``; lengths, distances and means are the residual stream's). Where the model's value
+vectors or output weights cannot be read, they stay None (the plan says why).
 
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns (the latter two take whole maps).
@@ -59,7 +61,7 @@ from storylens.analysis.encode import (
     iter_encoded,
     length_batches,
 )
-from storylens.analysis.faithful import head_norms, key_norms, ov_factor
+from storylens.analysis.faithful import head_images, key_norms, ov_factor
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
@@ -83,7 +85,9 @@ class Needs:
 
     columns: tuple[KeyColumn, ...] = ()  # key columns whose attention-weighted sums it reads (chunk.columns)
     key_norms: bool = False  # |f_j| of every key (chunk.key_norms)
-    outputs: bool = False  # the size of what each head writes at each query (chunk.outputs)
+    outputs: bool = (
+        False  # what each head writes at each query: its size and its vector (chunk.outputs, .output_vectors)
+    )
     streams: bool = True  # it can take a block's map a chunk of query rows at a time (else: whole maps)
     # gradients: causal scores (the next issue) will ask here for the gradient at each head's output
 
@@ -100,6 +104,9 @@ class Chunk:
     columns: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> [batch, head, n], from probs @ V
     key_norms: torch.Tensor | None = None  # [batch, head, keys]: |f_j| (asked for, and readable)
     outputs: torch.Tensor | None = None  # [batch, head, n]: |sum_j alpha_ij f_j| (asked for, and readable)
+    # [batch, head, n, k]: sum_j alpha_ij f_j itself, in an orthonormal frame of the head's output space
+    # (storylens.analysis.faithful.head_images): every length, distance and mean as in the residual stream
+    output_vectors: torch.Tensor | None = None
 
     @property
     def stop(self) -> int:
@@ -195,7 +202,7 @@ class _Pass:
                 self.factors = [ov_factor(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]
         self.masks: Masks | None = None
         self.norms: dict[int, torch.Tensor] = {}  # per block, |f_j| [B, H, keys] (from hook_v)
-        self.waiting: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # whole map, output sizes
+        self.waiting: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # whole map, output vectors
         self.formed: list[str] = []  # the key columns in the streamed kernel's masses, in order
 
     def context(self) -> ExitStack:
@@ -242,19 +249,20 @@ class _Pass:
         self._whole(hook.layer, pattern, None)
 
     def _outputs(self, z: torch.Tensor, hook: Hook) -> None:
-        self._whole(hook.layer, None, head_norms(z, self.factors[hook.layer]))
+        self._whole(hook.layer, None, head_images(z, self.factors[hook.layer]))
 
-    def _whole(self, layer: int, pattern: torch.Tensor | None, outputs: torch.Tensor | None) -> None:
+    def _whole(self, layer: int, pattern: torch.Tensor | None, vectors: torch.Tensor | None) -> None:
         """A whole map is fed once its head outputs are in too (``hook_z`` fires before or after it)."""
         if self.plan.outputs:
             held = self.waiting.pop(layer, (None, None))
-            pattern, outputs = pattern if pattern is not None else held[0], outputs if outputs is not None else held[1]
-            if pattern is None or outputs is None:
-                self.waiting[layer] = (pattern, outputs)
+            pattern, vectors = pattern if pattern is not None else held[0], vectors if vectors is not None else held[1]
+            if pattern is None or vectors is None:
+                self.waiting[layer] = (pattern, vectors)
                 return
         assert pattern is not None
         norms = self.norms.pop(layer, None) if self.plan.key_norms else None
-        self._feed(Chunk(layer, 0, pattern, self._masks(pattern), {}, norms, outputs))
+        outputs = None if vectors is None else torch.linalg.vector_norm(vectors, dim=-1)
+        self._feed(Chunk(layer, 0, pattern, self._masks(pattern), {}, norms, outputs, vectors))
 
     # --- the streamed kernel's consumer (storylens.lm.attention.RowConsumer)
     def key_weights(self, layer: int) -> torch.Tensor | None:
@@ -279,9 +287,11 @@ class _Pass:
         norms = self.norms.get(layer) if self.plan.key_norms else None
         if start + n >= masks.batch.ids.shape[1] and norms is not None:  # the block's last rows: its norms go
             del self.norms[layer]
-        outputs = head_norms(heads.transpose(1, 2), self.factors[layer]) if self.plan.outputs else None
+        vectors = head_images(heads.transpose(1, 2), self.factors[layer]) if self.plan.outputs else None
+        outputs = None if vectors is None else torch.linalg.vector_norm(vectors, dim=-1)
         masks = masks.rows(start, start + n, keys)
-        self._feed(Chunk(layer, start, probs, masks, columns, None if norms is None else norms[..., :keys], outputs))
+        key = None if norms is None else norms[..., :keys]
+        self._feed(Chunk(layer, start, probs, masks, columns, key, outputs, vectors))
 
 
 def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] | None) -> frozenset[str] | None:

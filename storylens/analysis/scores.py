@@ -60,12 +60,15 @@ import torch
 from storylens.analysis.accumulate import MeanAccumulator
 from storylens.analysis.detectors import (
     BUILTIN_DETECTORS,
+    CONTEXT_NORM,
+    FIRST_MASS,
     FIRST_SUFFIX,
     FLAG,
     NAME_BASELINE,
     NAME_MASS,
     NAME_RATIO,
     NORM_PREFIX,
+    OLD_FLAG,
     OUTPUT_NORM,
     OUTPUT_SHARE,
     PREV_TOKEN,
@@ -78,8 +81,9 @@ from storylens.analysis.detectors import (
 )
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
-from storylens.analysis.faithful import looks_without_moving, norm_scaled, norm_weighted, row_divide, shares
+from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
+from storylens.analysis.sinks import SinkAccumulator, dormant
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -209,6 +213,8 @@ class HeadScoreAccumulator:
         self.faithful = faithful
         self.norm = {d.name: MeanAccumulator(shape) for d in self.detectors} if faithful else {}
         self.output = MeanAccumulator(shape)
+        # sinks and what each head moves that depends on the story (storylens.analysis.sinks): from the same outputs
+        self.sinks = SinkAccumulator(n_layer, n_head) if faithful else None
         # where each head fires: the top `examples` queries per head and detector (0: not kept),
         # at most PER_STORY of them from one story, so a head's examples span several stories
         self.examples = TopExamples(n_layer, n_head, names, examples, per_story=PER_STORY) if examples else None
@@ -235,6 +241,8 @@ class HeadScoreAccumulator:
         self._rows_seen = [0] * self.n_layer
         self._out_rows = [[] for _ in range(self.n_layer)]  # per block, [B, H, n] output sizes of its chunks
         self._out_blocks = [None] * self.n_layer
+        if self.sinks is not None:
+            self.sinks.begin(batch)
 
     def feed(self, chunk: Chunk) -> None:
         """A chunk of block ``chunk.layer``'s map (:class:`~storylens.analysis.record.Chunk`): every
@@ -262,6 +270,8 @@ class HeadScoreAccumulator:
                 rows = self._out_rows[layer]
                 outputs = rows[0] if len(rows) == 1 else torch.cat(rows, -1)  # [B, H, T]
                 self._out_blocks[layer], self._out_rows[layer] = masked_mean(outputs, full.queries), []
+        if self.sinks is not None:
+            self.sinks.feed(layer, chunk.output_vectors, chunk.masks.queries, chunk.key_norms, full)
 
     def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor]) -> None:
         """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the
@@ -327,6 +337,8 @@ class HeadScoreAccumulator:
             out[d.name] = values
         if output is not None:
             self.output.add(*output)
+        if self.sinks is not None:
+            self.sinks.end(masks, raw.get(FIRST_MASS.name))
         if "name_mass" in self.means:
             self.name_baseline.add(name_baseline(batch, masks.name_queries), masks.name_queries.any(-1))
         return out
@@ -352,6 +364,8 @@ class HeadScoreAccumulator:
         for k, acc in self.norm.items():
             acc.merge(other.norm[k])
         self.output.merge(other.output)
+        if self.sinks is not None and other.sinks is not None:
+            self.sinks.merge(other.sinks)
         if self.examples is not None and other.examples is not None:
             self.examples.merge(other.examples)
         self.name_baseline.merge(other.name_baseline)
@@ -366,6 +380,7 @@ class HeadScoreAccumulator:
             "first": {k: a.state() for k, a in self.first.items()},
             "norm": {k: a.state() for k, a in self.norm.items()},
             "output": self.output.state(),
+            "sinks": None if self.sinks is None else self.sinks.state(),
             "examples": None if self.examples is None else self.examples.state(),
             "name_baseline": self.name_baseline.state(),
         }
@@ -381,6 +396,7 @@ class HeadScoreAccumulator:
             "first",
             "norm",
             "output",
+            "sinks",
             "examples",
             "name_baseline",
         }:
@@ -422,6 +438,13 @@ class HeadScoreAccumulator:
             kept_as = (self.examples.k, self.examples.detectors, self.examples.per_story)
             if (examples.k, examples.detectors, examples.per_story) != kept_as:
                 raise ValueError("state: examples of another size or other detectors")
+        if (self.sinks is None) != (state["sinks"] is None):
+            raise ValueError("state: the sink columns kept in one of the state and this accumulator only")
+        if self.sinks is not None:
+            try:
+                self.sinks = SinkAccumulator(self.n_layer, self.n_head).load_state(state["sinks"], max_stories)
+            except ValueError as e:
+                raise ValueError(f"state: sinks: {e}") from None
         self.examples = examples
         self.means, self.first, self.norm = loaded["means"], loaded["first"], loaded["norm"]
         self.name_baseline, self.output = baseline, output
@@ -446,6 +469,8 @@ class HeadScoreAccumulator:
             cols[NORM_PREFIX + NAME_RATIO.name] = norm_mass / self.name_baseline.mean()
         output = self.output.mean()
         cols[OUTPUT_NORM.name], cols[OUTPUT_SHARE.name] = output, shares(output)
+        if self.sinks is not None:
+            cols.update(self.sinks.columns())
         return cols
 
 
@@ -461,7 +486,7 @@ class HeadScore:
 
     at: Head  # 0-based
     scores: Mapping[str, float | None] = field(hash=False)
-    looks_without_moving: str = ""  # the detectors it is strong on while writing almost nothing, comma-separated
+    dormant: bool | None = None  # switching it to its mean moves nothing (storylens.analysis.sinks); None: not computed
 
     @property
     def label(self) -> str:
@@ -500,7 +525,7 @@ class HeadScore:
             "block": self.block,
             "head": self.head,
             **cells,
-            FLAG.name: self.looks_without_moving,
+            FLAG.name: self.dormant,
         }
 
 
@@ -568,7 +593,7 @@ class HeadScores:
     def column(self, name: str) -> list:
         """One column, block-major (a score column's values are floats or None)."""
         if name == FLAG.name:
-            return [h.looks_without_moving for h in self.heads]
+            return [h.dormant for h in self.heads]
         if not self.heads or name not in self.heads[0].scores:
             known = ", ".join([*(self.heads[0].scores if self.heads else ()), FLAG.name])
             raise KeyError(f"{name!r} is not a score column (one of {known})")
@@ -623,7 +648,8 @@ class HeadScores:
 
     def to_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        doc = {"counts": self.counts(), "heads": self.to_rows()}
+        about = [{"name": c.name, "title": c.title, "meaning": c.meaning} for c in self.columns]
+        doc = {"counts": self.counts(), "columns": about, "heads": self.to_rows()}
         try:
             path.write_text(json.dumps(doc, indent=2) + "\n")
         except OSError as e:
@@ -650,8 +676,15 @@ def _read_row(row: dict) -> HeadScore:
     at = Head(int(row["block"]) - 1, int(row["head"]) - 1)
     if Head.parse(row["label"]) != at:
         raise ValueError(f"head {row['label']!r} is not block {row['block']}, head {row['head']}")
+    if OLD_FLAG in row:
+        raise ValueError(
+            f"written by an older storylens (its flag is {OLD_FLAG}, now {FLAG.name}): score the model again"
+        )
     scores = {k: v for k, v in row.items() if k not in ("label", "block", "head", FLAG.name)}
-    return HeadScore(at, scores, str(row.get(FLAG.name, "")))
+    flag = row.get(FLAG.name)
+    if flag is not None and not isinstance(flag, bool):
+        raise ValueError(f"{row['label']}: {FLAG.name} is {flag!r}, not true, false or null")
+    return HeadScore(at, scores, flag)
 
 
 def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore, ...]:
@@ -659,19 +692,24 @@ def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore,
     (:func:`~storylens.analysis.detectors.table_columns`; None where not computed) and the flag."""
     cols = acc.columns(with_first)
     names = [c.name for c in table_columns(acc.detectors) if c != FLAG]
-    flags = None
-    if acc.output.count:
-        raw = {d.name: v for d in acc.detectors if d.flags and (v := cols[d.name]) is not None}
-        share = cols[OUTPUT_SHARE.name]
-        assert share is not None  # computed whenever an output was counted
-        flags = looks_without_moving(raw, share)
+    flags = head_flags(cols)
     rows = []
     for head in Head.every(acc.n_layer, acc.n_head):
         scores = {
             k: (None if (v := cols.get(k)) is None else _clean(float(v[head]))) for k in names
         }  # NaN: none counted
-        rows.append(HeadScore(head, scores, ",".join(flags[head.layer][head.head]) if flags else ""))
+        rows.append(HeadScore(head, scores, None if flags is None else bool(flags[head])))
     return tuple(rows)
+
+
+def head_flags(cols: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
+    """``[layer, head]``: the :func:`~storylens.analysis.sinks.dormant` flag from a run's columns, with the
+    estimated mean-ablation effect where the causal columns are there (None: no context norms)."""
+    norm = cols.get(CONTEXT_NORM.name)
+    if norm is None:
+        return None
+    mean, se = cols.get("atp_mean"), cols.get("atp_mean_se")
+    return dormant(norm, None if mean is None or se is None else (mean, se))
 
 
 # ---------------------------------------------------------------- the model run

@@ -19,6 +19,7 @@ from storylens.analysis.detectors import NORM_PREFIX, TRUTH
 from storylens.analysis.encode import EncodedStory, encode_stories, is_encoded
 from storylens.analysis.faithful import rank_correlation, rank_moves
 from storylens.analysis.names import name_vocabulary
+from storylens.analysis.sinks import DORMANT_SHARE
 from storylens.core.heads import Head
 from storylens.core.plain import Plain
 from storylens.lm import AttentionLM, ModelLike, wrap
@@ -49,7 +50,7 @@ class TruthRow(Plain):
     zero_increase: float | None  # loss increase with the head's output set to zero (nats); None: no position
     mean_increase: float | None  # ... set to its mean output
     where: str  # "name tokens" or "next tokens"
-    flagged: bool  # looks without moving on this detector
+    dormant: bool  # the head is dormant: switching it to its mean moves nothing (storylens.analysis.sinks)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Truth(Plain):
     n_stories: int  # stories the ablations ran on
     n_name_positions: int
     n_other_positions: int
-    flagged: tuple[tuple[str, str], ...]  # (head, detectors) of every head that looks without moving
+    dormant: tuple[str, ...]  # every dormant head
     sentences: tuple[str, ...]
     stories_chosen: str = ""  # how the stories were chosen and their cost, in words (the report says it)
 
@@ -223,7 +224,7 @@ def truth_table(
                     zero_increase=increase(label, "zero", d),
                     mean_increase=increase(label, "mean", d),
                     where="name tokens" if d == "name_mass" else "next tokens",
-                    flagged=d in h.looks_without_moving.split(","),
+                    dormant=bool(h.dormant),
                 )
             )
     labels = [h.label for h in scores.heads]
@@ -235,8 +236,8 @@ def truth_table(
         )
         for d in detectors
     )
-    flagged = tuple((h.label, h.looks_without_moving) for h in scores.heads if h.looks_without_moving)
-    truth = Truth(tuple(rows), agreements, len(chosen), n_name, n_other, flagged, ())
+    dormant = tuple(h.label for h in scores.heads if h.dormant)
+    truth = Truth(tuple(rows), agreements, len(chosen), n_name, n_other, dormant, ())
     return Truth(**{**truth.__dict__, "sentences": tuple(sentences(truth))})
 
 
@@ -284,13 +285,15 @@ def sentences(t: Truth) -> list[str]:
             label, r_raw, r_norm = a.moves[0]
             s += f" The weighting moves {label} most, from rank {r_raw:g} to {r_norm:g}."
         out.append(s)
-    if t.flagged:
+    quiet = f"under {DORMANT_SHARE:g} of an even share of its block's story-dependent output"
+    if t.dormant:
         out.append(
-            f"{len(t.flagged)} head(s) look without moving (strong on a detector, under a quarter of an even"
-            f" share of their block's output): " + ", ".join(f"{h} ({d})" for h, d in t.flagged) + "."
+            f"{len(t.dormant)} head(s) are dormant ({quiet}: switching one to its mean moves nothing): "
+            + ", ".join(t.dormant)
+            + "."
         )
     else:
-        out.append("No head looks without moving: every head strong on a detector writes a fair share of its block.")
+        out.append(f"No head is dormant: no head's story-dependent output is {quiet}.")
     return out
 
 

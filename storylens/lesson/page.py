@@ -4,10 +4,12 @@ figures and the widget."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
-from storylens.analysis.detectors import LESSON, MORE, OVERVIEW
+from storylens.analysis.detectors import FLAG, LESSON, MORE, OVERVIEW, SINKS
 from storylens.analysis.scores import HeadScores
 from storylens.core.heads import parse_head_label
 from storylens.lesson.drawing import BARS_SHOWN, GRID_DPI, GRID_LABEL_PT, LESSON_GRID_HEADS
@@ -43,12 +45,13 @@ def _overview(scores: HeadScores, marker: str) -> list[dict]:
     columns this run has values for), each a block x head table."""
     cols = scores.shown(OVERVIEW)
     have = [c for c in cols if any(v is not None and v == v for v in scores.column(c))]
-    return [{"col": c, "title": scores.title(c, marker), "heat": _heat(scores, c, marker)} for c in have]
+    dormant = [h.label for h in scores.heads if h.dormant]
+    return [{"col": c, "title": scores.title(c, marker), "heat": _heat(scores, c, marker, dormant)} for c in have]
 
 
-def _heat(scores: HeadScores, col: str, marker: str) -> dict:
-    """One score as a coloured block x head table (the best head boxed): HTML, not an image. Each
-    table is coloured over its own range, and its caption says so."""
+def _heat(scores: HeadScores, col: str, marker: str, dormant: Sequence[str] = ()) -> dict:
+    """One score as a coloured block x head table (the best head boxed, the dormant ones dashed): HTML,
+    not an image. Each table is coloured over its own range, and its caption says so."""
 
     title = scores.title(col, marker)
     values = [v for row in scores.grid(col) for v in row if v is not None and v == v]
@@ -58,7 +61,11 @@ def _heat(scores: HeadScores, col: str, marker: str) -> dict:
         if values
         else "No values."
     )
-    table = head_heatmap_html(scores.grid(col), title=title, highlight=scores.best(col).label)
+    if dormant:
+        note += f" Dashed red: the {len(dormant)} dormant head(s) ({FLAG.meaning})."
+    table = head_heatmap_html(
+        scores.grid(col), title=title, highlight=scores.best(col).label, marked=dormant, mark_name="dormant"
+    )
     return {"table": Markup(table), "note": note}
 
 
@@ -101,10 +108,27 @@ def _page(
         ],
         "heat": {c: _heat(scores, c, s.marker.called) for c in (*scores.shown(LESSON), *scores.shown(MORE))},
         "more_columns": scores.shown(MORE),
+        "sinks": _sinks(scores, s.marker.called),
         "all_rows": head_rows(scores),
         "beyond": beyond_rows(s.beyond),
         "truth_rows": truth_rows(s.faithfulness),
         "agreement_rows": agreement_rows(s.faithfulness),
+    }
+
+
+def _sinks(scores: HeadScores, marker: str) -> dict | None:
+    """The report's grids of sinks and dormant heads (the columns shown at SINKS that this run has,
+    dormant heads dashed) and their counts; None where the run has none of them."""
+    dormant = [h.label for h in scores.heads if h.dormant]
+    cols = [c for c in scores.shown(SINKS) if any(v is not None and v == v for v in scores.column(c))]
+    if not cols:
+        return None
+    rate = scores.column("sink_rate") if "sink_rate" in cols else []
+    return {
+        "grids": [_heat(scores, c, marker, dormant) for c in cols],
+        "dormant": dormant,
+        "mostly_sinks": sum(1 for v in rate if v is not None and v > 0.5),
+        "flag": FLAG.meaning,
     }
 
 

@@ -176,7 +176,9 @@ def head_rows(scores: HeadScores) -> list[list[str]]:
             f3(h.marker),
             f3(h.norm_marker),
             "" if h.output_share is None else f"{h.output_share:.1%}",
-            h.looks_without_moving,
+            f3(h["first_mass"]) if "first_mass" in h.scores else "",
+            "" if h["context_share"] is None else f"{h['context_share']:.1%}",
+            "dormant" if h.dormant else "",
         ]
         for h in scores.heads
     ]
@@ -246,7 +248,7 @@ def truth_rows(t: Truth | None) -> list[list[str]]:
             _signed(r.zero_increase),
             _signed(r.mean_increase),
             r.where,
-            "looks without moving" if r.flagged else "",
+            "dormant" if r.dormant else "",
         ]
         for r in t.rows
     ]

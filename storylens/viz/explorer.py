@@ -126,12 +126,28 @@ def _key_window(x: Mapping, text) -> list | None:
     return [x["key_at"], [text(t) for t in x["key_tokens"]], [round(w * WEIGHT_SCALE) for w in x["key_weights"]]]
 
 
-def explorer_data(heads: Sequence[Mapping], examples: Mapping | None, *, title: str, meta: Mapping) -> dict:
-    """What the page embeds: the head table, its grid shape, ``meta`` (shown as given, in order) and
-    the examples (None: the page has the table and the grid only). ``heads`` are the rows of
-    heads.json, ``examples`` the parsed examples.json."""
+def explorer_data(
+    heads: Sequence[Mapping],
+    examples: Mapping | None,
+    *,
+    title: str,
+    meta: Mapping,
+    meanings: Mapping[str, str] | None = None,
+) -> dict:
+    """What the page embeds: the head table, its grid shape, ``meta`` (shown as given, in order),
+    what each column means (``meanings``: heads.json's ``columns``, shown on the column headings and
+    under the flag) and the examples (None: the page has the table and the grid only). ``heads`` are
+    the rows of heads.json, ``examples`` the parsed examples.json."""
     columns, rows, shape = _table(heads)
-    data = {"title": str(title), "meta": dict(meta), "columns": columns, "rows": rows, "shape": shape}
+    about = {str(k): str(v) for k, v in (meanings or {}).items() if k in columns}
+    data = {
+        "title": str(title),
+        "meta": dict(meta),
+        "columns": columns,
+        "meanings": about,
+        "rows": rows,
+        "shape": shape,
+    }
     if examples is None:
         return {**data, "examples": None}
     try:
@@ -167,16 +183,29 @@ class _Explorer(_HtmlView):
         )
 
 
-def explorer_html(heads: Sequence[Mapping], examples: Mapping | None, *, title: str, meta: Mapping) -> str:
+def explorer_html(
+    heads: Sequence[Mapping],
+    examples: Mapping | None,
+    *,
+    title: str,
+    meta: Mapping,
+    meanings: Mapping[str, str] | None = None,
+) -> str:
     """The explorer as one self-contained HTML page (see the module docstring and :func:`explorer_data`)."""
-    return _Explorer(explorer_data(heads, examples, title=title, meta=meta)).to_html()
+    return _Explorer(explorer_data(heads, examples, title=title, meta=meta, meanings=meanings)).to_html()
 
 
 def write_explorer(
-    path: str | os.PathLike, heads: Sequence[Mapping], examples: Mapping | None, *, title: str, meta: Mapping
+    path: str | os.PathLike,
+    heads: Sequence[Mapping],
+    examples: Mapping | None,
+    *,
+    title: str,
+    meta: Mapping,
+    meanings: Mapping[str, str] | None = None,
 ) -> Path:
     """Write :func:`explorer_html` to ``path`` atomically; returns the path."""
-    return write_text_atomic(path, explorer_html(heads, examples, title=title, meta=meta))
+    return write_text_atomic(path, explorer_html(heads, examples, title=title, meta=meta, meanings=meanings))
 
 
 def write_explorer_for(folder: str | os.PathLike, *, title: str, meta: Mapping | None = None) -> Path:
@@ -184,9 +213,11 @@ def write_explorer_for(folder: str | os.PathLike, *, title: str, meta: Mapping |
     into ``folder``, as ``storylens score`` and ``storylens report`` leave them; returns its path."""
     folder = Path(folder)
     try:
-        heads = json.loads((folder / "heads.json").read_text(encoding="utf-8"))["heads"]
+        doc = json.loads((folder / "heads.json").read_text(encoding="utf-8"))
+        heads = doc["heads"]
+        meanings = {str(c["name"]): str(c["meaning"]) for c in doc.get("columns", ())}
         found = folder / "examples.json"
         examples = json.loads(found.read_text(encoding="utf-8")) if found.exists() else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StorylensError(f"{folder}: no readable heads.json or examples.json ({type(e).__name__})") from None
-    return write_explorer(folder / EXPLORER_FILE, heads, examples, title=title, meta=meta or {})
+    return write_explorer(folder / EXPLORER_FILE, heads, examples, title=title, meta=meta or {}, meanings=meanings)

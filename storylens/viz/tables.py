@@ -9,6 +9,7 @@ annotated, for a self-contained page (no image to draw, numbers a reader can sel
 from __future__ import annotations
 
 import html
+from collections.abc import Collection
 
 import numpy as np
 from matplotlib import colormaps
@@ -23,6 +24,7 @@ HEATMAP_CSS = (
     ".slh th{font-weight:500;color:#444;padding:.25em .5em}"
     ".slh td{width:4.2em;height:1.9em;text-align:center;font-variant-numeric:tabular-nums}"
     ".slh td.best{outline:3px solid #00bfff;outline-offset:-3px}"
+    ".slh td.marked{outline:2px dashed #c0392b;outline-offset:-4px}"
 )
 
 
@@ -37,9 +39,12 @@ def head_heatmap_html(
     highlight: str | None = None,
     n_block: int | None = None,
     n_head: int | None = None,
+    marked: Collection[str] = (),
+    mark_name: str = "marked",
 ) -> str:
     """A ``<table class="slh">`` heatmap (style: :data:`HEATMAP_CSS`); ``highlight`` (a head label)
-    gets a box. Each cell carries ``data-head="L5H3"`` and ``data-value``."""
+    gets a box, the heads in ``marked`` a dashed one (their tooltips say ``mark_name``). Each cell
+    carries ``data-head="L5H3"`` and ``data-value``."""
     grid = _score_grid(scores, n_block, n_head)
     nb, nh = grid.shape
     lo, hi = _colour_range(grid, vmin, vmax)
@@ -51,14 +56,16 @@ def head_heatmap_html(
         for h in range(nh):
             v = grid[b, h]
             label = head_label(b, h)
-            mark = ' class="best"' if best == (b, h) else ""
+            classes = [c for c, on in (("best", best == (b, h)), ("marked", label in marked)) if on]
+            mark = f' class="{" ".join(classes)}"' if classes else ""
+            note = f" ({html.escape(mark_name)})" if label in marked else ""
             if not np.isfinite(v):
                 cells.append(f'<td{mark} data-head="{label}" style="background:#f4f4f4;color:#777">–</td>')
                 continue
             colour = cm((v - lo) / (hi - lo))
             ink = "#000" if _is_light(colour) else "#fff"
             cells.append(
-                f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}" '
+                f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}{note}" '
                 f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(fmt.format(v))}</td>'
             )
         rows.append("<tr>" + "".join(cells) + "</tr>")

@@ -10,7 +10,6 @@ import torch
 from storylens.analysis.faithful import (
     head_norms,
     key_norms,
-    looks_without_moving,
     norm_weighted,
     ov_factor,
     rank_correlation,
@@ -43,6 +42,7 @@ def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, 
     H, d = lm.n_head, native64.config.head_size
     names = name_vocabulary(stories)
     per: dict[str, dict] = {}
+    seen: list[tuple[list, list]] = []  # per story, every block's probabilities and value vectors (the sink columns)
     for text in stories:
         ids = lm.encode(text)[: lm.window]
         enc = text_only(lm.tokenizer).encode(text, add_special_tokens=False)
@@ -61,7 +61,8 @@ def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, 
             for h in hooks:
                 h.remove()
         T = len(ids)
-        weighted = []
+        weighted, atts, fs = [], [], []
+        seen.append((atts, fs))
         for layer, blk in enumerate(native64.transformer.h):
             a = patterns[layer][0]  # [head, q, k]
             with torch.no_grad():
@@ -70,6 +71,8 @@ def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, 
                 f = torch.stack([v[:, h] @ w_o[:, h * d : (h + 1) * d].T for h in range(H)])  # [head, key, d_model]
             w = a * f.norm(dim=-1)[:, None, :]
             weighted.append(w / w.sum(-1, keepdim=True))
+            atts.append(a)
+            fs.append(f)
             moved = torch.einsum("hqk,hke->hqe", a, f).norm(dim=-1)
             for h in range(H):
                 per.setdefault("output_norm", {}).setdefault((layer, h), []).append(float(moved[h, 1:].mean()))
@@ -89,12 +92,15 @@ def test_norm_columns_on_the_native_model_equal_the_plain_computation(native64, 
         norms = [sum(per["output_norm"][(layer, h)]) for h in range(H)]
         for h in range(H):
             assert abs(got.at(Head(layer, h)).output_share - norms[h] / sum(norms)) <= 1e-9
+    from sink_reference import assert_sink_columns
+
+    assert assert_sink_columns(got, seen) == 5 * lm.n_layer * H  # sink_rate .. active_rate, every head
 
 
-def test_a_head_that_writes_nothing_looks_without_moving(shipped_model, corpus_split):
+def test_a_head_that_writes_nothing_is_dormant(shipped_model, corpus_split):
     """Zero one strong previous-token head's slice of the output projection: it still looks where it
     looked (raw scores unchanged), but every key now carries nothing through it, so its norm-weighted
-    scores are 0, its output share 0, and the head table flags it as looking without moving."""
+    scores are 0, its output and context norms 0, and the head table flags it (and only it) dormant."""
     import copy
 
     model = copy.deepcopy(shipped_model)
@@ -108,9 +114,9 @@ def test_a_head_that_writes_nothing_looks_without_moving(shipped_model, corpus_s
     row = after.at(Head(layer, head))
     assert row.prev_token == target.prev_token and row.prev4 == target.prev4  # it looks the same
     assert row.norm_prev_token == 0.0 and row.output_norm == 0.0 and row.output_share == 0.0
-    assert "prev_token" in row.looks_without_moving.split(",")
-    assert not before.at(Head(layer, head)).looks_without_moving
-    assert sum(bool(h.looks_without_moving) for h in after.heads) == 1
+    assert row.context_norm == 0.0 and row.context_share == 0.0 and row.active_rate == 0.0
+    assert row.dormant and before.at(Head(layer, head)).dormant is False
+    assert [h.label for h in after.heads if h.dormant] == [row.label]
 
 
 def test_raw_columns_are_unchanged_by_the_norm_weighting(shipped_model, corpus_split):
@@ -187,10 +193,16 @@ def test_rank_correlation_and_moves():
     assert rank_moves(a, b, labels, k=1) == [("C", 3.0, 5.0)]  # 3rd strongest raw, weakest weighted
 
 
-def test_looks_without_moving_flags_a_strong_head_that_writes_nothing():
-    raw = {"marker": torch.tensor([[0.9, 0.1, 0.2, 0.1], [0.2, 0.3, 0.95, 0.1]], dtype=torch.float64)}
-    share = torch.tensor([[0.02, 0.4, 0.3, 0.28], [0.3, 0.3, 0.3, 0.1]], dtype=torch.float64)
-    flags = looks_without_moving(raw, share)  # top tenth of 8 heads: 1 head; negligible: < 0.25 / 4
-    assert flags[1][2] == () and flags[0][0] == ()  # L2H3 is strongest but writes 30%; L1H1 not in the top 1
-    flags = looks_without_moving(raw, share, top=0.25)  # the top 2: L2H3 and L1H1
-    assert flags[0][0] == ("marker",) and sum(len(f) for row in flags for f in row) == 1
+def test_dormant_reads_the_context_norm_against_its_block_and_the_estimated_effect():
+    from storylens.analysis.sinks import DORMANT_NATS, DORMANT_SHARE, dormant
+
+    norm = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.3]], dtype=torch.float64)
+    # block 1: head 4 writes nothing that depends on the story; block 2: head 4's energy 0.09 against a
+    # block mean of (3 + 0.09) / 4 = 0.77: 0.117 of an even share, above DORMANT_SHARE (0.05)
+    assert DORMANT_SHARE < 0.09 / 0.7725
+    assert dormant(norm).tolist() == [[False, False, False, True], [False] * 4]
+    small = torch.full((2, 4), DORMANT_NATS / 4, dtype=torch.float64)
+    se = torch.full((2, 4), DORMANT_NATS / 4, dtype=torch.float64)
+    assert dormant(norm, (small, se))[0, 3]  # |atp| + 2 se = 0.75 DORMANT_NATS: still dormant
+    assert not dormant(norm, (small, 2 * se))[0, 3]  # 1.25 DORMANT_NATS: its estimated effect may be real
+    assert not dormant(norm, (torch.full((2, 4), float("nan"), dtype=torch.float64), se))[0, 3]

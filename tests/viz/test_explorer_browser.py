@@ -144,7 +144,7 @@ def test_filters_and_sorting_agree_with_heads_json(page, run):
         assert message.startswith("Filter not applied: ") and "\n" not in message
     assert filtered("") == [h["label"] for h in heads] and page.text_content(".sle-filter-msg") == ""
     page.check(".sle-flagged")
-    assert _visible_labels(page) == _labels_where(heads, lambda h: bool(h["looks_without_moving"]))
+    assert _visible_labels(page) == _labels_where(heads, lambda h: h["dormant"] is True)
     page.uncheck(".sle-flagged")
 
     # sorting: numbers numerically, largest first on the first click, missing values last both ways

@@ -120,7 +120,7 @@ def test_without_examples_the_page_has_the_table_only(stories_file, tmp_path):
 
 
 def _one_head(token: str) -> tuple[list[dict], dict]:
-    heads = [{"label": "L1H1", "block": 1, "head": 1, "prev_token": float("nan"), "looks_without_moving": ""}]
+    heads = [{"label": "L1H1", "block": 1, "head": 1, "prev_token": float("nan"), "dormant": False}]
     example = {
         "story": 0,
         "query": 1,

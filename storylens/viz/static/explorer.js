@@ -20,7 +20,7 @@
   var VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"];
   var SHADE = [253, 141, 60];  // a token's background at weight 1 (black text stays readable)
   var NONE_FILL = "#eeeeee", NONE_INK = "#57606a";
-  var FLAG = "looks_without_moving";
+  var FLAG = "dormant";
   var GAP = "...";  // between the key's tokens and the query's, where tokens are left out
 
   // ------------------------------------------------------------------ small helpers
@@ -86,7 +86,7 @@
 
   // ------------------------------------------------------------------ the filter language
   /* "prev_token > 0.5", "norm_marker >= 0.1 and output_share < 0.02", "layer = 3",
-   * "looks_without_moving = prev_token" (the head is flagged on that detector), with and, or, not
+   * "dormant = true" (the head is flagged), with and, or, not
    * and parentheses. Returns a function of a row (column -> value), or throws an Error whose
    * message is one line. A comparison with a missing value (n/a) is false. */
   var LEX = /\s*(?:(<=|>=|==|!=|=|<|>)|([()])|"([^"]*)"|'([^']*)'|(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![A-Za-z_])|([A-Za-z_][A-Za-z0-9_]*))/y;
@@ -120,10 +120,7 @@
     }
   }
 
-  function flagsOf(v) {
-    if (Array.isArray(v)) { return v.map(String); }
-    return v ? String(v).split(",").map(function (s) { return s.trim(); }).filter(Boolean) : [];
-  }
+  function flagged(v) { return v === true || v === "True" || v === "true"; }
 
   function parseFilter(src, numeric, columns) {
     var toks = lex(src), i = 0;
@@ -176,10 +173,8 @@
       if (op.v !== "=" && op.v !== "!=") { throw new Error(name + " holds text: use = or !="); }
       var want = String(val.v).toLowerCase();
       if (name === FLAG) {
-        return function (r) {
-          var has = flagsOf(r[name]).some(function (f) { return f.toLowerCase() === want; });
-          return op.v === "=" ? has : !has;
-        };
+        var on = want === "true" || want === "yes" || want === "1";
+        return function (r) { return (flagged(r[name]) === on) === (op.v === "=" || op.v === "=="); };
       }
       return function (r) { return compare(String(r[name]).toLowerCase(), op.v, want); };
     }
@@ -289,11 +284,13 @@
     ui.flag = el("input", "sle-flagged");
     ui.flag.type = "checkbox";
     flagBox.appendChild(ui.flag);
-    flagBox.appendChild(document.createTextNode(" flagged: looks without moving"));
+    flagBox.appendChild(document.createTextNode(" dormant heads only"));
     ui.count = el("span", "sle-count");
     controls.appendChild(ui.filter);
     controls.appendChild(flagBox);
     controls.appendChild(ui.count);
+    var meaning = (v.data.meanings || {})[FLAG];
+    if (meaning) { controls.appendChild(el("p", "sle-flag-meaning", "Dormant: " + meaning + ".")); }
     return controls;
   }
 
@@ -305,7 +302,8 @@
       var b = el("button", "sle-sort", c);
       b.type = "button";
       b.dataset.col = c;
-      b.title = "sort by " + c + " (again: the other way)";
+      var means = (v.data.meanings || {})[c];
+      b.title = (means ? c + ": " + means + ". " : "") + "Sort by " + c + " (again: the other way)";
       th.setAttribute("aria-sort", "none");
       th.dataset.col = c;
       th.appendChild(b);
@@ -325,7 +323,7 @@
     tr.dataset.label = r.label;
     v.cols.forEach(function (c) {
       var val = r[c];
-      var td = el("td", v.numeric[c] ? "sle-num" : null, c === FLAG ? flagsOf(val).join(", ") : fmt(val));
+      var td = el("td", v.numeric[c] ? "sle-num" : null, c === FLAG ? (flagged(val) ? "dormant" : "") : fmt(val));
       td.dataset.value = val === null || val === undefined ? "" : (Array.isArray(val) ? val.join(",") : String(val));
       tr.appendChild(td);
     });
@@ -367,7 +365,7 @@
   function applyTable(v) {
     var shownCount = 0;
     order(v).forEach(function (r) {
-      var ok = v.state.pred(r) && (!v.ui.flag.checked || flagsOf(r[FLAG]).length > 0);
+      var ok = v.state.pred(r) && (!v.ui.flag.checked || flagged(r[FLAG]));
       r.tr.hidden = !ok;
       if (ok) { shownCount++; }
       v.ui.tbody.appendChild(r.tr);
@@ -698,8 +696,7 @@
     ["output_share"].concat(shownCols).forEach(function (c) {
       if (v.cols.indexOf(c) >= 0) { stats.appendChild(el("span", "sle-stat", c + " " + fmt(r[c]))); }
     });
-    var flags = flagsOf(r[FLAG]);
-    if (flags.length) { stats.appendChild(el("span", "sle-stat sle-flag", "looks without moving: " + flags.join(", "))); }
+    if (flagged(r[FLAG])) { stats.appendChild(el("span", "sle-stat sle-flag", "dormant")); }
     return stats;
   }
 
