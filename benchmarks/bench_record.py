@@ -2,7 +2,7 @@
 
     python benchmarks/bench_record.py --json benchmarks/record.json [--stories 60] [--rounds 2]
     python benchmarks/bench_record.py --json benchmarks/record.json --merge --sections commands
-    python scripts/readme_record_table.py benchmarks/record.json     # the README's table
+    python scripts/readme_record_table.py benchmarks/record.json     # the docs' table (docs/benchmarks.md)
 
 Two seeded random transformers models, built and saved here (no hub is reached): a Llama of the
 30 x 9-head shape with 3 key/value heads (576 wide, 1,536 in the MLP, 4,096 positions) and a

@@ -1,15 +1,13 @@
-"""Regenerate the README's table of numerical checks from a `storylens check --json` run.
+"""Regenerate the docs' table of numerical checks from a `storylens check --json` run.
 
     storylens check --json check.json && python scripts/readme_check_table.py check.json
 
-Replaces the lines between ``<!-- check:start -->`` and ``<!-- check:end -->`` in README.md.
+Replaces the lines between ``<!-- check:start -->`` and ``<!-- check:end -->`` on the page that holds them (docs/lesson.md; ``scripts.readme_tables.page_with``).
 """
 
 import json
 import sys
 from pathlib import Path
-
-START, END = "<!-- check:start -->", "<!-- check:end -->"
 
 
 def table(data: dict) -> str:
@@ -30,10 +28,9 @@ def table(data: dict) -> str:
 
 def main() -> None:
     data = json.loads(Path(sys.argv[1]).read_text())
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    a, b = text.index(START) + len(START), text.index(END)
-    readme.write_text(text[:a] + "\n" + table(data) + "\n" + text[b:])
+    from scripts.readme_tables import update  # here: readme_tables imports this module's table
+
+    update("check", table(data))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Regenerate the README's corpus-scale table from a benchmark run (never typed in):
+"""Regenerate the docs' corpus-scale table from a benchmark run (never typed in):
 
     python benchmarks/bench_corpus.py --json benchmarks/corpus.json
     python scripts/readme_corpus_table.py benchmarks/corpus.json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_tables import README, replace_between
+from scripts.readme_tables import update
 
 
 def table(r: dict) -> str:
@@ -64,7 +64,7 @@ def table(r: dict) -> str:
 
 def main() -> None:
     r = json.loads(Path(sys.argv[1]).read_text())
-    README.write_text(replace_between(README.read_text(), "corpus", table(r)))
+    update("corpus", table(r))
 
 
 if __name__ == "__main__":

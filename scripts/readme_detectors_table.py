@@ -1,4 +1,4 @@
-"""Regenerate the README's detector benchmark table from a benchmark run (never typed in):
+"""Regenerate the docs' detector benchmark table from a benchmark run (never typed in):
 
     python benchmarks/bench_detectors.py --json benchmarks/detectors.json   # in an environment with TransformerLens
     python scripts/readme_detectors_table.py benchmarks/detectors.json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_tables import README, replace_between
+from scripts.readme_tables import update
 
 NAMES = {"tiny": "Tiny Storyteller (shipped)", "gpt2-124m": "GPT-2 small shape, random weights"}
 
@@ -41,7 +41,7 @@ def table(r: dict) -> str:
 
 def main() -> None:
     r = json.loads(Path(sys.argv[1]).read_text())
-    README.write_text(replace_between(README.read_text(), "detectors", table(r)))
+    update("detectors", table(r))
 
 
 if __name__ == "__main__":

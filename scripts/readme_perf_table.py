@@ -1,4 +1,4 @@
-"""Regenerate the README's performance table from a benchmark run (never typed in):
+"""Regenerate the docs' performance table from a benchmark run (never typed in):
 
     python benchmarks/bench_perf.py --json benchmarks/perf.json
     python scripts/readme_perf_table.py benchmarks/perf.json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_tables import README, replace_between
+from scripts.readme_tables import update
 
 SECTIONS = ("report", "scoring", "memory", "generation", "training")
 
@@ -114,7 +114,7 @@ def table(r: dict) -> str:
 
 def main() -> None:
     r = json.loads(Path(sys.argv[1]).read_text())
-    README.write_text(replace_between(README.read_text(), "perf", table(r)))
+    update("perf", table(r))
 
 
 if __name__ == "__main__":

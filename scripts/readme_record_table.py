@@ -1,4 +1,4 @@
-"""Regenerate the README's table of recording on transformers models from a benchmark run:
+"""Regenerate the docs' table of recording on transformers models from a benchmark run:
 
     python benchmarks/bench_record.py --json benchmarks/record.json
     python scripts/readme_record_table.py benchmarks/record.json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.readme_tables import README, replace_between
+from scripts.readme_tables import update
 
 NAMES = {"llama-30x9": "Llama 30 x 9 heads (3 key/value)", "gpt2-small": "GPT-2-small shape (12 x 12)"}
 TARGETS = {"score (raw)": "≤ 1.15x", "score": "≤ 1.15x"}
@@ -86,5 +86,5 @@ def table(r: dict) -> str:
 
 if __name__ == "__main__":
     run = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/record.json").read_text())
-    README.write_text(replace_between(README.read_text(), "record", table(run)))
+    update("record", table(run))
     print(table(run))

@@ -1,11 +1,11 @@
-"""Regenerate the README's four-size table from the kept size runs (never typed in):
+"""Regenerate the docs' four-size table from the kept size runs (never typed in):
 
     python scripts/readme_sizes_table.py            # reads benchmarks/sizes/blocks-*
 
 Replaces the text between <!-- sizes:start/end --> with one row per kept run (``scripts/train_sizes.py``
 keeps each run's head timeline, copying check and ``result.json`` there), read the way the
 comparison page reads them (``storylens timeline benchmarks/sizes/* --out sizes``).
-``tests/test_timeline.py`` fails when the README and the kept runs disagree.
+``tests/test_timeline.py`` fails when docs/training.md and the kept runs disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.readme_tables import README, replace_between  # noqa: E402
+from scripts.readme_tables import update  # noqa: E402
 from storylens.model.gpt import GPT  # noqa: E402
 from storylens.training.copying import read_copying  # noqa: E402
 from storylens.training.page import run_summary, train_minutes  # noqa: E402
@@ -93,7 +93,7 @@ def table(runs: list[Path]) -> str:
 
 
 def main() -> None:
-    README.write_text(replace_between(README.read_text(), "sizes", table(kept_runs())))
+    update("sizes", table(kept_runs()))
 
 
 if __name__ == "__main__":

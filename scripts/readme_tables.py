@@ -1,10 +1,10 @@
-"""Regenerate the README's figures from a report run (never typed in):
+"""Regenerate the docs' figures (docs/lesson.md) from a report run (never typed in):
 
     storylens report --beyond --out report && storylens check --json check.json
     python scripts/readme_tables.py report/summary.json check.json
 
 Replaces the text between <!-- lesson-table:start/end --> (from summary.json), <!-- beyond:start/end -->
-(when the report ran --beyond), <!-- truth:start/end --> (the faithfulness table) and, if a check JSON is given, <!-- check:start/end -->. tests/test_report.py fails when the README's lesson table and a
+(when the report ran --beyond), <!-- truth:start/end --> (the faithfulness table) and, if a check JSON is given, <!-- check:start/end -->. Each table lives on one page (``page_with``). tests/test_report.py fails when the lesson table and a
 fresh report disagree.
 """
 
@@ -20,7 +20,8 @@ from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.summary import load
 from storylens.lesson.tables import LESSON_TABLE, lesson_table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def replace_between(text: str, marker: str, body: str) -> str:
@@ -29,8 +30,32 @@ def replace_between(text: str, marker: str, body: str) -> str:
     return text[:a] + "\n" + body + "\n" + text[b:]
 
 
+def page_with(marker: str) -> Path:
+    """The one page (README.md or docs/*.md) that holds ``<!-- marker:start -->``: the tables moved to
+    the docs site, and each generated table has exactly one home."""
+    start = f"<!-- {marker}:start -->"
+    pages = [p for p in (README, *sorted((ROOT / "docs").glob("*.md"))) if start in p.read_text(encoding="utf-8")]
+    if len(pages) != 1:
+        raise LookupError(f"{start} is on {len(pages)} pages, not one: {[str(p.relative_to(ROOT)) for p in pages]}")
+    return pages[0]
+
+
+def shown_between(marker: str) -> str:
+    """What the page holding ``marker`` shows between its start and end lines, stripped."""
+    text = page_with(marker).read_text(encoding="utf-8")
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    return text[text.index(start) + len(start) : text.index(end)].strip()
+
+
+def update(marker: str, body: str) -> Path:
+    """Replace the body between ``marker``'s lines on the page that holds it; returns that page."""
+    page = page_with(marker)
+    page.write_text(replace_between(page.read_text(encoding="utf-8"), marker, body), encoding="utf-8")
+    return page
+
+
 def beyond_paragraph(b: BeyondSummary) -> str:
-    """The README's "past the lesson" paragraph, from a ``report --beyond`` summary."""
+    """The lesson page's "past the lesson" paragraph, from a ``report --beyond`` summary."""
     ab, pc, pr = b.ablation, b.position_control, b.pronouns
     rows = {r.head: r for r in ab.rows}
     top, worst = ab.top_name_mass_head, ab.top_name_loss_head
@@ -66,7 +91,7 @@ def beyond_paragraph(b: BeyondSummary) -> str:
 
 
 def truth_table(f: Truth) -> str:
-    """The README's "what heads move" table, from the report's faithfulness section."""
+    """The lesson page's "what heads move" table, from the report's faithfulness section."""
     rho = {a.detector: a.rho for a in f.agreements}
     lines = [
         "| detector | head | raw | norm-weighted | output share | loss + switched off (zero / mean) | rank correlation |",
@@ -96,16 +121,14 @@ def truth_table(f: Truth) -> str:
 
 
 def main() -> None:
-    text = README.read_text()
     summary = load(sys.argv[1])
-    text = replace_between(text, LESSON_TABLE, lesson_table(summary))
+    update(LESSON_TABLE, lesson_table(summary))
     if summary.beyond is not None:
-        text = replace_between(text, "beyond", beyond_paragraph(summary.beyond))
+        update("beyond", beyond_paragraph(summary.beyond))
     if summary.faithfulness is not None:
-        text = replace_between(text, "truth", truth_table(summary.faithfulness))
+        update("truth", truth_table(summary.faithfulness))
     if len(sys.argv) > 2:
-        text = replace_between(text, "check", check_table(json.loads(Path(sys.argv[2]).read_text())))
-    README.write_text(text)
+        update("check", check_table(json.loads(Path(sys.argv[2]).read_text())))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.readme_tables import README, replace_between
+from scripts.readme_tables import update
 from storylens.core.publish import write_text_atomic
 from storylens.data.stories import load_split
 from storylens.lesson.figures import LESSON_FIGURES
@@ -217,7 +217,7 @@ def run_state(run: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(
         description="Write the shipped model's card (README.md) from the training run "
-        "that made it, and the model line of the repository's README."
+        "that made it, and the model line of the docs' lesson page."
     )
     p.add_argument(
         "run", type=Path, help="the training run's folder (holds checkpoint.safetensors or train_state.json)"
@@ -265,7 +265,7 @@ def main() -> None:
         "The recipe, the short runs that chose it and the curve are in its model card "
         "(`storylens/pretrained/tiny-storyteller/README.md`)."
     )
-    README.write_text(replace_between(README.read_text(), "model-line", line))
+    update("model-line", line)
 
 
 if __name__ == "__main__":

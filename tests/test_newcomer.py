@@ -58,12 +58,12 @@ def test_the_readme_shows_the_same_address_and_no_bare_install():
     assert not BARE_INSTALL.search(readme)
 
 
-def test_the_readme_names_every_slow_test_with_its_reason():
-    """The README's "Tests" section lists exactly what tests/conftest.py marks slow, each with its
+def test_the_docs_name_every_slow_test_with_its_reason():
+    """The docs' "Tests" section (docs/development.md) lists exactly what tests/conftest.py marks slow, each with its
     reason, and every slow entry still names tests that exist (a renamed file is not silently fast)."""
     from tiers import SLOW
 
-    section = (ROOT / "README.md").read_text().split("## Tests\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "development.md").read_text().split("## Tests\n", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", section, re.M))
     assert rows == SLOW
     for prefix in SLOW:
@@ -409,29 +409,31 @@ def test_report_truth_stories_says_its_cost_and_refuses_past_the_budget(capsys, 
     assert summary["faithfulness"]["n_stories"] == 3
 
 
-def test_the_readme_states_the_budget_and_the_progress_interval_the_code_uses():
-    """The README's ablation budget and progress interval are the constants the commands use, and it
-    says how storylens gets on the PATH after setup (which installs into .venv only)."""
+def test_the_docs_state_the_budget_and_the_progress_interval_the_code_uses():
+    """The docs' ablation budget and progress interval (docs/outputs.md, docs/lesson.md) are the constants
+    the commands use, and the README says how storylens gets on the PATH after setup (which installs into
+    .venv only)."""
     from storylens.analysis.truth import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
     from storylens.core.progress import PROGRESS_EVERY, PROGRESS_EVERY_ENV
 
+    docs = " ".join(" ".join(p.read_text().split()) for p in sorted((ROOT / "docs").glob("*.md")))
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert f"refuses past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP in one line unless given `{OVER_BUDGET_FLAG}`" in readme
-    assert f"refused past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP without `{OVER_BUDGET_FLAG}`" in readme
-    assert f"a progress line every {PROGRESS_EVERY:g} s (`${PROGRESS_EVERY_ENV}`)" in readme
+    assert f"refuses past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP in one line unless given `{OVER_BUDGET_FLAG}`" in docs
+    assert f"refused past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP without `{OVER_BUDGET_FLAG}`" in docs
+    assert f"a progress line every {PROGRESS_EVERY:g} s (`${PROGRESS_EVERY_ENV}`)" in docs
     assert "`source .venv/bin/activate` puts `storylens`" in readme
     assert "python3 -m venv .venv" in (ROOT / "scripts" / "setup.sh").read_text()
 
 
-def test_the_readme_perf_table_is_the_benchmark_run():
-    """The README's performance table is what scripts/readme_perf_table.py makes of benchmarks/perf.json,
+def test_the_docs_perf_table_is_the_benchmark_run():
+    """The docs' performance table (docs/benchmarks.md) is what scripts/readme_perf_table.py makes of benchmarks/perf.json,
     naming the commit each section was measured at."""
     sys.path.insert(0, str(ROOT))
     from scripts.readme_perf_table import table
+    from scripts.readme_tables import shown_between
 
     run = json.loads((ROOT / "benchmarks" / "perf.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    shown = readme[readme.index("<!-- perf:start -->") + 19 : readme.index("<!-- perf:end -->")].strip()
+    shown = shown_between("perf")
     assert shown == table(run), "regenerate it: python scripts/readme_perf_table.py benchmarks/perf.json"
     assert "commit" in shown.splitlines()[0] and "≤ 7 s" not in shown  # the retired whole-report target
 

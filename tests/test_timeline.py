@@ -347,18 +347,19 @@ def test_reading_a_timeline_induction_bumps_and_formation():
     assert formation(started, "prev_token")["half_way_step"] == 3  # 0.0 -> 0.7: half way is 0.35
 
 
-def test_the_readme_size_table_is_the_kept_runs():
-    """The README's four-size table is what scripts/readme_sizes_table.py makes of benchmarks/sizes
+def test_the_docs_size_table_is_the_kept_runs():
+    """The docs' four-size table is what scripts/readme_sizes_table.py makes of benchmarks/sizes
     (never typed in), and every kept run holds a timeline from step 0 and a copying check."""
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
     from scripts.readme_sizes_table import kept_runs, table
+    from scripts.readme_tables import shown_between
 
     runs = kept_runs()
     assert {r.name for r in runs} == {"blocks-1", "blocks-2", "blocks-4", "blocks-6"}  # the four sizes
     for run in runs:
         assert read_timeline(run)[0]["step"] == 0 and read_copying(run) is not None, run.name
-    assert table(runs) in (root / "README.md").read_text()
+    assert shown_between("sizes") == table(runs)
 
 
 def test_the_timeline_page_defines_its_induction_score_and_marks_it_in_nats(tmp_path):

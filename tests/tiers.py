@@ -1,9 +1,9 @@
 """The test tiers: what ``pytest -m "not slow"`` leaves out and why, and which files pytest-xdist
-runs on one worker. tests/conftest.py marks the tests from these; the README's "Tests" section lists
+runs on one worker. tests/conftest.py marks the tests from these; the docs' "Tests" section (docs/development.md) lists
 SLOW (tests/test_newcomer.py checks it)."""
 
 # ``pytest -m "not slow"``: the inner loop. These are marked slow, each for the reason given (the
-# README's "Tests" section lists them; tests/test_newcomer.py checks it names every one).
+# docs' "Tests" section, docs/development.md, lists them; tests/test_newcomer.py checks it names every one).
 SLOW = {
     "tests/faults/": "kills real storylens processes (report, export-hf, train) at every publish step",
     "tests/test_wheel.py": "builds the wheel and installs it, torch included, in a fresh virtual environment",
