@@ -68,6 +68,7 @@ def on_ray(stories, workers, names=None, **kw):
 def assert_same(a, b):
     for k, x in a.columns(True).items():
         y = b.columns(True)[k]
+        assert x is not None and y is not None, k  # every column computed here, the sink columns too
         assert (x - y).abs().nan_to_num(0.0).max().item() <= 1e-9, k
     assert {k: v.count for k, v in a.means.items()} == {k: v.count for k, v in b.means.items()}
     # the top examples: a top k of the union, so the very same lists whatever the order of merging
