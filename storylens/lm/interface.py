@@ -86,8 +86,10 @@ class HookSite:
 
 HookFn = Callable[[torch.Tensor, Hook], "torch.Tensor | None"]
 _M = TypeVar("_M", bound=nn.Module)
-HOOK_KINDS = ("hook_v", "hook_pattern", "hook_z")
-_HOOK_NAME = re.compile(r"^blocks\.(\d+)\.attn\.(" + "|".join(HOOK_KINDS) + r")$")
+ATTN_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")  # blocks.{l}.attn.<kind>
+BLOCK_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post")  # blocks.{l}.<kind>
+HOOK_KINDS = ATTN_HOOKS + BLOCK_HOOKS
+_HOOK_NAME = re.compile(r"^blocks\.(\d+)\.(?:attn\.(" + "|".join(ATTN_HOOKS) + r")|(" + "|".join(BLOCK_HOOKS) + r"))$")
 
 
 class AttentionLM:
@@ -126,16 +128,26 @@ class AttentionLM:
 
     # --- hooks
     def hook_names(self) -> list[str]:
-        return [f"blocks.{i}.attn.{k}" for i in range(self.n_layer) for k in HOOK_KINDS]
+        """Every hook point, TransformerLens's names: ``blocks.{l}.hook_resid_pre``, ``blocks.{l}.attn.hook_q``,
+        ``hook_k``, ``hook_v``, ``hook_pattern``, ``hook_z``, ``blocks.{l}.hook_attn_out``, ``hook_mlp_out``,
+        ``hook_resid_post``."""
+        return [
+            f"blocks.{i}.{'attn.' if k in ATTN_HOOKS else ''}{k}"
+            for i in range(self.n_layer)
+            for k in ("hook_resid_pre", *ATTN_HOOKS, "hook_attn_out", "hook_mlp_out", "hook_resid_post")
+        ]
 
     def _parse_hook(self, name: str) -> tuple[int, str]:
-        m = _HOOK_NAME.match(name)
+        m = _HOOK_NAME.match(name) if isinstance(name, str) else None
         if not m or not 0 <= int(m.group(1)) < self.n_layer:
             raise StorylensError(
-                f"hook {name!r}: no such hook point (blocks.0 .. blocks.{self.n_layer - 1}, "
-                "attn.hook_v, attn.hook_pattern or attn.hook_z)"
+                f"hook {name!r}: no such hook point (blocks.0 .. blocks.{self.n_layer - 1}, then "
+                + ", ".join(f"attn.{k}" for k in ATTN_HOOKS)
+                + " or "
+                + ", ".join(BLOCK_HOOKS)
+                + ")"
             )
-        return int(m.group(1)), m.group(2)
+        return int(m.group(1)), m.group(2) or m.group(3)
 
     def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         """Call ``fn(tensor, hook)`` at hook point ``name`` on every forward pass (a returned tensor
@@ -336,19 +348,76 @@ def _output_projection(attn: nn.Module) -> nn.Module:
     raise StorylensError(f"{type(attn).__name__}: cannot find its output projection (o_proj, c_proj, out_proj)")
 
 
-def _value_projection(attn: nn.Module) -> tuple[nn.Module, str]:
-    """The module whose output holds the value vectors, and how they sit in it: ``"v"`` (a value
-    projection of its own: Llama-style, GPT-Neo), ``"qkv"`` (GPT-2's ``c_attn``: queries, keys,
-    values side by side) or ``"neox"`` (GPT-NeoX's ``query_key_value``: per head, q, k, v)."""
+def _projection(attn: nn.Module, part: str) -> tuple[nn.Module, str]:
+    """The module whose output holds the queries (``part`` ``"q"``), keys (``"k"``) or values (``"v"``),
+    and how they sit in it: ``"own"`` (a projection of its own: Llama-style, GPT-Neo), ``"qkv"``
+    (GPT-2's ``c_attn``: queries, keys, values side by side) or ``"neox"`` (GPT-NeoX's
+    ``query_key_value``: per head, q, k, v)."""
     inner = getattr(attn, "attention", None)  # GPT-Neo
     for m in (attn, inner):
         if m is None:
             continue
-        for attr, kind in (("v_proj", "v"), ("c_attn", "qkv"), ("query_key_value", "neox")):
+        for attr, kind in ((f"{part}_proj", "own"), ("c_attn", "qkv"), ("query_key_value", "neox")):
             p = getattr(m, attr, None)
             if isinstance(p, nn.Module):
                 return p, kind
-    raise StorylensError(f"{type(attn).__name__}: cannot find its value projection (v_proj, c_attn, query_key_value)")
+    raise StorylensError(
+        f"{type(attn).__name__}: cannot find its {part} projection ({part}_proj, c_attn, query_key_value)"
+    )
+
+
+def _value_projection(attn: nn.Module) -> tuple[nn.Module, str]:
+    """:func:`_projection` of the values, ``"own"`` called ``"v"``."""
+    module, kind = _projection(attn, "v")
+    return module, "v" if kind == "own" else kind
+
+
+def _split_hook(fn: HookFn, site: HookSite, kind: str, part: str, n: int) -> Callable[..., torch.Tensor | None]:
+    """A forward hook on a projection (:func:`_projection`) that hands ``fn`` its ``part`` as
+    ``[batch, tokens, n, head_size]`` and puts back what ``fn`` returns (None: as it was)."""
+    index = "qkv".index(part)
+
+    def read(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        B, T, C = out.shape
+        if kind == "own":  # [B, T, n * d]
+            got = fn(out.view(B, T, n, C // n), site)
+            return None if got is None else got.reshape(B, T, C)
+        if kind == "qkv":  # [B, T, 3 * n * d]: q | k | v
+            third = C // 3
+            got = fn(out[..., index * third : (index + 1) * third].view(B, T, n, third // n), site)
+            if got is None:
+                return None
+            return torch.cat([out[..., : index * third], got.reshape(B, T, third), out[..., (index + 1) * third :]], -1)
+        per_head = out.view(B, T, n, 3, C // (3 * n))  # neox: per head [q, k, v]
+        got = fn(per_head[..., index, :], site)
+        if got is None:
+            return None
+        return torch.stack([got if i == index else per_head[..., i, :] for i in range(3)], -2).reshape(B, T, C)
+
+    return read
+
+
+def _residual_hooks(layer: nn.Module, kind: str, fn: HookFn, site: HookSite) -> RemovableHandle:
+    """``hook_resid_pre`` (the decoder layer's input, however it is passed) or ``hook_resid_post`` (its
+    output: a tensor, or a tuple led by one) on decoder layer ``layer``."""
+    if kind == "hook_resid_pre":
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            if args:
+                got = fn(args[0], site)
+                return None if got is None else ((got, *args[1:]), kwargs)
+            got = fn(kwargs["hidden_states"], site)
+            return None if got is None else (args, {**kwargs, "hidden_states": got})
+
+        return layer.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def post(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):
+            got = fn(out[0], site)
+            return None if got is None else (got, *out[1:])
+        return fn(out, site)
+
+    return layer.register_forward_hook(post)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -427,32 +496,26 @@ class TransformersLM(AttentionLM):
             return str(e)
         return super().moving_unsupported()
 
-    def _value_hook(self, layer: int, site: HookSite, fn: HookFn) -> RemovableHandle:
-        if self._value is None:
-            self._value = [_value_projection(a) for a in self._attn]
-        module, kind = self._value[layer]
-        G = self.n_kv_head
-
-        def read(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
-            B, T, C = out.shape
-            if kind == "v":  # [B, T, G * d]
-                v = fn(out.view(B, T, G, C // G), site)
-                return None if v is None else v.reshape(B, T, C)
-            if kind == "qkv":  # [B, T, 3 * H * d]: q | k | v
-                third = C // 3
-                v = fn(out[..., 2 * third :].view(B, T, G, third // G), site)
-                return None if v is None else torch.cat([out[..., : 2 * third], v.reshape(B, T, third)], -1)
-            per_head = out.view(B, T, G, 3, C // (3 * G))  # neox: per head [q, k, v]
-            v = fn(per_head[..., 2, :], site)
-            if v is None:
-                return None
-            return torch.cat([per_head[..., :2, :], v.unsqueeze(-2)], -2).reshape(B, T, C)
-
-        return module.register_forward_hook(read)
+    def _projection_hook(self, layer: int, part: str, site: HookSite, fn: HookFn) -> RemovableHandle:
+        """``hook_q`` / ``hook_k`` / ``hook_v``: on the projection's output, before rotary embeddings
+        (as TransformerLens's), ``[batch, tokens, heads, head_size]`` with the query heads for ``q`` and
+        the key/value heads for ``k`` and ``v``."""
+        module, kind = _projection(self._attn[layer], part)
+        n = self.n_head if part == "q" or kind != "own" else self.n_kv_head
+        return module.register_forward_hook(_split_hook(fn, site, kind, part, n))
 
     def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         layer, kind = self._parse_hook(name)
         site = HookSite(name, layer)
+        if kind in ("hook_q", "hook_k", "hook_v"):
+            return self._projection_hook(layer, kind[-1], site, fn)
+        if kind in ("hook_resid_pre", "hook_resid_post"):
+            return _residual_hooks(self.layers[layer], kind, fn, site)
+        if kind in ("hook_attn_out", "hook_mlp_out"):
+            module = self._proj[layer] if kind == "hook_attn_out" else getattr(self.layers[layer], "mlp", None)
+            if not isinstance(module, nn.Module):
+                raise StorylensError(f"{type(self.layers[layer]).__name__}: cannot find its MLP (mlp) for {name}")
+            return module.register_forward_hook(lambda m, args, out: fn(out, site))
         if kind == "hook_pattern":
 
             def read(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -464,9 +527,6 @@ class TransformersLM(AttentionLM):
                 fn(pattern, site)
 
             return self._attn[layer].register_forward_hook(read)
-        if kind == "hook_v":
-            return self._value_hook(layer, site, fn)
-
         H = self.n_head
 
         def z(module: nn.Module, args: tuple) -> tuple | None:

@@ -217,14 +217,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = p_att
         # Named hook points (TransformerLens's names, torch's own forward hooks; a hook that returns a
-        # tensor replaces the value): blocks.{l}.attn.hook_v, hook_pattern, hook_z.
+        # tensor replaces the value): blocks.{l}.attn.hook_q, hook_k, hook_v, hook_pattern, hook_z, and
+        # blocks.{l}.hook_attn_out (the block's own: resid_pre, mlp_out, resid_post are on Block).
+        self.hook_q = HookPoint(f"blocks.{layer_idx}.attn.hook_q")  # [batch, query, head, head_size]
+        self.hook_k = HookPoint(f"blocks.{layer_idx}.attn.hook_k")  # [batch, key, head, head_size]
         self.hook_v = HookPoint(f"blocks.{layer_idx}.attn.hook_v")  # [batch, key, head, head_size]: value vectors
         self.hook_pattern = HookPoint(f"blocks.{layer_idx}.attn.hook_pattern")  # [batch, head, query, key]
         self.hook_z = HookPoint(f"blocks.{layer_idx}.attn.hook_z")  # [batch, query, head, head_size], before c_proj
-
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # [batch, tokens, n_embd] -> [batch, head, tokens, head_size]
-        return x.view(B, T, self.n_head, self.head_size).transpose(1, 2)
+        self.hook_attn_out = HookPoint(f"blocks.{layer_idx}.hook_attn_out")  # [batch, query, n_embd], after c_proj
 
     def forward(
         self,
@@ -236,8 +236,8 @@ class CausalSelfAttention(nn.Module):
         """``mask``: the additive causal mask of the explicit path, ``[tokens, past + tokens]``
         (:func:`causal_mask`; :meth:`GPT.forward` builds it once for every block)."""
         B, T, C = x.shape
-        query = self._split_heads(self.query(x))
-        key = self._split_heads(self.key(x))
+        query = self.hook_q(self.query(x).view(B, T, self.n_head, self.head_size)).transpose(1, 2)
+        key = self.hook_k(self.key(x).view(B, T, self.n_head, self.head_size)).transpose(1, 2)
         value = self.hook_v(self.value(x).view(B, T, self.n_head, self.head_size)).transpose(1, 2)
 
         past = 0
@@ -273,7 +273,7 @@ class CausalSelfAttention(nn.Module):
 
         z = self.hook_z(y.transpose(1, 2))  # [batch, query, head, head_size]
         y = z.contiguous().view(B, T, C)  # heads side by side again
-        return self.resid_dropout(self.c_proj(y)), pattern
+        return self.resid_dropout(self.hook_attn_out(self.c_proj(y))), pattern
 
 
 class MLP(nn.Module):
@@ -295,6 +295,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.hook_resid_pre = HookPoint(f"blocks.{layer_idx}.hook_resid_pre")  # [batch, tokens, n_embd]: the input
+        self.hook_mlp_out = HookPoint(f"blocks.{layer_idx}.hook_mlp_out")  # [batch, tokens, n_embd]
+        self.hook_resid_post = HookPoint(f"blocks.{layer_idx}.hook_resid_post")  # [batch, tokens, n_embd]: the output
 
     def forward(
         self,
@@ -307,12 +310,13 @@ class Block(nn.Module):
         """``x [batch, tokens, n_embd]`` -> the residual stream after this block, and its pattern
         (``record_attention``). ``attention_only``: stop after the attention (its MLP would feed
         only later blocks and the logits) and return ``x`` as it came."""
+        x = self.hook_resid_pre(x)
         a, pattern = self.attn(self.ln_1(x), record_attention=record_attention, kv_cache=kv_cache, mask=mask)
         if attention_only:
             return x, pattern
         x = x + a
-        x = x + self.mlp(self.ln_2(x))
-        return x, pattern
+        x = x + self.hook_mlp_out(self.mlp(self.ln_2(x)))
+        return self.hook_resid_post(x), pattern
 
 
 class Transformer(nn.ModuleDict):
@@ -362,10 +366,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def hook_points(self) -> dict[str, HookPoint]:
-        """This model's hook points by their TransformerLens names: ``blocks.{l}.attn.hook_v``
-        (``[batch, key, head, head_size]``, the value vectors), ``blocks.{l}.attn.hook_pattern``
-        (``[batch, head, query, key]``, explicit path only) and ``blocks.{l}.attn.hook_z``
-        (``[batch, query, head, head_size]``), ``l`` from 0."""
+        """This model's hook points by their TransformerLens names, ``l`` from 0: ``blocks.{l}.hook_resid_pre``
+        (the block's input ``[batch, tokens, n_embd]``), ``blocks.{l}.attn.hook_q`` / ``hook_k`` / ``hook_v``
+        (``[batch, tokens, head, head_size]``: queries, keys, values), ``blocks.{l}.attn.hook_pattern``
+        (``[batch, head, query, key]``, explicit path only), ``blocks.{l}.attn.hook_z`` (``[batch, query,
+        head, head_size]``, before the output projection), ``blocks.{l}.hook_attn_out`` (after it,
+        ``[batch, tokens, n_embd]``), ``blocks.{l}.hook_mlp_out`` and ``blocks.{l}.hook_resid_post``
+        (the block's output)."""
         return {m.name: m for m in self.modules() if isinstance(m, HookPoint)}
 
     def forward(
