@@ -271,7 +271,7 @@ class HeadScoreAccumulator:
                 outputs = rows[0] if len(rows) == 1 else torch.cat(rows, -1)  # [B, H, T]
                 self._out_blocks[layer], self._out_rows[layer] = masked_mean(outputs, full.queries), []
         if self.sinks is not None:
-            self.sinks.feed(layer, chunk.output_vectors, chunk.masks.queries, chunk.key_norms, full)
+            self.sinks.feed(layer, chunk.output_vectors, chunk.outputs, chunk.masks.queries, chunk.key_norms, full)
 
     def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor]) -> None:
         """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the

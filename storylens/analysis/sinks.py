@@ -87,17 +87,32 @@ class SinkAccumulator:
         self._ratio: dict[int, torch.Tensor] = {}  # per block, per story |f_0| / mean |f_j| [B, H]
         self._begun = True
 
-    def feed(self, layer: int, vectors: torch.Tensor | None, counted: torch.Tensor, key_norms, full) -> None:
-        """One chunk's output vectors ``[B, H, n, k]`` (None: none read) at its rows, ``counted [B, n]``
-        the rows that count (``q >= 1`` inside the story); on the block's last chunk ``key_norms
-        [B, H, keys]`` over every key and ``full`` the batch's whole masks."""
-        if vectors is None:
+    def feed(
+        self,
+        layer: int,
+        vectors: torch.Tensor | None,
+        outputs: torch.Tensor | None,
+        counted: torch.Tensor,
+        key_norms,
+        full,
+    ) -> None:
+        """One chunk's output vectors ``[B, H, n, k]`` and their lengths ``outputs [B, H, n]`` (None: none
+        read) at its rows, ``counted [B, n]`` the rows that count (``q >= 1`` inside the story); on the
+        block's last chunk ``key_norms [B, H, keys]`` over every key and ``full`` the batch's whole masks.
+        The chunk's sums over its rows are taken in the run's dtype (float32 at least: a few hundred
+        terms) and added in float64."""
+        if vectors is None or outputs is None:
             return
-        y = vectors.detach().to(F64)
+        y = vectors.detach()
         shift = self._shift.setdefault(layer, y[0, :, 0, :].clone())  # story 0's first row: any fixed vector
-        w = counted.to(F64)
-        d = (y - shift[None, :, None, :]) * w[:, None, :, None]
-        parts = (d.sum(2), (d * d).sum((2, 3)), ((y * y).sum(-1) * w[:, None, :]).sum(-1))  # [B,H,k], [B,H], [B,H]
+        w = counted.to(y.dtype)
+        d = y - shift[None, :, None, :]  # [B, H, n, k]: 0 to the bit for a head that writes one vector
+        sums = (
+            torch.einsum("bhnk,bn->bhk", d, w),  # sum of y - a over the counted rows
+            torch.einsum("bhn,bn->bh", (d * d).sum(-1), w),  # sum of |y - a|^2
+            torch.einsum("bhn,bn->bh", outputs.detach().to(y.dtype) ** 2, w),  # sum of |y|^2
+        )
+        parts = tuple(p.to(F64) for p in sums)
         held = self._sums.get(layer)
         self._sums[layer] = parts if held is None else tuple(a + b for a, b in zip(held, parts))
         if key_norms is not None and key_norms.shape[-1] == full.inside.shape[1]:
@@ -117,7 +132,7 @@ class SinkAccumulator:
             return  # no output vectors read (or not in every block): the context columns stay empty
         n = full.queries.sum(-1).to(F64)  # [B] queries summed per story
         total, square, energy = (torch.stack([self._sums[i][j] for i in range(L)], 1) for j in range(3))
-        shift = torch.stack([self._shift[i] for i in range(L)], 0)  # [L, H, k]
+        shift = torch.stack([self._shift[i] for i in range(L)], 0).to(F64)  # [L, H, k]
         spread = (square - (total * total).sum(-1) / n.clamp(min=1)[:, None, None]).clamp(min=0)  # [B, L, H]
         share = torch.where(energy > 0, spread / torch.where(energy > 0, energy, 1.0), 0.0)
         self.active.add((share > self.active_share).to(F64), n > 0)

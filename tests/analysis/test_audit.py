@@ -1,0 +1,153 @@
+"""Exact ablation with its error (storylens.analysis.audit), against an edit written here: a forward
+pre-hook on the output projection's input that replaces one head's slice after the opening token, on
+transformers' own modules (GPT-2, Llama with grouped key/value heads) and the native model, float64."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from storylens.analysis.audit import Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
+from storylens.core.errors import StorylensError
+from storylens.core.heads import Head
+from storylens.lm import NativeLM, load_lm
+from storylens.lm.interface import _attention_of, _decoder_layers, _output_projection
+
+STORIES = 6
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "native"])
+def lm(request, shipped_model, tmp_path_factory):
+    if request.param == "native":
+        return NativeLM(copy.deepcopy(shipped_model).double())
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=shipped_model.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    common = {"vocab_size": shipped_model.tokenizer.get_vocab_size(), "bos_token_id": tok.bos_token_id}
+    cfg = (
+        GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, **common)
+        if request.param == "gpt2"
+        else LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **common,
+        )  # fmt: skip
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return load_lm(folder, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def ids(lm, corpus_split):
+    return [lm.encode(" ".join(s.split()[:30])) for s in corpus_split.quiz[:STORIES]]
+
+
+def _projection(lm, layer):
+    if isinstance(lm, NativeLM):
+        return lm.module.transformer.h[layer].attn.c_proj, lm.module.config.head_size
+    proj = _output_projection(_attention_of(_decoder_layers(lm.module)[layer]))
+    return proj, lm.head_output_weights(layer).shape[1]
+
+
+def _by_hand(lm, ids, head: Head, value):
+    """Per story: (the change in its summed loss, its predicted tokens), one story at a time, the head's
+    slice of the output projection's input replaced after position 0 by a pre-hook written here."""
+    proj, d = _projection(lm, head.layer)
+    sl = slice(head.head * d, (head.head + 1) * d)
+
+    def pre(module, args):
+        x = args[0].clone()
+        x[:, 1:, sl] = 0.0 if value is None else value
+        return (x, *args[1:])
+
+    out = []
+    for story in ids:
+        x = torch.tensor([story])
+        with torch.no_grad():
+            clean = F.cross_entropy(lm.forward(x)[0, :-1], x[0, 1:], reduction="sum")
+            handle = proj.register_forward_pre_hook(pre)
+            try:
+                off = F.cross_entropy(lm.forward(x)[0, :-1], x[0, 1:], reduction="sum")
+            finally:
+                handle.remove()
+        out.append((float(off - clean), len(story) - 1))
+    return out
+
+
+def test_exact_effects_equal_the_edit_before_the_output_projection(lm, ids):
+    heads = [Head(0, 1), Head(lm.n_layer - 1, lm.n_head - 1)]
+    means = torch.randn(lm.n_layer, lm.n_head, lm.head_output_weights(0).shape[1], dtype=torch.float64)
+    got = exact_effects(lm, ids, heads, means=means, batch_size=4)  # padded batches of unequal stories
+    for h in heads:
+        for mode, value in (("mean", means[h.layer, h.head]), ("zero", None)):
+            per = _by_hand(lm, ids, h, value)
+            n = sum(t for _, t in per)
+            want = sum(c for c, _ in per) / n
+            resid = [c - want * t for c, t in per]
+            se = (len(per) / (len(per) - 1) * sum(r * r for r in resid)) ** 0.5 / n
+            e = got[h, mode]
+            # float64 sums of a few hundred token losses of order 10: rounding far under 1e-9
+            assert abs(e.nats - want) <= 1e-9 and abs(e.se - se) <= 1e-9, (h.label, mode)
+            assert e.nats != 0.0
+
+
+def test_the_default_mean_is_over_positions_after_the_opening_token(lm, ids):
+    from storylens.analysis.ablation import head_output_means
+
+    h = Head(0, 0)
+    means = head_output_means(lm, ids, include_marker=False)
+    assert (
+        exact_effects(lm, ids, [h], ("mean",))[h, "mean"]
+        == exact_effects(lm, ids, [h], ("mean",), means=means)[h, "mean"]
+    )
+
+
+def test_heads_are_chosen_by_their_largest_estimates_and_drawn_apart():
+    heads = [Head(layer, h) for layer in range(3) for h in range(4)]
+    mean = {h: float(i) * (-1) ** i for i, h in enumerate(heads)}  # |value| grows with the index
+    zero = {h: -float(i) for i, h in enumerate(reversed(heads))}
+    top, drawn = choose_heads({"mean": mean, "zero": zero}, 2, seed=3)
+    assert top == [heads[11], heads[10], heads[0], heads[1]]
+    assert not set(top) & set(drawn) and len(drawn) == 2
+    assert choose_heads({"mean": mean, "zero": zero}, 2, seed=3) == (top, drawn)  # seeded
+    with pytest.raises(StorylensError, match="k must be 0 or more"):
+        choose_heads({"mean": mean}, -1, 0)
+
+
+def test_a_sign_is_said_only_beyond_two_standard_errors():
+    assert _sign_disagrees(Effect(0.3, 0.1), Effect(-0.5, 0.2))
+    assert not _sign_disagrees(Effect(0.3, 0.1), Effect(-0.3, 0.2))  # exact within 2 se of zero
+    assert not _sign_disagrees(Effect(0.3, 0.1), Effect(0.5, 0.2))
+    assert not _sign_disagrees(None, Effect(0.5, 0.2))
+    assert "no sign" in sign_words(Effect(-0.01, 0.02)) and "no sign" not in sign_words(Effect(-0.05, 0.02))
+
+
+def test_an_audit_of_estimates_equal_to_the_exact_effects_agrees(lm, ids):
+    heads = [Head(layer, h) for layer in range(lm.n_layer) for h in range(lm.n_head)][:6]  # k = 2: 6 to pick from
+    exact = exact_effects(lm, ids[:3], heads)
+    estimates = {m: {h: exact[h, m] for h in heads} for m in ("mean", "zero")}
+    a = audit(lm, ids[:3], estimates, k=2, seed=0)
+    assert a.rho_mean == pytest.approx(1.0) and a.rho_zero == pytest.approx(1.0) and a.disagree == ()
+    assert a.n_stories == 3 and a.n_tokens == sum(len(s) - 1 for s in ids[:3])
+    assert [r.why for r in a.rows].count("random") == 2
+    for r in a.rows:
+        assert r.exact_mean == estimates["mean"][Head.parse(r.head)]
+    flipped = {m: {h: Effect(-e.nats, e.se) for h, e in v.items()} for m, v in estimates.items()}
+    b = audit(lm, ids[:3], flipped, k=2, seed=0)
+    assert b.rho_mean == pytest.approx(-1.0)
+    assert {h for h, _ in b.disagree} == {r.head for r in b.rows if abs(r.exact_mean.nats) > 2 * r.exact_mean.se} | {
+        r.head for r in b.rows if abs(r.exact_zero.nats) > 2 * r.exact_zero.se
+    }
