@@ -634,6 +634,15 @@ class HeadScores:
             if v is not None and (above is None or v > above) and (below is None or v < below)
         )
 
+    def to_pandas(self):
+        """The table as a ``pandas.DataFrame``, one row per head as :meth:`to_rows` (label, block, head,
+        every column, the flag), typed as ``pandas.read_csv`` reads :meth:`to_csv`'s file: equal to it
+        exactly. Needs pandas (``storylens[pandas]``)."""
+        from storylens.core.frames import to_frame
+
+        rows = self.to_rows()
+        return to_frame(rows, list(rows[0]) if rows else ["label", "block", "head"])
+
     def to_csv(self, path: str | os.PathLike) -> Path:
         rows = self.to_rows()
         path = Path(path)
