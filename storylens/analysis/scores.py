@@ -87,6 +87,7 @@ from storylens.analysis.sinks import SinkAccumulator, dormant
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
+from storylens.core.schema import check_version, versioned
 from storylens.lm import ModelLike, wrap
 
 _COUNT_FIELDS = (
@@ -658,7 +659,7 @@ class HeadScores:
     def to_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         about = [{"name": c.name, "title": c.title, "meaning": c.meaning} for c in self.columns]
-        doc = {"counts": self.counts(), "columns": about, "heads": self.to_rows()}
+        doc = versioned({"counts": self.counts(), "columns": about, "heads": self.to_rows()})
         try:
             path.write_text(json.dumps(doc, indent=2) + "\n")
         except OSError as e:
@@ -671,6 +672,7 @@ class HeadScores:
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
+            check_version(doc, str(path))
             heads = tuple(_read_row(row) for row in doc["heads"])
             c = doc["counts"]
             return cls(heads=heads, **{k: c[k] for k in _COUNT_FIELDS})
