@@ -2,6 +2,7 @@
 equals HeadScores.to_pandas() exactly, the examples come as one row each, and without pandas the
 call is one line saying how to install it."""
 
+import html
 import math
 import sys
 
@@ -63,3 +64,43 @@ def test_without_pandas_one_line(scored, monkeypatch):
             call()
         assert str(e.value).startswith("needs pandas: ") and "\n" not in str(e.value)
         assert "storylens[pandas]" in str(e.value)
+
+
+def test_repr_html_is_the_block_by_head_grid(scored):
+    from html.parser import HTMLParser
+
+    class Cells(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.titles, self.tags = [], [], set()
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.add(tag)
+            if tag == "tr":
+                self.rows.append([])
+            if tag == "td":
+                self.titles.append(dict(attrs)["title"])
+
+        def handle_data(self, data):
+            if self.rows and data.strip():
+                self.rows[-1].append(data.strip())
+
+    page = scored._repr_html_()
+    p = Cells()
+    p.feed(page)
+    assert p.tags <= {"table", "caption", "b", "br", "small", "tr", "th", "td"}  # no script, style sheet or link
+    assert "http" not in page and "src=" not in page
+    assert len(p.rows) == 1 + scored.n_layer and p.rows[0] == [f"H{h + 1}" for h in range(scored.n_head)]
+    shown = [float(v) for row in p.rows[1:] for v in row[1:]]
+    assert shown == [round(v, 3) for v in scored.column("name_mass")]  # block-major, 3 decimals
+    assert p.titles[0].startswith("L1H1: ") and p.titles[-1].startswith(f"{scored.heads[-1].label}: ")
+    assert html.escape(scored.title("name_mass")) in page and f"{scored.n_stories:,} stories" in page
+
+
+def test_grid_html_escapes_and_shows_missing_values():
+    from storylens.analysis.grid_html import grid_html
+
+    page = grid_html([[0.0, None], [float("nan"), 1.0]], "<script>alert(1)</script>", "a & b")
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a &amp; b" in page
+    assert page.count("not computed") == 2 and 'title="L2H2: 1"' in page
+    assert "background:#ffffff" in page and "background:#2166ac" in page  # the column's smallest and largest

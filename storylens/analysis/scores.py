@@ -82,6 +82,7 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
+from storylens.analysis.grid_html import grid_html
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.analysis.sinks import SinkAccumulator, dormant
 from storylens.core.buffers import Workspace
@@ -643,6 +644,19 @@ class HeadScores:
 
         rows = self.to_rows()
         return to_frame(rows, list(rows[0]) if rows else ["label", "block", "head"])
+
+    def grid_html(self, name: str = NAME_MASS.name) -> str:
+        """Column ``name`` as a compact HTML block x head grid (shaded by value, escaped, no script and
+        nothing fetched: :mod:`storylens.analysis.grid_html`), titled and with the run's counts."""
+        note = f"{self.n_stories:,} stories; {self.n_layer} blocks x {self.n_head} heads; column {name}"
+        return grid_html(self.grid(name), self.title(name), note)
+
+    def _repr_html_(self) -> str:
+        """What Jupyter shows for a scored table: the grid of its first column (``name_mass``)."""
+        if not self.heads:
+            return "<p>no heads</p>"
+        first = next(iter(self.heads[0].scores))
+        return self.grid_html(NAME_MASS.name if NAME_MASS.name in self.heads[0].scores else first)
 
     def to_csv(self, path: str | os.PathLike) -> Path:
         rows = self.to_rows()
