@@ -23,6 +23,7 @@ _WHERE = {
     "GPTConfig": "storylens.model.gpt",
     "KVCache": "storylens.model.gpt",
     "load_model": "storylens.model.hub",
+    "load_heads": "storylens.lesson.results",
     "attention_widget": "storylens.recording",
     "story_attention": "storylens.recording",
 }
@@ -30,6 +31,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from storylens.core.errors import StorylensError
     from storylens.core.heads import Head, head_label, parse_head_label
+    from storylens.lesson.results import load_heads
     from storylens.lm import AttentionLM, load_lm, wrap
     from storylens.model.gpt import GPT, GPTConfig, KVCache
     from storylens.model.hub import load_model
@@ -44,6 +46,7 @@ __all__ = [
     "StorylensError",
     "attention_widget",
     "head_label",
+    "load_heads",
     "load_lm",
     "load_model",
     "parse_head_label",

@@ -402,24 +402,45 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# `storylens --help` lists the commands as a newcomer meets them: the lesson's report, watching the model
+# write, then any corpus and any model (score, ablate, patch), the checks, the data, training last.
+COMMAND_ORDER = (
+    "report",
+    "generate",
+    "score",
+    "ablate",
+    "patch",
+    "check",
+    "perplexity",
+    "data",
+    "train",
+    "timeline",
+    "export-hf",
+)
+DESCRIPTION = (
+    "Read the attention heads of Tiny Storyteller (shipped) or any transformers causal LM: where each head "
+    "looks, what it moves, attention sinks and dormant heads, and causal effects, over any corpus."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``storylens`` parser: global options, then one subparser per command (its ``func``)."""
 
-    p = _Parser(prog="storylens", description="Read Tiny Storyteller's attention.")
+    p = _Parser(prog="storylens", description=DESCRIPTION)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"storylens {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (
+    for add in (  # in the order a newcomer meets them: COMMAND_ORDER
+        add_report_parser,
         add_generate_parser,
+        add_score_parser,
+        add_ablate_parser,
+        add_check_parser,
+        add_perplexity_parser,
+        add_data_parser,
         add_train_parser,
         add_timeline_parser,
         add_export_parser,
-        add_perplexity_parser,
-        add_check_parser,
-        add_data_parser,
-        add_report_parser,
-        add_ablate_parser,
-        add_score_parser,
     ):
         add(sub)
     return p

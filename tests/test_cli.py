@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,28 @@ def test_help_works_for_every_command(capsys):
             assert e.value.code == 0, (path, flag, captured.err)
             assert captured.out.startswith(f"usage: {' '.join(('storylens', *path))} "), (path, flag)
             assert "options:" in captured.out and "Traceback" not in captured.err
+
+
+def test_help_lists_the_commands_in_a_newcomers_order(capsys):
+    """`storylens --help` names every command once, in COMMAND_ORDER (the report first, training last),
+    and says what storylens reads now: any transformers causal LM, sinks, causal effects."""
+    from storylens.cli import COMMAND_ORDER, build_parser
+
+    commands = [p[0] for p in _command_paths(build_parser()) if len(p) == 1]
+    assert set(commands) <= set(COMMAND_ORDER), set(commands) - set(COMMAND_ORDER)
+    assert commands == [c for c in COMMAND_ORDER if c in commands]
+    assert commands[0] == "report" and commands[-1] == "export-hf"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    section = out.split("positional arguments:")[1].split("options:")[0]
+    listed = [line.split()[0] for line in section.splitlines() if line.strip()]
+    assert [c for c in listed if c in commands] == commands  # the help text itself, in that order
+    assert all(w in " ".join(out.split()) for w in ("any transformers causal LM", "sinks", "causal effects"))
+    tomllib = pytest.importorskip("tomllib")  # the package's metadata says the same (Python 3.11+)
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert all(w in project["description"] for w in ("any transformers causal LM", "sinks", "causal effects"))
+    assert {"attention sinks", "attribution patching"} <= set(project["keywords"]) and project["classifiers"]
 
 
 def test_record_and_html_go_together(capsys, tmp_path):

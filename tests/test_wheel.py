@@ -75,6 +75,9 @@ def test_the_wheel_carries_the_model_quiz_and_licences(installed):
     ):
         assert folder + f in names, f
     assert "storylens/viz/static/widget.js" in names and "storylens/licenses/CDLA-Sharing-1.0.txt" in names
+    assert {
+        f"storylens/schemas/{s}.schema.json" for s in ("heads", "examples", "summary-score", "summary-report")
+    } <= names
     assert any(n.endswith("/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     assert not any(n.startswith(("tests/", "notebooks/", "benchmarks/")) for n in names)
 

@@ -45,6 +45,7 @@ from storylens.analysis.encode import StoryBatch
 from storylens.core.errors import StorylensError
 from storylens.core.heads import head_label
 from storylens.core.publish import write_text_atomic
+from storylens.core.schema import versioned
 
 KEY_BEFORE = 3  # key_tokens: the key's window is key - 3 .. key + 3
 KEY_AFTER = 4
@@ -556,7 +557,7 @@ class TopExamples:
         return list(self._kept[name][layer][head])
 
     def as_json(self, decode: Callable[[int], str], label: Callable[[int, int], str] = head_label) -> dict:
-        """What :meth:`to_json` writes: ``k``, ``per_story`` (None: no limit), the detectors, and every head, layer-major (``layer`` and ``head`` counted from 1,
+        """What :meth:`to_json` writes: ``schema_version`` (:mod:`storylens.core.schema`), ``k``, ``per_story`` (None: no limit), the detectors, and every head, layer-major (``layer`` and ``head`` counted from 1,
         like its label), its examples per detector with the token ids decoded one by one
         (``decode(id) -> str``)."""
         texts: dict[int, str] = {}
@@ -579,7 +580,27 @@ class TopExamples:
                         for e in self._kept[name][layer][head]
                     ]
                 heads.append({"label": label(layer, head), "layer": layer + 1, "head": head + 1, "examples": per})
-        return {"k": self.k, "per_story": self.per_story, "detectors": list(self.detectors), "heads": heads}
+        return versioned({"k": self.k, "per_story": self.per_story, "detectors": list(self.detectors), "heads": heads})
+
+    def to_pandas(self, decode: Callable[[int], str] | None = None, label: Callable[[int, int], str] = head_label):
+        """Every kept example as one row of a ``pandas.DataFrame``: the head (``label``, ``layer`` and
+        ``head`` from 1), the ``detector``, its ``rank`` (0: where the head fires most), then the
+        :class:`Example`'s fields (``tokens`` and ``key_tokens`` as text where ``decode(id) -> str`` is
+        given, else ids). Needs pandas (``storylens[pandas]``)."""
+        from storylens.core.frames import to_frame
+
+        def text(ids: Sequence[int]) -> list:
+            return [decode(t) for t in ids] if decode is not None else list(ids)
+
+        rows = []
+        for layer in range(self.n_layer):
+            for head in range(self.n_head):
+                for name in self.detectors:
+                    for rank, e in enumerate(self._kept[name][layer][head]):
+                        where = {"label": label(layer, head), "layer": layer + 1, "head": head + 1}
+                        state = {**e.to_state(), "tokens": text(e.tokens), "key_tokens": text(e.key_tokens)}
+                        rows.append({**where, "detector": name, "rank": rank, **state})
+        return to_frame(rows, ["label", "layer", "head", "detector", "rank", *EXAMPLE_FIELDS])
 
     def to_json(
         self,

@@ -82,11 +82,13 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
+from storylens.analysis.grid_html import grid_html
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.analysis.sinks import SinkAccumulator, dormant
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
+from storylens.core.schema import check_version, versioned
 from storylens.lm import ModelLike, wrap
 
 _COUNT_FIELDS = (
@@ -634,6 +636,28 @@ class HeadScores:
             if v is not None and (above is None or v > above) and (below is None or v < below)
         )
 
+    def to_pandas(self):
+        """The table as a ``pandas.DataFrame``, one row per head as :meth:`to_rows` (label, block, head,
+        every column, the flag), typed as ``pandas.read_csv`` reads :meth:`to_csv`'s file: equal to it
+        exactly. Needs pandas (``storylens[pandas]``)."""
+        from storylens.core.frames import to_frame
+
+        rows = self.to_rows()
+        return to_frame(rows, list(rows[0]) if rows else ["label", "block", "head"])
+
+    def grid_html(self, name: str = NAME_MASS.name) -> str:
+        """Column ``name`` as a compact HTML block x head grid (shaded by value, escaped, no script and
+        nothing fetched: :mod:`storylens.analysis.grid_html`), titled and with the run's counts."""
+        note = f"{self.n_stories:,} stories; {self.n_layer} blocks x {self.n_head} heads; column {name}"
+        return grid_html(self.grid(name), self.title(name), note)
+
+    def _repr_html_(self) -> str:
+        """What Jupyter shows for a scored table: the grid of its first column (``name_mass``)."""
+        if not self.heads:
+            return "<p>no heads</p>"
+        first = next(iter(self.heads[0].scores))
+        return self.grid_html(NAME_MASS.name if NAME_MASS.name in self.heads[0].scores else first)
+
     def to_csv(self, path: str | os.PathLike) -> Path:
         rows = self.to_rows()
         path = Path(path)
@@ -649,7 +673,7 @@ class HeadScores:
     def to_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         about = [{"name": c.name, "title": c.title, "meaning": c.meaning} for c in self.columns]
-        doc = {"counts": self.counts(), "columns": about, "heads": self.to_rows()}
+        doc = versioned({"counts": self.counts(), "columns": about, "heads": self.to_rows()})
         try:
             path.write_text(json.dumps(doc, indent=2) + "\n")
         except OSError as e:
@@ -662,6 +686,7 @@ class HeadScores:
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
+            check_version(doc, str(path))
             heads = tuple(_read_row(row) for row in doc["heads"])
             c = doc["counts"]
             return cls(heads=heads, **{k: c[k] for k in _COUNT_FIELDS})

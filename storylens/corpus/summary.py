@@ -16,6 +16,7 @@ from pathlib import Path
 
 from storylens.analysis.run_info import ModelInfo, StoriesInfo
 from storylens.core.plain import Plain
+from storylens.core.schema import versioned
 
 NAME_DEFINITION = "a capitalised word whose lower-case form appears nowhere in the stories scored"
 
@@ -52,6 +53,10 @@ class ScoreSummary(Plain):
     timings_s: dict[str, float]  # first_pass, scoring
     detectors: list[str]
     top: dict[str, TopHead | None]  # per detector, its highest head (None: no head has a value)
+
+    def to_dict(self) -> dict:
+        """``summary.json``: ``schema_version`` (:mod:`storylens.core.schema`), then the fields."""
+        return versioned(super().to_dict())
 
     def to_json(self) -> str:
         """``summary.json``'s text."""

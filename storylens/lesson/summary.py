@@ -21,6 +21,7 @@ from pathlib import Path
 from storylens.analysis.run_info import ModelInfo, StoriesInfo
 from storylens.analysis.truth import Truth
 from storylens.core.plain import Plain
+from storylens.core.schema import versioned
 from storylens.data.leakage import LeakageStats
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import Check
@@ -160,7 +161,7 @@ class ReportSummary(Plain):
         for key in ("beyond", "faithfulness"):
             if d[key] is None:
                 del d[key]
-        return d
+        return versioned(d)
 
     def to_json(self) -> str:
         """``summary.json``'s text."""

@@ -1,0 +1,65 @@
+"""Versioned outputs: every JSON file a run writes (heads.json, examples.json, summary.json) carries
+``schema_version``, and the package holds a JSON Schema for each (``storylens/schemas``).
+
+A reader checks the version first (:func:`check_version`): a file without one (written before
+versions) or with another gets one line saying so, not a KeyError further down. The version goes up
+when a key is renamed, removed or changes meaning; a new head-table column does not change it (the
+heads schema takes any column, and :func:`heads_schema` names the columns a run must have).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from importlib.resources import files
+
+from storylens.core.errors import StorylensError
+
+SCHEMA_KEY = "schema_version"
+SCHEMA_VERSION = 1
+SCHEMAS = ("heads", "examples", "summary-score", "summary-report")
+
+
+def versioned(doc: dict) -> dict:
+    """``doc`` with ``schema_version`` as its first key."""
+    return {SCHEMA_KEY: SCHEMA_VERSION, **doc}
+
+
+def check_version(doc: object, where: str) -> None:
+    """One StorylensError line unless ``doc`` (a parsed JSON file, ``where`` naming it) is a JSON
+    object of this storylens's schema version."""
+    if not isinstance(doc, dict):
+        raise StorylensError(f"{where}: not a storylens output (a JSON {type(doc).__name__}, not an object)")
+    if SCHEMA_KEY not in doc:
+        raise StorylensError(
+            f"{where}: written by an older storylens (no {SCHEMA_KEY}; this one reads version "
+            f"{SCHEMA_VERSION}): run it again with this storylens"
+        )
+    if doc[SCHEMA_KEY] != SCHEMA_VERSION:
+        raise StorylensError(
+            f"{where}: {SCHEMA_KEY} {doc[SCHEMA_KEY]!r}, but this storylens reads version {SCHEMA_VERSION}: "
+            "read it with the storylens that wrote it, or run it again with this one"
+        )
+
+
+def schema(name: str) -> dict:
+    """The JSON Schema ``name`` (one of :data:`SCHEMAS`) from the package."""
+    if name not in SCHEMAS:
+        raise KeyError(f"{name!r}: no such schema ({', '.join(SCHEMAS)})")
+    return json.loads(files("storylens.schemas").joinpath(f"{name}.schema.json").read_text(encoding="utf-8"))
+
+
+def heads_schema(columns: Sequence[str]) -> dict:
+    """The heads.json schema with every row holding ``columns`` (a run's score columns, e.g. the
+    names of :func:`storylens.analysis.detectors.table_columns` less the flag) as numbers or null, and
+    the column list naming exactly those plus the flag."""
+    doc = schema("heads")
+    row = doc["$defs"]["row"]
+    row["required"] = [*row["required"], *columns]
+    row["properties"] = {**row["properties"], **{c: {"type": ["number", "null"]} for c in columns}}
+    names = [*columns, "dormant"]
+    doc["properties"]["columns"]["prefixItems"] = [
+        {"type": "object", "properties": {"name": {"const": c}}} for c in names
+    ]
+    doc["properties"]["columns"]["minItems"] = doc["properties"]["columns"]["maxItems"] = len(names)
+    return doc

@@ -1,0 +1,121 @@
+"""Versioned outputs: heads.json, examples.json and summary.json of real runs (storylens score and
+report on the shipped model, a few stories) carry schema_version and validate against the package's
+JSON Schemas, the heads schema naming every column table_columns declares; load_heads reads a run
+back as typed results or frames; an older run's files are one line, not a KeyError."""
+
+import json
+import shutil
+from dataclasses import fields
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from storylens import load_heads  # noqa: E402
+from storylens.analysis.detectors import BUILTIN_DETECTORS, FLAG, table_columns  # noqa: E402
+from storylens.analysis.scores import HeadScores  # noqa: E402
+from storylens.cli import main  # noqa: E402
+from storylens.core.errors import StorylensError  # noqa: E402
+from storylens.core.schema import SCHEMA_VERSION, SCHEMAS, heads_schema, schema  # noqa: E402
+from storylens.corpus.summary import ScoreSummary  # noqa: E402
+from storylens.data.stories import EOT  # noqa: E402
+from storylens.lesson.summary import ReportSummary  # noqa: E402
+
+N = 6
+
+
+@pytest.fixture(scope="module")
+def score_run(corpus_split, tmp_path_factory):
+    d = tmp_path_factory.mktemp("score")
+    (d / "s.txt").write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:N]))
+    argv = ["score", "--stories", str(d / "s.txt"), "--out", str(d / "run"), "--no-progress", "--examples", "2"]
+    assert main(argv) == 0
+    return d / "run"
+
+
+def validate(doc, sch):
+    jsonschema.validators.validator_for(sch)(sch, format_checker=None).validate(doc)
+
+
+def builtin_columns():
+    return [c.name for c in table_columns(BUILTIN_DETECTORS) if c != FLAG]
+
+
+def test_schemas_are_valid_draft_2020_12():
+    for name in SCHEMAS:
+        jsonschema.Draft202012Validator.check_schema(schema(name))
+    jsonschema.Draft202012Validator.check_schema(heads_schema(builtin_columns()))
+
+
+def test_a_score_run_validates(score_run):
+    heads = json.loads((score_run / "heads.json").read_text())
+    assert heads["schema_version"] == SCHEMA_VERSION == 1
+    validate(heads, heads_schema(builtin_columns()))  # every declared column, in the table's order
+    validate(json.loads((score_run / "examples.json").read_text()), schema("examples"))
+    summary = json.loads((score_run / "summary.json").read_text())
+    validate(summary, schema("summary-score"))
+    assert schema("summary-score")["required"] == ["schema_version", *(f.name for f in fields(ScoreSummary))]
+
+
+def test_the_heads_schema_follows_the_declared_columns(score_run):
+    heads = json.loads((score_run / "heads.json").read_text())
+    sch = heads_schema([*builtin_columns(), "new_column"])  # a column declared later is required by name
+    with pytest.raises(jsonschema.ValidationError, match="new_column"):
+        validate(heads, sch)
+    heads["heads"][0]["name_mass"] = "high"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(heads, schema("heads"))
+
+
+@pytest.mark.slow  # the whole report on the shipped model (its figures, checks and faithfulness pass)
+def test_a_report_validates(tmp_path):
+    out = tmp_path / "report"
+    assert main(["report", "--out", str(out), "--no-progress", "--truth-stories", "0"]) == 0
+    validate(json.loads((out / "heads.json").read_text()), heads_schema(builtin_columns()))
+    summary = json.loads((out / "summary.json").read_text())
+    validate(summary, schema("summary-report"))
+    assert set(schema("summary-report")["properties"]) == {"schema_version", *(f.name for f in fields(ReportSummary))}
+    run = load_heads(out)
+    assert isinstance(run.summary, ReportSummary) and run.summary.to_dict() == summary
+
+
+def test_load_heads_reads_a_run_back(score_run):
+    run = load_heads(score_run)
+    assert isinstance(run.heads, HeadScores) and isinstance(run.summary, ScoreSummary)
+    assert run.heads.to_rows() == HeadScores.from_json(score_run / "heads.json").to_rows()
+    assert run.summary.to_dict() == json.loads((score_run / "summary.json").read_text())
+    assert run.examples == json.loads((score_run / "examples.json").read_text())
+
+
+def test_load_heads_as_pandas(score_run):
+    pd = pytest.importorskip("pandas")
+    run = load_heads(score_run, as_pandas=True)
+    pd.testing.assert_frame_equal(run.heads, pd.read_csv(score_run / "heads.csv"), check_exact=True)
+    doc = json.loads((score_run / "examples.json").read_text())
+    n = sum(len(kept) for h in doc["heads"] for kept in h["examples"].values())
+    assert len(run.examples) == n > 0
+    assert run.examples.iloc[0]["tokens"] == doc["heads"][0]["examples"][doc["detectors"][0]][0]["tokens"]
+
+
+@pytest.mark.parametrize("file", ["heads.json", "examples.json", "summary.json"])
+def test_an_older_or_other_run_is_one_line(score_run, tmp_path, file):
+    for change, said in [
+        (lambda d: d.pop("schema_version"), "written by an older storylens (no schema_version"),
+        (lambda d: d.update(schema_version=2), "schema_version 2, but this storylens reads version 1"),
+        (lambda d: d.pop("heads" if "heads" in d else "model"), f"{file}: not a "),
+    ]:
+        old = tmp_path / "old"
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.copytree(score_run, old)
+        doc = json.loads((old / file).read_text())
+        change(doc)
+        (old / file).write_text(json.dumps(doc))
+        for as_pandas in (False, True):
+            with pytest.raises(StorylensError) as e:
+                load_heads(old, as_pandas=as_pandas)
+            assert said in str(e.value) and str(e.value).startswith(str(old / file)) and "\n" not in str(e.value)
+
+
+def test_not_a_run_is_one_line(tmp_path):
+    with pytest.raises(StorylensError, match="no heads.json"):
+        load_heads(tmp_path)
