@@ -67,7 +67,8 @@ class Readout:
 def readout(lm: AttentionLM) -> Readout | None:
     """The final norm and unembedding of ``lm`` (None where they cannot be told apart: DLA left empty)."""
     module = lm.module
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    getter = getattr(module, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
     base = getattr(module, "base_model", None) or getattr(module, "transformer", None) or module
     norm = None
     for name in ("ln_f", "norm", "final_layer_norm", "norm_f"):
