@@ -376,6 +376,7 @@ def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
         t = torch.arange(T, device=ids.device)
         predicted = t[None, :] < batch.lengths.to(ids.device)[:, None] - 1  # [B, T]
         nexts = torch.where(predicted, ids.roll(-1, 1), torch.zeros_like(ids))  # [B, T]
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # the loss in float32 at least
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), nexts.flatten(), reduction="none")
         layers = list(range(lm.n_layer))
         if sorted(deltas) != layers:

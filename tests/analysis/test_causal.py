@@ -147,6 +147,12 @@ def _reference(lm, text: str, mu: torch.Tensor | None):
     return stack(zero), stack(mean), torch.stack(dla), T - 1
 
 
+def _rtol(lm) -> float:
+    """Float32 inside float64 models: GPT-Neo's own attention casts queries and keys to float32, Llama's
+    RMSNorm computes in float32; batched and single-story runs round there differently (2^-24 relative)."""
+    return 1e-6 if getattr(lm.module.config, "model_type", "") in ("gpt_neo", "llama") else 1e-9
+
+
 def _pooled(cs: list[torch.Tensor], ns: list[int]):
     c, n = torch.stack(cs), torch.tensor(ns, dtype=torch.float64)
     R = c.sum(0) / n.sum()
@@ -163,9 +169,7 @@ def measured(lm, stories):
 
 def test_atp_and_dla_equal_the_first_order_terms_from_autograd(lm, stories, measured):
     mu = measured["z_means"]
-    # GPT-Neo's own attention casts queries and keys to float32 (transformers' GPTNeoSelfAttention._attn)
-    # while the fused pass keeps float64: the two differ by float32 rounding (2^-24 relative)
-    rtol = 1e-6 if getattr(lm.module.config, "model_type", "") == "gpt_neo" else 1e-9
+    rtol = _rtol(lm)
     refs = [_reference(lm, s, mu) for s in stories]
     ns = [r[3] for r in refs]
     for i, key in ((0, "atp_zero"), (1, "atp_mean"), (2, "dla")):
@@ -192,7 +196,7 @@ def test_mu_is_the_mean_head_output_after_the_opening_token(lm, stories, measure
     L = lm.n_layer
     for layer in range(L):
         rows = torch.cat(zs[layer::L])  # [positions, H * d]
-        assert torch.allclose(measured["z_means"][layer].flatten(), rows.mean(0), rtol=0, atol=1e-12)
+        assert torch.allclose(measured["z_means"][layer].flatten(), rows.mean(0), rtol=_rtol(lm), atol=_rtol(lm) / 10)
 
 
 def test_plan_says_gradients_and_skips_the_recording_forward(lm):
@@ -203,7 +207,7 @@ def test_plan_says_gradients_and_skips_the_recording_forward(lm):
 def test_merged_and_resumed_equal_one_process(lm, stories):
     def run(part):
         acc = CausalAccumulator(lm.n_layer, lm.n_head)
-        record(lm, part, [acc], batch_size=2, progress=False)
+        record(lm, part, [acc], batch_size=1, progress=False)  # the same batches whole or split
         return acc
 
     whole = run(stories).columns()
