@@ -626,6 +626,7 @@ def add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="run the whole lesson and write report.html, heads.csv/json and figures")
     _add_model(r)
     _add_examples(r)
+    _add_causal(r)
     r.add_argument(
         "--truth-stories",
         type=int,
@@ -699,6 +700,7 @@ def _cmd_report(args) -> int:
         progress=not args.no_progress,
         detectors=tuple(load_detector(f) for f in args.detector),
         examples=args.examples,
+        causal=args.causal,
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
     )
@@ -822,9 +824,19 @@ def add_score_parser(sub) -> None:
     s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     _add_examples(s)
+    _add_causal(s)
     s.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     _add_model(s)
     s.set_defaults(func=cmd_score)
+
+
+def _add_causal(s) -> None:
+    s.add_argument(
+        "--causal",
+        action="store_true",
+        help="also every head's effect on the loss: attribution patching (atp_mean, atp_zero) and direct logit "
+        "attribution (dla), with standard errors; one backward pass per batch more (see docs/causal.md)",
+    )
 
 
 def _add_examples(s) -> None:
@@ -854,6 +866,7 @@ def cmd_score(args) -> int:
         detectors=BUILTIN_DETECTORS + tuple(load_detector(f) for f in args.detector),
         progress=not args.no_progress,
         examples=args.examples,
+        causal=args.causal,
     )
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus

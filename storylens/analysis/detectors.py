@@ -645,6 +645,29 @@ ACTIVE_RATE = Column(
     f"the share of stories in which the head's context share, about the story's own mean, exceeds {ACTIVE_SHARE}",
     frozenset((SINKS,)),
 )
+# what each head does to the loss (storylens.analysis.causal, `--causal`): None where not computed
+ATP_MEAN = Column(
+    "atp_mean",
+    "AtP, mean ablation: the change in mean next-token loss, in nats",
+    "attribution patching: the first-order change in the corpus's mean next-token loss (nats, pooled over "
+    "predicted tokens) when the head's output is replaced by its corpus mean at every position after the opening token",
+)
+ATP_MEAN_SE = Column("atp_mean_se", "AtP, mean ablation: standard error", "atp_mean's standard error over stories")
+ATP_ZERO = Column(
+    "atp_zero",
+    "AtP, zero ablation: the change in mean next-token loss, in nats",
+    "attribution patching: as atp_mean, the head's output replaced by zero",
+)
+ATP_ZERO_SE = Column("atp_zero_se", "AtP, zero ablation: standard error", "atp_zero's standard error over stories")
+DLA = Column(
+    "dla",
+    "Direct logit attribution: the head's direct push on the next token's logit",
+    "the head's output through the final norm (scale frozen) on the next token's unembedding minus the "
+    "vocabulary's mean, mean over predicted tokens (TransformerLens's logit_attrs); negative: it pushes the "
+    "right token down",
+)
+DLA_SE = Column("dla_se", "Direct logit attribution: standard error", "dla's standard error over stories")
+CAUSAL_COLUMNS = (ATP_MEAN, ATP_MEAN_SE, ATP_ZERO, ATP_ZERO_SE, DLA, DLA_SE)
 OLD_FLAG = "looks_without_moving"  # the flag before dormant (storylens 0.x runs): refused when read back
 SINK_COLUMNS = (SINK_RATE, FIRST_VALUE_RATIO, CONTEXT_SHARE, CONTEXT_NORM, ACTIVE_RATE)
 FLAG = Column(
@@ -670,9 +693,10 @@ def score_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
 def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     """Every column of the head table for ``detectors`` (after label, block, head), in order: the raw
     scores (:func:`score_columns`), their norm-weighted twins, what each head writes, the sink and
-    context columns (:mod:`storylens.analysis.sinks`), the flag."""
+    context columns (:mod:`storylens.analysis.sinks`), the causal columns (:mod:`storylens.analysis.causal`),
+    the flag."""
     raw = score_columns(detectors)
-    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, FLAG)
+    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, FLAG)
 
 
 BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)

@@ -36,18 +36,27 @@ themselves in an orthonormal frame of each head's output space (``k <= head size
 ``d_model``; lengths, distances and means are the residual stream's). Where the model's value
 vectors or output weights cannot be read, they stay None (the plan says why).
 
+**Gradients.** A measure whose ``needs.gradients`` is set (:class:`GradientMeasure`, e.g.
+:class:`storylens.analysis.causal.CausalAccumulator`) gets, per batch, ``gradients(grads)``: one
+forward with the model's fused attention (no map formed) and one backward of the batch's summed
+next-token loss, no weight gradients, handing every block's head outputs ``z`` and ``dL/dz``, the
+final norm's scale, the next tokens and the masks (:class:`storylens.analysis.causal.Gradients`).
+``plan().gradients`` says so; where no measure reads attention (``Needs(attention=False)``) the
+recording forward is skipped.
+
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns (the latter two take whole maps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -89,7 +98,9 @@ class Needs:
         False  # what each head writes at each query: its size and its vector (chunk.outputs, .output_vectors)
     )
     streams: bool = True  # it can take a block's map a chunk of query rows at a time (else: whole maps)
-    # gradients: causal scores (the next issue) will ask here for the gradient at each head's output
+    # the gradient pass's Gradients per batch (storylens.analysis.causal), handed to gradients(grads)
+    gradients: bool = False
+    attention: bool = True  # it reads attention (False: no recording forward is run for it)
 
 
 @dataclass(frozen=True)
@@ -126,11 +137,19 @@ class Measure(Protocol):
     def end(self) -> object: ...  # what it returns is not read
 
 
+class GradientMeasure(Measure, Protocol):
+    """A measure whose ``needs.gradients`` is set: after the batch's recording forward (if any
+    measure reads attention) it gets ``gradients(grads)`` with the batch's
+    :class:`storylens.analysis.causal.Gradients` from one fused forward and one backward."""
+
+    def gradients(self, grads: Any) -> None: ...
+
+
 class Counter:
     """A measure that reads no attention: ``update(stories)`` after every batch (how a progress
     line, :class:`~storylens.core.progress.ProgressLines`, counts a recording)."""
 
-    needs = Needs()
+    needs = Needs(attention=False)
 
     def __init__(self, update: Callable[[int], None]):
         self.update, self._stories = update, 0
@@ -155,6 +174,8 @@ class Plan:
     key_norms: bool  # |f_j| handed over
     outputs: bool  # head output sizes handed over
     no_norms: str | None = None  # why key norms and outputs were asked for but cannot be read
+    gradients: bool = False  # one fused forward+backward per batch too (storylens.analysis.causal.gradients)
+    attention: bool = True  # the recording forward runs (some measure reads attention)
 
 
 def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
@@ -175,7 +196,8 @@ def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
         streamed, why = True, "chunks of rows: every measure streams and the model's attention can"
     readable = no_norms is None
     key, out = any(n.key_norms for n in needs) and readable, any(n.outputs for n in needs) and readable
-    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms)
+    grads, attention = any(n.gradients for n in needs), any(n.attention for n in needs)
+    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms, grads, attention)
 
 
 @dataclass(frozen=True)
@@ -225,7 +247,16 @@ class _Pass:
         self.masks, self.norms, self.waiting = Masks(batch, self.lm.dtype), {}, {}
         for m in self.measures:
             m.begin(batch)
-        self.lm.forward(batch.ids, record_attention=True, logits=False)
+        if self.plan.attention or not self.plan.gradients:
+            # with a gradient pass, the hooks and streaming live for this forward only: the gradient
+            # pass must run the fused attention, handing no rows to any measure
+            with self.context() if self.plan.gradients else contextlib.nullcontext():
+                self.lm.forward(batch.ids, record_attention=True, logits=False)
+        if self.plan.gradients:
+            grads = gradient_pass(self.lm, batch)
+            for m in self.measures:
+                if m.needs.gradients:
+                    cast(GradientMeasure, m).gradients(grads)
         for m in self.measures:
             m.end()
         self.masks = None
@@ -294,6 +325,73 @@ class _Pass:
         self._feed(Chunk(layer, start, probs, masks, columns, key, outputs, vectors))
 
 
+def _unless(per_batch: bool, context: Callable[[], ExitStack]) -> AbstractContextManager:
+    """The wiring's context around the whole run, unless it is entered per batch (a gradient pass)."""
+    return contextlib.nullcontext() if per_batch else context()
+
+
+@contextlib.contextmanager
+def _frozen(module: torch.nn.Module) -> Iterator[None]:
+    """Every parameter's ``requires_grad`` off for the block (no weight gradients), then back."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
+    """One forward with the model's fused attention and one backward of the batch's summed
+    next-token loss (every predicted token, the opening token's prediction included): a zero tensor
+    added at every ``hook_z`` is the only leaf, so one ``torch.autograd.grad`` gives ``dL/dz`` for
+    every block with no weight gradient; the final norm's input is kept for its frozen scale.
+    Returns :class:`storylens.analysis.causal.Gradients`."""
+    from storylens.analysis.causal import Gradients, readout
+
+    read = readout(lm)
+    deltas: dict[int, torch.Tensor] = {}
+    zs: dict[int, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+
+    def tap(z: torch.Tensor, hook: Hook) -> torch.Tensor:  # z [B, T, H, d]
+        delta = torch.zeros_like(z, requires_grad=True)
+        zs[hook.layer], deltas[hook.layer] = z.detach(), delta
+        return z + delta
+
+    with ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(_frozen(lm.module))
+        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", tap) for i in range(lm.n_layer)]))
+        if read is not None:
+            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
+            stack.callback(handle.remove)
+        ids = batch.ids.clone()  # [B, T]: a normal tensor (the batch is made in inference mode)
+        B, T = ids.shape
+        logits = lm.forward(ids, record_attention=False, logits=True)  # [B, T, V]
+        assert logits is not None
+        t = torch.arange(T, device=ids.device)
+        predicted = t[None, :] < batch.lengths.to(ids.device)[:, None] - 1  # [B, T]
+        nexts = torch.where(predicted, ids.roll(-1, 1), torch.zeros_like(ids))  # [B, T]
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # the loss in float32 at least
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), nexts.flatten(), reduction="none")
+        layers = list(range(lm.n_layer))
+        if sorted(deltas) != layers:
+            raise StorylensError(f"{lm.name}: hook_z did not fire in every block (its heads cannot be reached)")
+        found = torch.autograd.grad((nll.view(B, T) * predicted).sum(), [deltas[i] for i in layers], allow_unused=True)
+    grad = [torch.zeros_like(zs[i]) if g is None else g.detach() for i, g in zip(layers, found)]
+    scale = None
+    if read is not None and "x" in held:  # the final norm's divisor [B, T], frozen at the run's value
+        x = held["x"].to(torch.float64)
+        spread = x.var(-1, unbiased=False) if read.kind == "layer" else x.pow(2).mean(-1)
+        scale = (spread + read.eps).sqrt()
+    weights = None if read is None else [lm.head_output_weights(i).detach() for i in layers]
+    return Gradients(batch, [zs[i] for i in layers], grad, scale, read, weights)
+
+
 def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] | None) -> frozenset[str] | None:
     """Refuse what cannot be recorded; the name vocabulary (a first pass over the texts, if needed)."""
     if isinstance(stories, str):
@@ -349,7 +447,12 @@ def record(
     if total is None and isinstance(stories, Sequence):
         total = start + len(stories)
     bar = tqdm(total=total, initial=start, unit="story", desc="recording attention", disable=None if progress else True)
-    with eval_mode(lm.module), torch.inference_mode(), wiring.context(), bar:  # disable None: terminals only
+    with (
+        eval_mode(lm.module),
+        torch.inference_mode(),
+        _unless(chosen.gradients, wiring.context),
+        bar,
+    ):  # disable None: terminals only
         for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
             n += len(chunk)
             n_cut += sum(s.cut for s in chunk)

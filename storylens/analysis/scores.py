@@ -48,6 +48,7 @@ Scores, per head (the definitions the lesson leaves open are fixed here):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -58,6 +59,7 @@ from pathlib import Path
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
+from storylens.analysis.causal import CausalAccumulator, Gradients
 from storylens.analysis.detectors import (
     BUILTIN_DETECTORS,
     CONTEXT_NORM,
@@ -192,7 +194,11 @@ class HeadScoreAccumulator:
 
     ``faithful`` (default): also every detector on the norm-weighted map and each head's output
     norm (:mod:`storylens.analysis.faithful`), from the key norms and head outputs the chunks
-    carry (:attr:`needs`); a batch recorded without them adds to the raw columns only."""
+    carry (:attr:`needs`); a batch recorded without them adds to the raw columns only.
+
+    ``causal``: also every head's AtP and DLA (:class:`~storylens.analysis.causal.CausalAccumulator`,
+    the ``atp_*`` and ``dla*`` columns, None without it), from one fused forward and backward per batch
+    that :func:`~storylens.analysis.record.record` runs beside the recording (``needs.gradients``)."""
 
     def __init__(
         self,
@@ -202,6 +208,7 @@ class HeadScoreAccumulator:
         *,
         faithful: bool = True,
         examples: int = 0,
+        causal: bool = False,
     ):
         names = [d.name for d in detectors]
         if len(set(names)) != len(names):
@@ -227,6 +234,9 @@ class HeadScoreAccumulator:
             if faithful
             else Needs(MASS_COLUMNS, streams=streams)
         )
+        self.causal = CausalAccumulator(n_layer, n_head) if causal else None  # AtP and DLA (--causal)
+        if causal:
+            self.needs = dataclasses.replace(self.needs, gradients=True)
         self._batch: StoryBatch | None = None
         self._masks: Masks | None = None  # the batch's, from its first chunk
         self._sums: list[dict[str, torch.Tensor]] = []
@@ -345,6 +355,11 @@ class HeadScoreAccumulator:
             self.name_baseline.add(name_baseline(batch, masks.name_queries), masks.name_queries.any(-1))
         return out
 
+    def gradients(self, grads: Gradients) -> None:
+        """The batch's gradient pass (asked for only with ``causal``): to the causal sums."""
+        if self.causal is not None:
+            self.causal.gradients(grads)
+
     def update(self, patterns: Sequence[torch.Tensor], batch: StoryBatch) -> dict[str, torch.Tensor]:
         """One batch of whole maps ``[batch, head, query, key]``, one per block (raw scores only)."""
         self.begin(batch)
@@ -360,6 +375,10 @@ class HeadScoreAccumulator:
             raise ValueError("merge: the accumulators score different heads or detectors")
         if other.faithful != self.faithful or (other.examples is None) != (self.examples is None):
             raise ValueError("merge: one accumulator has the norm-weighted scores or the examples and the other not")
+        if (other.causal is None) != (self.causal is None):
+            raise ValueError("merge: one accumulator has the causal columns and the other not")
+        if self.causal is not None and other.causal is not None:
+            self.causal.merge(other.causal)
         for k, acc in [*self.means.items(), *(("first/" + k, v) for k, v in self.first.items())]:
             theirs = other.means[k] if not k.startswith("first/") else other.first[k[6:]]
             acc.merge(theirs)
@@ -385,12 +404,15 @@ class HeadScoreAccumulator:
             "sinks": None if self.sinks is None else self.sinks.state(),
             "examples": None if self.examples is None else self.examples.state(),
             "name_baseline": self.name_baseline.state(),
+            "causal": None if self.causal is None else self.causal.state(),
         }
 
     def load_state(self, state: dict, max_stories: int | None = None) -> HeadScoreAccumulator:
         """Take the sums and counts of :meth:`state` (the same heads and detectors), every number
         checked (:meth:`MeanAccumulator.from_state`; counts at most ``max_stories``). A state
         that is not what :meth:`state` writes raises ValueError saying which part is wrong."""
+        if isinstance(state, dict):  # a state written before the causal columns has no "causal" part
+            state = {"causal": None, **state}
         if not isinstance(state, dict) or set(state) != {
             "shape",
             "detectors",
@@ -401,6 +423,7 @@ class HeadScoreAccumulator:
             "sinks",
             "examples",
             "name_baseline",
+            "causal",
         }:
             raise ValueError("state: not an accumulator's state")
         if state["shape"] != [self.n_layer, self.n_head] or state["detectors"] != [d.name for d in self.detectors]:
@@ -447,6 +470,13 @@ class HeadScoreAccumulator:
                 self.sinks = SinkAccumulator(self.n_layer, self.n_head).load_state(state["sinks"], max_stories)
             except ValueError as e:
                 raise ValueError(f"state: sinks: {e}") from None
+        if (self.causal is None) != (state["causal"] is None):
+            raise ValueError("state: the causal columns kept in one of the state and this accumulator only")
+        if self.causal is not None:
+            try:
+                self.causal = CausalAccumulator(self.n_layer, self.n_head).load_state(state["causal"])
+            except ValueError as e:
+                raise ValueError(f"state: causal: {e}") from None
         self.examples = examples
         self.means, self.first, self.norm = loaded["means"], loaded["first"], loaded["norm"]
         self.name_baseline, self.output = baseline, output
@@ -473,6 +503,8 @@ class HeadScoreAccumulator:
         cols[OUTPUT_NORM.name], cols[OUTPUT_SHARE.name] = output, shares(output)
         if self.sinks is not None:
             cols.update(self.sinks.columns())
+        if self.causal is not None:
+            cols.update(self.causal.columns())
         return cols
 
 
@@ -773,6 +805,7 @@ def score_heads(
     tokenizer=None,
     examples: int = 0,
     faithful: bool = True,
+    causal: bool = False,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories) with every detector.
 
@@ -784,7 +817,8 @@ def score_heads(
     queries where it fires most (:class:`~storylens.analysis.examples.TopExamples`, in
     :attr:`HeadScores.examples`). ``measures``: more accumulators fed by the same recording
     (see :mod:`storylens.analysis.record`); ``faithful=False`` leaves out the norm-weighted columns and
-    output norms (:mod:`storylens.analysis.faithful`). Stories are encoded ``chunk_stories`` at a time, each
+    output norms (:mod:`storylens.analysis.faithful`); ``causal=True`` adds every head's AtP and DLA
+    (:mod:`storylens.analysis.causal`: one fused forward and backward per batch more). Stories are encoded ``chunk_stories`` at a time, each
     chunk's stories go through the model longest first, ``batch_size`` at a time, padded at the
     end (causal attention: padding never changes an earlier position), and each block's map is
     scored as soon as it exists: memory does not grow with the number of stories.
@@ -793,7 +827,7 @@ def score_heads(
     if max_stories_prev is not None and max_stories_prev < 1:
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful)
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful, causal=causal)
     stats = record(
         lm,
         stories,

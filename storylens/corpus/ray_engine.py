@@ -59,7 +59,7 @@ GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second a
 class ChunkScorer:
     """A Ray Data actor: the model, loaded once; each call scores one chunk of stories."""
 
-    def __init__(self, model_source, names, batch_size: int, detectors=None, examples: int = 0):
+    def __init__(self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False):
         import torch
 
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
@@ -68,6 +68,7 @@ class ChunkScorer:
         self.batch_size = batch_size
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
         self.examples = examples
+        self.causal = causal  # AtP and DLA too (storylens.analysis.causal)
 
     def __call__(self, batch: dict) -> dict:
         try:
@@ -80,7 +81,9 @@ class ChunkScorer:
         out: dict[str, list] = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
-            acc = HeadScoreAccumulator(self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples)
+            acc = HeadScoreAccumulator(
+                self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, causal=self.causal
+            )
             stats = record(
                 self.lm,
                 texts,
@@ -328,7 +331,8 @@ class _InOrder:
         while self.next in self.waiting:
             row = self.waiting.pop(self.next)
             acc = self.acc
-            part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=self.examples)
+            causal = acc.causal is not None
+            part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=self.examples, causal=causal)
             acc.merge(part.load_state(json.loads(row["state"])))
             self.stats = self.stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
             self.next += int(row["n"])
@@ -350,6 +354,7 @@ def score_with_ray(
     progress: bool = True,
     detectors=None,
     examples: int = 0,
+    causal: bool = False,
     details: dict | None = None,
     start: int = 0,
     on_progress=None,
@@ -384,6 +389,7 @@ def score_with_ray(
             batch_size=batch_size,
             detectors=detectors,
             examples=examples,
+            causal=causal,
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)

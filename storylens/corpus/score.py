@@ -115,7 +115,8 @@ class ScoreOptions:
     task); a checkpoint every ``checkpoint_every`` batches, gone on from with ``resume``; ``engine``
     "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
     a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
-    ``examples``: the queries kept per head and detector where it fires most (0: none)."""
+    ``examples``: the queries kept per head and detector where it fires most (0: none); ``causal``:
+    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``)."""
 
     batch_size: int = BATCH_STORIES
     chunk_stories: int = CHUNK_STORIES
@@ -128,6 +129,7 @@ class ScoreOptions:
     detectors: tuple[Detector, ...] = BUILTIN_DETECTORS
     progress: bool = True
     examples: int = EXAMPLES
+    causal: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
@@ -209,9 +211,10 @@ def _score_into(
         "chunk_stories": opts.chunk_stories,
         "detectors": [d.name for d in opts.detectors],
         "examples": opts.examples,
+        **({"causal": True} if opts.causal else {}),  # a run without it keeps its fingerprint
     }
     fingerprint = _fingerprint(lm, source, names, settings)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples)
+    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal)
     done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
     t1 = time.perf_counter()
     used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
@@ -295,6 +298,7 @@ def _second_pass(
             progress=opts.progress,
             detectors=opts.detectors,
             examples=opts.examples,
+            causal=opts.causal,
             start=done.n_stories,
             on_progress=on_chunk,
         )

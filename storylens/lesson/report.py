@@ -83,7 +83,8 @@ class ReportOptions:
     count; ``beyond``: section 8's experiments; ``detectors``: the user's, beside the built-in ones;
     ``check_stories``/``check_tokens``: the numerical checks' stories and generated tokens;
     ``examples``: queries kept per head and detector; ``truth_stories``: the ablations' stories
-    (None: as many as their budget allows), refused past the budget unless ``over_budget``."""
+    (None: as many as their budget allows), refused past the budget unless ``over_budget``;
+    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`)."""
 
     model_source: str | None = None
     stories: str | None = None
@@ -100,6 +101,7 @@ class ReportOptions:
     examples: int = EXAMPLES
     truth_stories: int | None = None
     over_budget: bool = False
+    causal: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
@@ -223,6 +225,7 @@ def _score(
         max_stories_prev=min(opts.prev_limit, len(quiz)),
         progress=opts.progress,
         examples=opts.examples,
+        causal=opts.causal,
     )
     if scores.n_name_scored == 0:
         raise StorylensError(

@@ -1,0 +1,295 @@
+"""What each head does to the loss: attribution patching (AtP) and direct logit attribution (DLA),
+for every head at once, streamed over a corpus with a standard error.
+
+**AtP** (Nanda 2023; Syed et al. 2023; Kramar et al. 2024, "AtP*"). Head ``h`` of block ``l``
+writes ``z_t [d_head]`` at position ``t`` (``blocks.{l}.attn.hook_z``, the input of the output
+projection). Replacing it by ``z'_t`` changes a story's summed next-token loss ``L_s`` by, to
+first order, ``sum_t (z'_t - z_t) . g_t`` with ``g_t = dL_s/dz_t``: one forward and one backward
+pass give it for every head. Over the positions after the opening token (``1 <= t < len``):
+
+    zero ablation  (z' = 0):   c_s = -A_s                  A_s = sum_t z_t . g_t
+    mean ablation  (z' = mu):  c_s = mu . G_s - A_s        G_s = sum_t g_t   [d_head]
+
+and the column is ``sum_s c_s / sum_s n_s`` (``n_s = len - 1`` predicted tokens: the change in the
+corpus's mean next-token loss, pooled as perplexity is), with the ratio estimator's standard error
+(:func:`storylens.analysis.accumulate.pooled_ratio`). ``mu`` is the corpus mean of ``z`` over the
+same positions, unknown until the last story: AtP is linear in it, so the pass keeps sums and
+evaluates at the end. Per head: ``sum G``, ``sum z`` and the position count (for ``mu``); for the
+error ``sum G G^T [d, d]``, ``sum A G``, ``sum n G`` beside ``sum A``, ``sum A^2``, ``sum n A`` (the
+zero-ablation sums), so that
+
+    sum c   = mu . sum G - sum A
+    sum c^2 = mu^T (sum G G^T) mu - 2 mu . sum A G + sum A^2
+    sum c n = mu . sum n G - sum n A.
+
+Every sum is float64 and a plain sum over stories: streamed, resumable and mergeable in any order.
+The error treats ``mu`` as fixed (its own sampling error is second order over a corpus).
+
+**DLA** (TransformerLens's ``logit_attrs``): the head's output through its slice of the output
+projection, ``z_t W_O^h``, through the final norm with its scale frozen at the run's value (centred
+first for a LayerNorm, as the norm centres), on ``W_U[next] - mean_v W_U[v]``; mean over predicted
+tokens (the opening token's prediction included), sign-aware, with the same pooled error.
+
+The gradients come from :func:`storylens.analysis.record.record`: a measure whose
+:class:`~storylens.analysis.record.Needs` says ``gradients=True`` is handed one :class:`Gradients`
+per batch from a forward pass with the model's fused attention and one backward pass (no weight
+gradients, no attention maps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from storylens.analysis.accumulate import RatioAccumulator, pooled_ratio
+from storylens.analysis.encode import EncodedStory, StoryBatch
+from storylens.core.errors import StorylensError
+from storylens.lm import AttentionLM
+
+CAUSAL_COLUMNS = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "dla", "dla_se")
+
+
+@dataclass(frozen=True)
+class Readout:
+    """What DLA reads of the model's output: the final norm (``kind`` ``"layer"`` centres, ``"rms"``
+    does not), its gain ``[d_model]`` and ``eps``, and the unembedding ``W_U [vocab, d_model]``."""
+
+    norm: nn.Module
+    kind: str
+    gain: torch.Tensor
+    eps: float
+    unembed: torch.Tensor
+
+
+def readout(lm: AttentionLM) -> Readout | None:
+    """The final norm and unembedding of ``lm`` (None where they cannot be told apart: DLA left empty)."""
+    module = lm.module
+    getter = getattr(module, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    base = getattr(module, "base_model", None) or getattr(module, "transformer", None) or module
+    norm = None
+    for name in ("ln_f", "norm", "final_layer_norm", "norm_f"):
+        norm = norm or getattr(base, name, None)
+    if head is None:
+        head = getattr(module, "lm_head", None)
+    if not isinstance(norm, nn.Module) or head is None or getattr(head, "bias", None) is not None:
+        return None
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    name = type(norm).__name__
+    if isinstance(norm, nn.LayerNorm):
+        kind, eps = "layer", norm.eps
+    elif "RMSNorm" in name and not name.startswith("Gemma"):  # Gemma's gain is 1 + weight: left out
+        kind, eps = "rms", float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    else:
+        return None
+    return Readout(norm, kind, w.detach(), float(eps), head.weight.detach())
+
+
+@dataclass
+class Gradients:
+    """One batch's forward and backward pass (:func:`storylens.analysis.record.record`): per block
+    ``z [batch, pos, head, d_head]`` and ``grad = dL/dz`` (``L`` the batch's summed next-token loss,
+    so each story's rows are its own loss's gradient), the batch, and for DLA the final norm's scale
+    ``[batch, pos]`` and the model's readout (None: not readable)."""
+
+    batch: StoryBatch
+    z: list[torch.Tensor]
+    grad: list[torch.Tensor]
+    scale: torch.Tensor | None
+    readout: Readout | None
+    output_weights: list[torch.Tensor] | None  # per block W_O [head, d_head, d_model]
+
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``after [B, T]``: positions 1 .. len - 1 (after the opening token); ``predicted [B, T]``:
+        positions 0 .. len - 2 (those whose next token is in the story)."""
+        ids = self.batch.ids
+        t = torch.arange(ids.shape[1], device=ids.device)[None, :]
+        lengths = self.batch.lengths.to(ids.device)[:, None]
+        return (t >= 1) & (t < lengths), t < lengths - 1
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)
+
+
+class CausalAccumulator:
+    """Streamed AtP and DLA sums for every head (see the module docstring); a measure for
+    :func:`~storylens.analysis.record.record` (or composed into
+    :class:`~storylens.analysis.scores.HeadScoreAccumulator`). ``state``/``load_state``/``merge``
+    as every accumulator; :meth:`columns` the six columns, :meth:`z_means` the ``mu`` of ``atp_mean``."""
+
+    def __init__(self, n_layer: int, n_head: int):
+        self.n_layer, self.n_head = n_layer, n_head
+        from storylens.analysis.record import Needs  # record imports the measures' modules
+
+        self.needs = Needs(gradients=True, attention=False)
+        self.d_head: int | None = None  # known from the first batch
+        self.zero = RatioAccumulator((n_layer, n_head))  # c = -A
+        self.dla = RatioAccumulator((n_layer, n_head))
+        self.dla_seen = False
+        self.sums: dict[str, torch.Tensor] = {}  # G, Z, GG, AG, nG: per head, float64
+        self.positions = 0.0  # positions after the opening token (mu's count)
+
+    def _init(self, d: int) -> None:
+        L, H = self.n_layer, self.n_head
+        self.d_head = d
+        z = torch.zeros(L, H, d, dtype=torch.float64)
+        self.sums = {"G": z.clone(), "Z": z.clone(), "AG": z.clone(), "nG": z.clone()}
+        self.sums["GG"] = torch.zeros(L, H, d, d, dtype=torch.float64)
+
+    def begin(self, batch: StoryBatch) -> None:
+        pass
+
+    def feed(self, chunk: object) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def gradients(self, g: Gradients) -> None:
+        """Add one batch: per story and head ``A``, ``G``, ``sum z`` and the DLA sum."""
+        after, predicted = g.masks()
+        if self.d_head is None:
+            self._init(g.z[0].shape[-1])
+        n = (g.batch.lengths - 1).to(torch.float64).cpu()  # [B] predicted tokens
+        A, G, Z, D = [], [], [], []
+        w_after = after[:, :, None, None]  # [B, T, 1, 1]
+        direction = _direction(g, predicted)  # [B, T, d_model] or None
+        for layer, (z, grad) in enumerate(zip(g.z, g.grad)):
+            z64, g64 = _f64(z) * w_after, _f64(grad) * w_after  # [B, T, H, d], zero outside 1 .. len - 1
+            A.append((z64 * g64).sum((1, 3)).cpu())  # [B, H]
+            G.append(g64.sum(1).cpu())  # [B, H, d]
+            Z.append(z64.sum((0, 1)).cpu())  # [H, d]
+            if direction is not None and g.output_weights is not None:
+                w = torch.einsum("btm,hkm->bthk", direction, _f64(g.output_weights[layer]))  # [B, T, H, d]
+                D.append((_f64(z) * w).sum(-1).sum(1).cpu())  # [B, H]: positions already weighted
+        a, gs = torch.stack(A, 1), torch.stack(G, 1)  # [B, L, H], [B, L, H, d]
+        self.zero.add(-a, n)
+        s = self.sums
+        s["G"] += gs.sum(0)
+        s["Z"] += torch.stack(Z)
+        s["AG"] += (a[..., None] * gs).sum(0)
+        s["nG"] += (n[:, None, None, None] * gs).sum(0)
+        s["GG"] += torch.einsum("blhd,blhe->lhde", gs, gs)
+        self.positions += float(after.sum())
+        if D:
+            self.dla.add(torch.stack(D, 1), n)
+            self.dla_seen = True
+
+    def z_means(self) -> torch.Tensor:
+        """``[layer, head, d_head]`` float64: the corpus mean of ``z`` over every position after the
+        opening token (the ``mu`` of ``atp_mean``)."""
+        if self.d_head is None or self.positions == 0:
+            raise StorylensError("causal: no story seen yet (no head output means)")
+        return self.sums["Z"] / self.positions
+
+    def columns(self) -> dict[str, torch.Tensor | None]:
+        """The six columns, ``[layer, head]`` float64 (NaN/None: nothing seen, or DLA unreadable)."""
+        if self.d_head is None:
+            return dict.fromkeys(CAUSAL_COLUMNS)
+        zero, zero_se = self.zero.result()
+        mu, s, z = self.z_means(), self.sums, self.zero
+        c = (mu * s["G"]).sum(-1) + z.c  # z.c = -sum A
+        c2 = torch.einsum("lhd,lhde,lhe->lh", mu, s["GG"], mu) - 2 * (mu * s["AG"]).sum(-1) + z.c2
+        cn = (mu * s["nG"]).sum(-1) + z.cn
+        mean, mean_se = pooled_ratio(c, z.n, c2, cn, z.n2, z.count)
+        dla, dla_se = self.dla.result() if self.dla_seen else (None, None)
+        return dict(zip(CAUSAL_COLUMNS, (mean, mean_se, zero, zero_se, dla, dla_se)))
+
+    def merge(self, other: CausalAccumulator) -> CausalAccumulator:
+        if (other.n_layer, other.n_head) != (self.n_layer, self.n_head):
+            raise ValueError("merge: the causal sums are for other heads")
+        if other.d_head is None:
+            return self
+        if self.d_head is None:
+            self._init(other.d_head)
+        elif other.d_head != self.d_head:
+            raise ValueError("merge: the causal sums are for another head size")
+        for k, v in other.sums.items():
+            self.sums[k] += v
+        self.zero.merge(other.zero)
+        self.dla.merge(other.dla)
+        self.positions += other.positions
+        self.dla_seen = self.dla_seen or other.dla_seen
+        return self
+
+    def state(self) -> dict:
+        """Every sum as plain data (float64, exact in JSON)."""
+        return {
+            "d_head": self.d_head,
+            "sums": {k: v.tolist() for k, v in self.sums.items()},
+            "positions": self.positions,
+            "zero": self.zero.state(),
+            "dla": self.dla.state() if self.dla_seen else None,
+        }
+
+    def load_state(self, state: dict) -> CausalAccumulator:
+        """Take :meth:`state`'s sums; ValueError naming what is wrong."""
+        if not isinstance(state, dict) or set(state) != {"d_head", "sums", "positions", "zero", "dla"}:
+            raise ValueError("not a causal accumulator's state")
+        d = state["d_head"]
+        if d is None:
+            self.__init__(self.n_layer, self.n_head)  # type: ignore[misc]
+            return self
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"d_head {d!r} is not a whole number of 1 or more")
+        self._init(d)
+        shape = (self.n_layer, self.n_head)
+        sums = state["sums"]
+        if not isinstance(sums, dict) or set(sums) != set(self.sums):
+            raise ValueError("sums: not G, Z, AG, nG, GG")
+        for k in self.sums:
+            try:
+                v = torch.tensor(sums[k], dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"sums.{k}: not numbers") from None
+            if v.shape != self.sums[k].shape or not torch.isfinite(v).all():
+                raise ValueError(f"sums.{k}: shape {tuple(v.shape)} or a value not finite")
+            self.sums[k] = v
+        positions = state["positions"]
+        if not isinstance(positions, (int, float)) or not positions >= 0:
+            raise ValueError(f"positions {positions!r} is not a count")
+        self.positions = float(positions)
+        self.zero = RatioAccumulator.from_state(state["zero"], shape)
+        self.dla_seen = state["dla"] is not None
+        self.dla = RatioAccumulator.from_state(state["dla"], shape) if self.dla_seen else RatioAccumulator(shape)
+        return self
+
+
+def _direction(g: Gradients, predicted: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T, d_model]`` float64: DLA's readout direction at each predicted position, the next
+    token's unembedding minus the vocabulary's mean, times the norm's gain, over its frozen scale
+    (centred for a LayerNorm); zero at the positions that predict nothing."""
+    r = g.readout
+    if r is None or g.scale is None:
+        return None
+    ids = g.batch.ids
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1).to(r.unembed.device)  # [B, T]: the next token
+    W = _f64(r.unembed)  # [V, d_model]
+    u = (W[nxt] - W.mean(0)) * _f64(r.gain)  # [B, T, d_model]
+    if r.kind == "layer":
+        u = u - u.mean(-1, keepdim=True)
+    u = u.to(g.z[0].device) if u.device != g.z[0].device else u
+    return u / _f64(g.scale)[..., None] * predicted[..., None]
+
+
+def attribution(
+    model: AttentionLM,
+    stories: Sequence[str] | Iterable[EncodedStory],
+    *,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> tuple[dict[str, torch.Tensor | None], CausalAccumulator]:
+    """AtP (mean and zero) and DLA of every head of ``model`` over ``stories``: the six columns
+    ``{name: [layer, head] float64}`` and the accumulator (its :meth:`CausalAccumulator.z_means` the
+    ``mu`` mean ablation replaces each head's output by). One fused forward and backward per batch."""
+    from storylens.analysis.record import record
+
+    acc = CausalAccumulator(model.n_layer, model.n_head)
+    record(model, stories, [acc], batch_size=batch_size, progress=progress, names=frozenset())
+    return acc.columns(), acc
