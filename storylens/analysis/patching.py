@@ -401,3 +401,58 @@ def patch_csv(result: PatchResult) -> str:
 def patch_json(result: PatchResult) -> str:
     return json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n"
 
+
+
+def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
+    """The clean and corrupt metrics, and the ``top`` heads of largest |effect| (exact where run)."""
+    gap = result.corrupt_metric - result.clean_metric
+    out = [
+        f"{result.pairs} pairs on {result.model}; metric: {result.metric}",
+        f"clean   {result.clean_metric:+.3f} ± {result.clean_metric_se:.3f}",
+        f"corrupt {result.corrupt_metric:+.3f} ± {result.corrupt_metric_se:.3f}   (gap {gap:+.3f})",
+        f"exact patching on {result.exact_heads} of {len(result.heads)} heads"
+        + ("" if result.spearman is None else f"; Spearman rho (atp vs exact) {result.spearman:.3f}"),
+        "",
+        f"{'head':8} {'exact':>16} {'atp':>16} {'of gap':>7}",
+    ]
+
+    def size(h: HeadEffect) -> float:
+        return abs(h.exact if h.exact is not None else h.atp)
+
+    for h in sorted(result.heads, key=size, reverse=True)[:top]:
+        ex = "" if h.exact is None else f"{h.exact:+.3f} ± {h.exact_se:.3f}"
+        frac = "" if h.gap_fraction is None else f"{h.gap_fraction:+.2f}"
+        out.append(f"{h.head:8} {ex:>16} {h.atp:+8.3f} ± {h.atp_se:.3f} {frac:>7}")
+    return out
+
+
+@torch.no_grad()
+def pair_patterns(model: ModelLike, pairs: Sequence[Pair], limit: int = 4) -> list[dict]:
+    """For the page: the first ``limit`` pairs' tokens and every head's attention on the clean and the
+    corrupt text, ``[layer][head][query][key]`` rounded to 4 decimals."""
+    lm = wrap(model)
+    out = []
+    with eval_mode(lm.module):
+        for p in pairs[:limit]:
+            entry: dict = {"line": p.line}
+            for side, ids in (("clean", p.clean_ids), ("corrupt", p.corrupt_ids)):
+                maps = lm.patterns(torch.tensor([ids], device=lm.device))  # per layer [1, head, q, k]
+                entry[side] = {
+                    "tokens": [lm.decode([i]) for i in ids],
+                    "attention": [[[[round(float(x), 4) for x in row] for row in h] for h in m[0]] for m in maps],
+                }
+            out.append(entry)
+    return out
+
+
+def write_patch(out: str | Path, result: PatchResult, model: ModelLike, pairs: Sequence[Pair]) -> Path:
+    """``out/patch.csv``, ``patch.json`` and ``patch.html``, published together (nothing on an error)."""
+    from storylens.core.publish import publish_folder
+    from storylens.viz.patch import patch_html
+
+    page = patch_html(result.to_dict(), pair_patterns(model, pairs), title=f"storylens patch: {result.model}")
+    with publish_folder(out, "patch") as tmp:
+        (tmp / "patch.csv").write_text(patch_csv(result), encoding="utf-8")
+        (tmp / "patch.json").write_text(patch_json(result), encoding="utf-8")
+        (tmp / "patch.html").write_text(page, encoding="utf-8")
+    return Path(out)
