@@ -759,7 +759,9 @@ def _cmd_ablate(args) -> int:
 
 
 def add_patch_parser(sub) -> None:
-    p = sub.add_parser("patch", help="every head's effect on a task of clean/corrupt pairs (attribution and exact patching)")
+    p = sub.add_parser(
+        "patch", help="every head's effect on a task of clean/corrupt pairs (attribution and exact patching)"
+    )
     p.add_argument(
         "--pairs",
         default=None,
@@ -784,10 +786,10 @@ def _cmd_patch(args) -> int:
     from storylens.core.progress import ProgressLines
 
     exact: str | int | None = args.exact
-    if exact is not None and exact != "all":
-        if not exact.isdigit():
-            raise UsageError(f"--exact: {exact!r}; give all or a number of heads")
-        exact = int(exact)
+    if args.exact is not None and args.exact != "all":
+        if not args.exact.isdigit():
+            raise UsageError(f"--exact: {args.exact!r}; give all or a number of heads")
+        exact = int(args.exact)
     out = _out_path(args.out)
     check_target_folder(out)  # before the model: a bad --out costs nothing
     source = Path(args.pairs) if args.pairs is not None else EXAMPLE_PAIRS

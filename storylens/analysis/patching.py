@@ -112,10 +112,16 @@ def encode_pairs(lm: AttentionLM, rows: Sequence[dict], name: str = "pairs") -> 
             raise UsageError(f"{where}: answer and wrong are the same token")
         clean, corrupt = lm.encode(r["clean"]), lm.encode(r["corrupt"])
         if len(clean) != len(corrupt):
-            raise UsageError(f"{where}: clean is {len(clean) - 1} tokens, corrupt {len(corrupt) - 1}; they must be equal")
+            raise UsageError(
+                f"{where}: clean is {len(clean) - 1} tokens, corrupt {len(corrupt) - 1}; they must be equal"
+            )
         if len(clean) > lm.window:
             raise UsageError(f"{where}: {len(clean)} tokens with the marker; the model's window is {lm.window}")
-        pairs.append(Pair(**r, clean_ids=tuple(clean), corrupt_ids=tuple(corrupt), answer_id=one["answer"], wrong_id=one["wrong"]))
+        pairs.append(
+            Pair(
+                **r, clean_ids=tuple(clean), corrupt_ids=tuple(corrupt), answer_id=one["answer"], wrong_id=one["wrong"]
+            )
+        )
     return pairs
 
 
@@ -207,8 +213,9 @@ def _batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS) ->
         chunk = pairs[i : i + size]
         clean, lengths = pad_batch([p.clean_ids for p in chunk], lm.marker_id, lm.device)
         corrupt, _ = pad_batch([p.corrupt_ids for p in chunk], lm.marker_id, lm.device)
-        ids = lambda k: torch.tensor([getattr(p, k) for p in chunk], device=lm.device)  # noqa: E731
-        out.append(_Batch(clean, corrupt, lengths - 1, ids("answer_id"), ids("wrong_id")))
+        answer = torch.tensor([p.answer_id for p in chunk], device=lm.device)
+        wrong = torch.tensor([p.wrong_id for p in chunk], device=lm.device)
+        out.append(_Batch(clean, corrupt, lengths - 1, answer, wrong))
     return out
 
 
@@ -236,7 +243,9 @@ def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: _Batch) -> tuple[torch.Tens
         assert logits is not None
         metric = _metric(logits, b).double()
     if len(zs) != lm.n_layer:
-        raise StorylensError(f"{lm.name}: hook_z fired in {len(zs)} of {lm.n_layer} blocks; its heads cannot be reached")
+        raise StorylensError(
+            f"{lm.name}: hook_z fired in {len(zs)} of {lm.n_layer} blocks; its heads cannot be reached"
+        )
     return metric, [zs[i] for i in range(lm.n_layer)], dict(kept)
 
 
@@ -275,8 +284,9 @@ def _exact(lm: AttentionLM, b: _Batch, heads: Sequence[Head], z_corrupt, kept, c
             z[:, :, head] = z_corrupt[layer][:, :, head]
             return z
 
-        with lm.skip_blocks(layer, kept[layer - 1]) if layer > 0 else contextlib.nullcontext(), lm.hooks(
-            [(f"blocks.{layer}.attn.hook_z", patch)]
+        with (
+            lm.skip_blocks(layer, kept[layer - 1]) if layer > 0 else contextlib.nullcontext(),
+            lm.hooks([(f"blocks.{layer}.attn.hook_z", patch)]),
         ):
             logits = lm.forward(b.clean)
         assert logits is not None
@@ -400,7 +410,6 @@ def patch_csv(result: PatchResult) -> str:
 
 def patch_json(result: PatchResult) -> str:
     return json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n"
-
 
 
 def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
