@@ -435,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_generate_parser,
         add_score_parser,
         add_ablate_parser,
+        add_patch_parser,
         add_check_parser,
         add_perplexity_parser,
         add_data_parser,
@@ -778,6 +779,59 @@ def _cmd_ablate(args) -> int:
     print(d.format())
     sys.stdout.flush()
     return 0
+
+
+def add_patch_parser(sub) -> None:
+    p = sub.add_parser(
+        "patch", help="every head's effect on a task of clean/corrupt pairs (attribution and exact patching)"
+    )
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line '
+        "(default: the example pairs shipped with storylens, names in the stories' style)",
+    )
+    p.add_argument("--out", required=True, help="output folder: patch.csv, patch.json, patch.html")
+    p.add_argument(
+        "--exact",
+        default=None,
+        metavar="all|K",
+        help="heads patched exactly: all, or the top K by |atp| (default: all while heads x pairs <= 1000, "
+        "else the top 1000 // pairs)",
+    )
+    _add_model(p)
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    p.set_defaults(func=_cmd_patch)
+
+
+def _cmd_patch(args) -> int:
+    from storylens.analysis.patching import EXAMPLE_PAIRS, encode_pairs, patch_heads, read_pairs, write_patch
+    from storylens.core.progress import ProgressLines
+
+    exact: str | int | None = args.exact
+    if args.exact is not None and args.exact != "all":
+        if not args.exact.isdigit():
+            raise UsageError(f"--exact: {args.exact!r}; give all or a number of heads")
+        exact = int(args.exact)
+    out = _out_path(args.out)
+    check_target_folder(out)  # before the model: a bad --out costs nothing
+    source = Path(args.pairs) if args.pairs is not None else EXAMPLE_PAIRS
+    rows = read_pairs(source)  # bad lines refused before the model loads
+    model = _load(args)
+    pairs = encode_pairs(model, rows, source.name)
+    lines = ProgressLines("patching", 2 * len(pairs), unit="pairs", enabled=not args.no_progress)
+    with progress_command("patch"):
+        result = patch_heads(model, pairs, exact=exact, progress=lines.update)
+    write_patch(out, result, model, pairs)
+    print(result_summary(result))
+    return 0
+
+
+def result_summary(result) -> str:
+    """What ``storylens patch`` prints: the metrics and the ten heads of largest effect."""
+    from storylens.analysis.patching import summary_lines
+
+    return "\n".join(summary_lines(result))
 
 
 def add_score_parser(sub) -> None:
