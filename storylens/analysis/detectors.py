@@ -651,12 +651,14 @@ ATP_MEAN = Column(
     "AtP, mean ablation: the change in mean next-token loss, in nats",
     "attribution patching: the first-order change in the corpus's mean next-token loss (nats, pooled over "
     "predicted tokens) when the head's output is replaced by its corpus mean at every position after the opening token",
+    frozenset((OVERVIEW,)),
 )
 ATP_MEAN_SE = Column("atp_mean_se", "AtP, mean ablation: standard error", "atp_mean's standard error over stories")
 ATP_ZERO = Column(
     "atp_zero",
     "AtP, zero ablation: the change in mean next-token loss, in nats",
     "attribution patching: as atp_mean, the head's output replaced by zero",
+    frozenset((OVERVIEW,)),
 )
 ATP_ZERO_SE = Column("atp_zero_se", "AtP, zero ablation: standard error", "atp_zero's standard error over stories")
 DLA = Column(
@@ -665,6 +667,7 @@ DLA = Column(
     "the head's output through the final norm (scale frozen) on the next token's unembedding minus the "
     "vocabulary's mean, mean over predicted tokens (TransformerLens's logit_attrs); negative: it pushes the "
     "right token down",
+    frozenset((OVERVIEW,)),
 )
 DLA_SE = Column("dla_se", "Direct logit attribution: standard error", "dla's standard error over stories")
 CAUSAL_COLUMNS = (ATP_MEAN, ATP_MEAN_SE, ATP_ZERO, ATP_ZERO_SE, DLA, DLA_SE)

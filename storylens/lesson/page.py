@@ -17,6 +17,7 @@ from storylens.lesson.figures import LESSON_FIGURES
 from storylens.lesson.summary import ReportSummary
 from storylens.lesson.tables import (
     agreement_rows,
+    audit_rows,
     beyond_rows,
     f3,
     head_rows,
@@ -112,6 +113,7 @@ def _page(
         "all_rows": head_rows(scores),
         "beyond": beyond_rows(s.beyond),
         "truth_rows": truth_rows(s.faithfulness),
+        "audit_rows": audit_rows(s.audit),
         "agreement_rows": agreement_rows(s.faithfulness),
     }
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from storylens.analysis.audit import Audit, Effect, audit
+from storylens.analysis.causal import attribution
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import EncodedStory, encode_stories
 from storylens.analysis.names import name_vocabulary
@@ -43,6 +45,7 @@ from storylens.analysis.truth import (
 )
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.heads import Head
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
 from storylens.corpus.score import EXAMPLES, check_examples, write_examples
@@ -199,6 +202,8 @@ def _build_report(out: Path, model: ModelLike | None, opts: ReportOptions) -> Re
             with _timer(timings, "beyond"):
                 summary.beyond = _beyond_section(lm, data.quiz, encoded, scores, measures, tmp, page, opts)
         summary.faithfulness = _faithfulness(lm, scores, encoded, opts, timings)
+        if opts.causal:
+            summary.audit = _audit(lm, scores, encoded, opts, timings)
         _write_tables(tmp, lm, scores, summary, opts)
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings
@@ -303,6 +308,32 @@ def _faithfulness(
         truth = truth_table(lm, scores, encoded, n_stories=n, batch_size=opts.batch_size, progress=opts.progress)
     how = _truth_stories_note(lm, scores, encoded, truth.n_stories, asked=opts.truth_stories)
     return replace(truth, stories_chosen=how)
+
+
+def _audit(
+    lm: AttentionLM, scores: HeadScores, encoded: list[EncodedStory], opts: ReportOptions, timings: dict
+) -> Audit | None:
+    """AtP against exact ablation (:func:`storylens.analysis.audit.audit`) on the stories the ablations'
+    budget allows (as the faithfulness table's), AtP recomputed on those same stories so that both
+    replace a head's output by the same mean; None when the budget allows none."""
+    n = opts.truth_stories
+    if n is None:
+        n = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
+    chosen = [e for e in encoded[:n] if len(e.ids) >= 2]
+    if not chosen:
+        return None
+    with _timer(timings, "audit"):
+        cols, acc = attribution(lm, chosen, batch_size=opts.batch_size)
+        heads = list(Head.every(lm.n_layer, lm.n_head))
+        estimates = {}
+        for mode in ("mean", "zero"):
+            est, se = cols[f"atp_{mode}"], cols[f"atp_{mode}_se"]
+            if est is None or se is None:
+                return None  # the model's heads could not be reached
+            estimates[mode] = {h: Effect(float(est[h]), float(se[h])) for h in heads}
+        lines = ProgressLines("auditing AtP against exact ablation", len(chosen), enabled=opts.progress)
+        return audit(lm, [e.ids for e in chosen], estimates, means=acc.z_means(), batch_size=opts.batch_size,
+                     on_batch=lines.update)  # fmt: skip
 
 
 def _write_tables(tmp: Path, lm: AttentionLM, scores: HeadScores, summary: ReportSummary, opts: ReportOptions) -> None:

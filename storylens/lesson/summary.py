@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storylens.analysis.audit import Audit
 from storylens.analysis.run_info import ModelInfo, StoriesInfo
 from storylens.analysis.truth import Truth
 from storylens.core.plain import Plain
@@ -154,11 +155,12 @@ class ReportSummary(Plain):
     numerics: list[Check] = field(default_factory=list)
     beyond: BeyondSummary | None = None  # only with --beyond (no key in JSON without it)
     faithfulness: Truth | None = None  # where heads look, what they move (no key when not run)
+    audit: Audit | None = None  # AtP against exact ablation (with --causal; no key when not run)
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = super().to_dict()
-        for key in ("beyond", "faithfulness"):
+        for key in ("beyond", "faithfulness", "audit"):
             if d[key] is None:
                 del d[key]
         return versioned(d)

@@ -3,6 +3,7 @@ printout and the README show from it (cells as text)."""
 
 from __future__ import annotations
 
+from storylens.analysis.audit import Audit, Effect, sign_words
 from storylens.analysis.run_info import model_info
 from storylens.analysis.scores import HeadScores
 from storylens.analysis.truth import Truth
@@ -311,3 +312,15 @@ def lesson_table(s: ReportSummary) -> str:
     ]
     lines = ["| measure | lesson | ours |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def audit_rows(a: Audit | None) -> list[list[str]]:
+    """The audit's table: each audited head, why it was chosen, AtP beside the exact effect (mean and
+    zero ablation), each with its error and a sign only where the error allows one."""
+    if a is None:
+        return []
+
+    def cell(e: Effect | None) -> str:
+        return "" if e is None else sign_words(e)
+
+    return [[r.head, r.why, cell(r.atp_mean), cell(r.exact_mean), cell(r.atp_zero), cell(r.exact_zero)] for r in a.rows]
