@@ -249,8 +249,8 @@ def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: _Batch) -> tuple[torch.Tens
     return metric, [zs[i] for i in range(lm.n_layer)], dict(kept)
 
 
-def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[batch, layer, head]``: ``(z_corrupt - z_clean) . dmetric/dz`` on the clean run. Each ``z`` gets a
+def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean metric ``[batch]`` and ``[batch, layer, head]``: ``(z_corrupt - z_clean) . dmetric/dz`` on the clean run. Each ``z`` gets a
     zero leaf added (``z + delta``), so the gradient on ``delta`` is the metric's total derivative in
     ``z`` (through every later block); no weight gradient is asked for."""
     zs: dict[int, torch.Tensor] = {}
@@ -264,12 +264,17 @@ def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> torch
     with torch.enable_grad(), lm.hooks([(n, add) for n in _hook_names(lm)]):
         logits = lm.forward(b.clean)
         assert logits is not None
-        grads = torch.autograd.grad(_metric(logits, b).sum(), [deltas[i] for i in range(lm.n_layer)])
+        if len(deltas) != lm.n_layer:
+            raise StorylensError(
+                f"{lm.name}: hook_z fired in {len(deltas)} of {lm.n_layer} blocks; its heads cannot be reached"
+            )
+        metric = _metric(logits, b)
+        grads = torch.autograd.grad(metric.sum(), [deltas[i] for i in range(lm.n_layer)])
     out = [
         torch.einsum("bphd,bphd->bh", (zc - zs[i]).double(), g.double())  # [batch, head]
         for i, (zc, g) in enumerate(zip(z_corrupt, grads, strict=True))
     ]
-    return torch.stack(out, 1)  # [batch, layer, head]
+    return metric.detach().double(), torch.stack(out, 1)  # [batch], [batch, layer, head]
 
 
 @torch.no_grad()
@@ -327,10 +332,10 @@ def patch_heads(
     with eval_mode(lm.module):
         for b in batches:  # AtP: one corrupt forward, one clean forward and one backward
             m_corrupt, z_corrupt, _ = _run_keep(lm, b.corrupt, b)
-            m_clean, _, _ = _run_keep(lm, b.clean, b)
+            m_clean, atp_b = _atp(lm, b, z_corrupt)
             clean_m.append(m_clean)
             corrupt_m.append(m_corrupt)
-            atp.append(_atp(lm, b, z_corrupt))
+            atp.append(atp_b)
             if progress:
                 progress(len(b.last))
         atp_all = torch.cat(atp).cpu()  # [pair, layer, head]
