@@ -31,7 +31,7 @@ def local_ray():
     ray.shutdown()
 
 
-def single(model, stories, start=0):
+def single(model, stories, start=0, causal=False):
     """One process with one torch thread, as each actor runs: the same kernels, so every chunk's float32
     maps are the same bits and only the order of the float64 sums differs (well inside 1e-9)."""
     import torch
@@ -39,7 +39,7 @@ def single(model, stories, start=0):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
+        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal)
         stats = record(
             NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False, start=start
         )
@@ -49,7 +49,7 @@ def single(model, stories, start=0):
 
 
 def on_ray(stories, workers, names=None, **kw):
-    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES)
+    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=kw.get("causal", False))
     stats = score_with_ray(
         None,
         stories,
@@ -82,6 +82,16 @@ def test_any_number_of_workers_equals_one_process(local_ray, shipped_model, corp
     got, stats = on_ray(stories, workers)
     assert stats == ref_stats
     assert_same(got, ref)
+
+
+def test_the_causal_columns_on_ray_equal_one_process(local_ray, shipped_model, corpus_split):
+    """AtP and DLA (--causal): the workers' causal sums travel in their states and merge in story order."""
+    stories = corpus_split.quiz[:16]
+    ref, ref_stats = single(shipped_model, stories, causal=True)
+    got, stats = on_ray(stories, 2, causal=True)
+    assert stats == ref_stats
+    assert_same(got, ref)
+    assert ref.columns(True)["atp_mean"].abs().max() > 0  # computed, not zeros
 
 
 def test_a_stories_file_is_read_by_the_workers_from_where_a_run_resumes(

@@ -161,6 +161,36 @@ def test_a_killed_run_resumes_to_the_same_numbers(files, tmp_path):
     assert not ckpt.exists()
 
 
+def test_the_causal_columns_are_written_and_a_checkpoint_carries_them(files, stories, shipped_model, tmp_path):
+    """--causal: the six AtP/DLA columns in heads.json (None without it), and the accumulator's state (what a
+    checkpoint holds) read back and merged with the rest equals one pass within 1e-9."""
+    from storylens.analysis.record import RecordStats, record
+    from storylens.analysis.scores import HeadScoreAccumulator, score_table
+    from storylens.lm import NativeLM
+
+    few = files / "few.txt"
+    few.write_text("".join(f"{s}\n{EOT}\n" for s in stories[:8]))
+    heads, _ = _score(tmp_path, "causal", "--stories", str(few), "--causal")
+    causal = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "dla", "dla_se")
+    assert all(h[c] is not None for h in heads["heads"] for c in causal)
+    assert max(abs(h["atp_mean"]) for h in heads["heads"]) > 0
+    lm, names = NativeLM(shipped_model), name_vocabulary(stories[:8])
+    plain = HeadScoreAccumulator(lm.n_layer, lm.n_head)  # without --causal: the columns are there, None
+    assert all(h[c] is None for h in score_table(plain, RecordStats(0, 0, 0), None, 8).to_rows() for c in causal)
+
+    def run(part, start=0):
+        acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, causal=True)
+        record(lm, part, [acc], batch_size=4, chunk_stories=4, names=names, progress=False, start=start)
+        return acc
+
+    whole = run(stories[:8]).columns(False)
+    resumed = HeadScoreAccumulator(lm.n_layer, lm.n_head, causal=True)
+    resumed.load_state(json.loads(json.dumps(run(stories[:4]).state())))
+    merged = resumed.merge(run(stories[4:8], start=4)).columns(False)
+    for c in causal:
+        assert (merged[c] - whole[c]).abs().max().item() <= 1e-9, c
+
+
 def test_a_stream_needs_its_names(shipped_model, stories):
     from storylens.analysis.record import record
     from storylens.core.errors import StorylensError
