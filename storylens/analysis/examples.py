@@ -300,6 +300,8 @@ class TopExamples:
         view = self._batch_view(batch, Q, offers[0][1].device, start)
         v, eligible = self._eligible(offers, kept, view)
         take = _first_k(eligible, v, self.k)
+        if self.per_story is not None:  # what _best would skip anyway: no Example is made for it
+            take &= self._story_room(kept, v, view)
         ri, fi = take.nonzero(as_tuple=True)  # at most k per row
         if ri.numel() == 0:
             return
@@ -308,6 +310,38 @@ class TopExamples:
             if new[r]:
                 name = offers[r // H][0]
                 self._kept[name][layer][r % H] = _best(kept[r] + new[r], self.k, self.per_story)
+
+    def _story_room(self, kept: list[list[Example]], v: torch.Tensor, view: _BatchView) -> torch.Tensor:
+        """``[R, B * Q]``: False where a row already keeps ``per_story`` examples of the query's story
+        and the query does not beat the worst of them (under the order), so :func:`_best` would skip it
+        whatever else is offered. A long story's chunks then make no :class:`Example` once each head's
+        best few of it are kept (the filter only leaves out; which queries are taken is unchanged)."""
+        R, n = v.shape
+        Q = view.Q
+        room = torch.ones(R, n, dtype=torch.bool, device=v.device)
+        place = {s: i for i, s in enumerate(sorted(view.story_index))}  # story -> its row in story order
+        if len(place) != len(view.story_index):  # a story twice in one batch: no filter
+            return room
+        worst: list[tuple[int, int, Example]] = []  # (row, batch row in story order, the story's worst kept)
+        for r, row in enumerate(kept):
+            per: dict[int, list[Example]] = {}
+            for e in row:
+                if e.story in place:
+                    per.setdefault(e.story, []).append(e)
+            for story, es in per.items():
+                if len(es) >= self.per_story:  # type: ignore[operator]
+                    worst.append((r, place[story], max(es, key=lambda e: e.order)))
+        if not worst:
+            return room
+        rs = torch.tensor([w[0] for w in worst], dtype=torch.long, device=v.device)
+        bs = torch.tensor([w[1] for w in worst], dtype=torch.long, device=v.device)
+        wv = _at_most([w[2].value for w in worst], v.dtype).to(v.device)[:, None]  # [W, 1]
+        wq = torch.tensor([w[2].query for w in worst], dtype=torch.long, device=v.device)[:, None]
+        cols = bs[:, None] * Q + torch.arange(Q, device=v.device)  # [W, Q]: that story's queries
+        vals = v[rs[:, None], cols]
+        beats = (vals > wv) | ((vals == wv) & (view.query_of[0, cols] < wq))
+        room[rs[:, None], cols] = beats
+        return room
 
     def _check_offers(
         self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern: torch.Tensor
