@@ -20,8 +20,8 @@ on one ``--tokens``-token story (the quiz joined and cut).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -108,6 +108,14 @@ def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int) -
     return {"rounds": rows, "ratio": round(best["ratio"], 3), "tokens": sum(int(b.lengths.sum()) for b in batches)}
 
 
+def _status_mb(field: str) -> float:
+    """A ``/proc/self/status`` memory line in MB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit(f"no {field} in /proc/self/status (the memory figure needs Linux)")
+
+
 def memory_child(folder: str, tokens: int) -> None:
     """In a fresh process: the peak resident memory above the loaded model while AtP runs on one story."""
     from storylens.analysis.causal import attribution
@@ -122,9 +130,11 @@ def memory_child(folder: str, tokens: int) -> None:
             break
     ids = lm.encode_batch([text])[0].ids[: tokens - 1]
     text = lm.decode(ids)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak (VmHWM) restarts from what is resident now
+    base = _status_mb("VmRSS")
     attribution(lm, [text], batch_size=1)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM")
     print(
         json.dumps(
             {"tokens": len(lm.encode(text)), "model_mb": round(base, 1), "above_model_mb": round(peak - base, 1)}
@@ -140,6 +150,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--json", default=str(Path(__file__).with_name("causal.json")))
+    ap.add_argument("--memory-only", action="store_true", help="only the memory figures, into the existing --json")
     ap.add_argument("--memory-child", nargs=2, metavar=("FOLDER", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -151,11 +162,17 @@ def main() -> None:
 
     stories = load_split().quiz[: args.stories]
     result: dict = {"stories": len(stories), "threads": torch.get_num_threads(), "models": {}}
+    if args.memory_only:
+        result = {**json.loads(Path(args.json).read_text()), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in SHAPES:
             folder = build(Path(tmp), name, args.layers, max(args.tokens, 4096))
             print(f"{name} ({folder.name}):")
-            timing = time_model(folder, stories, args.rounds, args.batch_size)
+            if args.memory_only:
+                timing = json.loads(Path(args.json).read_text())["models"][folder.name]
+                timing.pop("memory", None)
+            else:
+                timing = time_model(folder, stories, args.rounds, args.batch_size)
             child = subprocess.run(
                 [sys.executable, __file__, "--memory-child", str(folder), str(args.tokens)],
                 capture_output=True, text=True, check=True,
