@@ -28,6 +28,12 @@ machine's speed drifts by a fifth over a minute; paired this way the drift falls
 alike). A round is one pass over the batches; each ratio is a side's summed time over ``bare``'s
 in the same round, the best of ``--rounds`` rounds, and every round's times are kept.
 
+End to end (``end_to_end``): ``score_heads`` as ``storylens score`` calls it on the same stories'
+texts (the name vocabulary's first pass, encoding, every built-in detector, the norm-weighted columns,
+output norms and the top examples, ``storylens.corpus.score.EXAMPLES`` per head and detector) against
+``bare`` over the same length-packed batches, whole runs alternating in ``--rounds`` rounds (the first
+side alternating), the ratio of each round's two times, the best kept, processor time's beside it.
+
 Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each side in its own
 process: peak resident memory above the loaded model (sampled every 5 ms).
 Commands: ``storylens report --model`` against ``storylens score --model`` on the Llama, the same
@@ -54,7 +60,7 @@ from bench_perf import _cpu  # noqa: E402
 from bench_transformerlens import PeakSampler, rss_mb  # noqa: E402
 
 MODELS = ("llama-30x9", "gpt2-small")
-SECTIONS = ("speed", "memory", "commands")
+SECTIONS = ("speed", "end_to_end", "memory", "commands")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
 
@@ -189,6 +195,67 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
     }
 
 
+def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
+    """``score_heads`` as ``storylens score`` runs it, from the texts, against the bare forward over the
+    same length-packed batches (see the module docstring)."""
+    import torch
+
+    from storylens.analysis import score_heads
+    from storylens.analysis.encode import BATCH_STORIES, batch_of, encode_stories
+    from storylens.analysis.names import name_vocabulary
+    from storylens.core.batching import BATCH_TOKENS, length_batches
+    from storylens.corpus.score import EXAMPLES
+    from storylens.data.stories import load_split
+    from storylens.lm import load_lm
+
+    stories = load_split().quiz[:n_stories]
+    lm = load_lm(str(folder))
+    model = lm.module
+    own = model.config._attn_implementation
+    encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    order = length_batches([len(s.ids) for s in encoded], BATCH_STORIES, BATCH_TOKENS)
+    batches = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device).ids for idx in order]
+
+    def bare() -> None:
+        model.set_attn_implementation("sdpa")
+        with torch.inference_mode():
+            for ids in batches:
+                lm.forward(ids, logits=False)
+        model.set_attn_implementation(own)
+
+    def score() -> None:
+        score_heads(lm, stories, batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False)
+
+    score_heads(lm, stories[:2], progress=False)  # warm
+    sides = {"bare": bare, "score": score}
+    every: dict[str, list[float]] = {name: [] for name in sides}
+    ratios, cpu_ratios = [], []
+    for r in range(rounds):
+        cpu = {}
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            t, c = time.perf_counter(), time.process_time()
+            sides[name]()
+            every[name].append(time.perf_counter() - t)
+            cpu[name] = time.process_time() - c
+        ratios.append(every["score"][-1] / every["bare"][-1])
+        cpu_ratios.append(cpu["score"] / cpu["bare"])
+        print(
+            f"  end to end, round {r + 1}: bare {every['bare'][-1]:.1f} s, score {every['score'][-1]:.1f} s: "
+            f"{ratios[-1]:.3f}x bare (processor time {cpu_ratios[-1]:.3f}x)",
+            flush=True,
+        )
+    return {
+        "stories": n_stories,
+        "batches": len(batches),
+        "attention": own,
+        "examples": EXAMPLES,
+        "seconds": every,
+        "ratio": min(ratios),
+        "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
+    }
+
+
 def memory_child(folder: str, tokens: int, impl: str) -> None:
     """One story of ``tokens`` tokens scored in this process; prints JSON."""
     import torch
@@ -305,6 +372,9 @@ def main() -> None:
                 entry["speed"] = speed
                 for name, r in speed["ratio"].items():
                     print(f"  {name}: {speed['seconds'][name]:.2f} s, {r:.3f}x bare", flush=True)
+            if "end_to_end" in sections:
+                entry["end_to_end"] = bench_end_to_end(folder, args.stories, args.rounds)
+                print(f"  score end to end: {entry['end_to_end']['ratio']:.3f}x bare", flush=True)
             if kind == "llama-30x9" and "memory" in sections:
                 entry["memory"] = bench_memory(folder, entry.get("speed", {}).get("attention", "storylens"))
             if kind == "llama-30x9" and "commands" in sections:

@@ -37,6 +37,7 @@ Adding a built-in detector is its definition here, appended to :data:`BUILTIN_DE
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -182,6 +183,7 @@ class Masks:
         self.start, self.stop, self.keys = start, stop, keys
         self._mass: tuple[torch.Tensor, torch.Tensor] | None = mass  # (the map, its column masses)
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._earlier: list[tuple[weakref.ref, torch.Tensor]] = []  # (the map, _earlier_max of it): one
 
     def _view(self, start: int, stop: int, keys: int, mass=None) -> Masks:
         view = Masks.__new__(Masks)
@@ -210,7 +212,7 @@ class Masks:
         marker, e.g. in the attention's product with the values: :mod:`storylens.analysis.record`).
         The same rows: the key pairs these masks cut for them are shared."""
         view = self._view(self.start, self.stop, self.keys, (pattern, mass))
-        view._pairs = self._pairs
+        view._pairs, view._earlier = self._pairs, self._earlier
         return view
 
     def cached(self, key: str, make: Callable[[], T_]) -> T_:
@@ -269,6 +271,24 @@ class Masks:
         last = self._mass
         if last is None or last[0] is not pattern:
             last = self._mass = (pattern, columns_mass(pattern, *self._sets.column_keys))
+        return last[1]
+
+    def earlier_max(self, pattern: torch.Tensor) -> torch.Tensor:
+        """``[B, H, q]``: each row's largest weight on keys other than ``q - 1`` and ``q``
+        (:func:`prev_is_argmax`), taken once per map: the raw and the norm-weighted previous-token
+        argmax read it (views made by :meth:`with_mass` share it; the map is held weakly)."""
+        held = self._earlier
+        if not held or held[0][0]() is not pattern:
+            held[:] = [(weakref.ref(pattern), _earlier_max(pattern, self.start))]
+        return held[0][1]
+
+    def scaled_column_mass(self, pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """:meth:`column_mass` of the norm-scaled map ``pattern * norms[key]`` (``norms [B, H, keys]``)
+        without forming it (the same products, so the same bits), or the masses formed elsewhere
+        (:meth:`with_mass` given ``norms`` in place of the map)."""
+        last = self._mass
+        if last is None or last[0] is not norms:
+            last = self._mass = (norms, columns_mass(pattern, *self._sets.column_keys, norms=norms))
         return last[1]
 
     def sparse_keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,7 +412,7 @@ def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> t
     return sum((diagonal(pattern, k, start) for k in range(2, span + 1)), diagonal(pattern, 1, start))
 
 
-def prev_is_argmax(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
+def prev_is_argmax(pattern: torch.Tensor, start: int = 0, earlier: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., query]`` float: 1 where key ``q - 1`` is the query's most-attended key, ties going
     to the earliest key (exactly ``pattern.argmax(-1) == q - 1``; 0 for query 0).
 
@@ -402,20 +422,14 @@ def prev_is_argmax(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
     weight the softmax gives is above 0). To take the maximum over keys 0 .. q-2 without a copy
     of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
     ``pattern`` leaves this function bit for bit as it came in. ``start``: the first query of a
-    chunk of rows (see :func:`diagonal`).
+    chunk of rows (see :func:`diagonal`). ``earlier``: :func:`_earlier_max` of ``pattern``, where
+    already taken (:meth:`Masks.earlier_max`).
     """
     n, lead = pattern.shape[-2], max(0, 1 - start)  # lead: query 0 has no previous key
     prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)  # views: [..., n - lead]
     own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)
-    saved_prev, saved_own = prev.clone(), own.clone()
-    prev.zero_()
-    own.zero_()
-    try:
-        earlier = pattern.amax(-1)  # [..., query]: the largest weight on keys 0 .. q-2
-    finally:
-        prev.copy_(saved_prev)
-        own.copy_(saved_own)
-    wins = (saved_prev >= saved_own[..., lead:n]) & (saved_prev > earlier[..., lead:])
+    earlier = _earlier_max(pattern, start) if earlier is None else earlier  # [..., query]: keys 0 .. q-2
+    wins = (prev >= own[..., lead:n]) & (prev > earlier[..., lead:])
     return F.pad(wins.to(pattern.dtype), (lead, 0))[..., :n]
 
 
@@ -424,16 +438,100 @@ def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tens
     return pattern @ columns
 
 
-def columns_mass(pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def columns_mass(
+    pattern: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, norms: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B, H, q, n]``: attention on each of ``n`` key sets shared by every query of a story,
     given as ``index [B, m]`` key positions and ``weight [B, m, n]``; equal to
     :func:`key_columns_mass` with those columns, reading ``m`` keys per row instead of all. Keys
-    past the pattern's last (a chunk of rows sees only the keys before it) weigh nothing."""
+    past the pattern's last (a chunk of rows sees only the keys before it) weigh nothing.
+    ``norms [B, H, keys]``: the same on the scaled map ``pattern * norms[key]`` (:func:`scaled`),
+    bit for bit, without forming it."""
     B, H, Q, K = pattern.shape
     weight = weight * (index < K)[..., None].to(weight.dtype)
     index = index.clamp(max=K - 1)
     picked = pattern.gather(-1, index[:, None, None, :].expand(B, H, Q, index.shape[-1]))  # [B, H, q, m]
+    if norms is not None:
+        picked = picked * _key_norms(pattern, norms).gather(-1, index[:, None, :].expand(B, H, -1))[:, :, None, :]
     return picked @ weight[:, None].to(pattern.dtype)
+
+
+def _key_norms(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """``norms [B, H, keys]`` cut to ``pattern``'s keys, in its dtype: the factor :func:`scaled` applies."""
+    return norms[..., : pattern.shape[-1]].to(pattern.dtype)
+
+
+def scaled(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """The norm-scaled map ``pattern * norms[key]`` ``[B, H, q, k]`` (what :attr:`Detector.scaled`
+    computes on without forming it; :func:`storylens.analysis.faithful.norm_scaled`'s products)."""
+    return pattern * _key_norms(pattern, norms)[:, :, None, :]
+
+
+def key_diagonal(norms: torch.Tensor, k: int, start: int, n: int) -> torch.Tensor:
+    """``out[..., r] = norms[..., q - k]`` for the query ``q = start + r`` of row ``r`` (0 for q < k):
+    the key norm :func:`diagonal` ``k`` reads at each row, ``[B, H, n]``."""
+    lead = min(n, max(0, k - start))
+    return F.pad(norms[..., start + lead - k : start + n - k], (lead, 0))
+
+
+def scaled_diagonal(pattern: torch.Tensor, norms: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
+    """:func:`diagonal` of the scaled map (:func:`scaled`), bit for bit, reading ``n`` entries."""
+    n = pattern.shape[-2]
+    return diagonal(pattern, k, start) * key_diagonal(_key_norms(pattern, norms), k, start, n)
+
+
+def scaled_prev_span(pattern: torch.Tensor, norms: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
+    """:func:`prev_span` of the scaled map, bit for bit (the same sums in the same order)."""
+    first = scaled_diagonal(pattern, norms, 1, start)
+    return sum((scaled_diagonal(pattern, norms, k, start) for k in range(2, span + 1)), first)
+
+
+def scaled_prev_is_argmax(
+    pattern: torch.Tensor, norms: torch.Tensor, start: int = 0, earlier: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`prev_is_argmax` of the scaled map (:func:`scaled`), decided without forming it.
+
+    Key ``q - 1`` wins when ``s_prev >= s_own`` and ``s_prev`` is above every ``s_j = a_j w_j``,
+    ``j <= q - 2``. With ``E`` the largest raw weight there (one ``amax`` over the map, no copy) and
+    ``lo <= w_j <= hi`` the smallest and largest key norm there (running minimum and maximum), the
+    rounded products obey ``E lo <= max_j s_j <= E hi`` (rounding is monotonic), so ``s_prev > E hi``
+    wins and ``s_prev <= E lo`` loses for certain; only the rows in between are scaled and compared
+    in full. The same decision, bit for bit, as on the formed map. ``earlier``: as
+    :func:`prev_is_argmax`'s (the raw map's, shared)."""
+    n, lead = pattern.shape[-2], max(0, 1 - start)
+    w = _key_norms(pattern, norms)  # [B, H, keys]
+    earlier = _earlier_max(pattern, start) if earlier is None else earlier  # [..., n]: raw, keys 0 .. q-2
+    prev = diagonal(pattern, 1, start) * key_diagonal(w, 1, start, n)  # [..., n]: s_{q-1}
+    own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)[..., lead:n] * w[..., start + lead : start + n]
+    hi = key_diagonal(w.cummax(-1).values, 2, start, n)  # [..., n]: over keys 0 .. q-2 (0 for q < 2)
+    lo = key_diagonal(w.cummin(-1).values, 2, start, n)
+    wins = prev > earlier * hi
+    unsure = ~wins & ~(prev <= earlier * lo)
+    if bool(unsure.any()):  # those rows scaled and compared in full
+        b, h, r = unsure.nonzero(as_tuple=True)
+        rows = pattern[b, h, r] * w[b, h]  # [m, keys]
+        q = (start + r)[:, None]
+        keys = torch.arange(rows.shape[-1], device=rows.device)[None, :]
+        rows = rows.masked_fill((keys == q) | (keys == q - 1), 0)  # as prev_is_argmax zeroes them
+        wins[b, h, r] = prev[b, h, r] > rows.amax(-1)
+    wins[..., lead:] &= prev[..., lead:] >= own
+    wins[..., :lead] = False
+    return wins.to(pattern.dtype)
+
+
+def _earlier_max(pattern: torch.Tensor, start: int) -> torch.Tensor:
+    """``[..., n]``: each row's largest weight on keys other than ``q - 1`` and ``q`` (keys after ``q``
+    hold 0), the two newest diagonals set to 0 for the ``amax`` and written back after."""
+    prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)
+    own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)
+    saved_prev, saved_own = prev.clone(), own.clone()
+    prev.zero_()
+    own.zero_()
+    try:
+        return pattern.amax(-1)
+    finally:
+        prev.copy_(saved_prev)
+        own.copy_(saved_own)
 
 
 def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -441,7 +539,13 @@ def keys_mass(pattern: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhqk,bqk->bhq", pattern, keys.to(pattern.dtype))
 
 
-def pairs_mass(pattern: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+def pairs_mass(
+    pattern: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    start: int = 0,
+    norms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention on a key set given as pairs (:meth:`Masks.key_pairs`: ``queries``, ``keys``
     ``[B, P]``, a query past the chunk's rows marking no pair), for a chunk of rows whose first
     query is ``start``: ``[B, H, q]``, equal to :func:`keys_mass` on the same key set. One
@@ -451,6 +555,8 @@ def pairs_mass(pattern: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
     row = (queries - start).clamp(max=Q)  # Q: no pair (a slot of its own, dropped)
     flat = torch.where(row < Q, row * K + keys, 0)  # [B, P] into each story's [q * k]
     picked = pattern.reshape(B, H, Q * K).gather(-1, flat[:, None].expand(B, H, flat.shape[1]))  # [B, H, P]
+    if norms is not None:  # on the scaled map (:func:`scaled`), bit for bit: each pair's weight times its key's norm
+        picked = picked * _key_norms(pattern, norms).gather(-1, keys[:, None].expand(B, H, keys.shape[1]))
     out = torch.zeros(B, H, Q + 1, dtype=pattern.dtype, device=pattern.device)
     return out.scatter_add_(-1, row[:, None].expand(B, H, row.shape[1]), picked)[..., :Q]
 
@@ -480,6 +586,10 @@ class Detector:
     # detector. A detector made by hand without it gets whole maps and the norm-weighted map itself.
     rows: bool = False
     scale_free: bool = False
+    # values(pattern * norms[key], masks) without forming that map, bit for bit: ``scaled(pattern,
+    # norms [B, H, keys], masks)`` (the norm-weighted columns then cost a few reads of the map, not a
+    # pass; None: the scaled map is formed for it)
+    scaled: Callable[[torch.Tensor, torch.Tensor, Masks], torch.Tensor] | None = None
     title: str = ""  # "" : "Detector <name>"
     meaning: str = ""
     shown: frozenset[str] = SHOWN_BEYOND_LESSON
@@ -526,6 +636,7 @@ NAME_MASS = Detector(
     lambda p, m: m.column_mass(p)[..., 0],
     lambda m: m.name_queries,
     rows=True,
+    scaled=lambda p, w, m: m.scaled_column_mass(p, w)[..., 0],
     title="Name mass (share of attention on the main character's name)",
     meaning="attention on the main character's name tokens, over the queries after its first mention",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -537,6 +648,7 @@ MARKER = Detector(
     lambda p, m: m.column_mass(p)[..., 1],
     lambda m: m.queries,
     rows=True,
+    scaled=lambda p, w, m: m.scaled_column_mass(p, w)[..., 1],
     title="Attention on {marker}",
     meaning="attention on the end-of-story marker tokens, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -547,6 +659,7 @@ PREV_TOKEN = Detector(
     lambda m: m.queries,
     first_columns=True,
     rows=True,
+    scaled=lambda p, w, m: scaled_diagonal(p, w, 1, m.start),
     title="Attention on the previous token",
     meaning="attention on position q - 1, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -554,10 +667,11 @@ PREV_TOKEN = Detector(
 )
 PREV_ARGMAX = Detector(
     "prev_argmax",
-    lambda p, m: prev_is_argmax(p, m.start),
+    lambda p, m: prev_is_argmax(p, m.start, m.earlier_max(p)),
     lambda m: m.queries,
     first_columns=True,
     rows=True,
+    scaled=lambda p, w, m: scaled_prev_is_argmax(p, w, m.start, m.earlier_max(p)),
     scale_free=True,
     title="Share of queries whose top key is the previous token",
     meaning="share of queries q >= 1 whose most-attended key is q - 1 (ties to the earliest key)",
@@ -569,6 +683,7 @@ PREV4 = Detector(
     lambda m: m.queries,
     first_columns=True,
     rows=True,
+    scaled=lambda p, w, m: scaled_prev_span(p, w, start=m.start),
     title="Attention on the last four tokens",
     meaning="attention on positions q - 1 .. q - 4 together, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH)),
@@ -578,6 +693,7 @@ DUPLICATE_TOKEN = Detector(
     lambda p, m: pairs_mass(p, *m.key_pairs("duplicate_keys"), m.start),
     _duplicate_queries,
     rows=True,
+    scaled=lambda p, w, m: pairs_mass(p, *m.key_pairs("duplicate_keys"), m.start, w),
     title="Attention on earlier copies of the query's token (duplicate-token)",
     meaning="attention on earlier positions holding the query's token, over the queries that have one",
     shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
@@ -587,6 +703,7 @@ INDUCTION = Detector(
     lambda p, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start),
     _induction_queries,
     rows=True,
+    scaled=lambda p, w, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start, w),
     title="Attention on the token after an earlier copy of the query's token (induction)",
     meaning="attention on the positions just after an earlier copy of the query's token, over the queries that have one",
     shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
@@ -597,6 +714,7 @@ FIRST_MASS = Detector(
     lambda p, m: p[..., 0].clone(),  # a copy: the map's memory is reused once its block is scored
     lambda m: m.queries,
     rows=True,
+    scaled=lambda p, w, m: p[..., 0] * _key_norms(p, w)[..., 0, None],
     title="Attention on position 0 (the opening token)",
     meaning="attention on position 0, the token that opens every sequence, over queries q >= 1",
     shown=frozenset((OVERVIEW, MORE, SINKS)),

@@ -112,7 +112,22 @@ class Example:
         }
 
 
-def _best(examples, k: int, per_story: int | None = None) -> list[Example]:
+@dataclass(frozen=True)
+class _Offer:
+    """A taken query before its :class:`Example` is made: what :func:`_best` orders by, and ``at``,
+    its place among the block's taken queries."""
+
+    story: int
+    query: int
+    value: float
+    at: int
+
+    @property
+    def order(self) -> tuple[float, int, int]:
+        return (-self.value, self.story, self.query)
+
+
+def _best(examples, k: int, per_story: int | None = None) -> list:
     """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best), at
     most ``per_story`` of one story (None: any number)."""
     out: list[Example] = []
@@ -305,11 +320,31 @@ class TopExamples:
         ri, fi = take.nonzero(as_tuple=True)  # at most k per row
         if ri.numel() == 0:
             return
-        new = self._examples(ri, fi, v[ri, fi], pattern, view, len(kept))
-        for r in range(len(kept)):
-            if new[r]:
+        val = v[ri, fi]
+        best = self._survivors(kept, ri, fi, val, view)  # per row: the new top k, offers as _Offer
+        at = [o.at for row in best for o in row if isinstance(o, _Offer)]
+        if not at:
+            return
+        sel = torch.tensor(at, dtype=torch.long, device=ri.device)  # only the offers kept become Examples
+        made = self._examples(ri[sel], fi[sel], val[sel], pattern, view, len(kept))
+        built = dict(zip(at, (e for r in range(len(kept)) for e in made[r])))
+        for r, row in enumerate(best):
+            if any(isinstance(o, _Offer) for o in row):
                 name = offers[r // H][0]
-                self._kept[name][layer][r % H] = _best(kept[r] + new[r], self.k, self.per_story)
+                self._kept[name][layer][r % H] = [built[o.at] if isinstance(o, _Offer) else o for o in row]
+
+    def _survivors(
+        self, kept: list[list[Example]], ri: torch.Tensor, fi: torch.Tensor, val: torch.Tensor, view: _BatchView
+    ) -> list[list[Example | _Offer]]:
+        """Each row's top ``k`` of its kept examples and the taken queries (``ri``, ``fi``, ``val``), the
+        latter as :class:`_Offer` (by the same order, so :func:`_best` picks what it would pick among
+        whole examples): an :class:`Example` is then made only for an offer that is kept."""
+        Q = view.Q
+        stories = view.story_of[0, fi].tolist()
+        offered: list[list[Example | _Offer]] = [list(row) for row in kept]
+        for i, (r, f, x, s) in enumerate(zip(ri.tolist(), fi.tolist(), val.tolist(), stories)):
+            offered[r].append(_Offer(s, view.start + f % Q, float(x), i))
+        return [_best(row, self.k, self.per_story) if len(row) > len(kept[r]) else row for r, row in enumerate(offered)]
 
     def _story_room(self, kept: list[list[Example]], v: torch.Tensor, view: _BatchView) -> torch.Tensor:
         """``[R, B * Q]``: False where a row already keeps ``per_story`` examples of the query's story

@@ -290,6 +290,8 @@ class HeadScoreAccumulator:
         rows scaled by ``|f_j|``, a detector linear in a row divided after by the row's sum."""
         probs, norms, cols = chunk.probs, chunk.key_norms, chunk.columns
         assert norms is not None
+        if self._norm_unformed(chunk, norms, counted):
+            return
         scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
         if torch.is_inference_mode_enabled():
             room = probs.shape[0] * probs.shape[1] * probs.shape[-2] * chunk.masks.full.inside.shape[1]
@@ -308,6 +310,22 @@ class HeadScoreAccumulator:
                 values = d.values(scaled, masks)
                 values = values if d.scale_free else row_divide(values, total)
             _add(self._norm_sums[chunk.layer], d.name, (values * count.to(values.dtype)[:, None, :]).sum(-1))
+
+    def _norm_unformed(self, chunk: Chunk, norms: torch.Tensor, counted: list[torch.Tensor]) -> bool:
+        """:meth:`_norm_weighted` without forming the scaled map, where every detector reads the few
+        entries of it it needs (``Detector.scaled``, bit for bit) and the row sums and name and marker
+        masses came out of ``probs @ V`` (a streamed chunk); False (nothing added) otherwise."""
+        cols = chunk.columns
+        total, name, marker = (cols.get(k) for k in ("key_norm", "norm_name", "norm_marker"))
+        if total is None or name is None or marker is None or any(d.scaled is None for d in self.detectors):
+            return False
+        masks = chunk.masks.with_mass(norms, torch.stack([name, marker], -1))
+        for d, count in zip(self.detectors, counted):
+            assert d.scaled is not None
+            values = d.scaled(chunk.probs, norms, masks)
+            values = values if d.scale_free else row_divide(values, total)
+            _add(self._norm_sums[chunk.layer], d.name, (values * count.to(values.dtype)[:, None, :]).sum(-1))
+        return True
 
     def end(self) -> dict[str, torch.Tensor]:
         """Adds the batch; returns its per-story means, ``{detector: [batch, layer, head]}``."""

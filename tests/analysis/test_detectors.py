@@ -12,6 +12,7 @@ from storylens.analysis.detectors import (
     pattern_detector,
 )
 from storylens.analysis.encode import make_batch
+from storylens.analysis.names import MainCharacter
 from storylens.analysis.record import record
 from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
 from storylens.core.errors import StorylensError
@@ -229,3 +230,37 @@ def test_one_mask_type_for_batches_and_rows_sharing_what_it_makes():
     assert given.column_mass(p) is formed  # the kernel's masses, not made again
     assert torch.allclose(given.column_mass(p.clone()), rows.column_mass(p))  # another map: made from it
     assert torch.allclose(rows.column_mass(p), m.column_mass(att())[:, :, 2:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_detector_on_the_scaled_map_without_forming_it_gives_its_bits(dtype):
+    """``Detector.scaled(p, w, masks)`` equals ``values(p * w[key], masks)`` bit for bit, on the whole
+    map and on every chunk of rows: random softmax rows (every previous-token argmax case: rows where
+    the bounds decide and rows scaled in full), sharp rows, ties made on purpose, zero and equal key
+    norms, stories of different lengths in one batch (padding past each story's end)."""
+    from storylens.analysis.detectors import scaled
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [31, 12, 25]
+    ids = [[0] + torch.randint(0, 6, (n - 1,), generator=g).tolist() for n in lengths]  # markers inside too
+    mains = [MainCharacter("A", 2, (), (4, 5, 17), 4), None, MainCharacter("B", 1, (), (2,), 2)]
+    b = make_batch(ids, mains, [True] * len(ids), marker_id=0)
+    T, H = max(lengths), 4
+    logits = (
+        torch.randn(len(ids), H, T, T, generator=g, dtype=dtype)
+        * torch.tensor([0.3, 1.0, 4.0, 12.0], dtype=dtype)[:, None, None]
+    )
+    p = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    p[:, 0, 9, :9] = p[:, 0, 9, 8:9]  # a tie of key q - 1 with every earlier key
+    w = torch.rand(len(ids), H, T, generator=g, dtype=dtype) * 3
+    w[:, 1] = 1.5  # one norm for every key: the scaled rows are the raw rows times a constant
+    w[:, 2, ::4] = 0  # keys that move nothing
+    m = Masks(b, dtype)
+    for d in BUILTIN_DETECTORS:
+        assert d.scaled is not None, d.name
+        for start, stop in ((0, T), (0, 1), (1, 7), (7, 20), (20, T)):
+            rows = m.rows(start, stop, stop)
+            pc, wc = p[:, :, start:stop, :stop].contiguous(), w[..., :stop]
+            want = d.values(scaled(pc, wc), rows)
+            got = d.scaled(pc.clone(), wc, rows)
+            assert torch.equal(got, want), (d.name, start)
