@@ -80,7 +80,7 @@ def _batches(lm, stories: list[str], batch_size: int) -> list:
 def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int) -> dict:
     import torch
 
-    from storylens.analysis.causal import attribution
+    from storylens.analysis.audit import attribution
     from storylens.lm import load_lm
 
     lm = load_lm(folder)
@@ -118,7 +118,7 @@ def _status_mb(field: str) -> float:
 
 def memory_child(folder: str, tokens: int) -> None:
     """In a fresh process: the peak resident memory above the loaded model while AtP runs on one story."""
-    from storylens.analysis.causal import attribution
+    from storylens.analysis.audit import attribution
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
 

@@ -18,7 +18,7 @@ errors from zero, of opposite signs: AtP's failures, saturation and cancellation
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,10 @@ import torch.nn.functional as F
 
 from storylens.analysis.ablation import _pad, head_output_means
 from storylens.analysis.accumulate import RatioAccumulator
+from storylens.analysis.causal import CausalAccumulator
+from storylens.analysis.encode import EncodedStory
 from storylens.analysis.faithful import rank_correlation
+from storylens.analysis.record import record
 from storylens.core.batching import BATCH_TOKENS, length_batches
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -106,7 +109,22 @@ def exact_effects(
     return out
 
 
-# ---------------------------------------------------------------- the audit
+# ---------------------------------------------------------------- the estimates, and the audit
+
+
+def attribution(
+    model: AttentionLM,
+    stories: Sequence[str] | Iterable[EncodedStory],
+    *,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> tuple[dict[str, torch.Tensor | None], CausalAccumulator]:
+    """AtP (mean and zero) and DLA of every head of ``model`` over ``stories``: the six columns
+    ``{name: [layer, head] float64}`` and the accumulator (its :meth:`CausalAccumulator.z_means` the
+    ``mu`` mean ablation replaces each head's output by). One fused forward and backward per batch."""
+    acc = CausalAccumulator(model.n_layer, model.n_head)
+    record(model, stories, [acc], batch_size=batch_size, progress=progress, names=frozenset())
+    return acc.columns(), acc
 
 
 @dataclass(frozen=True)

@@ -38,79 +38,15 @@ gradients, no attention maps).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
 from storylens.analysis.accumulate import RatioAccumulator, pooled_ratio
-from storylens.analysis.encode import EncodedStory, StoryBatch
+from storylens.analysis.encode import StoryBatch
+from storylens.analysis.gradients import Gradients
+from storylens.analysis.record import Needs
 from storylens.core.errors import StorylensError
-from storylens.lm import AttentionLM
 
 CAUSAL_COLUMNS = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "dla", "dla_se")
-
-
-@dataclass(frozen=True)
-class Readout:
-    """What DLA reads of the model's output: the final norm (``kind`` ``"layer"`` centres, ``"rms"``
-    does not), its gain ``[d_model]`` and ``eps``, and the unembedding ``W_U [vocab, d_model]``."""
-
-    norm: nn.Module
-    kind: str
-    gain: torch.Tensor
-    eps: float
-    unembed: torch.Tensor
-
-
-def readout(lm: AttentionLM) -> Readout | None:
-    """The final norm and unembedding of ``lm`` (None where they cannot be told apart: DLA left empty)."""
-    module = lm.module
-    getter = getattr(module, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    base = getattr(module, "base_model", None) or getattr(module, "transformer", None) or module
-    norm = None
-    for name in ("ln_f", "norm", "final_layer_norm", "norm_f"):
-        norm = norm or getattr(base, name, None)
-    if head is None:
-        head = getattr(module, "lm_head", None)
-    if not isinstance(norm, nn.Module) or head is None or getattr(head, "bias", None) is not None:
-        return None
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        return None
-    name = type(norm).__name__
-    if isinstance(norm, nn.LayerNorm):
-        kind, eps = "layer", norm.eps
-    elif "RMSNorm" in name and not name.startswith("Gemma"):  # Gemma's gain is 1 + weight: left out
-        kind, eps = "rms", float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    else:
-        return None
-    return Readout(norm, kind, w.detach(), float(eps), head.weight.detach())
-
-
-@dataclass
-class Gradients:
-    """One batch's forward and backward pass (:func:`storylens.analysis.record.record`): per block
-    ``z [batch, pos, head, d_head]`` and ``grad = dL/dz`` (``L`` the batch's summed next-token loss,
-    so each story's rows are its own loss's gradient), the batch, and for DLA the final norm's scale
-    ``[batch, pos]`` and the model's readout (None: not readable)."""
-
-    batch: StoryBatch
-    z: list[torch.Tensor]
-    grad: list[torch.Tensor]
-    scale: torch.Tensor | None
-    readout: Readout | None
-    output_weights: list[torch.Tensor] | None  # per block W_O [head, d_head, d_model]
-
-    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``after [B, T]``: positions 1 .. len - 1 (after the opening token); ``predicted [B, T]``:
-        positions 0 .. len - 2 (those whose next token is in the story)."""
-        ids = self.batch.ids
-        t = torch.arange(ids.shape[1], device=ids.device)[None, :]
-        lengths = self.batch.lengths.to(ids.device)[:, None]
-        return (t >= 1) & (t < lengths), t < lengths - 1
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -125,8 +61,6 @@ class CausalAccumulator:
 
     def __init__(self, n_layer: int, n_head: int):
         self.n_layer, self.n_head = n_layer, n_head
-        from storylens.analysis.record import Needs  # record imports the measures' modules
-
         self.needs = Needs(gradients=True, attention=False)
         self.d_head: int | None = None  # known from the first batch
         self.zero = RatioAccumulator((n_layer, n_head))  # c = -A
@@ -276,20 +210,3 @@ def _direction(g: Gradients, predicted: torch.Tensor) -> torch.Tensor | None:
         u = u - u.mean(-1, keepdim=True)
     u = u.to(g.z[0].device) if u.device != g.z[0].device else u
     return u / _f64(g.scale)[..., None] * predicted[..., None]
-
-
-def attribution(
-    model: AttentionLM,
-    stories: Sequence[str] | Iterable[EncodedStory],
-    *,
-    batch_size: int = 16,
-    progress: bool = False,
-) -> tuple[dict[str, torch.Tensor | None], CausalAccumulator]:
-    """AtP (mean and zero) and DLA of every head of ``model`` over ``stories``: the six columns
-    ``{name: [layer, head] float64}`` and the accumulator (its :meth:`CausalAccumulator.z_means` the
-    ``mu`` mean ablation replaces each head's output by). One fused forward and backward per batch."""
-    from storylens.analysis.record import record
-
-    acc = CausalAccumulator(model.n_layer, model.n_head)
-    record(model, stories, [acc], batch_size=batch_size, progress=progress, names=frozenset())
-    return acc.columns(), acc

@@ -71,6 +71,7 @@ from storylens.analysis.encode import (
     length_batches,
 )
 from storylens.analysis.faithful import head_images, key_norms, ov_factor
+from storylens.analysis.gradients import Gradients, readout
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
@@ -349,7 +350,6 @@ def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
     added at every ``hook_z`` is the only leaf, so one ``torch.autograd.grad`` gives ``dL/dz`` for
     every block with no weight gradient; the final norm's input is kept for its frozen scale.
     Returns :class:`storylens.analysis.causal.Gradients`."""
-    from storylens.analysis.causal import Gradients, readout
 
     read = readout(lm)
     deltas: dict[int, torch.Tensor] = {}

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.causal import CausalAccumulator, Gradients
+from storylens.analysis.causal import CausalAccumulator
 from storylens.analysis.detectors import (
     BUILTIN_DETECTORS,
     CONTEXT_NORM,
@@ -84,6 +84,7 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
+from storylens.analysis.gradients import Gradients
 from storylens.analysis.grid_html import grid_html
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.analysis.sinks import SinkAccumulator, dormant

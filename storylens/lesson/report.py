@@ -22,8 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from storylens.analysis.audit import Audit, Effect, audit
-from storylens.analysis.causal import attribution
+from storylens.analysis.audit import Audit, Effect, attribution, audit
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import EncodedStory, encode_stories
 from storylens.analysis.names import name_vocabulary

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis.causal import CausalAccumulator, attribution
+from storylens.analysis.audit import attribution
+from storylens.analysis.causal import CausalAccumulator
 from storylens.analysis.record import Needs, plan, record
 from storylens.lm import NativeLM, load_lm
 from storylens.model.hub import load_model
