@@ -74,7 +74,9 @@ def test_report_html_is_self_contained(report_dir):
     overview = dict(re.findall(r'<div class="sl-ov" data-col="([a-z0-9_]+)">(.*?)</div>', page, flags=re.S))
     raw = ["name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"]
     heads = {r["label"]: r for r in json.loads((report_dir / "heads.json").read_text())["heads"]}
-    have = [c.name for c in BUILTIN_COLUMNS if OVERVIEW in c.shown and any(h[c.name] is not None for h in heads.values())]
+    have = [
+        c.name for c in BUILTIN_COLUMNS if OVERVIEW in c.shown and any(h[c.name] is not None for h in heads.values())
+    ]
     assert list(overview) == have  # the causal columns only where --causal computed them
     assert list(overview)[:8] == raw and list(overview)[-2:] == ["output_share", "context_share"]
     assert all(f"norm_{c}" in overview for c in raw)
