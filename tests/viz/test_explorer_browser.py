@@ -86,7 +86,8 @@ def test_every_head_is_there_and_the_page_is_clean(page, run):
     shown = page.eval_on_selector_all("tr.sle-row", "rows => rows.map(r => [...r.cells].map(c => c.dataset.value))")
     for h, cells in zip(heads, shown):
         for c, v in zip(columns, cells):
-            assert (float(v) if _num(h[c]) else v) == (h[c] if _num(h[c]) else (h[c] or "")), (h["label"], c)
+            want = h[c] if _num(h[c]) else json.dumps(h[c]) if isinstance(h[c], bool) else (h[c] or "")
+            assert (float(v) if _num(h[c]) else v) == want, (h["label"], c)
     # the grid: cells of at least 28 px with labels of at least 9 px
     w, hgt, px = page.eval_on_selector(
         ".sle-cell",
