@@ -11,7 +11,12 @@ shape (3 key/value heads; benchmarks/bench_record.py's) over the first ``--stori
 * speed: on CUDA, per dtype, the model's bare forward (sdpa, no output head) and the scoring pass
   (``score_heads``' recording) over the same length-packed batches, interleaved batch by batch, the best of
   ``--rounds``; each ratio is the scoring pass's time over the bare forward's in the same round;
-* the causal columns (``score_heads(..., causal=True)``) and ``storylens patch`` where this checkout has them.
+* the causal columns (``score_heads(..., causal=True)``: AtP and DLA, a backward pass per batch) on the
+  same model and the first ``--causal-stories`` stories, CUDA against the CPU, and the causal pass's time
+  over the plain scoring's;
+* ``storylens patch`` on the shipped model and the shipped example pairs (AtP and exact for every head),
+  CUDA against the CPU: the clean and corrupt metrics, the largest differences of AtP and exact, and
+  the time per pair and head against one forward of the pairs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -35,6 +41,7 @@ from storylens.analysis import score_heads  # noqa: E402
 from storylens.analysis.encode import batch_of, encode_stories  # noqa: E402
 from storylens.analysis.faithful import rank_correlation  # noqa: E402
 from storylens.analysis.names import name_vocabulary  # noqa: E402
+from storylens.analysis.patching import _batches, encode_pairs, patch_heads, read_pairs  # noqa: E402
 from storylens.analysis.record import record  # noqa: E402
 from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
 from storylens.core.batching import BATCH_TOKENS, length_batches  # noqa: E402
@@ -101,10 +108,105 @@ def speed(folder: Path, stories: list[str], dtype: torch.dtype, rounds: int, dev
     return {"seconds": best, "ratio_best": min(ratios), "ratios": ratios, "batches": len(batches)}
 
 
+CAUSAL = ("atp_mean", "atp_zero", "dla")
+
+
+def causal(folder: Path, stories: list[str], device: str) -> dict:
+    """AtP and DLA on the CPU (float32, the reference) and on ``device`` in float32 and bfloat16."""
+    out: dict = {}
+    ref = None
+    for name, dev, dtype in (
+        ("cpu_float32", "cpu", torch.float32),
+        ("float32", device, torch.float32),
+        ("bfloat16", device, torch.bfloat16),
+    ):
+        lm = load_lm(str(folder), dtype=dtype, device=dev)
+        _sync(dev)
+        t = time.perf_counter()
+        plain = score_heads(lm, stories, progress=False)
+        _sync(dev)
+        t_plain = time.perf_counter() - t
+        t = time.perf_counter()
+        got = score_heads(lm, stories, progress=False, causal=True)
+        _sync(dev)
+        t_causal = time.perf_counter() - t
+        row = {"plain_seconds": t_plain, "causal_seconds": t_causal, "causal_over_plain": t_causal / t_plain}
+        del plain
+        if ref is None:
+            ref = got
+        else:
+            cols_ref, cols_got = _columns(ref), _columns(got)
+            for c in CAUSAL:
+                pairs = [(x, y) for x, y in zip(cols_ref[c], cols_got[c]) if x is not None and y is not None]
+                row[c] = {
+                    "max_abs_diff": max(abs(x - y) for x, y in pairs),
+                    "largest_abs": max(abs(x) for x, _ in pairs),
+                    "rank_rho": rank_correlation([x for x, _ in pairs], [y for _, y in pairs]),
+                }
+        out[name] = row
+        print("causal", name, json.dumps(row), flush=True)
+    return out
+
+
+def patch(device: str) -> dict:
+    """``storylens patch`` on the shipped model and example pairs, CPU (float32) against ``device``."""
+    rows = read_pairs(Path(__file__).resolve().parents[1] / "storylens" / "data" / "example_pairs.jsonl")
+    out: dict = {}
+    ref = None
+    for name, dev, dtype in (
+        ("cpu_float32", "cpu", torch.float32),
+        ("float32", device, torch.float32),
+        ("bfloat16", device, torch.bfloat16),
+    ):
+        lm = load_lm(None, dtype=dtype, device=dev)
+        pairs = encode_pairs(lm, rows)
+        batches = _batches(lm, pairs)  # the clean forwards patch_heads makes, timed alone
+
+        def forward(lm=lm, batches=batches) -> None:
+            with torch.inference_mode():
+                for b in batches:
+                    lm.forward(b.clean, logits=True)
+
+        forward()
+        _sync(dev)
+        t = time.perf_counter()
+        forward()
+        _sync(dev)
+        t_fwd = time.perf_counter() - t
+        _sync(dev)
+        t = time.perf_counter()
+        res = patch_heads(lm, pairs, exact="all")
+        _sync(dev)
+        secs = time.perf_counter() - t
+        n = len(res.heads)
+        row = {
+            "seconds": secs,
+            "pairs": res.pairs,
+            "heads": n,
+            "clean_metric": res.clean_metric,
+            "corrupt_metric": res.corrupt_metric,
+            "spearman_atp_exact": res.spearman,
+            "one_forward_seconds": t_fwd,
+            "seconds_per_head_over_one_forward": secs / n / t_fwd,
+        }
+        if ref is None:
+            ref = res
+        else:
+            row["max_abs_diff_atp"] = max(abs(a.atp - b.atp) for a, b in zip(ref.heads, res.heads))
+            row["max_abs_diff_exact"] = max(abs(a.exact - b.exact) for a, b in zip(ref.heads, res.heads))
+            row["largest_abs_exact"] = max(abs(a.exact) for a in ref.heads)
+            row["metric_diff"] = abs(ref.clean_metric - res.clean_metric)
+        out[name] = row
+        print("patch", name, json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stories", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--causal-stories", type=int, default=20)
+    ap.add_argument("--parts", default="score,causal,patch", help="which parts to run, comma-separated")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="cuda (a smoke test of this script: cpu)")
     args = ap.parse_args()
@@ -117,8 +219,24 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "stories": len(stories),
     }
+    parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         folder = build("llama-30x9", Path(tmp))
+        for part, run in (
+            ("patch", lambda: patch(args.device)),
+            ("causal", lambda: causal(folder, stories[: args.causal_stories], args.device)),
+        ):
+            if part in parts:
+                try:  # one part's failure leaves the others' figures
+                    result[part] = run()
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    result[part] = {"error": repr(e)}
+        if "score" not in parts:
+            print(json.dumps(result, indent=1))
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            return
         t = time.perf_counter()
         ref = score_heads(load_lm(str(folder), dtype=torch.float32), stories, progress=False)
         result["cpu_float32_seconds"] = time.perf_counter() - t
