@@ -132,7 +132,7 @@ print(f"... and {len(scores.columns) - 6} more")
 """),
     md("""
 In Jupyter a scored table shows itself as a block x head grid (of `name_mass`: attention on the
-story's main character); `grid_html(column)` shows any other column.
+story's main character); `grid_html(column)` is the same grid of any other column, as HTML text.
 """),
     code(
         """
@@ -142,7 +142,9 @@ scores
     ),
     code(
         """
-scores.grid_html("prev_token")
+from IPython.display import HTML
+
+HTML(scores.grid_html("prev_token"))   # grid_html gives the HTML as text; HTML(...) shows it
 """,
         "table",
     ),
