@@ -24,11 +24,15 @@ _WHERE = {
     "KVCache": "storylens.model.gpt",
     "load_model": "storylens.model.hub",
     "load_heads": "storylens.lesson.results",
+    "load_patch": "storylens.analysis.patching",
+    "score_heads": "storylens.analysis.scores",
     "attention_widget": "storylens.recording",
     "story_attention": "storylens.recording",
 }
 
 if TYPE_CHECKING:
+    from storylens.analysis.patching import load_patch
+    from storylens.analysis.scores import score_heads
     from storylens.core.errors import StorylensError
     from storylens.core.heads import Head, head_label, parse_head_label
     from storylens.lesson.results import load_heads
@@ -47,9 +51,11 @@ __all__ = [
     "attention_widget",
     "head_label",
     "load_heads",
+    "load_patch",
     "load_lm",
     "load_model",
     "parse_head_label",
+    "score_heads",
     "story_attention",
     "wrap",
 ]

@@ -104,3 +104,22 @@ def test_grid_html_escapes_and_shows_missing_values():
     assert "<script>" not in page and "&lt;script&gt;" in page and "a &amp; b" in page
     assert page.count("not computed") == 2 and 'title="L2H2: 1"' in page
     assert "background:#ffffff" in page and "background:#2166ac" in page  # the column's smallest and largest
+
+
+def test_the_explorer_inline_is_the_page_of_this_table(scored, shipped_model):
+    """HeadScores.explorer(): the notebook view holds every head's row and its examples, decoded by the
+    model's tokenizer, as explore.html would; without the tokenizer a table with examples is refused."""
+    import json
+    import re
+
+    view = scored.explorer(shipped_model.tokenizer, title="t")
+    fragment = view._repr_html_()
+    assert 'class="sle-root"' in fragment and "<script" in fragment
+    data = json.loads(re.search(r'id="sle-[0-9a-f]+-data">(.*?)</script>', fragment, re.S)[1])
+    assert len(data["rows"]) == len(scored.heads) and data["columns"] == list(scored.to_rows()[0])
+    labels = [r[data["columns"].index("label")] for r in data["rows"]]
+    assert labels == [h.label for h in scored.heads]
+    assert data["examples"] is not None and data["meanings"]["name_mass"] == scored.columns[0].meaning
+    assert "Content-Security-Policy" in view.to_html()
+    with pytest.raises(ValueError, match="tokenizer"):
+        scored.explorer()

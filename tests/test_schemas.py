@@ -1,7 +1,8 @@
 """Versioned outputs: heads.json, examples.json and summary.json of real runs (storylens score and
-report on the shipped model, a few stories) carry schema_version and validate against the package's
-JSON Schemas, the heads schema naming every column table_columns declares; load_heads reads a run
-back as typed results or frames; an older run's files are one line, not a KeyError."""
+report on the shipped model, a few stories) and patch.json (storylens patch on a few example pairs)
+carry schema_version and validate against the package's JSON Schemas, the heads schema naming every
+column table_columns declares; load_heads and load_patch read a run back as typed results or frames;
+an older run's files are one line, not a KeyError."""
 
 import json
 import shutil
@@ -11,8 +12,9 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from storylens import load_heads  # noqa: E402
+from storylens import load_heads, load_patch  # noqa: E402
 from storylens.analysis.detectors import BUILTIN_DETECTORS, FLAG, table_columns  # noqa: E402
+from storylens.analysis.patching import CSV_COLUMNS, EXAMPLE_PAIRS, PatchResult, read_pairs  # noqa: E402
 from storylens.analysis.scores import HeadScores  # noqa: E402
 from storylens.cli import main  # noqa: E402
 from storylens.core.errors import StorylensError  # noqa: E402
@@ -119,3 +121,63 @@ def test_an_older_or_other_run_is_one_line(score_run, tmp_path, file):
 def test_not_a_run_is_one_line(tmp_path):
     with pytest.raises(StorylensError, match="no heads.json"):
         load_heads(tmp_path)
+
+
+# ---------------------------------------------------------------- patch.json
+
+PAIRS = 3
+
+
+@pytest.fixture(scope="module")
+def patch_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("patch")
+    (d / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_pairs(EXAMPLE_PAIRS)[:PAIRS]))
+    assert main(["patch", "--pairs", str(d / "p.jsonl"), "--out", str(d / "run"), "--no-progress"]) == 0
+    return d / "run"
+
+
+def test_a_patch_run_validates_and_reads_back(patch_run):
+    doc = json.loads((patch_run / "patch.json").read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION and list(doc)[0] == "schema_version"
+    validate(doc, schema("patch"))
+    assert schema("patch")["required"] == ["schema_version", *(f.name for f in fields(PatchResult))]
+    result = load_patch(patch_run)
+    assert isinstance(result, PatchResult) and result.pairs == PAIRS
+    assert {"schema_version": SCHEMA_VERSION, **result.to_dict()} == doc  # every field, every float
+    assert load_patch(patch_run / "patch.json") == result
+    doc["heads"][0]["atp"] = "large"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc, schema("patch"))
+
+
+def test_patch_to_pandas(patch_run):
+    pd = pytest.importorskip("pandas")
+    result = load_patch(patch_run)
+    heads = result.to_pandas()
+    assert list(heads.columns) == list(CSV_COLUMNS) and len(heads) == result.n_layer * result.n_head
+    assert heads["atp"].tolist() == [h.atp for h in result.heads]  # the very floats
+    csv = pd.read_csv(patch_run / "patch.csv")  # written with 9 significant digits
+    pd.testing.assert_frame_equal(heads, csv, check_exact=False, rtol=1e-8, atol=0)
+    pairs = result.to_pandas("pairs")
+    assert len(pairs) == PAIRS and pairs["clean_metric"].tolist() == [p.clean_metric for p in result.per_pair]
+    with pytest.raises(ValueError, match="heads"):
+        result.to_pandas("other")
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda d: d.pop("schema_version"), "written by an older storylens (no schema_version"),
+        (lambda d: d.update(schema_version=2), "schema_version 2, but this storylens reads version 1"),
+        (lambda d: d.pop("heads"), "not a storylens patch.json (missing heads)"),
+    ],
+)
+def test_an_older_or_other_patch_json_is_one_line(patch_run, tmp_path, change, said):
+    doc = json.loads((patch_run / "patch.json").read_text())
+    change(doc)
+    (tmp_path / "patch.json").write_text(json.dumps(doc))
+    with pytest.raises(StorylensError) as e:
+        load_patch(tmp_path)
+    assert said in str(e.value) and str(e.value).startswith(str(tmp_path / "patch.json")) and "\n" not in str(e.value)
+    with pytest.raises(StorylensError, match="cannot read"):
+        load_patch(tmp_path / "nowhere")

@@ -8,6 +8,7 @@ SLOW = {
     "tests/faults/": "kills real storylens processes (report, export-hf, train) at every publish step",
     "tests/test_wheel.py": "builds the wheel and installs it, torch included, in a fresh virtual environment",
     "tests/test_notebook.py": "executes the lesson notebook, every cell, in a Jupyter kernel",
+    "tests/test_any_model_notebook.py": "executes the practitioner's notebook, every cell, on a Llama it saves (~1 min)",
     "tests/analysis/test_crosscheck.py": "boots TransformerLens on the export and runs the whole quiz through it",
     "tests/test_ray.py": "starts a real local Ray and its actors",
     "tests/test_ray_robust.py": "starts real local Rays, kills actors, holds a dead address",

@@ -28,7 +28,7 @@ import contextlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import Head, head_label
 from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
+from storylens.core.schema import check_version, versioned
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 from storylens.model.tokenizer import text_only
 
@@ -169,6 +170,18 @@ class PatchResult(Plain):
     spearman: float | None  # atp vs exact over the heads patched exactly
     heads: tuple[HeadEffect, ...]
     per_pair: tuple[PairMetrics, ...]
+
+    def to_pandas(self, what: str = "heads"):
+        """A ``pandas.DataFrame``: ``"heads"``, one row per head with patch.csv's columns (``exact``,
+        ``exact_se`` and ``gap_fraction`` NaN where a head was not patched exactly); ``"pairs"``, one row
+        per pair (its line, texts and both metrics). Needs pandas (``storylens[pandas]``)."""
+        from storylens.core.frames import to_frame
+
+        if what == "heads":
+            return to_frame([h.to_dict() for h in self.heads], CSV_COLUMNS)
+        if what == "pairs":
+            return to_frame([p.to_dict() for p in self.per_pair], [f.name for f in fields(PairMetrics)])
+        raise ValueError(f"to_pandas: {what!r} is not 'heads' or 'pairs'")
 
 
 def mean_se(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,7 +427,30 @@ def patch_csv(result: PatchResult) -> str:
 
 
 def patch_json(result: PatchResult) -> str:
-    return json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n"
+    """patch.json: ``schema_version`` first, then the result's fields (``storylens/schemas/patch.schema.json``)."""
+    return json.dumps(versioned(result.to_dict()), indent=1, allow_nan=False) + "\n"
+
+
+def load_patch(folder: str | Path) -> PatchResult:
+    """Read back the patch.json ``storylens patch --out FOLDER`` wrote (``FOLDER`` or the file itself)
+    as a :class:`PatchResult`; an older run's file, another version or a file missing a key is one
+    StorylensError line naming it."""
+    path = Path(folder)
+    path = path / "patch.json" if path.is_dir() else path
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise StorylensError(f"{path}: cannot read ({e.strerror}; not a folder storylens patch wrote)") from None
+    except ValueError as e:
+        raise StorylensError(f"{path}: not JSON ({e})") from None
+    check_version(doc, str(path))
+    names = [f.name for f in fields(PatchResult)]
+    if missing := [k for k in names if k not in doc]:
+        raise StorylensError(f"{path}: not a storylens patch.json (missing {', '.join(missing)})")
+    try:
+        return PatchResult.from_dict(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StorylensError(f"{path}: not a storylens patch.json ({type(e).__name__}: {e})") from None
 
 
 def summary_lines(result: PatchResult, top: int = 10) -> list[str]:

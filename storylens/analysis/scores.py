@@ -702,6 +702,24 @@ class HeadScores:
         note = f"{self.n_stories:,} stories; {self.n_layer} blocks x {self.n_head} heads; column {name}"
         return grid_html(self.grid(name), self.title(name), note)
 
+    def explorer(self, tokenizer=None, *, title: str = "storylens explorer", meta: Mapping | None = None):
+        """The explorer (explore.html, :mod:`storylens.viz.explorer`) of this table as a notebook view:
+        every head with every column, sortable and filtered, a grid of any column and, where the table
+        kept examples (``score_heads(..., examples=K)``), each head's top examples with their tokens
+        decoded by ``tokenizer`` (the model's, e.g. ``lm.tokenizer``; needed only with examples).
+        Shown inline as a cell's last expression; ``.to_html()`` is the standalone page."""
+        from storylens.viz.explorer import explorer_view
+        from storylens.viz.tokens import token_text
+
+        examples = None
+        if self.examples is not None:
+            if tokenizer is None:
+                raise ValueError("explorer: this table kept examples; pass the model's tokenizer to show their tokens")
+            examples = self.examples.as_json(lambda i: token_text(tokenizer, i))
+        meanings = {c.name: c.meaning for c in self.columns}
+        counts = {"stories": f"{self.n_stories:,}", "heads": f"{self.n_layer} blocks x {self.n_head} heads"}
+        return explorer_view(self.to_rows(), examples, title=title, meta={**counts, **(meta or {})}, meanings=meanings)
+
     def _repr_html_(self) -> str:
         """What Jupyter shows for a scored table: the grid of its first column (``name_mass``)."""
         if not self.heads:

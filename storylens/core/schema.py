@@ -1,4 +1,4 @@
-"""Versioned outputs: every JSON file a run writes (heads.json, examples.json, summary.json) carries
+"""Versioned outputs: every JSON file a run writes (heads.json, examples.json, summary.json, patch.json) carries
 ``schema_version``, and the package holds a JSON Schema for each (``storylens/schemas``).
 
 A reader checks the version first (:func:`check_version`): a file without one (written before
@@ -17,7 +17,7 @@ from storylens.core.errors import StorylensError
 
 SCHEMA_KEY = "schema_version"
 SCHEMA_VERSION = 1
-SCHEMAS = ("heads", "examples", "summary-score", "summary-report")
+SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch")
 
 
 def versioned(doc: dict) -> dict:

@@ -42,7 +42,15 @@ from storylens.core.errors import StorylensError
 from storylens.core.publish import write_text_atomic
 from storylens.viz.widget import _HtmlView, _json_for_script, _static
 
-__all__ = ["EXPLORER_FILE", "WEIGHT_SCALE", "explorer_data", "explorer_html", "write_explorer", "write_explorer_for"]
+__all__ = [
+    "EXPLORER_FILE",
+    "WEIGHT_SCALE",
+    "explorer_data",
+    "explorer_html",
+    "explorer_view",
+    "write_explorer",
+    "write_explorer_for",
+]
 
 EXPLORER_FILE = "explore.html"
 WEIGHT_SCALE = 10_000  # weights embedded as whole numbers of 1e-4: examples keep 4 decimals
@@ -183,6 +191,19 @@ class _Explorer(_HtmlView):
         )
 
 
+def explorer_view(
+    heads: Sequence[Mapping],
+    examples: Mapping | None,
+    *,
+    title: str,
+    meta: Mapping,
+    meanings: Mapping[str, str] | None = None,
+) -> _Explorer:
+    """The explorer as a notebook view: the last expression of a Jupyter cell (or ``display(...)``)
+    shows it inline, the same page :func:`explorer_html` writes; ``.to_html()`` is that page."""
+    return _Explorer(explorer_data(heads, examples, title=title, meta=meta, meanings=meanings))
+
+
 def explorer_html(
     heads: Sequence[Mapping],
     examples: Mapping | None,
@@ -192,7 +213,7 @@ def explorer_html(
     meanings: Mapping[str, str] | None = None,
 ) -> str:
     """The explorer as one self-contained HTML page (see the module docstring and :func:`explorer_data`)."""
-    return _Explorer(explorer_data(heads, examples, title=title, meta=meta, meanings=meanings)).to_html()
+    return explorer_view(heads, examples, title=title, meta=meta, meanings=meanings).to_html()
 
 
 def write_explorer(
