@@ -139,7 +139,8 @@ class SinkAccumulator:
         if len(self._ratio) == L:
             ratio = torch.stack([self._ratio[i] for i in range(L)], 1)  # [B, L, H]
             self.first_value.add(ratio.nan_to_num(0.0), torch.isfinite(ratio).all(-1).all(-1) & (n > 0))
-        self._add(total.sum(0), square.sum(0), energy.sum(0), float(n.sum()), shift)
+        sums = (total.sum(0).cpu(), square.sum(0).cpu(), energy.sum(0).cpu())  # the run's sums live on the CPU
+        self._add(*sums, float(n.sum()), shift.cpu())
 
     def _add(self, total: torch.Tensor, square: torch.Tensor, energy: torch.Tensor, n: float, shift: torch.Tensor):
         """Sums about ``shift`` over ``n`` queries, added to these (moved to this accumulator's shift)."""
