@@ -35,6 +35,7 @@ from storylens.analysis.truth import (
     TRUTH_FLOOR_FLOPS,
     AblationCost,
     block_flops,
+    effect_text,
     head_flops,
     scoring_flops,
 )
@@ -217,15 +218,9 @@ def audit(
 
 
 def effect_cell(e: Effect | None) -> str:
-    """An effect for a table cell: ``+0.0123 ± 0.0040`` where its sign is beyond two standard errors,
-    else ``no clear effect (+0.0012 ± 0.0040)``; empty for none."""
-    if e is None or e.nats != e.nats:
-        return ""
-    if not e.se == e.se:
-        return f"{e.nats:+.4f} (no error: one story)"
-    if abs(e.nats) <= 2 * e.se:
-        return f"no clear effect ({e.nats:+.4f} ± {e.se:.4f})"
-    return f"{e.nats:+.4f} ± {e.se:.4f}"
+    """An effect for a table cell (:func:`~storylens.analysis.truth.effect_text`): a sign only beyond
+    two standard errors, else ``no clear effect (...)``; empty for none."""
+    return "" if e is None else effect_text(e.nats, e.se)
 
 
 def sign_words(e: Effect) -> str:

@@ -41,6 +41,7 @@ from storylens.analysis.truth import (
     truth_budget_stories,
     truth_cost,
     truth_table,
+    with_causal,
 )
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
@@ -202,6 +203,8 @@ def _build_report(out: Path, model: ModelLike | None, opts: ReportOptions) -> Re
         summary.faithfulness = _faithfulness(lm, scores, encoded, opts, timings)
         if opts.causal:
             summary.audit = _audit(lm, scores, encoded, opts, timings)
+            if summary.faithfulness is not None:  # AtP for every head, exact where audited, in the truth table
+                summary.faithfulness = _truth_with_atp(summary.faithfulness, scores, summary.audit)
         _write_tables(tmp, lm, scores, summary, opts)
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings
@@ -319,6 +322,13 @@ def _audit(
         n = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
     with _timer(timings, "audit"):
         return audit_stories(lm, encoded[:n], batch_size=opts.batch_size, progress=opts.progress)
+
+
+def _truth_with_atp(truth: Truth, scores: HeadScores, audit: Audit | None) -> Truth:
+    """The faithfulness table with AtP (mean ablation) beside each row and the audit's exact effect
+    where it ablated the row's head (:func:`storylens.analysis.truth.with_causal`)."""
+    exact = {} if audit is None else {r.head: (r.exact_mean.nats, r.exact_mean.se) for r in audit.rows}
+    return with_causal(truth, scores, exact, 0 if audit is None else audit.n_stories)
 
 
 def _write_tables(tmp: Path, lm: AttentionLM, scores: HeadScores, summary: ReportSummary, opts: ReportOptions) -> None:
