@@ -146,3 +146,38 @@ def test_the_default_stories_are_what_the_budget_allows(folder):
     assert audit_budget_stories(lm, lengths, 6, 0.0, floor_flops=1.0) == 1  # never none
     scoring = lm.n_layer * block_flops(lm)  # a token's scoring work: 0.2 x what 10 x 40 tokens cost
     assert audit_budget_stories(lm, lengths, 6, 40 * 10 * per_token / scoring / 0.2 * (1 + 1e-9), floor_flops=0) == 40
+
+
+def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(folder, stories, tmp_path):
+    """report --causal: the faithfulness table's rows carry AtP (mean ablation) over every quiz story
+    and the audit's exact effect where it ablated the head, each as effect_text writes it (no sign within
+    two errors), in place of the ablations' error-less loss changes; the summary validates."""
+    import html
+    import re
+
+    import jsonschema
+
+    from storylens.analysis.truth import effect_text
+
+    out = tmp_path / "rep"
+    argv = ["report", "--model", str(folder), "--dtype", "float64", "--quiz", str(stories), "--out", str(out),
+            "--no-progress", "--causal", "--truth-stories", "2"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    jsonschema.Draft202012Validator(schema("summary-report")).validate(summary)
+    t, a = summary["faithfulness"], summary["audit"]
+    c = t["causal"]
+    assert c["atp_stories"] == summary["quiz"]["stories"] == N and c["exact_stories"] == a["n_stories"] == 2
+    audited = {r["head"]: r["exact_mean"] for r in a["rows"]}
+    page = (out / "report.html").read_text()
+    section = page[page.index('id="truth"') : page.index('id="audit"')]
+    assert "AtP, mean ablation (nats)" in section and "loss +, zero" not in section
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", x)) for x in re.findall(r"<td[^>]*>(.*?)</td>", section)]
+    rows = [cells[i : i + 8] for i in range(0, len(cells) - len(t["agreements"]) * 4, 8)]
+    assert len(rows) == len(c["rows"])
+    for row, e in zip(rows, c["rows"]):
+        assert row[1] == e["head"] and row[5] == effect_text(e["atp"], e["atp_se"])
+        exact = audited.get(e["head"])
+        assert row[6] == ("" if exact is None else effect_text(exact["nats"], exact["se"]))
+        assert (e["exact"] is None) == (exact is None)
+    assert not any("switching it off changes the loss" in s for s in t["sentences"])

@@ -335,10 +335,19 @@ def _causal_clause(t: Truth, best: TruthRow) -> str:
     e = next(r for r in t.causal.rows if r.detector == best.detector and r.head == best.head)
     if e.atp is None:
         return "."
-    s = f"; AtP puts mean-ablating it at {effect_text(e.atp, e.atp_se)} nats of mean next-token loss over {t.causal.atp_stories} stories"
+    s = f"; by AtP over {t.causal.atp_stories} stories, replacing its output by its mean {_loss_words(e.atp, e.atp_se)}"
     if e.exact is not None:
-        s += f" (exact, on the {t.causal.exact_stories} audited: {effect_text(e.exact, e.exact_se)})"
+        s += f" (exactly, on the {t.causal.exact_stories} audited: {effect_text(e.exact, e.exact_se)} nats)"
     return s + "."
+
+
+def _loss_words(nats: float, se: float | None) -> str:
+    """An effect on the mean next-token loss in words, its sign said only beyond two standard errors."""
+    if se is None or se != se:
+        return f"changes the mean next-token loss by {nats:+.4f} nats (no error: one story)"
+    if abs(nats) <= 2 * se:
+        return f"has no clear effect on the mean next-token loss ({nats:+.4f} ± {se:.4f} nats)"
+    return f"changes the mean next-token loss by {nats:+.4f} ± {se:.4f} nats"
 
 
 def _verdict(rho: float | None) -> str:
@@ -374,7 +383,8 @@ def sentences(t: Truth) -> list[str]:
             s += f" The weighting moves {label} most, from rank {r_raw:g} to {r_norm:g}."
         if t.causal is not None:
             rho = dict(t.causal.rho).get(a.detector)
-            s += f" Over every head, the raw score and AtP (mean ablation) {_verdict(rho).replace('agree', 'rank alike', 1)}."
+            if rho is not None:
+                s += f" Over every head, Spearman's rho between the raw score and AtP (mean ablation) is {rho:.2f}."
         out.append(s)
     quiet = f"under {DORMANT_SHARE:g} of an even share of its block's story-dependent output"
     if t.dormant:

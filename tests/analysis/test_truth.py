@@ -132,8 +132,10 @@ def test_the_sentences_say_no_sign_within_two_errors_and_how_many_stories(causal
         if e.head != t.rows[[r.detector for r in t.rows].index(e.detector)].head:
             continue  # each detector's sentence is about its strongest head
         line = next(s for s in t.sentences if s.startswith(f"{e.detector}:"))
-        assert f"{effect_text(e.atp, e.atp_se)} nats of mean next-token loss over 10 stories" in line
-        assert ("no clear effect" in effect_text(e.atp, e.atp_se)) == (abs(e.atp) <= 2 * e.atp_se)
+        assert "by AtP over 10 stories, replacing its output by its mean " in line
+        clear = f"changes the mean next-token loss by {e.atp:+.4f} ± {e.atp_se:.4f} nats"
+        unclear = f"has no clear effect on the mean next-token loss ({e.atp:+.4f} ± {e.atp_se:.4f} nats)"
+        assert (clear if abs(e.atp) > 2 * e.atp_se else unclear) in line
         assert "switching it off changes the loss" not in line  # the ablations' numbers carry no error
         if e.exact is not None:
-            assert f"(exact, on the 2 audited: {effect_text(e.exact, e.exact_se)})" in line
+            assert f"(exactly, on the 2 audited: {effect_text(e.exact, e.exact_se)} nats)" in line
