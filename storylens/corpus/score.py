@@ -288,7 +288,9 @@ def _audit_plan(
     heads = min(3 * opts.audit, lm.n_layer * lm.n_head)  # at most: the top K of each mode, K drawn at random
     n = asked if asked is not None else audit_budget_stories(lm, lengths, heads, n_total * sum(lengths) / len(lengths))
     chosen = candidates[:n]
-    how = "as asked (--audit-stories)" if asked is not None else "as many as the ablation budget allows"
+    how = "as many as the ablation budget allows"
+    if asked is not None:
+        how = "as asked (--audit-stories)" + (f"; the source holds {n_total}" if asked > n_total else "")
     what = f"score --audit {opts.audit}: the first {len(chosen)} stories, {how}"
     check_ablation_budget(audit_cost(lm, lengths[:n], heads), what, over=opts.over_budget)
     return chosen
