@@ -12,6 +12,7 @@ from pathlib import Path
 
 from storylens import __version__
 from storylens.analysis.ablation import generation_divergence, name_ablation_table, normalise_heads
+from storylens.analysis.audit import AUDIT_HEADS, audit_lines
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.analysis.perplexity import perplexity
@@ -879,9 +880,35 @@ def add_score_parser(sub) -> None:
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     _add_examples(s)
     _add_causal(s)
+    _add_audit(s)
     s.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     _add_model(s)
     s.set_defaults(func=cmd_score)
+
+
+def _add_audit(s) -> None:
+    s.add_argument(
+        "--audit",
+        type=int,
+        nargs="?",
+        const=AUDIT_HEADS,
+        default=0,
+        metavar="K",
+        help=f"with --causal: after scoring, check AtP against exact ablation (mean and zero) on the K heads of "
+        f"largest |AtP| and K drawn at random, as the report does; audit.csv and summary.json's audit "
+        f"(--audit alone: K = {AUDIT_HEADS}; 0, the default: none; see docs/audit.md)",
+    )
+    s.add_argument(
+        "--audit-stories",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the audit on the first N stories (default: as many of the first {TRUTH_STORIES} as cost at most "
+        f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP); its cost is said before "
+        f"scoring starts, and past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP needs {OVER_BUDGET_FLAG}",
+    )
+    s.add_argument("--seed", type=int, default=0, help="the audit's random heads: seed, 0 to 2^64 - 1 (default 0)")
+    s.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
 
 
 def _add_causal(s) -> None:
@@ -908,6 +935,7 @@ def cmd_score(args) -> int:
 
     if args.engine != "ray" and (args.address or args.workers != 2):
         raise UsageError("--workers and --address: only with --engine ray")
+    _check_seed(args.seed)
     options = ScoreOptions(
         batch_size=args.batch_size,
         chunk_stories=args.chunk_stories,
@@ -921,6 +949,10 @@ def cmd_score(args) -> int:
         progress=not args.no_progress,
         examples=args.examples,
         causal=args.causal,
+        audit=args.audit,
+        audit_stories=args.audit_stories,
+        seed=args.seed,
+        over_budget=args.over_budget,
     )
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus
@@ -942,6 +974,10 @@ def cmd_score(args) -> int:
         f"written to {run.out} (scoring {s.timings_s['scoring']:.1f} s, first pass {s.timings_s['first_pass']:.1f} s, "
         f"engine {s.engine.name})"
     )
+    if s.audit is not None:
+        print("\n".join(audit_lines(s.audit)))
+    elif options.audit:
+        print("audit: not run (the model's heads could not be reached, or no story predicts a token)")
     return 0
 
 

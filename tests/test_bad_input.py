@@ -364,3 +364,35 @@ def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp
     assert main(["score", "--stories", str(stories), "--out", str(out), "--no-progress", "--examples", str(most)]) == 0
     kept = json.loads((out / "examples.json").read_text())["heads"]
     assert len(kept) == 24 and all(len(h["examples"]["prev_token"]) <= most for h in kept)
+
+
+@pytest.mark.parametrize(
+    "more, expect",
+    [
+        (["--audit"], "--audit: audits the causal columns; pass --causal too"),
+        (["--audit", "3"], "--audit: audits the causal columns; pass --causal too"),
+        (["--causal", "--audit", "-1"], "--audit: a whole number of heads, 0 or more (got -1)"),
+        (["--causal", "--audit", "--audit-stories", "0"], "--audit-stories: a whole number, 1 or more, with --audit (got 0)"),
+        (["--causal", "--audit-stories", "5"], "--audit-stories: a whole number, 1 or more, with --audit (got 5)"),
+        (["--causal", "--audit", "--seed", "-1"], "--seed: must be between 0 and 2^64 - 1 (got -1)"),
+    ],
+)  # fmt: skip
+def test_score_audit_options_are_one_line_before_the_model_loads(capsys, tmp_path, more, expect):
+    argv = ["score", "--stories", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o"), "--no-progress", *more]
+    assert one_line(capsys, argv, code=2) == f"storylens: error: {expect}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_score_audit_past_the_budget_is_refused_before_scoring(capsys, tmp_path, corpus_split, monkeypatch):
+    """The audit's cost is counted once the first pass has counted the stories, before the scoring:
+    past the ablation limit it is one line naming --over-budget, and nothing is written."""
+    import storylens.analysis.truth as truth
+
+    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", 1e6)
+    stories = tmp_path / "stories.txt"
+    stories.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:2]))
+    argv = ["score", "--stories", str(stories), "--out", str(tmp_path / "o"), "--no-progress", "--causal", "--audit"]
+    line = one_line(capsys, argv, code=2)
+    assert line.startswith("storylens: error: score --audit 8: the first 2 stories, as many as the ablation budget")
+    assert line.endswith("past the budget of 1e-06 TFLOP; pass --over-budget to run it anyway")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories.txt"]

@@ -156,3 +156,22 @@ def test_a_killed_actor_loses_and_doubles_nothing(local_ray, shipped_model, corp
     got, stats = result["value"]
     assert stats == ref_stats  # every story once
     assert_same(got, ref)
+
+
+def test_score_audit_on_ray_runs_in_the_driver_and_equals_one_process(local_ray, corpus_split, tmp_path):
+    """score --causal --audit on Ray: the audit runs in the driver after the workers' sums merge, on the
+    same first stories, and writes what one process writes."""
+    import json
+
+    from storylens.cli import main
+
+    path = tmp_path / "s.txt"
+    path.write_text("".join(f"{s}\n<|endoftext|>\n" for s in corpus_split.quiz[:12]))
+    common = ["score", "--stories", str(path), "--no-progress", "--examples", "0", "--causal", "--audit", "1",
+              "--audit-stories", "2", "--batch-size", str(BATCH), "--chunk-stories", str(CHUNK)]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "local")]) == 0
+    assert main([*common, "--out", str(tmp_path / "ray"), "--engine", "ray", "--workers", "2"]) == 0
+    local, on_ray = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("local", "ray"))
+    assert on_ray["engine"]["name"] == "ray" and on_ray["audit"]["n_stories"] == 2
+    assert on_ray["audit"] == local["audit"]  # the same model in the driver, the same stories: the same bits
+    assert (tmp_path / "ray" / "audit.csv").read_text() == (tmp_path / "local" / "audit.csv").read_text()

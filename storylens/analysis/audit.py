@@ -30,6 +30,15 @@ from storylens.analysis.causal import CausalAccumulator
 from storylens.analysis.encode import EncodedStory
 from storylens.analysis.faithful import rank_correlation
 from storylens.analysis.record import record
+from storylens.analysis.truth import (
+    TRUTH_BUDGET,
+    TRUTH_FLOOR_FLOPS,
+    AblationCost,
+    block_flops,
+    effect_text,
+    head_flops,
+    scoring_flops,
+)
 from storylens.core.batching import BATCH_TOKENS, length_batches
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
@@ -208,6 +217,12 @@ def audit(
     return Audit(rows, rho("mean"), rho("zero"), disagree, len(stories_ids), tokens, seed)
 
 
+def effect_cell(e: Effect | None) -> str:
+    """An effect for a table cell (:func:`~storylens.analysis.truth.effect_text`): a sign only beyond
+    two standard errors, else ``no clear effect (...)``; empty for none."""
+    return "" if e is None else effect_text(e.nats, e.se)
+
+
 def sign_words(e: Effect) -> str:
     """An effect in words that never states a sign the error does not support."""
     if not e.se == e.se:
@@ -215,3 +230,121 @@ def sign_words(e: Effect) -> str:
     if abs(e.nats) <= 2 * e.se:
         return f"{e.nats:+.4f} ± {e.se:.4f} nats (within two standard errors of zero: no sign)"
     return f"{e.nats:+.4f} ± {e.se:.4f} nats"
+
+
+# ---------------------------------------------------------------- the audit on the first stories, and its cost
+
+
+def audit_passes(lm: AttentionLM, heads: int) -> tuple[int, int]:
+    """What an audit of ``heads`` heads runs per token: (blocks, output heads). AtP on the stories (a
+    forward and a backward pass, counted as three forwards), the unablated losses, and each head in
+    each of :data:`MODES` through the whole model (:func:`exact_effects` runs every block)."""
+    L = lm.n_layer
+    return 3 * L + L + len(MODES) * heads * L, 3 + 1 + len(MODES) * heads
+
+
+def audit_cost(lm: AttentionLM, lengths: Sequence[int], heads: int) -> AblationCost:
+    """An audit of ``heads`` heads over stories of ``lengths`` tokens, counted before it starts, as
+    :func:`~storylens.analysis.truth.ablate_cost` counts ``storylens ablate``."""
+    blocks, outputs = audit_passes(lm, heads)
+    flops = sum(lengths) * (blocks * block_flops(lm) + outputs * head_flops(lm))
+    return AblationCost(passes=blocks / lm.n_layer, flops=flops, scoring=scoring_flops(lm, lengths))
+
+
+def audit_budget_stories(
+    lm: AttentionLM,
+    lengths: Sequence[int],
+    heads: int,
+    scoring_tokens: float,
+    *,
+    budget: float = TRUTH_BUDGET,
+    floor_flops: float = TRUTH_FLOOR_FLOPS,
+) -> int:
+    """How many of the first stories (``lengths``: the candidates' tokens, in order) an audit of
+    ``heads`` heads runs on by default: the most whose :func:`audit_cost` fits the report's
+    ablation budget, ``max(budget x the scoring pass over scoring_tokens tokens, floor_flops)``
+    (:func:`~storylens.analysis.truth.truth_budget_stories`), and at least one."""
+    if not lengths:
+        return 0
+    allowed = max(budget * lm.n_layer * scoring_tokens * block_flops(lm), floor_flops)
+    n, work = 0, 0.0
+    for t in lengths:
+        work += audit_cost(lm, [t], heads).flops
+        if work > allowed:
+            break
+        n += 1
+    return max(1, n)
+
+
+def audit_stories(
+    lm: AttentionLM,
+    stories: Sequence[EncodedStory],
+    *,
+    k: int = AUDIT_HEADS,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> Audit | None:
+    """The audit the report runs (:func:`audit`) on ``stories``: AtP recomputed on them (so that AtP
+    and the exact effect replace a head's output by the same mean), then the chosen heads ablated
+    exactly. None when no story predicts a token or the model's heads cannot be reached."""
+    from storylens.core.progress import ProgressLines
+
+    chosen = [e for e in stories if len(e.ids) >= 2]
+    if not chosen:
+        return None
+    cols, acc = attribution(lm, chosen, batch_size=batch_size)
+    heads = list(Head.every(lm.n_layer, lm.n_head))
+    estimates = {}
+    for mode in MODES:
+        est, se = cols[f"atp_{mode}"], cols[f"atp_{mode}_se"]
+        if est is None or se is None:
+            return None  # the model's heads could not be reached
+        estimates[mode] = {h: Effect(float(est[h]), float(se[h])) for h in heads}
+    lines = ProgressLines("auditing AtP against exact ablation", len(chosen), enabled=progress)
+    ids = [e.ids for e in chosen]
+    return audit(lm, ids, estimates, k=k, seed=seed, means=acc.z_means(), batch_size=batch_size, on_batch=lines.update)
+
+
+AUDIT_CSV = (
+    "head",
+    "chosen",
+    *(f"{kind}_{m}{se}" for m in MODES for kind in ("atp", "exact") for se in ("", "_se")),
+)
+
+
+def audit_csv_rows(a: Audit) -> list[dict]:
+    """audit.csv's rows (:data:`AUDIT_CSV`): each audited head, why it was chosen, AtP and the exact
+    effect per mode with their standard errors (nats; empty where there is none)."""
+    out = []
+    for r in a.rows:
+        row: dict = {"head": r.head, "chosen": r.why}
+        for m in MODES:
+            for kind in ("atp", "exact"):
+                e = getattr(r, f"{kind}_{m}")
+                row[f"{kind}_{m}"] = "" if e is None else repr(e.nats)
+                row[f"{kind}_{m}_se"] = "" if e is None else repr(e.se)
+        out.append(row)
+    return out
+
+
+def audit_lines(a: Audit) -> list[str]:
+    """The audit as a short table for a terminal: rho per mode, the disagreements, each head."""
+
+    def rho(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    out = [
+        f"AtP audited by exact ablation on {a.n_stories} stories ({a.n_tokens:,} predicted tokens, seed {a.seed}): "
+        f"Spearman's rho {rho(a.rho_mean)} (mean), {rho(a.rho_zero)} (zero); nats of mean loss, ± one standard error",
+        "  " + "  ".join(f"{c:>34}" if i > 1 else f"{c:<6}" for i, c in enumerate(
+            ["head", "chosen", "AtP, mean", "exact, mean", "AtP, zero", "exact, zero"])),
+    ]  # fmt: skip
+    for r in a.rows:
+        cells = [effect_cell(r.atp_mean), effect_cell(r.exact_mean), effect_cell(r.atp_zero), effect_cell(r.exact_zero)]
+        out.append(f"  {r.head:<6}  {r.why:<6}  " + "  ".join(f"{c:>34}" for c in cells))
+    if a.disagree:
+        out.append(
+            "  AtP and exact disagree in sign beyond their errors: " + ", ".join(f"{h} ({m})" for h, m in a.disagree)
+        )
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from storylens.analysis.ablation import MODES, ablation_loss_table, head_output_means
@@ -61,6 +61,31 @@ class Agreement(Plain):
 
 
 @dataclass(frozen=True)
+class TruthEffect(Plain):
+    """A row's head with ``--causal``: AtP's estimate of what mean ablation does to the mean next-token
+    loss (nats, every quiz story) with its standard error, and the exact effect with its error where
+    the audit ablated the head (None where it did not)."""
+
+    detector: str
+    head: str
+    atp: float | None
+    atp_se: float | None
+    exact: float | None = None
+    exact_se: float | None = None
+
+
+@dataclass(frozen=True)
+class TruthCausal(Plain):
+    """The table's causal columns (``--causal``): per row, :class:`TruthEffect`; per detector, Spearman's
+    rho over every head between its raw score and ``atp_mean``; the stories each rests on."""
+
+    rows: tuple[TruthEffect, ...]
+    rho: tuple[tuple[str, float | None], ...]  # (detector, rho: raw score vs atp_mean over every head)
+    atp_stories: int  # the quiz stories AtP is over
+    exact_stories: int  # the stories the audit ablated the heads on (0: no audit)
+
+
+@dataclass(frozen=True)
 class Truth(Plain):
     rows: tuple[TruthRow, ...]
     agreements: tuple[Agreement, ...]
@@ -70,6 +95,45 @@ class Truth(Plain):
     dormant: tuple[str, ...]  # every dormant head
     sentences: tuple[str, ...]
     stories_chosen: str = ""  # how the stories were chosen and their cost, in words (the report says it)
+    causal: TruthCausal | None = None  # AtP for every head, exact where audited (--causal; no key without it)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if d["causal"] is None:
+            del d["causal"]
+        return d
+
+
+def effect_text(nats: float | None, se: float | None) -> str:
+    """An effect in a table cell or a sentence, never with a sign its error does not support:
+    ``+0.0123 ± 0.0040`` beyond two standard errors of zero, else ``no clear effect (+0.0012 ± 0.0040)``;
+    empty for none."""
+    if nats is None or nats != nats:
+        return ""
+    if se is None or se != se:
+        return f"{nats:+.4f} (no error: one story)"
+    if abs(nats) <= 2 * se:
+        return f"no clear effect ({nats:+.4f} ± {se:.4f})"
+    return f"{nats:+.4f} ± {se:.4f}"
+
+
+def with_causal(truth: Truth, scores: HeadScores, exact: dict[str, tuple[float, float]], exact_stories: int) -> Truth:
+    """``truth`` with its causal columns (:class:`TruthCausal`) from ``scores``' ``atp_mean`` and
+    ``atp_mean_se`` (a ``--causal`` run) and ``exact``: ``{head label: (nats, se)}`` of the audited
+    heads' exact mean ablation on ``exact_stories`` stories; its sentences said with them."""
+    atp, se = scores.column("atp_mean"), scores.column("atp_mean_se")
+    index = {h.label: i for i, h in enumerate(scores.heads)}
+    rows = tuple(
+        TruthEffect(r.detector, r.head, atp[index[r.head]], se[index[r.head]], *exact.get(r.head, (None, None)))
+        for r in truth.rows
+    )
+    known = all(v is not None for v in atp)
+    rho = tuple(
+        (a.detector, rank_correlation(scores.column(a.detector), atp) if known else None) for a in truth.agreements
+    )
+    causal = TruthCausal(rows, rho, scores.n_stories, exact_stories if exact else 0)
+    out = replace(truth, causal=causal)
+    return replace(out, sentences=tuple(sentences(out)))
 
 
 def truth_detectors(scores: HeadScores) -> list[str]:
@@ -241,6 +305,51 @@ def truth_table(
     return Truth(**{**truth.__dict__, "sentences": tuple(sentences(truth))})
 
 
+def _ablation_clause(t: Truth, best: TruthRow) -> str:
+    """The strongest head's ablation in words (no error: the table's ablations have none)."""
+    if best.zero_increase is None or best.mean_increase is None:
+        return f"; the {t.n_stories} stories switched off hold no {best.where} to measure it on."
+    return (
+        f"; switching it off changes the loss on {best.where} by {best.zero_increase:+.3f} nats"
+        f" (mean ablation {best.mean_increase:+.3f})."
+    )
+
+
+def _matters_more(best: TruthRow, rows: list[TruthRow]) -> str:
+    """The head of the detector's top rows whose zero ablation hurts most, where it is not the first."""
+    hurts = max(rows, key=lambda r: r.zero_increase if r.zero_increase is not None else -math.inf)
+    if (
+        hurts is not best
+        and hurts.zero_increase is not None
+        and best.zero_increase is not None
+        and hurts.zero_increase > best.zero_increase
+    ):
+        return f" Of its top {len(rows)}, {hurts.head} matters more ({hurts.zero_increase:+.3f})."
+    return ""
+
+
+def _causal_clause(t: Truth, best: TruthRow) -> str:
+    """The strongest head's effect on the mean next-token loss: AtP with its error over every quiz
+    story, and the exact effect where the audit ablated it, each signed only beyond two errors."""
+    assert t.causal is not None
+    e = next(r for r in t.causal.rows if r.detector == best.detector and r.head == best.head)
+    if e.atp is None:
+        return "."
+    s = f"; by AtP over {t.causal.atp_stories} stories, replacing its output by its mean {_loss_words(e.atp, e.atp_se)}"
+    if e.exact is not None:
+        s += f" (exactly, on the {t.causal.exact_stories} audited: {effect_text(e.exact, e.exact_se)} nats)"
+    return s + "."
+
+
+def _loss_words(nats: float, se: float | None) -> str:
+    """An effect on the mean next-token loss in words, its sign said only beyond two standard errors."""
+    if se is None or se != se:
+        return f"changes the mean next-token loss by {nats:+.4f} nats (no error: one story)"
+    if abs(nats) <= 2 * se:
+        return f"has no clear effect on the mean next-token loss ({nats:+.4f} ± {se:.4f} nats)"
+    return f"changes the mean next-token loss by {nats:+.4f} ± {se:.4f} nats"
+
+
 def _verdict(rho: float | None) -> str:
     if rho is None:
         return "cannot be compared (a constant column)"
@@ -253,37 +362,29 @@ def _verdict(rho: float | None) -> str:
 
 def sentences(t: Truth) -> list[str]:
     """Where raw attention, the norm-weighted score and ablation agree and where they part, in the
-    table's own numbers."""
+    table's own numbers (with ``--causal``: in AtP's and the audit's, with their errors)."""
     out = []
     for a in t.agreements:
         rows = [r for r in t.rows if r.detector == a.detector]
         if not rows:
             continue
         best = rows[0]
-        hurts = max(rows, key=lambda r: r.zero_increase if r.zero_increase is not None else -math.inf)
         s = f"{a.detector}: raw and norm-weighted rankings {_verdict(a.rho)}."
         if best.norm is not None and best.share is not None:
             s += (
                 f" Its strongest head, {best.head}, scores {best.raw:.3f} raw and {best.norm:.3f} norm-weighted"
                 f" and writes {best.share:.0%} of its block's head output"
             )
-            if best.zero_increase is not None and best.mean_increase is not None:
-                s += (
-                    f"; switching it off changes the loss on {best.where} by {best.zero_increase:+.3f} nats"
-                    f" (mean ablation {best.mean_increase:+.3f})."
-                )
-            else:
-                s += f"; the {t.n_stories} stories switched off hold no {best.where} to measure it on."
-        if (
-            hurts is not best
-            and hurts.zero_increase is not None
-            and best.zero_increase is not None
-            and hurts.zero_increase > best.zero_increase
-        ):
-            s += f" Of its top {len(rows)}, {hurts.head} matters more ({hurts.zero_increase:+.3f})."
+            s += _causal_clause(t, best) if t.causal is not None else _ablation_clause(t, best)
+        if t.causal is None:
+            s += _matters_more(best, rows)
         if a.moves and a.moves[0][1] != a.moves[0][2]:
             label, r_raw, r_norm = a.moves[0]
             s += f" The weighting moves {label} most, from rank {r_raw:g} to {r_norm:g}."
+        if t.causal is not None:
+            rho = dict(t.causal.rho).get(a.detector)
+            if rho is not None:
+                s += f" Over every head, Spearman's rho between the raw score and AtP (mean ablation) is {rho:.2f}."
         out.append(s)
     quiet = f"under {DORMANT_SHARE:g} of an even share of its block's story-dependent output"
     if t.dormant:

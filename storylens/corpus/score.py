@@ -29,12 +29,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from storylens.analysis.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
-from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
 from storylens.analysis.names import NameVocabulary
 from storylens.analysis.record import Counter, RecordStats, record
 from storylens.analysis.run_info import StoriesInfo, model_info
 from storylens.analysis.scores import HeadScoreAccumulator, HeadScores, score_table
+from storylens.analysis.truth import TRUTH_STORIES, check_ablation_budget
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder, write_text_atomic
@@ -116,7 +118,11 @@ class ScoreOptions:
     "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
     a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
     ``examples``: the queries kept per head and detector where it fires most (0: none); ``causal``:
-    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``)."""
+    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``); ``audit``: K > 0
+    (with ``causal``) audits AtP by exact ablation after the scoring, the K heads of largest |AtP| and K
+    drawn at random (``seed``) on ``audit_stories`` first stories (None: as many as the ablation budget
+    allows, :func:`~storylens.analysis.audit.audit_budget_stories`), refused past
+    :data:`~storylens.analysis.truth.ABLATION_LIMIT_FLOPS` unless ``over_budget``."""
 
     batch_size: int = BATCH_STORIES
     chunk_stories: int = CHUNK_STORIES
@@ -130,10 +136,21 @@ class ScoreOptions:
     progress: bool = True
     examples: int = EXAMPLES
     causal: bool = False
+    audit: int = 0
+    audit_stories: int | None = None
+    seed: int = 0
+    over_budget: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
         check_examples(self.examples)
+        if isinstance(self.audit, bool) or not isinstance(self.audit, int) or self.audit < 0:
+            raise UsageError(f"--audit: a whole number of heads, 0 or more (got {self.audit!r})")
+        if self.audit and not self.causal:
+            raise UsageError("--audit: audits the causal columns; pass --causal too")
+        n = self.audit_stories
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or not self.audit):
+            raise UsageError(f"--audit-stories: a whole number, 1 or more, with --audit (got {n!r})")
         if self.batch_size < 1 or self.chunk_stories < 1 or self.checkpoint_every < 1:
             raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
         if self.engine not in ("local", "ray"):
@@ -215,6 +232,7 @@ def _score_into(
     }
     fingerprint = _fingerprint(lm, source, names, settings)
     acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal)
+    audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
     done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
     t1 = time.perf_counter()
     used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
@@ -222,6 +240,8 @@ def _score_into(
     stats = done + _second_pass(lm, source, names, acc, done, n_total, opts, on_chunk, used)
     seconds = time.perf_counter() - t1
     scores = score_table(acc, stats, None, lm.window)
+    timings = {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)}
+    audit = _run_audit(lm, audited, opts, timings) if audited else None
     summary = ScoreSummary(
         model=model_info(lm),
         stories=StoriesInfo(
@@ -235,10 +255,13 @@ def _score_into(
         engine=EngineInfo(
             opts.engine, used.get("workers", opts.workers) if opts.engine == "ray" else 1, done.n_stories
         ),
-        timings_s={"first_pass": round(t_names, 3), "scoring": round(seconds, 3)},
+        timings_s=timings,
         detectors=[d.name for d in opts.detectors],
         top={d.name: _top(scores, d.name) for d in opts.detectors},
+        audit=audit,
     )
+    if audit is not None:
+        write_audit_csv(audit, tmp / "audit.csv")
     scores.to_csv(tmp / "heads.csv")
     scores.to_json(tmp / "heads.json")
     if acc.examples is not None:
@@ -247,6 +270,49 @@ def _score_into(
     title = f"storylens explorer: {summary.model.display_name}"
     write_explorer_for(tmp, title=title, meta=summary.explorer_meta(opts.examples))
     return summary, scores
+
+
+def _audit_plan(
+    lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions
+) -> list[EncodedStory]:
+    """The stories the audit will run on, the first of the source: ``audit_stories`` of them, or as
+    many of the first :data:`~storylens.analysis.truth.TRUTH_STORIES` as the report's ablation budget
+    allows (a fifth of the scoring pass, estimated from their mean length, or 1 TFLOP). Its cost is said
+    on stderr now, before the scoring, and past the budget refused unless ``over_budget``."""
+    from itertools import islice
+
+    asked = opts.audit_stories
+    texts = list(islice(iter(source), min(asked or TRUTH_STORIES, n_total)))
+    candidates = encode_stories(lm, texts, names)
+    lengths = [len(e.ids) for e in candidates]
+    heads = min(3 * opts.audit, lm.n_layer * lm.n_head)  # at most: the top K of each mode, K drawn at random
+    n = asked if asked is not None else audit_budget_stories(lm, lengths, heads, n_total * sum(lengths) / len(lengths))
+    chosen = candidates[:n]
+    how = "as many as the ablation budget allows"
+    if asked is not None:
+        how = "as asked (--audit-stories)" + (f"; the source holds {n_total}" if asked > n_total else "")
+    what = f"score --audit {opts.audit}: the first {len(chosen)} stories, {how}"
+    check_ablation_budget(audit_cost(lm, lengths[:n], heads), what, over=opts.over_budget)
+    return chosen
+
+
+def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions, timings: dict) -> Audit | None:
+    """The report's audit (:func:`~storylens.analysis.audit.audit_stories`) on the planned stories."""
+    t = time.perf_counter()
+    audit = audit_stories(lm, stories, k=opts.audit, seed=opts.seed, batch_size=opts.batch_size, progress=opts.progress)
+    timings["audit"] = round(time.perf_counter() - t, 3)
+    return audit
+
+
+def write_audit_csv(audit: Audit, path: Path) -> Path:
+    """audit.csv: one row per audited head (:data:`~storylens.analysis.audit.AUDIT_CSV`)."""
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(AUDIT_CSV))
+        w.writeheader()
+        w.writerows(audit_csv_rows(audit))
+    return path
 
 
 def _checkpointer(

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from storylens.analysis.audit import Audit
 from storylens.analysis.run_info import ModelInfo, StoriesInfo
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
@@ -53,10 +54,15 @@ class ScoreSummary(Plain):
     timings_s: dict[str, float]  # first_pass, scoring
     detectors: list[str]
     top: dict[str, TopHead | None]  # per detector, its highest head (None: no head has a value)
+    audit: Audit | None = None  # AtP against exact ablation (--causal --audit K; no key when not run)
 
     def to_dict(self) -> dict:
-        """``summary.json``: ``schema_version`` (:mod:`storylens.core.schema`), then the fields."""
-        return versioned(super().to_dict())
+        """``summary.json``: ``schema_version`` (:mod:`storylens.core.schema`), then the fields (no
+        ``audit`` key when none was run)."""
+        d = super().to_dict()
+        if d["audit"] is None:
+            del d["audit"]
+        return versioned(d)
 
     def to_json(self) -> str:
         """``summary.json``'s text."""

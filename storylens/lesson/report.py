@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from storylens.analysis.audit import Audit, Effect, attribution, audit
+from storylens.analysis.audit import Audit, audit_stories
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import EncodedStory, encode_stories
 from storylens.analysis.names import name_vocabulary
@@ -41,10 +41,10 @@ from storylens.analysis.truth import (
     truth_budget_stories,
     truth_cost,
     truth_table,
+    with_causal,
 )
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
-from storylens.core.heads import Head
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
 from storylens.corpus.score import EXAMPLES, check_examples, write_examples
@@ -203,6 +203,8 @@ def _build_report(out: Path, model: ModelLike | None, opts: ReportOptions) -> Re
         summary.faithfulness = _faithfulness(lm, scores, encoded, opts, timings)
         if opts.causal:
             summary.audit = _audit(lm, scores, encoded, opts, timings)
+            if summary.faithfulness is not None:  # AtP for every head, exact where audited, in the truth table
+                summary.faithfulness = _truth_with_atp(summary.faithfulness, scores, summary.audit)
         _write_tables(tmp, lm, scores, summary, opts)
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings
@@ -318,21 +320,15 @@ def _audit(
     n = opts.truth_stories
     if n is None:
         n = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
-    chosen = [e for e in encoded[:n] if len(e.ids) >= 2]
-    if not chosen:
-        return None
     with _timer(timings, "audit"):
-        cols, acc = attribution(lm, chosen, batch_size=opts.batch_size)
-        heads = list(Head.every(lm.n_layer, lm.n_head))
-        estimates = {}
-        for mode in ("mean", "zero"):
-            est, se = cols[f"atp_{mode}"], cols[f"atp_{mode}_se"]
-            if est is None or se is None:
-                return None  # the model's heads could not be reached
-            estimates[mode] = {h: Effect(float(est[h]), float(se[h])) for h in heads}
-        lines = ProgressLines("auditing AtP against exact ablation", len(chosen), enabled=opts.progress)
-        return audit(lm, [e.ids for e in chosen], estimates, means=acc.z_means(), batch_size=opts.batch_size,
-                     on_batch=lines.update)  # fmt: skip
+        return audit_stories(lm, encoded[:n], batch_size=opts.batch_size, progress=opts.progress)
+
+
+def _truth_with_atp(truth: Truth, scores: HeadScores, audit: Audit | None) -> Truth:
+    """The faithfulness table with AtP (mean ablation) beside each row and the audit's exact effect
+    where it ablated the row's head (:func:`storylens.analysis.truth.with_causal`)."""
+    exact = {} if audit is None else {r.head: (r.exact_mean.nats, r.exact_mean.se) for r in audit.rows}
+    return with_causal(truth, scores, exact, 0 if audit is None else audit.n_stories)
 
 
 def _write_tables(tmp: Path, lm: AttentionLM, scores: HeadScores, summary: ReportSummary, opts: ReportOptions) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from storylens.analysis.audit import Audit, Effect, sign_words
 from storylens.analysis.run_info import model_info
 from storylens.analysis.scores import HeadScores
-from storylens.analysis.truth import Truth
+from storylens.analysis.truth import Truth, effect_text
 from storylens.data.leakage import LeakageReport
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import lesson_note
@@ -221,14 +221,17 @@ def _signed(x: float | None) -> str:
 
 def agreement_rows(t: Truth | None) -> list[list[str]]:
     """Per detector: Spearman's rho between the raw and norm-weighted columns over every head, and the
-    heads whose rank moves most (raw rank -> norm-weighted rank, 1 = strongest)."""
+    heads whose rank moves most (raw rank -> norm-weighted rank, 1 = strongest); with ``--causal``,
+    also rho between the raw column and AtP (mean ablation) over every head."""
     if t is None:
         return []
+    rho = dict(t.causal.rho) if t.causal is not None else {}
     return [
         [
             a.detector,
             "" if a.rho is None else f"{a.rho:.3f}",
             ", ".join(f"{h} {r_raw:g} \u2192 {r_norm:g}" for h, r_raw, r_norm in a.moves),
+            *([num(rho.get(a.detector))] if t.causal is not None else []),
         ]
         for a in t.agreements
     ]
@@ -236,9 +239,17 @@ def agreement_rows(t: Truth | None) -> list[list[str]]:
 
 def truth_rows(t: Truth | None) -> list[list[str]]:
     """The faithfulness table's cells: detector, head, raw, norm-weighted, output share, loss change
-    switched off (zero, mean) and where, and the flag."""
+    switched off (zero, mean) and where, and the flag; with ``--causal``, AtP (mean ablation, every
+    quiz story) and the exact effect where audited, each with its error and a sign only beyond two
+    errors, in place of the ablations' loss changes (which have none)."""
     if t is None:
         return []
+    if t.causal is not None:
+        return [
+            [r.detector, r.head, f3(r.raw), f3(r.norm), "" if r.share is None else f"{r.share:.1%}",
+             effect_text(e.atp, e.atp_se), effect_text(e.exact, e.exact_se), "dormant" if r.dormant else ""]
+            for r, e in zip(t.rows, t.causal.rows)
+        ]  # fmt: skip
     return [
         [
             r.detector,
