@@ -221,7 +221,7 @@ def _score_into(
     on_chunk = _checkpointer(ckpt, fingerprint, acc, done, n_total, opts)
     stats = done + _second_pass(lm, source, names, acc, done, n_total, opts, on_chunk, used)
     seconds = time.perf_counter() - t1
-    scores = score_table(acc, stats, None, lm.window)
+    scores = score_table(acc, stats, None, lm.window, lm)  # the induction test: once, after every story
     summary = ScoreSummary(
         model=model_info(lm),
         stories=StoriesInfo(
