@@ -266,7 +266,8 @@ def _score(
             f"{opts.quiz if opts.quiz is not None else 'quiz'}: no story has a main character "
             "(a capitalised name mentioned at least twice): nothing to score name heads on"
         )
-    if opts.truth_stories:  # asked for: its cost said (and past the budget refused) before the figures start
+    truth = opts.sections is None or "truth" in opts.sections  # every default holds the ablations' section
+    if opts.truth_stories and truth:  # asked for: its cost said (and past the budget refused) before the figures start
         cost = truth_cost(lm, scores, [len(e.ids) for e in encoded], opts.truth_stories)
         check_ablation_budget(cost, "report: --truth-stories", over=opts.over_budget)
     return encoded, scores
