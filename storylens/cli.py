@@ -37,7 +37,8 @@ from storylens.data.stories import download_tinystories, load_split
 from storylens.lesson.checks import lesson_note, run_checks
 from storylens.lesson.figures import DIVERGENCE_PROMPT, FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
 from storylens.lesson.inputs import lesson_data
-from storylens.lesson.report import ReportOptions, _quiz_folder, build_report
+from storylens.lesson.page import PRACTITIONER, SECTIONS
+from storylens.lesson.report import ReportOptions, _quiz_folder, build_report, parse_sections
 from storylens.lesson.tables import f3
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.lm.generate import record_generation, stream_text
@@ -586,7 +587,7 @@ def print_summary(report, file=None) -> None:
 
     file = file or sys.stdout
     s = report.summary
-    q, lk, nh, pt, mk, nr = s.quiz, s.leakage, s.name_heads, s.previous_token, s.marker, s.number_to_reproduce
+    q, mk = s.quiz, s.marker
 
     def p(*a) -> None:
         print(*a, file=file)
@@ -595,6 +596,18 @@ def print_summary(report, file=None) -> None:
         f"quiz: {q.stories} stories ({q.cut_to_window} cut to the window), "
         f"{q.with_main_character} with a main character, {q.name_scored} scored"
     )
+    if s.name_heads is not None:  # the lesson's section ran
+        _print_lesson(s, p)
+    else:
+        p(f"{mk.called.removeprefix('the ')}: highest {mk.highest.head} {f3(mk.highest.marker)}")
+        p(f"sections: {', '.join(s.sections or [])} (--sections lesson for the lesson's figures)")
+    p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
+
+
+def _print_lesson(s, p) -> None:
+    """The lesson's part of the printout: the leakage check, the name heads, the previous-token and
+    marker heads, the number to reproduce."""
+    lk, nh, pt, mk, nr = s.leakage, s.name_heads, s.previous_token, s.marker, s.number_to_reproduce
     if lk.stats is not None:
         st = lk.stats
         p(
@@ -621,7 +634,6 @@ def print_summary(report, file=None) -> None:
         f"top name head: {nr.head}  name mass {nr.name_mass:.3f} vs baseline {nr.baseline:.3f} "
         f"({nr.ratio:.1f}x) over {nr.stories} of {nr.of} stories"
     )
-    p(f"report written to {report.out / 'report.html'} in {report.timings['total']:.1f} s")
 
 
 def add_report_parser(sub) -> None:
@@ -684,6 +696,13 @@ def add_report_parser(sub) -> None:
         action="store_true",
         help="also switch heads off, control for position, and measure pronouns (slower)",
     )
+    r.add_argument(
+        "--sections",
+        default=None,
+        metavar="A,B",
+        help=f"the page's sections, any of {','.join(SECTIONS)} (default: every one for storylens's own model; "
+        f"for another model {','.join(PRACTITIONER)}: what a practitioner reads, the lesson left out)",
+    )
     r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     r.add_argument(OVER_BUDGET_FLAG, action="store_true", help=OVER_BUDGET_HELP)
     r.set_defaults(func=_cmd_report)
@@ -705,6 +724,7 @@ def _cmd_report(args) -> int:
         causal=args.causal,
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
+        sections=None if args.sections is None else parse_sections(args.sections),
     )
     out = _out_path(args.out)
     check_target_folder(out)  # before the model or any story: a bad --out costs nothing

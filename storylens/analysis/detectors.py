@@ -723,6 +723,18 @@ FIRST_MASS = Detector(
 LESSON_DETECTORS = (NAME_MASS, PREV_TOKEN, PREV_ARGMAX, PREV4, MARKER)
 BUILTIN_DETECTORS = LESSON_DETECTORS + (DUPLICATE_TOKEN, INDUCTION, FIRST_MASS)
 
+# the induction test on repeated random tokens (storylens.analysis.induction): a column of the model alone,
+# measured once per run (one forward pass of INDUCTION_SEQUENCES x (1 + 2 x INDUCTION_LENGTH) tokens), not a detector
+INDUCTION_SEQUENCES, INDUCTION_LENGTH, INDUCTION_SEED = 4, 50, 0
+INDUCTION_RANDOM = Column(
+    "induction_random",
+    "Induction on repeated random tokens",
+    f"attention from each token of a random sequence's second copy on the token after that token in the first copy "
+    f"(TransformerLens's induction score): {INDUCTION_SEQUENCES} sequences of {INDUCTION_LENGTH} random ordinary "
+    f"tokens (seed {INDUCTION_SEED}), twice, after the opening token; the model's alone, not the stories'",
+    frozenset((OVERVIEW, MORE)),
+)
+
 # what each head writes (storylens.analysis.faithful), and the flag drawn from it: not detectors
 OUTPUT_NORM = Column("output_norm", "Output norm", "the mean size of what the head writes, over queries q >= 1")
 OUTPUT_SHARE = Column(
@@ -813,11 +825,13 @@ def score_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
 
 def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     """Every column of the head table for ``detectors`` (after label, block, head), in order: the raw
-    scores (:func:`score_columns`), their norm-weighted twins, what each head writes, the sink and
+    scores (:func:`score_columns`), their norm-weighted twins, the induction test on random tokens
+    (:mod:`storylens.analysis.induction`), what each head writes, the sink and
     context columns (:mod:`storylens.analysis.sinks`), the causal columns (:mod:`storylens.analysis.causal`),
     the flag."""
     raw = score_columns(detectors)
-    return (*raw, *(c.twin for c in raw if c.norm), OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, FLAG)
+    twins = (c.twin for c in raw if c.norm)
+    return (*raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, FLAG)
 
 
 BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)

@@ -66,6 +66,7 @@ from storylens.analysis.detectors import (
     FIRST_MASS,
     FIRST_SUFFIX,
     FLAG,
+    INDUCTION_RANDOM,
     NAME_BASELINE,
     NAME_MASS,
     NAME_RATIO,
@@ -86,13 +87,14 @@ from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
 from storylens.analysis.gradients import Gradients
 from storylens.analysis.grid_html import grid_html
+from storylens.analysis.induction import induction_random
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
 from storylens.analysis.sinks import SinkAccumulator, dormant
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.core.schema import check_version, versioned
-from storylens.lm import ModelLike, wrap
+from storylens.lm import AttentionLM, ModelLike, wrap
 
 _COUNT_FIELDS = (
     "n_stories",
@@ -781,10 +783,14 @@ def _read_row(row: dict) -> HeadScore:
     return HeadScore(at, scores, flag)
 
 
-def build_table(acc: HeadScoreAccumulator, with_first: bool) -> tuple[HeadScore, ...]:
+def build_table(
+    acc: HeadScoreAccumulator, with_first: bool, induction: torch.Tensor | None = None
+) -> tuple[HeadScore, ...]:
     """One :class:`HeadScore` per head, block-major: every column of ``acc``'s detectors
-    (:func:`~storylens.analysis.detectors.table_columns`; None where not computed) and the flag."""
+    (:func:`~storylens.analysis.detectors.table_columns`; None where not computed), ``induction``
+    (``[layer, head]``, :func:`~storylens.analysis.induction.induction_random`) and the flag."""
     cols = acc.columns(with_first)
+    cols[INDUCTION_RANDOM.name] = induction
     names = [c.name for c in table_columns(acc.detectors) if c != FLAG]
     flags = head_flags(cols)
     rows = []
@@ -809,13 +815,16 @@ def head_flags(cols: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
 # ---------------------------------------------------------------- the model run
 
 
-def score_table(acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, window: int) -> HeadScores:
-    """The :class:`HeadScores` of a finished accumulator and the run's counts."""
+def score_table(
+    acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, window: int, lm: AttentionLM | None = None
+) -> HeadScores:
+    """The :class:`HeadScores` of a finished accumulator and the run's counts; with ``lm``, the induction
+    test on random tokens measured on it (the model's alone: the same however the stories were scored)."""
     with_first = max_stories_prev is not None
     first = acc.first.get(PREV_TOKEN.name)
     mass = acc.means.get(NAME_MASS.name)
     return HeadScores(
-        heads=build_table(acc, with_first),
+        heads=build_table(acc, with_first, None if lm is None else induction_random(lm)),
         n_stories=stats.n_stories,
         n_cut=stats.n_cut,
         n_main_character=stats.n_main_character,
@@ -875,4 +884,4 @@ def score_heads(
         first_limit=max_stories_prev,
         chunk_stories=chunk_stories,
     )
-    return score_table(acc, stats, max_stories_prev, lm.window)
+    return score_table(acc, stats, max_stories_prev, lm.window, lm)

@@ -239,7 +239,7 @@ def _score_into(
     on_chunk = _checkpointer(ckpt, fingerprint, acc, done, n_total, opts)
     stats = done + _second_pass(lm, source, names, acc, done, n_total, opts, on_chunk, used)
     seconds = time.perf_counter() - t1
-    scores = score_table(acc, stats, None, lm.window)
+    scores = score_table(acc, stats, None, lm.window, lm)  # the induction test: once, after every story
     timings = {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)}
     audit = _run_audit(lm, audited, opts, timings) if audited else None
     summary = ScoreSummary(

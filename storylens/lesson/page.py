@@ -14,7 +14,7 @@ from storylens.analysis.scores import HeadScores
 from storylens.core.heads import parse_head_label
 from storylens.lesson.drawing import BARS_SHOWN, GRID_DPI, GRID_LABEL_PT, LESSON_GRID_HEADS
 from storylens.lesson.figures import LESSON_FIGURES
-from storylens.lesson.summary import ReportSummary
+from storylens.lesson.summary import NameHeads, ReportSummary
 from storylens.lesson.tables import (
     agreement_rows,
     audit_rows,
@@ -31,6 +31,21 @@ from storylens.viz.widget import page_script
 
 CHECK_STORIES = 4  # the report's numerical checks run on the first 4 quiz stories ...
 CHECK_TOKENS = 32  # ... and 32 generated tokens (storylens check runs all 200 stories and 200 tokens)
+
+# the report's sections (--sections), in the page's order, and what each holds
+SECTIONS = {
+    "overview": "every head at a glance: a block x head grid per column of heads.csv",
+    "widget": "every head on one quiz story, in the attention widget",
+    "lesson": "the lesson: the toy, the causal mask, the numerical checks, the leakage check (Momo), the "
+    "name-tracking head, its limits, previous-token and marker heads, the number to reproduce",
+    "detectors": "the detectors past the lesson's (TransformerLens's patterns, induction on random tokens, yours)",
+    "sinks": "sinks and dormant heads",
+    "truth": "does attention tell the truth here: each detector's strongest heads switched off",
+    "causal": "attribution patching audited by exact ablation (with --causal)",
+    "heads": "every head's row",
+}
+# another model's default: what a practitioner reads first; storylens's own models get every section
+PRACTITIONER = tuple(k for k in SECTIONS if k != "lesson")
 
 _ENV = Environment(
     loader=PackageLoader("storylens.lesson", "templates"),
@@ -76,13 +91,17 @@ def _page(
     """What the template reads: the summary, the lesson's figures, and the page's tables and fragments."""
 
     lesson = s.model.lesson_comparison  # the lesson's figures are Tiny Storyteller's: only beside its kind
-    example = LESSON_FIGURES.top_head if lesson else s.name_heads.top[0].head  # a head this model has
+    sections = s.sections if s.sections is not None else list(SECTIONS)  # a summary from before --sections
+    top = s.name_heads.top[0].head if s.name_heads is not None else scores.best("name_mass").label
+    example = LESSON_FIGURES.top_head if lesson else top  # a head this model has
     ex_block, ex_head = parse_head_label(example)  # 0-based
-    counter = next((c for c in s.numerics if c.name == "key/value computations" and c.dtype == "float32"), None)
+    counter = next((c for c in s.numerics or [] if c.name == "key/value computations" and c.dtype == "float32"), None)
     return {
         "s": s,
         "L": LESSON_FIGURES,
         "lesson": lesson,
+        "sections": sections,
+        "section_names": ", ".join(SECTIONS),
         "n_heads": s.model.n_heads,
         "name": s.model.display_name,
         "example": example,
@@ -102,11 +121,9 @@ def _page(
         "check_stories": CHECK_STORIES,
         "check_tokens": CHECK_TOKENS,
         "counter": counter,
-        "numerics_rows": numerics_rows(s),
-        "leak_rows": leak_rows(s),
-        "name_rows": [
-            [h.head, f3(h.name_mass), f3(s.name_heads.baseline), f"{h.ratio:.1f}x"] for h in s.name_heads.top
-        ],
+        "numerics_rows": numerics_rows(s) if s.numerics is not None else [],
+        "leak_rows": leak_rows(s) if s.leakage is not None else [],
+        "name_rows": [] if s.name_heads is None else _name_rows(s.name_heads),
         "heat": {c: _heat(scores, c, s.marker.called) for c in (*scores.shown(LESSON), *scores.shown(MORE))},
         "more_columns": scores.shown(MORE),
         "sinks": _sinks(scores, s.marker.called),
@@ -116,6 +133,10 @@ def _page(
         "audit_rows": audit_rows(s.audit),
         "agreement_rows": agreement_rows(s.faithfulness),
     }
+
+
+def _name_rows(nh: NameHeads) -> list[list[str]]:
+    return [[h.head, f3(h.name_mass), f3(nh.baseline), f"{h.ratio:.1f}x"] for h in nh.top]
 
 
 def _sinks(scores: HeadScores, marker: str) -> dict | None:

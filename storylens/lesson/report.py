@@ -62,7 +62,7 @@ from storylens.lesson.drawing import (
 )
 from storylens.lesson.figures import FIRST_STORIES, LESSON_FIGURES
 from storylens.lesson.inputs import LessonData, lesson_data
-from storylens.lesson.page import CHECK_STORIES, CHECK_TOKENS, report_html
+from storylens.lesson.page import CHECK_STORIES, CHECK_TOKENS, PRACTITIONER, SECTIONS, report_html
 from storylens.lesson.summary import ReportSummary
 from storylens.lesson.tables import report_summary
 from storylens.lm import AttentionLM, ModelLike, NativeLM, load_lm, wrap
@@ -72,6 +72,23 @@ from storylens.viz.explorer import write_explorer_for
 from storylens.viz.figures import figure_png_bytes, figure_svg_bytes, head_heatmap_figure
 
 WIDGET_BUDGET = 4 * 2**20  # bytes of the widget's embedded attention in report.html (8 bits past it)
+
+
+def parse_sections(text: str) -> tuple[str, ...]:
+    """``--sections overview,sinks``: the names, in the page's order; a name that is not a section
+    is one line listing the valid ones (a UsageError, exit 2)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SECTIONS]
+    if bad or not names:
+        raise UsageError(
+            f"--sections: {', '.join(map(repr, bad)) or 'none given'} not a section; choose from {', '.join(SECTIONS)}"
+        )
+    return tuple(k for k in SECTIONS if k in names)
+
+
+def default_sections(lm: AttentionLM) -> tuple[str, ...]:
+    """Every section for storylens's own model (the lesson is about it); the practitioner's for another."""
+    return tuple(SECTIONS) if isinstance(lm, NativeLM) else PRACTITIONER
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,10 @@ class ReportOptions:
     ``check_stories``/``check_tokens``: the numerical checks' stories and generated tokens;
     ``examples``: queries kept per head and detector; ``truth_stories``: the ablations' stories
     (None: as many as their budget allows), refused past the budget unless ``over_budget``;
-    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`)."""
+    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`);
+    ``sections``: the page's sections (:data:`SECTIONS`; None: :func:`default_sections`), a section
+    left out not computed where it costs anything (the leakage check, the numerical checks, the
+    ablations) and its keys left out of summary.json."""
 
     model_source: str | None = None
     stories: str | None = None
@@ -104,9 +124,12 @@ class ReportOptions:
     truth_stories: int | None = None
     over_budget: bool = False
     causal: bool = False
+    sections: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
+        if self.sections is not None:
+            object.__setattr__(self, "sections", parse_sections(",".join(self.sections)))
         check_examples(self.examples)
         t = self.truth_stories
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
@@ -189,19 +212,26 @@ def _build_report(out: Path, model: ModelLike | None, opts: ReportOptions) -> Re
             data = lesson_data(
                 _quiz_folder(lm), opts.stories, opts.quiz, quiz_option="--quiz", text_field=opts.text_field
             )
+        sections = opts.sections if opts.sections is not None else default_sections(lm)
+        lesson = "lesson" in sections
         measures = _beyond_measures(lm) if opts.beyond else None
         with _timer(timings, "scoring"):  # the one recording pass: head scores (and --beyond's measures)
             encoded, scores = _score(lm, data.quiz, measures or (), opts)
         with _timer(timings, "figure data"):
             fig_data = figure_data(lm, data.quiz, encoded, scores)
-        page = _beside(lm, data, fig_data, scores, tmp, opts, timings)
+        page = _beside(lm, data, fig_data, scores, tmp, opts, timings, lesson=lesson)
         summary = report_summary(lm, scores, page.leakage, data, fig_data["info"])
         summary.numerics = page.checks
+        if not lesson:  # the lesson's figures: no key in summary.json
+            summary.leakage = summary.name_heads = summary.previous_token = summary.number_to_reproduce = None
+            summary.numerics = None
+        summary.sections = list(sections)
         if measures is not None:
             with _timer(timings, "beyond"):
                 summary.beyond = _beyond_section(lm, data.quiz, encoded, scores, measures, tmp, page, opts)
-        summary.faithfulness = _faithfulness(lm, scores, encoded, opts, timings)
-        if opts.causal:
+        if "truth" in sections:
+            summary.faithfulness = _faithfulness(lm, scores, encoded, opts, timings)
+        if opts.causal and "causal" in sections:
             summary.audit = _audit(lm, scores, encoded, opts, timings)
             if summary.faithfulness is not None:  # AtP for every head, exact where audited, in the truth table
                 summary.faithfulness = _truth_with_atp(summary.faithfulness, scores, summary.audit)
@@ -238,7 +268,8 @@ def _score(
             f"{opts.quiz if opts.quiz is not None else 'quiz'}: no story has a main character "
             "(a capitalised name mentioned at least twice): nothing to score name heads on"
         )
-    if opts.truth_stories:  # asked for: its cost said (and past the budget refused) before the figures start
+    truth = opts.sections is None or "truth" in opts.sections  # every default holds the ablations' section
+    if opts.truth_stories and truth:  # asked for: its cost said (and past the budget refused) before the figures start
         cost = truth_cost(lm, scores, [len(e.ids) for e in encoded], opts.truth_stories)
         check_ablation_budget(cost, "report: --truth-stories", over=opts.over_budget)
     return encoded, scores
@@ -265,10 +296,13 @@ def _beside(
     tmp: Path,
     opts: ReportOptions,
     timings: dict,
+    *,
+    lesson: bool = True,
 ) -> _PageParts:
     """The drawing and the leakage check (numpy, matplotlib and Python; no model) in a child process
-    while this one runs the numerical checks and the widget: two cores, two jobs."""
-    check_leakage = data.train is not None or (opts.quiz is None and data.stored_leakage is not None)
+    while this one runs the numerical checks and the widget: two cores, two jobs. Without the
+    ``lesson`` section, neither the leakage check nor the numerical checks run."""
+    check_leakage = lesson and (data.train is not None or (opts.quiz is None and data.stored_leakage is not None))
     info = fig_data["info"]
     with (
         _timer(timings, "figures and leakage beside checks"),
@@ -276,7 +310,11 @@ def _beside(
     ):
         with _timer(timings, "check"), _one_thread_if(drawing.forked):  # one core each
             # the lesson's numerical checks are about storylens's own attention and KV cache
-            checks = _numerics(lm, data.quiz, opts.check_stories, opts.check_tokens) if isinstance(lm, NativeLM) else []
+            checks = (
+                _numerics(lm, data.quiz, opts.check_stories, opts.check_tokens)
+                if isinstance(lm, NativeLM) and lesson
+                else []
+            )
         with _timer(timings, "widget"):
             widget = AttentionWidget.from_recording(
                 fig_data["text"],

@@ -146,24 +146,27 @@ class NumberToReproduce(Plain):
 class ReportSummary(Plain):
     model: ModelInfo
     quiz: QuizInfo
-    leakage: Leakage
-    name_heads: NameHeads
-    previous_token: PreviousToken
     marker: Marker
     story_shown: StoryShown
-    number_to_reproduce: NumberToReproduce
-    numerics: list[Check] = field(default_factory=list)
+    # the lesson's own figures (the report's "lesson" section: --sections; no key when not run)
+    leakage: Leakage | None = None
+    name_heads: NameHeads | None = None
+    previous_token: PreviousToken | None = None
+    number_to_reproduce: NumberToReproduce | None = None
+    numerics: list[Check] | None = None
     beyond: BeyondSummary | None = None  # only with --beyond (no key in JSON without it)
     faithfulness: Truth | None = None  # where heads look, what they move (no key when not run)
     audit: Audit | None = None  # AtP against exact ablation (with --causal; no key when not run)
+    sections: list[str] | None = None  # the report's sections run (storylens.lesson.report.SECTIONS)
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """summary.json: the lesson's keys in the order a lesson's report has always written them, and
+        no key for a part not run."""
         d = super().to_dict()
-        for key in ("beyond", "faithfulness", "audit"):
-            if d[key] is None:
-                del d[key]
-        return versioned(d)
+        order = ["model", "quiz", "leakage", "name_heads", "previous_token", "marker", "story_shown"]
+        order += ["number_to_reproduce", "numerics", "beyond", "faithfulness", "audit", "sections", "timings_s"]
+        return versioned({k: d[k] for k in order if d[k] is not None})
 
     def to_json(self) -> str:
         """``summary.json``'s text."""

@@ -149,11 +149,13 @@ def numerics_rows(s: ReportSummary) -> list[list[str]]:
             lesson_note(c),
             c.detail,
         ]
-        for c in s.numerics
+        for c in s.numerics or []
     ]
 
 
 def leak_rows(s: ReportSummary) -> list[list]:
+    if s.leakage is None:  # the lesson's section not run
+        return []
     lk = s.leakage.stats
     if lk is None:
         return [["leakage check", s.leakage.source]]
@@ -276,6 +278,8 @@ def _pct(x: float | None, nd: int = 1) -> str:
 def lesson_table(s: ReportSummary) -> str:
     """The README's "ours against the lesson" table, from a report's summary (never typed in)."""
     L = LESSON_FIGURES
+    if s.leakage is None or s.name_heads is None or s.previous_token is None:
+        raise ValueError("lesson_table: the report ran without its lesson section (--sections lesson)")
     q, lk, nh, pt, mk = s.quiz, s.leakage.stats, s.name_heads, s.previous_token, s.marker
     top, rest = nh.top[0], nh.top[1:]
     leak = (

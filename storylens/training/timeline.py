@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from storylens.analysis.detectors import BUILTIN_DETECTORS
 from storylens.analysis.encode import BATCH_STORIES, encode_stories
+from storylens.analysis.induction import induction_sequences
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.scores import score_heads
 from storylens.core.batching import length_batches, pad_batch
@@ -117,24 +118,6 @@ def in_context_score(losses: PositionLosses, early: tuple[int, int] = EARLY, lat
     }
 
 
-def induction_sequences(
-    vocab_size: int,
-    special: Sequence[int],
-    *,
-    length: int = INDUCTION_LENGTH,
-    n: int = INDUCTION_SEQUENCES,
-    seed: int = INDUCTION_SEED,
-    marker: int,
-) -> torch.Tensor:
-    """``[n, 1 + 2 * length]``: the marker, then ``length`` random ordinary tokens, twice."""
-    ordinary = torch.tensor([t for t in range(vocab_size) if t not in set(special)])
-    if len(ordinary) < 2:
-        raise StorylensError("induction test: the vocabulary has no ordinary tokens to draw")
-    g = torch.Generator().manual_seed(seed)  # its own stream: training's random state is untouched
-    r = ordinary[torch.randint(len(ordinary), (n, length), generator=g)]
-    return torch.cat([torch.full((n, 1), marker), r, r], dim=1)
-
-
 @torch.inference_mode()
 def induction_test(forward: Forward, sequences: torch.Tensor, *, batch_size: int = 16) -> dict:
     """Mean loss on each copy's tokens 2.. (``length - 1`` per copy per sequence)."""
@@ -177,7 +160,9 @@ def measure(model: GPT, tokenizer, quiz: Sequence[str], *, batch_size: int = 16)
         )
         special = [lm.marker_id] + [int(t) for t in tokenizer.get_added_tokens_decoder()]
         length = min(INDUCTION_LENGTH, (lm.window - 1) // 2)  # both copies and the marker in the window
-        sequences = induction_sequences(lm.vocab_size, special, length=length, marker=lm.marker_id)
+        sequences = induction_sequences(
+            lm.vocab_size, special, length=length, n=INDUCTION_SEQUENCES, seed=INDUCTION_SEED, marker=lm.marker_id
+        )
         induction = induction_test(forward, sequences, batch_size=batch_size)
     quiz_loss = losses.mean()
     if quiz_loss is None:

@@ -140,7 +140,10 @@ def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
         scores = score_heads(shipped_model, stories, batch_size=4, measures=[pos, pron], progress=False)
     finally:
         handle.remove()
-    assert calls == [4, 4, 4]  # one forward pass per batch, nothing else
+    from storylens.analysis.detectors import INDUCTION_SEQUENCES
+
+    # one forward pass per batch, then the induction test's one pass on its random sequences, nothing else
+    assert calls == [4, 4, 4, INDUCTION_SEQUENCES]
     alone_pos = position_control_scores(shipped_model, stories, batch_size=4)
     alone_pron = pronoun_attention(shipped_model, stories, batch_size=4)
     assert torch.allclose(pos.result().name_mass, alone_pos.name_mass, atol=1e-12)
