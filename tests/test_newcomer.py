@@ -208,9 +208,20 @@ def test_a_transformers_model_with_no_corpus_gets_the_shipped_quiz(no_corpus_rep
     assert q["source"] == (
         "the lesson's 200 quiz stories, shipped with storylens: no corpus here, and the model ships no quiz of its own"
     )
-    assert summary["leakage"]["computed"] is False
+    assert "lesson" not in summary["sections"] and "leakage" not in summary  # a practitioner's report
     page = (out / "report.html").read_text()
     assert "the lesson&#39;s 200 quiz stories, shipped with storylens" in page  # Jinja2's autoescape (markupsafe)
+
+
+def test_the_lesson_on_another_model_says_the_shipped_quiz_cannot_be_checked_for_leakage(tiny_gpt2, tmp_path):
+    out = tmp_path / "report"
+    r = _run(
+        ["report", "--model", str(tiny_gpt2), "--out", str(out), "--sections", "lesson", "--truth-stories", "0"],
+        {ENV_STORIES: str(tmp_path / "no-such-corpus.txt.gz"), PROGRESS_EVERY_ENV: "0"},
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "summary.json").read_text())["leakage"]["computed"] is False
     assert "leakage: not computed: the quiz is the lesson's, shipped with storylens" in r.stdout
 
 
