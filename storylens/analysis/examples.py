@@ -50,7 +50,7 @@ from storylens.core.schema import versioned
 KEY_BEFORE = 3  # key_tokens: the key's window is key - 3 .. key + 3
 KEY_AFTER = 4
 QUERY_AFTER = 3  # tokens: the query's window is query - context .. query + 2
-WEIGHT_DECIMALS = 4  # weights: the query's attention over its window, rounded (enough to shade by)
+WEIGHT_DECIMALS = 4  # (at most 12: rounded() needs 5^d under 2^29) weights: the query's attention over its window, rounded (enough to shade by)
 PER_STORY = 2  # score and report: at most this many examples of one story per head and detector
 EXAMPLE_FIELDS = (
     "story",
@@ -173,7 +173,19 @@ def _seen_weights(rowmaps: torch.Tensor, around: torch.Tensor, before: int, widt
     every kept query of a block."""
     start = (around - before).clamp(min=0)
     keys = (start[:, None] + torch.arange(width, device=rowmaps.device)).clamp(max=rowmaps.shape[-1] - 1)
-    return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in rowmaps.gather(-1, keys).tolist()]
+    return rounded(rowmaps.gather(-1, keys))
+
+
+def rounded(weights: torch.Tensor) -> list[list[float]]:
+    """``[[round(w, WEIGHT_DECIMALS) for w in row] for row in weights.tolist()]``, bit for bit, in tensor
+    ops where the weights are float32 or narrower: such a weight times 10^4 (a 24-bit significand times
+    625 * 2^4, 34 bits) is exact in float64, ``torch.round`` then rounds it half to even as Python's
+    ``round`` rounds the exact value, and the division is IEEE-rounded to the double nearest to the
+    decimal result, which is what ``round`` returns. Wider weights take Python's ``round``."""
+    if weights.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        scale = 10.0**WEIGHT_DECIMALS
+        return (torch.round(weights.to(torch.float64) * scale) / scale).tolist()
+    return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in weights.tolist()]
 
 
 def _per_story(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) -> torch.Tensor:
