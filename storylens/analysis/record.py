@@ -344,6 +344,29 @@ def _frozen(module: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+LOSS_ROWS = 256  # positions whose softmax over the vocabulary is formed at once in loss_gradient
+
+
+def loss_gradient(logits: torch.Tensor, nexts: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """``dL/dlogits`` of ``L = sum over predicted positions of -log softmax(logits)[next]`` (``logits
+    [B, T, V]``, ``nexts`` and ``predicted [B, T]``), in the logits' dtype: ``softmax - onehot(next)``
+    on predicted rows, 0 elsewhere, formed :data:`LOSS_ROWS` positions at a time in float32 at least
+    (as the loss would be). Autograd through ``cross_entropy`` would allocate the log-softmax, its
+    gradient and the logits' gradient, three tensors the size of the logits (600 MB each for a
+    3,000-token story and a 50k vocabulary); this allocates one, the result. (On the CPU the peak is
+    set earlier, by the forward's saved activations: ``benchmarks/bench_causal.py`` measures it.)"""
+    B, T, V = logits.shape
+    flat, nx, keep = logits.reshape(B * T, V), nexts.reshape(-1), predicted.reshape(-1)
+    out = torch.empty_like(flat)
+    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    for s in range(0, B * T, LOSS_ROWS):
+        rows = slice(s, s + LOSS_ROWS)
+        g = torch.log_softmax(flat[rows].to(wide), -1).exp_()  # [n, V]
+        g[torch.arange(g.shape[0], device=g.device), nx[rows]] -= 1.0
+        out[rows] = torch.where(keep[rows, None], g, 0.0)
+    return out.view(B, T, V)
+
+
 def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
     """One forward with the model's fused attention and one backward of the batch's summed
     next-token loss (every predicted token, the opening token's prediction included): a zero tensor
@@ -376,12 +399,11 @@ def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
         t = torch.arange(T, device=ids.device)
         predicted = t[None, :] < batch.lengths.to(ids.device)[:, None] - 1  # [B, T]
         nexts = torch.where(predicted, ids.roll(-1, 1), torch.zeros_like(ids))  # [B, T]
-        logits = logits if logits.dtype == torch.float64 else logits.float()  # the loss in float32 at least
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), nexts.flatten(), reduction="none")
         layers = list(range(lm.n_layer))
         if sorted(deltas) != layers:
             raise StorylensError(f"{lm.name}: hook_z did not fire in every block (its heads cannot be reached)")
-        found = torch.autograd.grad((nll.view(B, T) * predicted).sum(), [deltas[i] for i in layers], allow_unused=True)
+        seed = loss_gradient(logits.detach(), nexts, predicted)  # dL/dlogits [B, T, V]
+        found = torch.autograd.grad(logits, [deltas[i] for i in layers], grad_outputs=seed, allow_unused=True)
     grad = [torch.zeros_like(zs[i]) if g is None else g.detach() for i, g in zip(layers, found)]
     scale = None
     if read is not None and "x" in held:  # the final norm's divisor [B, T], frozen at the run's value
