@@ -23,10 +23,11 @@ except Exception as e:  # any import failure means "not available"
 
 from argmax_ties import mean_rounding, near_tie_share
 
-from storylens.analysis.encode import length_batches, make_batch
-from storylens.analysis.names import find_main_characters
+from storylens.analysis.encode import encode_stories, length_batches, make_batch
+from storylens.analysis.names import find_main_characters, name_vocabulary
 from storylens.analysis.scores import HeadScoreAccumulator, score_heads
 from storylens.lesson.checks import probability_bound
+from storylens.lm import load_lm
 from storylens.model.gpt import GPTConfig
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import eot_id
@@ -149,3 +150,36 @@ def test_patterns_and_prev_token_score_equal_storylens(bridge, shipped_model, co
     table = score_heads(model, stories, progress=False)
     got = torch.tensor(table.column("prev_token"), dtype=torch.float64).view_as(tl["prev_token"])
     assert (got - tl["prev_token"]).abs().max().item() <= TOL_F32
+
+
+def test_dla_equals_the_same_readout_of_transformerlens_cache(hf_folder, corpus_split):
+    """storylens's ``dla`` column (issue 38) against TransformerLens's own cache in float64: each head's
+    result (``stack_head_results``, z through its slice of W_O) through ``apply_ln_to_stack`` (centred,
+    over the final LayerNorm's cached scale), on the final norm's gain times ``W_U[next] - mean_v W_U``
+    (TransformerLens's ``logit_attrs`` after ``fold_ln`` and ``center_unembed``), the mean over every
+    predicted token of three quiz stories. The bridge is booted unprocessed: its own processing
+    (``enable_compatibility_mode``) rewrites the weights at float32 precision, and by default folds
+    each head's value bias into the output bias, which moves ``b_V W_O`` (the same vector at every
+    position) out of the heads' results; storylens keeps it in the head that writes it.
+    Bound: float64 sums of a few thousand products of numbers of order 1 (a 1e-12 relative rounding
+    at most), with 1000x margin."""
+    texts = corpus_split.quiz[:3]
+    lm = load_lm(str(hf_folder), dtype=torch.float64)
+    encoded = encode_stories(lm, texts, name_vocabulary(texts))
+    ours = torch.tensor(score_heads(lm, encoded, progress=False, causal=True).column("dla"), dtype=torch.float64)
+    b = boot(hf_folder, torch.float64)
+    W = lm.module.lm_head.weight.detach()  # [vocab, d_model]
+    gain = lm.module.transformer.ln_f.weight.detach()
+    total, n = torch.zeros_like(ours), 0
+    with torch.no_grad():
+        for e in encoded:
+            ids = torch.tensor([e.ids])
+            _, cache = b.run_with_cache(ids)
+            stack = cache.stack_head_results(layer=-1)[:, :, :-1]  # [heads, 1, pos - 1, d_model]
+            normed = cache.apply_ln_to_stack(stack, layer=-1, pos_slice=slice(0, -1))
+            u = (W[ids[0, 1:]] - W.mean(0)) * gain  # [pos - 1, d_model]
+            total += (normed[:, 0] * u).sum((-1, -2))
+            n += ids.shape[1] - 1
+    theirs = total / n
+    assert ours.abs().max() > 0.05  # heads that move the next token's logit: the check has something to check
+    assert (ours - theirs).abs().max().item() <= 1e-9 * ours.abs().max().item()
