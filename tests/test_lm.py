@@ -235,7 +235,20 @@ def test_export_reads_back_with_the_same_head_table(native, quiz, tmp_path):
 def test_report_runs_on_a_transformers_folder(tiny_folder, tmp_path):
     out = tmp_path / "report"
     r = subprocess.run(
-        [sys.executable, "-m", "storylens", "report", "--model", str(tiny_folder), "--out", str(out), "--no-progress"],
+        # every section, the lesson's too (a transformers model's default leaves it out: test_report_sections.py)
+        [
+            sys.executable,
+            "-m",
+            "storylens",
+            "report",
+            "--model",
+            str(tiny_folder),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--sections",
+            "overview,widget,lesson,detectors,sinks,truth,causal,heads",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -258,7 +271,19 @@ def test_report_on_the_export(native, tmp_path):
     folder = export_hf(native, tmp_path / "hf")
     out = tmp_path / "report"
     r = subprocess.run(
-        [sys.executable, "-m", "storylens", "report", "--model", str(folder), "--out", str(out), "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "storylens",
+            "report",
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--sections",
+            "overview,widget,lesson,detectors,sinks,truth,causal,heads",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
