@@ -234,7 +234,7 @@ frame[causal].reindex(frame["atp_mean"].abs().sort_values(ascending=False).index
         """
 edge = frame["atp_mean"].abs().max() or 1.0   # a symmetric scale: white is no effect
 display(head_heatmap_figure(scores.grid("atp_mean"), title="AtP, mean ablation (nats)", cmap="RdBu_r",
-                            vmin=-edge, vmax=edge, fmt="{:+.3f}"))
+                            vmin=-edge, vmax=edge, fmt="{:+.3f}", colorbar_label="nats"))
 """,
         "figure",
     ),
@@ -318,7 +318,8 @@ span = max(max(abs(h.exact), abs(h.atp)) for h in patched.heads) or 1.0   # one 
 
 def effect_grid(what):
     return head_heatmap_figure({h.head: getattr(h, what) for h in patched.heads}, cmap="RdBu_r", vmin=-span,
-                               vmax=span, fmt="{:+.2f}", title=f"{what}: effect on logit(answer) - logit(wrong)")
+                               vmax=span, fmt="{:+.2f}", title=f"{what}: effect on logit(answer) - logit(wrong)",
+                               colorbar_label="logit difference")
 
 
 display(effect_grid("exact"))
