@@ -233,8 +233,9 @@ frame[causal].reindex(frame["atp_mean"].abs().sort_values(ascending=False).index
     code(
         """
 edge = frame["atp_mean"].abs().max() or 1.0   # a symmetric scale: white is no effect
-display(head_heatmap_figure(scores.grid("atp_mean"), title="AtP, mean ablation (nats)", cmap="RdBu_r",
-                            vmin=-edge, vmax=edge, fmt="{:+.3f}", colorbar_label="nats"))
+display(head_heatmap_figure(scores.grid("atp_mean"), title="AtP, mean ablation (nats; in parentheses: within 2 se of 0)",
+                            cmap="RdBu_r", vmin=-edge, vmax=edge, fmt="{:+.3f}", colorbar_label="nats",
+                            errors=scores.grid("atp_mean_se")))
 """,
         "figure",
     ),
@@ -318,8 +319,9 @@ span = max(max(abs(h.exact), abs(h.atp)) for h in patched.heads) or 1.0   # one 
 
 def effect_grid(what):
     return head_heatmap_figure({h.head: getattr(h, what) for h in patched.heads}, cmap="RdBu_r", vmin=-span,
-                               vmax=span, fmt="{:+.2f}", title=f"{what}: effect on logit(answer) - logit(wrong)",
-                               colorbar_label="logit difference")
+                               vmax=span, fmt="{:+.2f}", colorbar_label="logit difference",
+                               errors={h.head: getattr(h, f"{what}_se") for h in patched.heads},
+                               title=f"{what}: effect on logit(answer) - logit(wrong), {patched.pairs} pairs")
 
 
 display(effect_grid("exact"))

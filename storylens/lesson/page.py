@@ -79,8 +79,21 @@ def _heat(scores: HeadScores, col: str, marker: str, dormant: Sequence[str] = ()
     )
     if dormant:
         note += f" Dashed red: the {len(dormant)} dormant head(s) ({FLAG.meaning})."
+    se = f"{col}_se"
+    has_se = any(c.name == se for c in scores.columns) and any(v is not None for v in scores.column(se))
+    errors = scores.grid(se) if has_se else None
+    if errors is not None:
+        note += (
+            f" In parentheses: within two standard errors of zero ({se} in heads.csv, over the stories scored), "
+            "so no sign is claimed."
+        )
     table = head_heatmap_html(
-        scores.grid(col), title=title, highlight=scores.best(col).label, marked=dormant, mark_name="dormant"
+        scores.grid(col),
+        title=title,
+        highlight=scores.best(col).label,
+        marked=dormant,
+        mark_name="dormant",
+        errors=errors,
     )
     return {"table": Markup(table), "note": note}
 

@@ -423,14 +423,17 @@ def head_heatmap_figure(
     highlight: str | None = None,
     n_block: int | None = None,
     n_head: int | None = None,
+    errors: HeadGrid | None = None,
 ) -> Figure:
     """A blocks x heads heatmap of any per-head score, every cell annotated.
 
     ``scores`` is a ``[block, head]`` array, a ``{"L5H3": value}`` dict or a list of
     ``(label, value)`` pairs. Rows are L1..L6, columns H1..H4. ``highlight`` (a head
-    label) gets a box drawn round it.
+    label) gets a box drawn round it. With ``errors`` (standard errors, same grid), a value
+    within two of them of zero is written in parentheses: its sign is not established.
     """
     grid = _score_grid(scores, n_block, n_head)
+    se = _score_grid(errors, n_block, n_head) if errors is not None else None
     nb, nh = grid.shape
     # compact (two fit side by side on a page), laid out in fixed inches: no layout engine to run
     width, height = 0.95 * nh + 1.9, 0.42 * nb + 1.3
@@ -448,10 +451,11 @@ def head_heatmap_figure(
             if not np.isfinite(v):
                 ax.text(h, b, "–", ha="center", va="center", fontsize=9, color="#777777")
                 continue
+            unsure = se is not None and np.isfinite(se[b, h]) and abs(v) <= 2 * se[b, h]
             ax.text(
                 h,
                 b,
-                fmt.format(v),
+                f"({fmt.format(v)})" if unsure else fmt.format(v),
                 ha="center",
                 va="center",
                 fontsize=9,

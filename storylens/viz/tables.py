@@ -41,11 +41,14 @@ def head_heatmap_html(
     n_head: int | None = None,
     marked: Collection[str] = (),
     mark_name: str = "marked",
+    errors: HeadGrid | None = None,
 ) -> str:
     """A ``<table class="slh">`` heatmap (style: :data:`HEATMAP_CSS`); ``highlight`` (a head label)
-    gets a box, the heads in ``marked`` a dashed one (their tooltips say ``mark_name``). Each cell
-    carries ``data-head="L5H3"`` and ``data-value``."""
+    gets a box, the heads in ``marked`` a dashed one (their tooltips say ``mark_name``). With
+    ``errors`` (standard errors, same grid), a value within two of them of zero is shown in
+    parentheses: its sign is not established. Each cell carries ``data-head="L5H3"`` and ``data-value``."""
     grid = _score_grid(scores, n_block, n_head)
+    se = _score_grid(errors, n_block, n_head) if errors is not None else None
     nb, nh = grid.shape
     lo, hi = _colour_range(grid, vmin, vmax)
     cm = colormaps[cmap]
@@ -64,9 +67,14 @@ def head_heatmap_html(
                 continue
             colour = cm((v - lo) / (hi - lo))
             ink = "#000" if _is_light(colour) else "#fff"
+            text, tip = fmt.format(v), f"{v:.6g}"
+            if se is not None and np.isfinite(se[b, h]):
+                tip += f" ± {se[b, h]:.2g}"
+                if abs(v) <= 2 * se[b, h]:
+                    text, tip = f"({text})", tip + ", within two standard errors of zero: no sign"
             cells.append(
-                f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {v:.6g}{note}" '
-                f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(fmt.format(v))}</td>'
+                f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {tip}{note}" '
+                f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(text)}</td>'
             )
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table class="slh"><caption>{html.escape(title)}</caption>' + "".join(rows) + "</table>"

@@ -16,6 +16,7 @@ from storylens.viz import (
     causal_mask_figure,
     figure_data_uri,
     head_heatmap_figure,
+    head_heatmap_html,
     name_attention_profile,
     name_even_share,
     name_head_figure,
@@ -204,3 +205,18 @@ def test_heatmap_table_colours_every_head_and_boxes_the_best():
     assert float(cells[0][2]) == 0.0 and float(cells[22][2]) == grid[5, 2]
     assert cells[0][3] == to_hex(colormaps["magma"](0.0)) and cells[22][3] == to_hex(colormaps["magma"](1.0))
     assert cells[23][2] == "" and ">–</td>" in page  # no score: a dash, no colour scale
+
+
+def test_effects_within_two_errors_of_zero_claim_no_sign():
+    """With standard errors, a value within two of them of zero is parenthesised in the HTML table and
+    the figure (no sign claimed); one beyond them is written as it is."""
+    values = [[0.010, -0.030], [0.004, 0.0]]
+    errors = [[0.004, 0.010], [0.003, 0.001]]  # 0.010 > 2 * 0.004; 0.030 > 2 * 0.010; 0.004 <= 0.006
+    table = head_heatmap_html(values, fmt="{:+.3f}", errors=errors)
+    assert ">+0.010<" in table and ">-0.030<" in table
+    assert ">(+0.004)<" in table and ">(+0.000)<" in table
+    assert "within two standard errors of zero" in table
+    fig = head_heatmap_figure(values, fmt="{:+.3f}", errors=errors)
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert {"+0.010", "-0.030", "(+0.004)", "(+0.000)"} <= texts
+    assert ">+0.004<" in head_heatmap_html(values, fmt="{:+.3f}")  # without errors: as before

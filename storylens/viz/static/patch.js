@@ -28,7 +28,11 @@
     return {
       title: key, rows: L, cols: H, cell: [44, 26], rowLabels: rows, colLabels: cols, size: 11,
       fill: function (r, c) { return colour(byCell[r + "," + c][key]); },
-      label: function (r, c) { var v = byCell[r + "," + c][key]; return v === null ? "" : v.toFixed(2); }
+      label: function (r, c) {  // in parentheses: within two standard errors of zero, no sign established
+        var h = byCell[r + "," + c], v = h[key], se = h[key + "_se"];
+        if (v === null) { return ""; }
+        return se !== null && se !== undefined && Math.abs(v) <= 2 * se ? "(" + v.toFixed(2) + ")" : v.toFixed(2);
+      }
     };
   }
 
