@@ -13,8 +13,10 @@ wide). On the first ``--stories`` quiz stories, batched as the recording batches
   batch, every head's AtP mean/zero and DLA sums), encoding included.
 
 The ratio is ``atp`` over ``bare`` in the same round (sides alternating), the best of ``--rounds``.
-Memory: in a fresh process per model, the peak resident memory above the loaded model while AtP runs
-on one ``--tokens``-token story (the quiz joined and cut).
+Memory: in a fresh process per model and side, the peak resident memory above the loaded model while
+AtP runs on one ``--tokens``-token story (the quiz joined and cut), and while the recording pass
+(``score_heads``) runs on the same story, beside it; each also with glibc mapping every block of 1 MB
+or more alone, so that the peak is that of the tensors alive together (``_memory``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -116,8 +119,10 @@ def _status_mb(field: str) -> float:
     raise SystemExit(f"no {field} in /proc/self/status (the memory figure needs Linux)")
 
 
-def memory_child(folder: str, tokens: int) -> None:
-    """In a fresh process: the peak resident memory above the loaded model while AtP runs on one story."""
+def memory_child(folder: str, tokens: int, what: str) -> None:
+    """In a fresh process: the peak resident memory above the loaded model while ``what`` (``atp``:
+    AtP and DLA, the gradient pass; ``record``: the recording pass, ``score_heads``) runs on one story."""
+    from storylens.analysis import score_heads
     from storylens.analysis.audit import attribution
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
@@ -133,13 +138,41 @@ def memory_child(folder: str, tokens: int) -> None:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak (VmHWM) restarts from what is resident now
     base = _status_mb("VmRSS")
-    attribution(lm, [text], batch_size=1)
+    if what == "atp":
+        attribution(lm, [text], batch_size=1)
+    else:
+        score_heads(lm, [text], progress=False)
     peak = _status_mb("VmHWM")
     print(
         json.dumps(
             {"tokens": len(lm.encode(text)), "model_mb": round(base, 1), "above_model_mb": round(peak - base, 1)}
         )
     )
+
+
+LIVE = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}  # glibc: every tensor of 1 MB or more mapped alone, unmapped when freed
+
+
+def _memory(folder: Path, tokens: int) -> dict:
+    """AtP's peak above the model on one ``tokens``-token story, and the recording pass's beside it:
+    each as the process's peak resident memory with glibc's defaults, and with every large block
+    mapped alone (``LIVE``), so that memory freed is returned at once and the peak is that of the
+    tensors alive together (glibc's default raises its threshold as large blocks are freed, and a
+    heap that reuses freed blocks only grows)."""
+    out = {}
+    for what in ("atp", "record"):
+        for how, env in (("", {}), ("live_", LIVE)):
+            child = subprocess.run(
+                [sys.executable, __file__, "--memory-child", str(folder), str(tokens), what],
+                capture_output=True, text=True, check=True, env={**os.environ, **env},
+            )  # fmt: skip
+            out[how + what] = json.loads(child.stdout.strip().splitlines()[-1])
+    return {
+        **out["atp"],
+        "live_above_model_mb": out["live_atp"]["above_model_mb"],
+        "record_above_model_mb": out["record"]["above_model_mb"],
+        "record_live_above_model_mb": out["live_record"]["above_model_mb"],
+    }
 
 
 def main() -> None:
@@ -149,37 +182,38 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=3000)
+    ap.add_argument("--models", default=",".join(SHAPES), help="which shapes, comma-separated (llama, gpt2)")
     ap.add_argument("--json", default=str(Path(__file__).with_name("causal.json")))
     ap.add_argument("--memory-only", action="store_true", help="only the memory figures, into the existing --json")
-    ap.add_argument("--memory-child", nargs=2, metavar=("FOLDER", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--memory-child", nargs=3, metavar=("FOLDER", "TOKENS", "WHAT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
-        memory_child(args.memory_child[0], int(args.memory_child[1]))
+        memory_child(args.memory_child[0], int(args.memory_child[1]), args.memory_child[2])
         return
     import torch
 
     from storylens.data.stories import load_split
 
     stories = load_split().quiz[: args.stories]
-    result: dict = {"stories": len(stories), "threads": torch.get_num_threads(), "models": {}}
+    result: dict = {"stories": len(stories), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "load_before": round(os.getloadavg()[0], 2), "models": {}}  # fmt: skip
     if args.memory_only:
-        result = {**json.loads(Path(args.json).read_text()), "models": {}}
+        result = {**json.loads(Path(args.json).read_text())}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in SHAPES:
+        for name in args.models.split(","):
             folder = build(Path(tmp), name, args.layers, max(args.tokens, 4096))
             print(f"{name} ({folder.name}):")
             if args.memory_only:
-                timing = json.loads(Path(args.json).read_text())["models"][folder.name]
+                timing = dict(json.loads(Path(args.json).read_text())["models"].get(folder.name, {}))
                 timing.pop("memory", None)
             else:
                 timing = time_model(folder, stories, args.rounds, args.batch_size)
-            child = subprocess.run(
-                [sys.executable, __file__, "--memory-child", str(folder), str(args.tokens)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            memory = json.loads(child.stdout.strip().splitlines()[-1])
-            print(f"  AtP / bare forward: {timing['ratio']:.2f}x; peak above the model on a "
-                  f"{memory['tokens']}-token story: {memory['above_model_mb']:.0f} MB")  # fmt: skip
+            memory = _memory(folder, args.tokens)
+            ratio = f"{timing['ratio']:.2f}x" if "ratio" in timing else "not timed"
+            print(f"  AtP / bare forward: {ratio}; peak above the model on a {memory['tokens']}-token story: "
+                  f"AtP {memory['above_model_mb']:.0f} MB ({memory['live_above_model_mb']:.0f} MB alive), the "
+                  f"recording pass {memory['record_above_model_mb']:.0f} MB "
+                  f"({memory['record_live_above_model_mb']:.0f} MB alive)")  # fmt: skip
             result["models"][folder.name] = {**timing, "memory": memory}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

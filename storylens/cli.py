@@ -936,7 +936,8 @@ def _add_causal(s) -> None:
         "--causal",
         action="store_true",
         help="also every head's effect on the loss: attribution patching (atp_mean, atp_zero) and direct logit "
-        "attribution (dla), with standard errors; one backward pass per batch more (see docs/causal.md)",
+        "attribution (dla), with standard errors; per batch, a backward pass and a second forward of every "
+        "block but the last more (memory: one block's activations at a time; see docs/causal.md)",
     )
 
 

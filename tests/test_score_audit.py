@@ -134,10 +134,11 @@ def test_without_audit_the_summary_has_no_audit_key(folder, stories, tmp_path):
 
 def test_the_default_stories_are_what_the_budget_allows(folder):
     """The budget's count: the most first stories whose audit cost fits max(budget x scoring, floor), at
-    least one; the cost counts AtP (three forwards), the clean losses and each head in each mode."""
+    least one; the cost counts AtP (a forward, every block but the last again, a backward counted as two
+    forwards), the clean losses and each head in each mode."""
     lm = load_lm(folder, dtype=torch.float64)
     blocks, outputs = audit_passes(lm, 6)
-    assert (blocks, outputs) == (4 * 2 + 2 * 6 * 2, 4 + 2 * 6)
+    assert (blocks, outputs) == ((4 * 2 - 1) + 2 + 2 * 6 * 2, 3 + 1 + 2 * 6)
     per_token = blocks * block_flops(lm) + outputs * head_flops(lm)
     assert audit_cost(lm, [10, 20], 6).flops == pytest.approx(30 * per_token, rel=1e-12)
     lengths = [10] * 50

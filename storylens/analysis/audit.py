@@ -237,10 +237,11 @@ def sign_words(e: Effect) -> str:
 
 def audit_passes(lm: AttentionLM, heads: int) -> tuple[int, int]:
     """What an audit of ``heads`` heads runs per token: (blocks, output heads). AtP on the stories (a
-    forward and a backward pass, counted as three forwards), the unablated losses, and each head in
-    each of :data:`MODES` through the whole model (:func:`exact_effects` runs every block)."""
+    forward, every block but the last run again, and a backward pass counted as two forwards:
+    :mod:`storylens.analysis.gradients`), the unablated losses, and each head in each of
+    :data:`MODES` through the whole model (:func:`exact_effects` runs every block)."""
     L = lm.n_layer
-    return 3 * L + L + len(MODES) * heads * L, 3 + 1 + len(MODES) * heads
+    return (4 * L - 1) + L + len(MODES) * heads * L, 3 + 1 + len(MODES) * heads
 
 
 def audit_cost(lm: AttentionLM, lengths: Sequence[int], heads: int) -> AblationCost:

@@ -32,8 +32,9 @@ tokens (the opening token's prediction included), sign-aware, with the same pool
 
 The gradients come from :func:`storylens.analysis.record.record`: a measure whose
 :class:`~storylens.analysis.record.Needs` says ``gradients=True`` is handed one :class:`Gradients`
-per batch from a forward pass with the model's fused attention and one backward pass (no weight
-gradients, no attention maps).
+per block and batch (:func:`storylens.analysis.gradients.gradient_pass`: a forward pass with the
+model's fused attention and one backward pass, block by block, no weight gradients, no attention
+maps); a batch's sums are added once its last block is in.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class CausalAccumulator:
         self.dla_seen = False
         self.sums: dict[str, torch.Tensor] = {}  # G, Z, GG, AG, nG: per head, float64
         self.positions = 0.0  # positions after the opening token (mu's count)
+        self._batch: StoryBatch | None = None  # the batch whose blocks are coming in
+        self._parts: dict[int, dict[str, torch.Tensor]] = {}  # its blocks so far
+        self._direction: torch.Tensor | None = None  # its DLA readout direction
 
     def _init(self, d: int) -> None:
         L, H = self.n_layer, self.n_head
@@ -86,33 +90,46 @@ class CausalAccumulator:
         pass
 
     def gradients(self, g: Gradients) -> None:
-        """Add one batch: per story and head ``A``, ``G``, ``sum z`` and the DLA sum."""
+        """Add one block of one batch: per story and head ``A``, ``G``, ``sum z`` and the DLA sum.
+        A batch's blocks come together (the last first); its sums are added once all are in."""
         after, predicted = g.masks()
         if self.d_head is None:
-            self._init(g.z[0].shape[-1])
-        n = (g.batch.lengths - 1).to(torch.float64).cpu()  # [B] predicted tokens
-        A, G, Z, D = [], [], [], []
+            self._init(g.z.shape[-1])
+        if self._batch is not g.batch:  # a new batch: its DLA direction, and no block yet
+            self._batch, self._parts, self._direction = g.batch, {}, _direction(g, predicted)
         w_after = after[:, :, None, None]  # [B, T, 1, 1]
-        direction = _direction(g, predicted)  # [B, T, d_model] or None
-        for layer, (z, grad) in enumerate(zip(g.z, g.grad)):
-            z64, g64 = _f64(z) * w_after, _f64(grad) * w_after  # [B, T, H, d], zero outside 1 .. len - 1
-            A.append((z64 * g64).sum((1, 3)).cpu())  # [B, H]
-            G.append(g64.sum(1).cpu())  # [B, H, d]
-            Z.append(z64.sum((0, 1)).cpu())  # [H, d]
-            if direction is not None and g.output_weights is not None:
-                w = torch.einsum("btm,hkm->bthk", direction, _f64(g.output_weights[layer]))  # [B, T, H, d]
-                D.append((_f64(z) * w).sum(-1).sum(1).cpu())  # [B, H]: positions already weighted
-        a, gs = torch.stack(A, 1), torch.stack(G, 1)  # [B, L, H], [B, L, H, d]
+        z64, g64 = _f64(g.z) * w_after, _f64(g.grad) * w_after  # [B, T, H, d], zero outside 1 .. len - 1
+        part = {
+            "A": (z64 * g64).sum((1, 3)).cpu(),  # [B, H]
+            "G": g64.sum(1).cpu(),  # [B, H, d]
+            "Z": z64.sum((0, 1)).cpu(),  # [H, d]
+        }
+        if self._direction is not None and g.output_weights is not None:
+            w = torch.einsum("btm,hkm->bthk", self._direction, _f64(g.output_weights))  # [B, T, H, d]
+            part["D"] = (_f64(g.z) * w).sum(-1).sum(1).cpu()  # [B, H]: positions already weighted
+        self._parts[g.layer] = part
+        if len(self._parts) == self.n_layer:
+            self._add_batch(g.batch, float(after.sum()))
+
+    def _add_batch(self, batch: StoryBatch, positions: float) -> None:
+        """The batch's blocks, all in: to the sums (as one ``[B, layer, head]`` table per quantity)."""
+        parts = [self._parts[layer] for layer in range(self.n_layer)]
+        self._batch, self._parts, self._direction = None, {}, None
+        n = (batch.lengths - 1).to(torch.float64).cpu()  # [B] predicted tokens
+        a, gs = (
+            torch.stack([p["A"] for p in parts], 1),
+            torch.stack([p["G"] for p in parts], 1),
+        )  # [B, L, H], [B, L, H, d]
         self.zero.add(-a, n)
         s = self.sums
         s["G"] += gs.sum(0)
-        s["Z"] += torch.stack(Z)
+        s["Z"] += torch.stack([p["Z"] for p in parts])
         s["AG"] += (a[..., None] * gs).sum(0)
         s["nG"] += (n[:, None, None, None] * gs).sum(0)
         s["GG"] += torch.einsum("blhd,blhe->lhde", gs, gs)
-        self.positions += float(after.sum())
-        if D:
-            self.dla.add(torch.stack(D, 1), n)
+        self.positions += positions
+        if all("D" in p for p in parts):
+            self.dla.add(torch.stack([p["D"] for p in parts], 1), n)
             self.dla_seen = True
 
     def z_means(self) -> torch.Tensor:
@@ -208,5 +225,5 @@ def _direction(g: Gradients, predicted: torch.Tensor) -> torch.Tensor | None:
     u = (W[nxt] - W.mean(0)) * _f64(r.gain)  # [B, T, d_model]
     if r.kind == "layer":
         u = u - u.mean(-1, keepdim=True)
-    u = u.to(g.z[0].device) if u.device != g.z[0].device else u
+    u = u.to(g.z.device) if u.device != g.z.device else u
     return u / _f64(g.scale)[..., None] * predicted[..., None]

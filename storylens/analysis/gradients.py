@@ -1,18 +1,39 @@
-"""What the recording pass's gradient pass hands a measure that asks for gradients
-(:class:`~storylens.analysis.record.Needs` ``gradients=True``): :class:`Gradients`, one batch's
-head outputs and their gradients, and the model's :class:`Readout` (its final norm and unembedding,
-for direct logit attribution). Data only: :mod:`storylens.analysis.record` fills it,
-:mod:`storylens.analysis.causal` reads it."""
+"""The gradient pass (:func:`gradient_pass`) and what it hands a measure that asks for gradients
+(:class:`~storylens.analysis.record.Needs` ``gradients=True``): one :class:`Gradients` per block and
+batch, that block's head outputs and their gradients, and the model's :class:`Readout` (its final norm
+and unembedding, for direct logit attribution). :mod:`storylens.analysis.record` runs the pass,
+:mod:`storylens.analysis.causal` reads what it hands over.
+
+**Memory.** The backward needs what each block's forward saved (its activations), and holding that
+for every block at once grows with the model's depth: on a 3,000-token story, several GB for GPT-2
+small. So the pass recomputes, block by block, as activation checkpointing does: a forward with no
+graph keeps only each block's input (one ``[batch, pos, d_model]`` tensor per block) and builds a
+graph for the last block and the model's tail alone (final norm, unembedding); then, from the last
+block but one to the first, each block is run again from its kept input with a graph and
+backpropagated on its own, handing over its ``z`` and ``dL/dz`` and passing ``dL/d(input)`` down.
+At any time one block's activations exist, at the cost of a second forward of every block but the
+last (``benchmarks/bench_causal.py`` measures both). A model whose blocks cannot be rerun this
+way (:meth:`~storylens.lm.AttentionLM.blocks` unknown, or a block's rerun output not what the next
+block was given) takes one graph through the whole model instead, and a note says so.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from storylens.analysis.encode import StoryBatch
-from storylens.lm import AttentionLM
+from storylens.core.errors import StorylensError
+from storylens.lm import AttentionLM, Hook
 
 
 @dataclass(frozen=True)
@@ -55,17 +76,20 @@ def readout(lm: AttentionLM) -> Readout | None:
 
 @dataclass
 class Gradients:
-    """One batch's forward and backward pass (:func:`storylens.analysis.record.record`): per block
-    ``z [batch, pos, head, d_head]`` and ``grad = dL/dz`` (``L`` the batch's summed next-token loss,
-    so each story's rows are its own loss's gradient), the batch, and for DLA the final norm's scale
-    ``[batch, pos]`` and the model's readout (None: not readable)."""
+    """One block of one batch's gradient pass (:func:`gradient_pass`): block ``layer``'s head
+    outputs ``z [batch, pos, head, d_head]`` and ``grad = dL/dz`` (``L`` the batch's summed next-token
+    loss, so each story's rows are its own loss's gradient), the batch, and for DLA the final norm's
+    scale ``[batch, pos]`` (the same object for every block of a batch), the model's readout (None:
+    not readable) and the block's output weights ``W_O [head, d_head, d_model]``. Blocks come from
+    the last to the first, each batch's ``n_layer`` of them before the next batch's."""
 
     batch: StoryBatch
-    z: list[torch.Tensor]
-    grad: list[torch.Tensor]
+    layer: int
+    z: torch.Tensor
+    grad: torch.Tensor
     scale: torch.Tensor | None
     readout: Readout | None
-    output_weights: list[torch.Tensor] | None  # per block W_O [head, d_head, d_model]
+    output_weights: torch.Tensor | None
 
     def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``after [B, T]``: positions 1 .. len - 1 (after the opening token); ``predicted [B, T]``:
@@ -74,3 +98,342 @@ class Gradients:
         t = torch.arange(ids.shape[1], device=ids.device)[None, :]
         lengths = self.batch.lengths.to(ids.device)[:, None]
         return (t >= 1) & (t < lengths), t < lengths - 1
+
+
+LOSS_ROWS = 256  # positions whose softmax over the vocabulary is formed at once in loss_gradient
+
+
+def loss_gradient(logits: torch.Tensor, nexts: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """``dL/dlogits`` of ``L = sum over predicted positions of -log softmax(logits)[next]`` (``logits
+    [B, T, V]``, ``nexts`` and ``predicted [B, T]``), in the logits' dtype: ``softmax - onehot(next)``
+    on predicted rows, 0 elsewhere, formed :data:`LOSS_ROWS` positions at a time in float32 at least
+    (as the loss would be). Autograd through ``cross_entropy`` would allocate the log-softmax, its
+    gradient and the logits' gradient, three tensors the size of the logits (600 MB each for a
+    3,000-token story and a 50k vocabulary); this allocates one, the result."""
+    B, T, V = logits.shape
+    flat, nx, keep = logits.reshape(B * T, V), nexts.reshape(-1), predicted.reshape(-1)
+    out = torch.empty_like(flat)
+    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    for s in range(0, B * T, LOSS_ROWS):
+        rows = slice(s, s + LOSS_ROWS)
+        g = torch.log_softmax(flat[rows].to(wide), -1).exp_()  # [n, V]
+        g[torch.arange(g.shape[0], device=g.device), nx[rows]] -= 1.0
+        out[rows] = torch.where(keep[rows, None], g, 0.0)
+    return out.view(B, T, V)
+
+
+@contextlib.contextmanager
+def _frozen(module: nn.Module) -> Iterator[None]:
+    """Every parameter's ``requires_grad`` off for the block (no weight gradients), then back."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+class _Taps:
+    """``hook_z`` in every block: where grad mode is on, ``z + delta`` with ``delta`` a zero leaf, so
+    ``dL/ddelta = dL/dz``; ``z`` and ``delta`` kept per block until taken."""
+
+    def __init__(self) -> None:
+        self.z: dict[int, torch.Tensor] = {}
+        self.delta: dict[int, torch.Tensor] = {}
+
+    def __call__(self, z: torch.Tensor, hook: Hook) -> torch.Tensor | None:  # z [B, T, H, d]
+        if not torch.is_grad_enabled():
+            return None
+        delta = torch.zeros_like(z, requires_grad=True)
+        self.z[hook.layer], self.delta[hook.layer] = z.detach(), delta
+        return z + delta
+
+    def take(self, lm: AttentionLM, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.delta:
+            raise StorylensError(f"{lm.name}: hook_z did not fire in block {layer} (its heads cannot be reached)")
+        return self.z.pop(layer), self.delta.pop(layer)
+
+
+def _targets(batch: StoryBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids`` (a normal tensor: the batch is made in inference mode), ``nexts`` and ``predicted [B, T]``."""
+    ids = batch.ids.clone()
+    t = torch.arange(ids.shape[1], device=ids.device)
+    predicted = t[None, :] < batch.lengths.to(ids.device)[:, None] - 1  # [B, T]
+    nexts = torch.where(predicted, ids.roll(-1, 1), torch.zeros_like(ids))  # [B, T]
+    return ids, nexts, predicted
+
+
+def _scale(read: Readout | None, held: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The final norm's divisor ``[B, T]`` float64, frozen at the run's value (from its input)."""
+    if read is None or "x" not in held:
+        return None
+    x = held["x"].to(torch.float64)
+    spread = x.var(-1, unbiased=False) if read.kind == "layer" else x.pow(2).mean(-1)
+    return (spread + read.eps).sqrt()
+
+
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A block's input hidden states: its first positional argument, or ``hidden_states``."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _with_hidden(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    return ((x, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": x})
+
+
+def _output(out: Any) -> torch.Tensor:
+    """A block's output hidden states (a block returns them, or a tuple that starts with them)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _rebuilt(out: Any, h: torch.Tensor) -> Any:
+    return h if isinstance(out, torch.Tensor) else (h, *out[1:])
+
+
+def _differs(rerun: torch.Tensor, given: torch.Tensor) -> bool:
+    """The rerun of a block is not what the model handed on: something between blocks, or another
+    computation. The rerun repeats the same operations, so equal but for rounding where a kernel
+    choice differs (a graph's kernel may not be the no-graph one): a relative difference of 1% of the
+    largest value (and 32 of the dtype's epsilon) allows that many roundings, and any real change of
+    the hidden states (a scale, a residual, a norm: of order one) is far above it."""
+    if rerun.shape != given.shape:
+        return True
+    tol = max(1e-2, 32 * torch.finfo(given.dtype).eps) * float(given.abs().max()) + 1e-30
+    return float((rerun - given).abs().max()) > tol
+
+
+Emit = Callable[[Gradients], None]
+
+
+def _first_pass(
+    lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor, base: nn.Module | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[tuple, dict] | None]]:
+    """The forward with a graph only from the last block's input on (that block and the tail: final
+    norm, unembedding, a soft cap): the logits (with ``base``, the decoder: its output instead, the
+    unembedding not run), the last block's input as that graph's leaf (None: the block did not run
+    as a block), and every other block's arguments with a copy of its hidden input (a block may
+    change its input in place)."""
+    saved: list[tuple[tuple, dict] | None] = [None] * len(blocks)
+    leaf: list[torch.Tensor] = []
+    last = len(blocks) - 1
+    top: dict[str, torch.Tensor] = {}
+
+    def keeper(i: int) -> Callable[..., tuple[tuple, dict] | None]:
+        def keep(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            x = _hidden(args, kwargs)
+            if x is None:
+                return None
+            if i < last:
+                saved[i] = _with_hidden(args, dict(kwargs), x.clone())
+                return None
+            leaf.append(x.detach().clone().requires_grad_())
+            torch.set_grad_enabled(True)  # the last block and the tail with a graph
+            return _with_hidden(args, kwargs, leaf[0])
+
+        return keep
+
+    handles = [b.register_forward_pre_hook(keeper(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    if base is not None:
+        handles.append(base.register_forward_hook(lambda m, args, out: top.update(out=_output(out))))
+    try:
+        with torch.no_grad():  # left with grad mode as it was, whatever the last block's hook set
+            logits = lm.forward(ids, record_attention=False, logits=base is None)  # [B, T, V]
+    finally:
+        for h in handles:
+            h.remove()
+    return (logits if base is None else top.get("out")), (leaf[0] if len(leaf) == 1 else None), saved
+
+
+_OUTPUT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _split_head(lm: AttentionLM) -> tuple[nn.Module, nn.Linear] | None:
+    """The model's decoder (its base model, whose output the unembedding reads) and its unembedding,
+    where the logits may be nothing but that (no soft cap or scale in the config; :func:`_can_rerun`
+    checks the rest on the probe): the pass then forms the logits :data:`LOSS_ROWS` positions at a
+    time and never whole (``[tokens, vocab]``: 600 MB for 3,000 tokens and a 50k vocabulary)."""
+    module = lm.module
+    base = getattr(module, "base_model", None)
+    getter = getattr(module, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    config = getattr(module, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _OUTPUT_CHANGES):
+        return None
+    if not isinstance(base, nn.Module) or base is module or not isinstance(head, nn.Linear):
+        return None
+    return base, head
+
+
+def _head_gradient(top: torch.Tensor, head: nn.Linear, nexts: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """``dL/d(the unembedding's input)`` for ``top [B, T, d_model]``, the logits formed
+    :data:`LOSS_ROWS` positions at a time: ``loss_gradient`` of each slice, times ``W_U``."""
+    B, T, D = top.shape
+    flat, out = top.reshape(B * T, D), torch.empty_like(top).view(B * T, D)
+    nx, keep = nexts.reshape(1, -1), predicted.reshape(1, -1)
+    with torch.no_grad():
+        for s in range(0, B * T, LOSS_ROWS):
+            rows = slice(s, s + LOSS_ROWS)
+            seed = loss_gradient(head(flat[rows])[None], nx[:, rows], keep[:, rows])[0]  # [n, V]
+            out[rows] = seed @ head.weight  # [n, d_model]
+    return out.view(B, T, D)
+
+
+def _rerun(lm: AttentionLM, block: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``block`` again from its kept arguments, with a graph: (its input leaf, its output)."""
+    x = _hidden(args, kwargs)
+    assert x is not None
+    x = x.requires_grad_()
+    a, k = _with_hidden(args, kwargs, x)
+    with torch.enable_grad(), lm.fused():
+        return x, _output(block(*a, **k))
+
+
+def _blockwise(
+    lm: AttentionLM,
+    blocks: list[nn.Module],
+    batch: StoryBatch,
+    read: Readout | None,
+    emit: Emit | None,
+    split_head: bool = False,
+) -> bool:
+    """The pass block by block (the module docstring); ``split_head``: the logits a few rows at a
+    time (:func:`_split_head`). ``emit`` None: a check only, on this batch, handing nothing over.
+    False: the blocks cannot be rerun (nothing was handed over; with ``emit``, a block that reruns
+    to something else raises, the check having passed on this model)."""
+    ids, nexts, predicted = _targets(batch)
+    held: dict[str, torch.Tensor] = {}
+    taps = _Taps()
+    last = len(blocks) - 1
+    split = _split_head(lm) if split_head else None
+
+    def hand(layer: int, z: torch.Tensor, dz: torch.Tensor | None) -> None:
+        if emit is not None:
+            w = None if read is None else lm.head_output_weights(layer).detach()
+            emit(Gradients(batch, layer, z, torch.zeros_like(z) if dz is None else dz, scale, read, w))
+
+    with ExitStack() as stack:
+        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", taps) for i in range(lm.n_layer)]))
+        if read is not None:
+            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
+            stack.callback(handle.remove)
+        top, x, saved = _first_pass(lm, blocks, ids, None if split is None else split[0])
+        if top is None or x is None or any(s is None for s in saved[:last]):
+            return False
+        if split is None:
+            seed = loss_gradient(top.detach(), nexts, predicted)  # dL/dlogits [B, T, V]
+        else:
+            seed = _head_gradient(top.detach(), split[1], nexts, predicted)  # dL/d(decoder output) [B, T, D]
+        z, delta = taps.take(lm, last)
+        found = torch.autograd.grad(top, [delta, x][: 2 if last else 1], grad_outputs=seed, allow_unused=True)
+        del top, seed
+        scale = _scale(read, held)
+        hand(last, z, found[0])
+        for layer in reversed(range(last)):  # dL/d(input of block layer + 1) in found[1], that input in x
+            args, kwargs = saved[layer]  # type: ignore[misc]
+            saved[layer] = None
+            given, up = x.detach(), found[1]
+            x, h = _rerun(lm, blocks[layer], args, kwargs)
+            if _differs(h.detach(), given):
+                if emit is None:
+                    return False
+                raise StorylensError(f"{lm.name}: block {layer} reran to other hidden states than the first time")
+            z, delta = taps.take(lm, layer)
+            wanted = [delta, x] if layer > 0 else [delta]
+            up = torch.zeros_like(given) if up is None else up
+            found = torch.autograd.grad(h, wanted, grad_outputs=up, allow_unused=True)
+            del h
+            hand(layer, z, found[0])
+    return True
+
+
+def _whole(lm: AttentionLM, batch: StoryBatch, read: Readout | None, emit: Emit) -> None:
+    """The pass with one graph through the whole model (every block's activations held at once)."""
+    ids, nexts, predicted = _targets(batch)
+    held: dict[str, torch.Tensor] = {}
+    taps = _Taps()
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", taps) for i in range(lm.n_layer)]))
+        if read is not None:
+            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
+            stack.callback(handle.remove)
+        logits = lm.forward(ids, record_attention=False, logits=True)  # [B, T, V]
+        assert logits is not None
+        layers = list(range(lm.n_layer))
+        kept = [taps.take(lm, i) for i in layers]
+        seed = loss_gradient(logits.detach(), nexts, predicted)  # dL/dlogits [B, T, V]
+        found = torch.autograd.grad(logits, [d for _, d in kept], grad_outputs=seed, allow_unused=True)
+    scale = _scale(read, held)
+    for layer in reversed(layers):
+        z, g = kept[layer][0], found[layer]
+        w = None if read is None else lm.head_output_weights(layer).detach()
+        emit(Gradients(batch, layer, z, torch.zeros_like(z) if g is None else g.detach(), scale, read, w))
+
+
+@dataclass(frozen=True)
+class _Way:
+    """How the gradient pass runs on a model (:func:`_way`): block by block, and the logits a few
+    rows at a time."""
+
+    blockwise: bool
+    split_head: bool
+
+
+_WAYS: weakref.WeakKeyDictionary[nn.Module, _Way] = weakref.WeakKeyDictionary()
+
+
+def _way(lm: AttentionLM, blocks: list[nn.Module] | None, batch: StoryBatch) -> _Way:
+    """How the pass runs on ``lm``, checked once per model on the batch's first story's first 16
+    tokens (a note where the blocks cannot be rerun): every block reruns to what the model ran, and
+    the model's logits are its unembedding of its decoder's output (equal within 16 roundings)."""
+    if blocks is None or len(blocks) != lm.n_layer:
+        return _Way(False, False)
+    if lm.module not in _WAYS:
+        n = min(16, int(batch.lengths[0]))
+        probe = dataclasses.replace(batch, ids=batch.ids[:1, :n], lengths=batch.lengths[:1].clamp(max=n))
+        blockwise = _blockwise(lm, blocks, probe, readout(lm), None)
+        if not blockwise:
+            print(f"storylens: note: {lm.name}'s blocks cannot be rerun one at a time: the gradient pass "
+                  "holds every block's activations at once", file=sys.stderr)  # fmt: skip
+        _WAYS[lm.module] = _Way(blockwise, blockwise and _splits(lm, probe.ids.clone()))
+    return _WAYS[lm.module]
+
+
+def _splits(lm: AttentionLM, ids: torch.Tensor) -> bool:
+    """Whether ``lm``'s logits on ``ids`` are its unembedding of its decoder's output (:func:`_split_head`)."""
+    pair = _split_head(lm)
+    if pair is None:
+        return False
+    base, head = pair
+    got: dict[str, torch.Tensor] = {}
+    handle = base.register_forward_hook(lambda m, args, out: got.update(out=_output(out)))
+    try:
+        with torch.no_grad():
+            logits = lm.forward(ids, record_attention=False, logits=True)
+            split = head(got["out"]) if "out" in got else None
+    finally:
+        handle.remove()
+    if logits is None or split is None or split.shape != logits.shape:
+        return False
+    tol = 16 * torch.finfo(logits.dtype).eps * float(logits.abs().max()) + 1e-30
+    return float((split - logits).abs().max()) <= tol
+
+
+def gradient_pass(lm: AttentionLM, batch: StoryBatch, emit: Emit) -> None:
+    """The gradient pass of one batch: one forward with the model's fused attention and one backward
+    of the batch's summed next-token loss (every predicted token, the opening token's prediction
+    included), block by block (the module docstring); no weight gradient, no map formed. A zero
+    tensor added at each block's ``hook_z`` is the leaf whose gradient is ``dL/dz``; the final
+    norm's input is kept for its frozen scale. ``emit`` gets every block's :class:`Gradients`, from
+    the last block to the first."""
+    read = readout(lm)
+    with torch.inference_mode(False), _frozen(lm.module):
+        blocks = lm.blocks()
+        way = _way(lm, blocks, batch)
+        if blocks is not None and way.blockwise:
+            _blockwise(lm, blocks, batch, read, emit, way.split_head)
+        else:
+            _whole(lm, batch, read, emit)

@@ -37,10 +37,12 @@ themselves in an orthonormal frame of each head's output space (``k <= head size
 vectors or output weights cannot be read, they stay None (the plan says why).
 
 **Gradients.** A measure whose ``needs.gradients`` is set (:class:`GradientMeasure`, e.g.
-:class:`storylens.analysis.causal.CausalAccumulator`) gets, per batch, ``gradients(grads)``: one
-forward with the model's fused attention (no map formed) and one backward of the batch's summed
-next-token loss, no weight gradients, handing every block's head outputs ``z`` and ``dL/dz``, the
-final norm's scale, the next tokens and the masks (:class:`storylens.analysis.causal.Gradients`).
+:class:`storylens.analysis.causal.CausalAccumulator`) gets, per batch and block (the last block
+first), ``gradients(grads)``: from :func:`storylens.analysis.gradients.gradient_pass`, one forward
+with the model's fused attention (no map formed) and one backward of the batch's summed next-token
+loss, run block by block so that one block's activations exist at a time, no weight gradients; each
+hands a block's head outputs ``z`` and ``dL/dz``, the final norm's scale and the batch
+(:class:`storylens.analysis.gradients.Gradients`).
 ``plan().gradients`` says so; where no measure reads attention (``Needs(attention=False)``) the
 recording forward is skipped.
 
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from functools import reduce
@@ -71,7 +73,7 @@ from storylens.analysis.encode import (
     length_batches,
 )
 from storylens.analysis.faithful import head_images, key_norms, ov_factor
-from storylens.analysis.gradients import Gradients, readout
+from storylens.analysis.gradients import Gradients, gradient_pass
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
@@ -99,7 +101,7 @@ class Needs:
         False  # what each head writes at each query: its size and its vector (chunk.outputs, .output_vectors)
     )
     streams: bool = True  # it can take a block's map a chunk of query rows at a time (else: whole maps)
-    # the gradient pass's Gradients per batch (storylens.analysis.causal), handed to gradients(grads)
+    # the gradient pass's Gradients per batch and block (storylens.analysis.gradients), to gradients(grads)
     gradients: bool = False
     attention: bool = True  # it reads attention (False: no recording forward is run for it)
 
@@ -140,8 +142,8 @@ class Measure(Protocol):
 
 class GradientMeasure(Measure, Protocol):
     """A measure whose ``needs.gradients`` is set: after the batch's recording forward (if any
-    measure reads attention) it gets ``gradients(grads)`` with the batch's
-    :class:`storylens.analysis.causal.Gradients` from one fused forward and one backward."""
+    measure reads attention) it gets ``gradients(grads)`` once per block, the last block first, with
+    that block's :class:`storylens.analysis.gradients.Gradients` (one fused forward and one backward)."""
 
     def gradients(self, grads: Any) -> None: ...
 
@@ -254,10 +256,13 @@ class _Pass:
             with self.context() if self.plan.gradients else contextlib.nullcontext():
                 self.lm.forward(batch.ids, record_attention=True, logits=False)
         if self.plan.gradients:
-            grads = gradient_pass(self.lm, batch)
-            for m in self.measures:
-                if m.needs.gradients:
-                    cast(GradientMeasure, m).gradients(grads)
+            takers = [cast(GradientMeasure, m) for m in self.measures if m.needs.gradients]
+
+            def hand(grads: Gradients) -> None:
+                for t in takers:
+                    t.gradients(grads)
+
+            gradient_pass(self.lm, batch, hand)
         for m in self.measures:
             m.end()
         self.masks = None
@@ -329,89 +334,6 @@ class _Pass:
 def _unless(per_batch: bool, context: Callable[[], ExitStack]) -> AbstractContextManager:
     """The wiring's context around the whole run, unless it is entered per batch (a gradient pass)."""
     return contextlib.nullcontext() if per_batch else context()
-
-
-@contextlib.contextmanager
-def _frozen(module: torch.nn.Module) -> Iterator[None]:
-    """Every parameter's ``requires_grad`` off for the block (no weight gradients), then back."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-
-
-LOSS_ROWS = 256  # positions whose softmax over the vocabulary is formed at once in loss_gradient
-
-
-def loss_gradient(logits: torch.Tensor, nexts: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
-    """``dL/dlogits`` of ``L = sum over predicted positions of -log softmax(logits)[next]`` (``logits
-    [B, T, V]``, ``nexts`` and ``predicted [B, T]``), in the logits' dtype: ``softmax - onehot(next)``
-    on predicted rows, 0 elsewhere, formed :data:`LOSS_ROWS` positions at a time in float32 at least
-    (as the loss would be). Autograd through ``cross_entropy`` would allocate the log-softmax, its
-    gradient and the logits' gradient, three tensors the size of the logits (600 MB each for a
-    3,000-token story and a 50k vocabulary); this allocates one, the result. (On the CPU the peak is
-    set earlier, by the forward's saved activations: ``benchmarks/bench_causal.py`` measures it.)"""
-    B, T, V = logits.shape
-    flat, nx, keep = logits.reshape(B * T, V), nexts.reshape(-1), predicted.reshape(-1)
-    out = torch.empty_like(flat)
-    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    for s in range(0, B * T, LOSS_ROWS):
-        rows = slice(s, s + LOSS_ROWS)
-        g = torch.log_softmax(flat[rows].to(wide), -1).exp_()  # [n, V]
-        g[torch.arange(g.shape[0], device=g.device), nx[rows]] -= 1.0
-        out[rows] = torch.where(keep[rows, None], g, 0.0)
-    return out.view(B, T, V)
-
-
-def gradient_pass(lm: AttentionLM, batch: StoryBatch) -> Any:
-    """One forward with the model's fused attention and one backward of the batch's summed
-    next-token loss (every predicted token, the opening token's prediction included): a zero tensor
-    added at every ``hook_z`` is the only leaf, so one ``torch.autograd.grad`` gives ``dL/dz`` for
-    every block with no weight gradient; the final norm's input is kept for its frozen scale.
-    Returns :class:`storylens.analysis.causal.Gradients`."""
-
-    read = readout(lm)
-    deltas: dict[int, torch.Tensor] = {}
-    zs: dict[int, torch.Tensor] = {}
-    held: dict[str, torch.Tensor] = {}
-
-    def tap(z: torch.Tensor, hook: Hook) -> torch.Tensor:  # z [B, T, H, d]
-        delta = torch.zeros_like(z, requires_grad=True)
-        zs[hook.layer], deltas[hook.layer] = z.detach(), delta
-        return z + delta
-
-    with ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(_frozen(lm.module))
-        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", tap) for i in range(lm.n_layer)]))
-        if read is not None:
-            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
-            stack.callback(handle.remove)
-        ids = batch.ids.clone()  # [B, T]: a normal tensor (the batch is made in inference mode)
-        B, T = ids.shape
-        logits = lm.forward(ids, record_attention=False, logits=True)  # [B, T, V]
-        assert logits is not None
-        t = torch.arange(T, device=ids.device)
-        predicted = t[None, :] < batch.lengths.to(ids.device)[:, None] - 1  # [B, T]
-        nexts = torch.where(predicted, ids.roll(-1, 1), torch.zeros_like(ids))  # [B, T]
-        layers = list(range(lm.n_layer))
-        if sorted(deltas) != layers:
-            raise StorylensError(f"{lm.name}: hook_z did not fire in every block (its heads cannot be reached)")
-        seed = loss_gradient(logits.detach(), nexts, predicted)  # dL/dlogits [B, T, V]
-        found = torch.autograd.grad(logits, [deltas[i] for i in layers], grad_outputs=seed, allow_unused=True)
-    grad = [torch.zeros_like(zs[i]) if g is None else g.detach() for i, g in zip(layers, found)]
-    scale = None
-    if read is not None and "x" in held:  # the final norm's divisor [B, T], frozen at the run's value
-        x = held["x"].to(torch.float64)
-        spread = x.var(-1, unbiased=False) if read.kind == "layer" else x.pow(2).mean(-1)
-        scale = (spread + read.eps).sqrt()
-    weights = None if read is None else [lm.head_output_weights(i).detach() for i in layers]
-    return Gradients(batch, [zs[i] for i in layers], grad, scale, read, weights)
 
 
 def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] | None) -> frozenset[str] | None:

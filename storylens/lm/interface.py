@@ -192,6 +192,11 @@ class AttentionLM:
         only where :meth:`can_stream`."""
         raise StorylensError(f"{type(self).__name__}: its attention cannot stream")
 
+    def fused(self) -> AbstractContextManager:
+        """A context inside which a block called on its own (:meth:`blocks`) runs the attention
+        :meth:`forward` runs with ``record_attention=False``: the fused kernel, forming no map."""
+        return contextlib.nullcontext()
+
     # --- running
     def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
         """Run ``ids [batch, tokens]`` (stories padded at the end). ``record_attention=True`` makes
@@ -543,6 +548,9 @@ class TransformersLM(AttentionLM):
                 getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
                 return None
             return self.module(input_ids=ids, use_cache=False).logits
+
+    def fused(self) -> AbstractContextManager:
+        return self._fused(True)
 
     def _fused(self, wanted: bool) -> AbstractContextManager:
         """transformers' sdpa attention in every block whose probabilities nobody reads (no

@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from storylens.analysis.audit import attribution
 from storylens.analysis.causal import CausalAccumulator
-from storylens.analysis.record import LOSS_ROWS, Needs, loss_gradient, plan, record
+from storylens.analysis.encode import batch_of, encode_stories
+from storylens.analysis.gradients import LOSS_ROWS, loss_gradient
+from storylens.analysis.record import Needs, plan, record
 from storylens.lm import NativeLM, load_lm
 from storylens.model.hub import load_model
 
@@ -337,3 +339,137 @@ def test_the_loss_gradient_is_autograds_through_cross_entropy(dtype):
     assert bool((got[~predicted] == 0).all())
     tol = {torch.float64: 1e-15, torch.float32: 4 * 2.0**-24, torch.bfloat16: 2.0**-8}[dtype]
     assert (got.to(torch.float64) - want.to(torch.float64)).abs().max().item() <= tol
+
+
+def _columns_by(lm, stories, way: str) -> dict:
+    """AtP/DLA columns with the pass run ``way``: ``"checked"`` as the model's probe chooses,
+    ``"blockwise"`` block by block with whole logits, ``"whole"`` one graph through the whole model."""
+    from storylens.analysis import gradients
+
+    gradients._WAYS.pop(lm.module, None)
+    if way != "checked":
+        gradients._WAYS[lm.module] = gradients._Way(way == "blockwise", False)
+    try:
+        acc = CausalAccumulator(lm.n_layer, lm.n_head)
+        record(lm, stories, [acc], progress=False, names=frozenset(), batch_size=3)
+        return acc.columns()
+    finally:
+        gradients._WAYS.pop(lm.module, None)
+
+
+def test_the_block_by_block_pass_equals_one_graph_through_the_model(lm, stories, capsys):
+    """Rerunning each block from its kept input and backpropagating it alone (bounded memory), with
+    the logits whole or a few rows at a time, gives the columns one graph through the whole model
+    gives: the same operations on the same numbers, float64 (a rerun may round differently where a
+    kernel differs: far below TOL)."""
+    from storylens.analysis import gradients
+
+    checked = _columns_by(lm, stories, "checked")
+    assert "cannot be rerun" not in capsys.readouterr().err
+    blockwise, whole = _columns_by(lm, stories, "blockwise"), _columns_by(lm, stories, "whole")
+    for name, value in checked.items():
+        assert value is not None and torch.isfinite(value).all(), name
+        for other in (blockwise, whole):
+            assert (value - other[name]).abs().max() <= TOL * max(1.0, float(whole[name].abs().max())), name
+    # transformers models form the logits a few rows at a time (the native model has no base model)
+    batch = batch_of(encode_stories(lm, stories[:1], frozenset()), lm.marker_id, lm.device)
+    assert gradients._way(lm, lm.blocks(), batch) == gradients._Way(True, not isinstance(lm, NativeLM))
+
+
+class _Shuffled(NativeLM):
+    """A model whose ``blocks()`` misstates the order: rerunning them cannot give what the model ran."""
+
+    def blocks(self):
+        return list(reversed(super().blocks()))
+
+
+def test_a_model_whose_blocks_do_not_rerun_takes_one_graph_and_says_so(native, stories, capsys):
+    lm = _Shuffled(copy.deepcopy(native).double())
+    straight = NativeLM(lm.module)
+    got = _columns_by(lm, stories, "checked")
+    assert "cannot be rerun one at a time" in capsys.readouterr().err
+    want = _columns_by(straight, stories, "whole")
+    for name in got:
+        assert (got[name] - want[name]).abs().max() <= TOL * max(1.0, float(want[name].abs().max())), name
+
+
+class _Live:
+    """Bytes of the tensors autograd holds for a backward (parameters aside), now and at most."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.now = self.peak = 0
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(self, t: torch.Tensor):
+        return t if t.untyped_storage().data_ptr() in self.params else _Held(self, t)
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Held) else x
+
+
+class _Held:
+    def __init__(self, live: _Live, t: torch.Tensor):
+        self.live, self.t, self.n = live, t, t.numel() * t.element_size()
+        live.now += self.n
+        live.peak = max(live.peak, live.now)
+
+    def __del__(self):
+        self.live.now -= self.n
+
+
+def _held_peak(native_tok, layers: int, whole: bool, tmp_path) -> int:
+    """The most bytes held for the backward at once while the gradient pass runs on 4 quiz-length
+    stories, on a seeded Llama of ``layers`` blocks."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from storylens.analysis import gradients
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=native_tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    cfg = _config("llama", native_tok.get_vocab_size(), tok.bos_token_id)
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(0)
+    folder = tmp_path / f"llama-{layers}"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    lm = load_lm(folder)
+    texts = ["Tom and Sam went to the park. Tom saw a big red ball and gave it to Sam. " * 3] * 4
+    batch = batch_of(encode_stories(lm, texts, frozenset()), lm.marker_id, lm.device)
+    gradients._WAYS[lm.module] = gradients._Way(not whole, not whole)
+    live = _Live(lm.module)
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        gradients.gradient_pass(lm, batch, lambda g: None)
+    return live.peak
+
+
+def test_the_gradient_pass_holds_one_block_at_a_time_whatever_the_depth(native, tmp_path):
+    """Memory bounded as the recording pass's is: what the block-by-block pass holds for its backward
+    does not grow with the model's depth (the same shapes: the same bytes, exactly), while one graph
+    through the whole model holds every block's."""
+    two, eight = (_held_peak(native.tokenizer, n, False, tmp_path) for n in (2, 8))
+    whole_two, whole_eight = (_held_peak(native.tokenizer, n, True, tmp_path) for n in (2, 8))
+    assert two == eight > 0
+    # one graph: 8 blocks' activations (7 whole, the first from its hook_z on) against 2, and several
+    # times what one block and the tail hold
+    assert whole_eight > 3 * whole_two and whole_eight > 4 * eight
+
+
+def test_logits_are_formed_whole_where_the_model_changes_them_after_its_unembedding(lm, stories):
+    """A soft cap or scale after the unembedding (named in the config, or only seen in the logits)
+    keeps the logits whole: the few-rows-at-a-time gradient would miss it."""
+    from storylens.analysis import gradients
+
+    if isinstance(lm, NativeLM):
+        pytest.skip("the native model has no base model: its logits are always formed whole")
+    ids = torch.tensor([lm.encode(stories[0])[:16]])
+    assert gradients._splits(lm, ids)
+    handle = lm.module.register_forward_hook(lambda m, args, out: out.__setitem__("logits", out.logits * 0.5))
+    try:
+        assert not gradients._splits(lm, ids)
+    finally:
+        handle.remove()
+    lm.module.config.final_logit_softcapping = 30.0
+    try:
+        assert gradients._split_head(lm) is None and not gradients._splits(lm, ids)
+    finally:
+        del lm.module.config.final_logit_softcapping
