@@ -387,8 +387,7 @@ class TopExamples:
         take = _first_k(eligible, v, self.k)
         if view.device.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
             return
-        fi, real = _taken(take, self.k)  # [R, c]
-        new_f, new_i = self._offered(fi, real, v, pattern, view)
+        new_f, new_i = self._offered(take, v, pattern, view)
         floats, ints = _select(torch.cat([floats, new_f], 1), torch.cat([ints, new_i], 1), self.k, self.per_story)
         if rows is None:
             self._slots[layer] = (floats, ints)
@@ -451,16 +450,31 @@ class TopExamples:
         return v, eligible
 
     def _offered(
-        self, fi: torch.Tensor, real: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+        self, take: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots (floats ``[R, c, F]``, ints ``[R, c, I]``) of the taken flat queries ``fi [R, c]``
-        (``real``: not padding): the value, the most-attended key (the earliest key holding the row's
-        maximum), its weight, the weights and token ids around the query and around that key."""
-        B, H, Q, K = pattern.shape
+        """The slots (floats ``[R, c, F]``, ints ``[R, c, I]``, ``c = min(k, B * Q)``) of each row's taken
+        queries (``take [R, B * Q]``, at most k a row), then empty slots."""
+        fi, real = _taken(take, self.k)  # [R, c]
         R, c = fi.shape
         dev = fi.device
-        flat = fi.reshape(-1)  # [N], N = R * c
-        hi = (torch.arange(R, device=dev) % H)[:, None].expand(R, c).reshape(-1)
+        # on the CPU only the taken queries' windows are gathered; elsewhere every slot's (no sync)
+        at = real.reshape(-1).nonzero()[:, 0] if dev.type == "cpu" else torch.arange(R * c, device=dev)  # [N]
+        got_f, got_i = self._windows(at // c, fi.reshape(-1)[at], v, pattern, view)
+        floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
+        ints = torch.full((R * c, got_i.shape[-1]), -1, dtype=torch.long, device=dev)
+        floats[at], ints[at] = got_f, got_i
+        floats[:, 0].masked_fill_(~real.reshape(-1), -math.inf)  # padding: an empty slot
+        return floats.view(R, c, -1), ints.view(R, c, -1)
+
+    def _windows(
+        self, row: torch.Tensor, flat: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each (row, flat query) offered: the value,
+        the most-attended key (the earliest key holding the row's maximum), its weight, the weights and
+        token ids around the query and around that key."""
+        B, H, Q, K = pattern.shape
+        dev = flat.device
+        hi = row % H
         bs, qi = flat // Q, flat % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
         if pattern.is_contiguous():
@@ -474,7 +488,7 @@ class TopExamples:
         near = torch.cat(
             [_near(rowmaps, query, self.context, self.context + 1), _near(rowmaps, key, KEY_BEFORE, KEY_WIDTH)], -1
         )
-        value = torch.where(real, v.gather(1, fi).to(torch.float64), -math.inf).reshape(-1, 1)
+        value = v[row, flat].to(torch.float64)[:, None]
         floats = torch.cat([value, rowmaps.gather(-1, key[:, None]).to(torch.float64), _rounded_now(near)], -1)
         ids, T = view.batch.ids.to(dev), view.batch.ids.shape[1]
         length = view.batch.lengths.to(dev)[bi][:, None]  # [N, 1]
@@ -486,8 +500,7 @@ class TopExamples:
         raw = torch.full_like(key, int(pattern.dtype not in _NARROW))
         heads = torch.stack([view.story_of[0, flat], query, key, raw], -1)  # [N, 4]
         tokens = [ids_at(query - self.context, self.context + QUERY_AFTER), ids_at(key - KEY_BEFORE, KEY_WIDTH)]
-        ints = torch.cat([heads, *tokens], -1)
-        return floats.view(R, c, -1), ints.view(R, c, -1)
+        return floats, torch.cat([heads, *tokens], -1)
 
     # ---------------------------------------------------------------- slots and Examples
 
