@@ -231,6 +231,13 @@ def _taken(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``take [R, n]`` (at most ``k`` per row) as flat indices ``[R, c]``, ``c = min(k, n)``, in
     (story, query) order, and which of them are real (a row taking fewer is padded): no sync."""
     R, n = take.shape
+    if take.device.type == "cpu":  # one pass over take: each taken query after its row's earlier ones
+        ri, at = take.nonzero(as_tuple=True)  # row-major
+        slot = torch.arange(ri.numel()) - torch.searchsorted(ri, ri)  # its place in its row
+        fi = torch.full((R, min(k, n)), n - 1, dtype=torch.long)
+        real = torch.zeros(R, min(k, n), dtype=torch.bool)
+        fi[ri, slot], real[ri, slot] = at, True
+        return fi, real
     flat = torch.where(take, torch.arange(n, device=take.device), n)
     fi = flat.topk(min(k, n), dim=-1, largest=False).values  # [R, c], sorted: the taken first
     return fi.clamp(max=n - 1), fi < n
@@ -432,19 +439,20 @@ class TopExamples:
         dev = view.device
         B, H, Q = offers[0][1].shape
         D = len(offers)
-        v = torch.stack([values.detach() for _, values, _ in offers])  # [D, B, H, Q]
+        v = torch.stack([values.detach().transpose(0, 1) for _, values, _ in offers])  # [D, H, B, Q]
         if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
             v = v.to(torch.float32)  # exact: every half value is a float32
         c = torch.stack([counted.detach().to(device=dev, dtype=torch.bool) for _, _, counted in offers])  # [D, B, Q]
         if view.perm is not None:
-            v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
+            v, c = v.index_select(2, view.perm), c.index_select(1, view.perm)
         R = D * H
-        v = v.transpose(1, 2).reshape(R, B * Q)  # [D * H, B * Q]
-        c = (c & view.inside).reshape(D, 1, B * Q).expand(D, H, B * Q).reshape(R, B * Q)
-        wv = _at_most(floats[:, -1, 0], v.dtype)[:, None]  # [R, 1]: the worst kept; -inf: room left
-        ws, wq = ints[:, -1, 0:1], ints[:, -1, 1:2]
-        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [R, B * Q]
-        eligible = c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))
+        v = v.reshape(D, H, B * Q)
+        c = (c & view.inside).reshape(D, 1, B * Q)  # the same for every head
+        wv = _at_most(floats[:, -1, 0], v.dtype).view(D, H, 1)  # the worst kept; -inf: room left
+        ws, wq = ints[:, -1, 0].view(D, H, 1), ints[:, -1, 1].view(D, H, 1)
+        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [D, H, B * Q]
+        eligible = (c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))).view(R, B * Q)
+        v = v.view(R, B * Q)  # [D * H, B * Q]
         if self.per_story is not None and self.per_story < Q:
             eligible = _per_story(eligible, v, B, self.per_story)
         return v, eligible
