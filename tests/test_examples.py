@@ -195,6 +195,28 @@ def test_split_merged_and_resumed_runs_are_identical(recorded, tmp_path):
             assert x["weights"] == list(e.weights) and len(x["weights"]) == x["query_at"] + 1
 
 
+def test_read_between_batches_and_fed_in_chunks_keep_the_same(recorded):
+    """While fed, the kept examples are tensors and the Example objects are made when read: reading
+    them between batches (state, entries, a copy) and feeding on, or feeding each block as chunks of
+    query rows in any order (a view of the map, not contiguous), keeps what one plain run keeps."""
+    lm, _, batches = recorded
+    one = fill(lm, batches)
+    read = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
+    chunked = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K)
+    for i, (batch, blocks) in enumerate(batches):
+        for layer, pattern, per in blocks:
+            read.add_block(layer, [(name, v, c) for name, (v, c) in per.items()], pattern, batch)
+            T = pattern.shape[-2]
+            for start in reversed(range(0, T, 7)):  # [B, H, 7, T] chunks, the last first
+                offers = [(name, v[..., start : start + 7], c[:, start : start + 7]) for name, (v, c) in per.items()]
+                chunked.add_block(layer, offers, pattern[:, :, start : start + 7], batch, start=start)
+        if i % 2 == 0:
+            assert read.entries(1, 2, NAMES[0]) == copy.deepcopy(read).entries(1, 2, NAMES[0])
+            read.state()
+    assert read.state() == one.state()
+    assert chunked.state() == one.state()
+
+
 def test_fed_by_the_recording_hooks(shipped_model, recorded):
     """Called from inside a measure's block() as the model makes each map (freed with its block):
     the same lists as from the kept maps of the same batches."""

@@ -26,6 +26,13 @@ per head and detector: the top ``k`` of the queries left after each story's best
 ``storylens score`` and ``report`` keep :data:`PER_STORY` per story, so a head's examples come from
 at least ``k / PER_STORY`` stories wherever it fires in that many.
 
+**Lazily made.** While blocks are fed, each block's kept queries are tensors ("slots": the value,
+story, query, key, weights and token ids), and the top ``k`` of the kept and the newly offered is
+chosen by tensor ops in the order above (ties, ``(story, query)`` once, ``per_story`` as
+:func:`_best` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
+:meth:`~TopExamples.state`, :meth:`~TopExamples.merge`, :meth:`~TopExamples.as_json`, pickling), not
+for every block of every batch.
+
 **Values** are kept as Python floats equal to the tensor's values (half precision is widened
 exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
 """
@@ -112,21 +119,6 @@ class Example:
         }
 
 
-@dataclass(frozen=True)
-class _Offer:
-    """A taken query before its :class:`Example` is made: what :func:`_best` orders by, and ``at``,
-    its place among the block's taken queries."""
-
-    story: int
-    query: int
-    value: float
-    at: int
-
-    @property
-    def order(self) -> tuple[float, int, int]:
-        return (-self.value, self.story, self.query)
-
-
 def _best(examples, k: int, per_story: int | None = None) -> list:
     """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best), at
     most ``per_story`` of one story (None: any number)."""
@@ -144,36 +136,60 @@ def _best(examples, k: int, per_story: int | None = None) -> list:
     return out
 
 
+# ---------------------------------------------------------------- examples as tensors while feeding
+#
+# While blocks are fed, a block's kept examples are slots, two tensors per block, rows r = d * H + h
+# (detector d, head h), k slots per row, best first (an empty slot: value -inf, after the others):
+#   floats [R, k, 2 + (context + 1) + KEY_WIDTH], float64: the value, the most-attended key's weight,
+#       the query's weights on keys max(0, query - context) .. and on keys max(0, key - 3) .. (the
+#       widths every example could need; an Example keeps those up to the query);
+#   ints [R, k, 4 + TOKEN_WIDTH(context) + KEY_WIDTH], long: story, query, key, raw (1: the weights
+#       are a float64 map's, rounded by Python's round when the Example is made), then the token ids
+#       at query - context .. query + 2 and at key - 3 .. key + 3, -1 outside the story.
+# The top k is selected among slots by tensor ops in the order :func:`_best` sorts by; the Examples
+# are made once, when they are read (TopExamples._settle).
+
+KEY_WIDTH = KEY_BEFORE + KEY_AFTER  # the key's window: key - 3 .. key + 3
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)  # weights rounded in tensor ops (see rounded())
+_SPLIT = 2**32  # story * _SPLIT + query: one integer in (story, query) order (a query is below 2^32)
+
+
 @dataclass(frozen=True)
 class _BatchView:
     batch: StoryBatch
     Q: int  # query rows
     start: int  # the first of them
     device: torch.device
-    rows: list[list[int]]  # each story's real token ids
-    story_index: list[int]  # per batch row
     perm: torch.Tensor | None  # the rows in story order (None: already)
     inside: torch.Tensor  # [B, Q] real positions, rows in story order
     story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
     query_of: torch.Tensor  # [1, B * Q] query position of each flat position
 
 
-def _at_most(xs: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-    """Each float as the largest ``dtype`` value not above it (exact when it is one), on the CPU:
-    a worst value kept from a float64 run still admits every query that beats it."""
-    exact = torch.tensor(xs, dtype=torch.float64)
+def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each float64 as the largest ``dtype`` value not above it (exact when it is one): a worst
+    value kept from a float64 run still admits every query that beats it."""
     near = exact.to(dtype)
     return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
 
 
-def _seen_weights(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> list[list[float]]:
-    """Each kept query's attention on the ``width`` keys from ``max(0, around - before)`` on, rounded
-    to :data:`WEIGHT_DECIMALS` decimals (``rowmaps [N, key]``, ``around [N]``: the query, or its
-    most-attended key); the caller keeps those up to the query itself. One gather and one copy for
-    every kept query of a block."""
+def _near(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> torch.Tensor:
+    """``[N, width]``: each row's attention on the ``width`` keys from ``max(0, around - before)`` on
+    (``rowmaps [N, key]``, ``around [N]``: the query, or its most-attended key), the last key
+    repeated past the map's end (never kept: an Example keeps the keys up to its query)."""
     start = (around - before).clamp(min=0)
     keys = (start[:, None] + torch.arange(width, device=rowmaps.device)).clamp(max=rowmaps.shape[-1] - 1)
-    return rounded(rowmaps.gather(-1, keys))
+    return rowmaps.gather(-1, keys)
+
+
+def _rounded_now(weights: torch.Tensor) -> torch.Tensor:
+    """float64 weights that :func:`rounded` would give, bit for bit, for float32 or narrower weights;
+    others widened as they are (rounded by Python when their Example is made)."""
+    wide = weights.to(torch.float64)
+    if weights.dtype in _NARROW:
+        scale = 10.0**WEIGHT_DECIMALS
+        return torch.round(wide * scale) / scale
+    return wide
 
 
 def rounded(weights: torch.Tensor) -> list[list[float]]:
@@ -182,9 +198,8 @@ def rounded(weights: torch.Tensor) -> list[list[float]]:
     625 * 2^4, 34 bits) is exact in float64, ``torch.round`` then rounds it half to even as Python's
     ``round`` rounds the exact value, and the division is IEEE-rounded to the double nearest to the
     decimal result, which is what ``round`` returns. Wider weights take Python's ``round``."""
-    if weights.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        scale = 10.0**WEIGHT_DECIMALS
-        return (torch.round(weights.to(torch.float64) * scale) / scale).tolist()
+    if weights.dtype in _NARROW:
+        return _rounded_now(weights).tolist()
     return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in weights.tolist()]
 
 
@@ -212,9 +227,50 @@ def _first_k(eligible: torch.Tensor, v: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
-def _window(ids: Sequence[int], at: int, before: int, after: int) -> tuple[tuple[int, ...], int]:
-    start = max(0, at - before)
-    return tuple(ids[start : min(len(ids), at + after)]), at - start
+def _taken(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``take [R, n]`` (at most ``k`` per row) as flat indices ``[R, c]``, ``c = min(k, n)``, in
+    (story, query) order, and which of them are real (a row taking fewer is padded): no sync."""
+    R, n = take.shape
+    if take.device.type == "cpu":  # one pass over take: each taken query after its row's earlier ones
+        ri, at = take.nonzero(as_tuple=True)  # row-major
+        slot = torch.arange(ri.numel()) - torch.searchsorted(ri, ri)  # its place in its row
+        fi = torch.full((R, min(k, n)), n - 1, dtype=torch.long)
+        real = torch.zeros(R, min(k, n), dtype=torch.bool)
+        fi[ri, slot], real[ri, slot] = at, True
+        return fi, real
+    flat = torch.where(take, torch.arange(n, device=take.device), n)
+    fi = flat.topk(min(k, n), dim=-1, largest=False).values  # [R, c], sorted: the taken first
+    return fi.clamp(max=n - 1), fi < n
+
+
+def _select(
+    floats: torch.Tensor, ints: torch.Tensor, k: int, per_story: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top ``k`` slots of ``floats [R, M, F]`` / ``ints [R, M, I]`` (M >= k) as :func:`_best`
+    picks them among the Examples they stand for: sorted by value descending, story, query, then
+    slot (stable: what was kept before what is offered); a ``(story, query)`` seen before skipped;
+    a story's slots past ``per_story`` skipped; the first ``k`` left, best first, then empty slots."""
+    R, M, F = floats.shape
+    dev = floats.device
+    value, sq = floats[..., 0], ints[..., 0] * _SPLIT + ints[..., 1]  # [R, M]
+    real = value.isfinite()
+    by = sq.argsort(dim=-1, stable=True)
+    down = torch.where(real, -value, math.inf).gather(-1, by).argsort(dim=-1, stable=True)
+    order = by.gather(-1, down)  # [R, M]: the slots best first
+    sq, real, story = sq.gather(-1, order), real.gather(-1, order), ints[..., 0].gather(-1, order)
+    before = torch.ones(M, M, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j sorts before i
+    twice = ((sq[:, :, None] == sq[:, None, :]) & real[:, None, :] & before).any(-1)  # [R, M]
+    keep = real & ~twice
+    if per_story is not None:  # how many of its story sort before it (those skipped change nothing)
+        ahead = ((story[:, :, None] == story[:, None, :]) & keep[:, None, :] & before).sum(-1)
+        keep &= ahead < per_story
+    keep &= keep.cumsum(-1) <= k
+    at = torch.where(keep, torch.arange(M, device=dev), M).sort(-1).values[:, :k]  # [R, k]; M: empty
+    slot = order.gather(-1, at.clamp(max=M - 1))
+    out_f = floats.gather(1, slot[..., None].expand(R, k, F))
+    out_i = ints.gather(1, slot[..., None].expand(R, k, ints.shape[-1]))
+    out_f[..., 0] = torch.where(at < M, out_f[..., 0], -math.inf)
+    return out_f, out_i
 
 
 def _key_seen(query: int, key: int, key_at: int, key_tokens: Sequence[int]) -> int:
@@ -255,10 +311,13 @@ class TopExamples:
         self.n_layer, self.n_head, self.k, self.context, self.per_story = n_layer, n_head, k, context, per_story
         self.detectors = tuple(names)
         self._kept: dict[str, list[list[list[Example]]]] = {name: self._empty() for name in self.detectors}
-        self._view: _BatchView | None = None  # the current batch's ids and story order
+        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per block fed: its examples as tensors
+        self._stale: set[int] = set()  # the blocks whose _kept lists are behind their slots
+        self._view: _BatchView | None = None  # the current batch's story order
 
-    def __getstate__(self) -> dict:  # pickled or copied: the examples, not the last batch's tensors
-        return {**self.__dict__, "_view": None}
+    def __getstate__(self) -> dict:  # pickled or copied: the examples, not tensors of the last batch
+        self._settle()
+        return {**self.__dict__, "_view": None, "_slots": {}, "_stale": set()}
 
     def _empty(self) -> list[list[list[Example]]]:
         return [[[] for _ in range(self.n_head)] for _ in range(self.n_layer)]
@@ -280,7 +339,6 @@ class TopExamples:
             )
         story_index = [int(s.index) for s in stories]
         lengths = [int(n) for n in batch.lengths.tolist()]
-        rows = [row[:n] for row, n in zip(batch.ids.tolist(), lengths)]
         order = sorted(range(B), key=lambda b: story_index[b])
         perm = None if order == list(range(B)) else torch.tensor(order, dtype=torch.long, device=device)
         s_sorted = torch.tensor([story_index[b] for b in order], dtype=torch.long, device=device)
@@ -289,7 +347,7 @@ class TopExamples:
         inside = pos[None, :] < n_sorted[:, None]  # [B, Q]: never a padding query
         story_of = s_sorted[:, None].expand(B, Q).reshape(1, B * Q)
         query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
-        self._view = _BatchView(batch, Q, start, device, rows, story_index, perm, inside, story_of, query_of)
+        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of)
         return self._view
 
     def add(
@@ -316,79 +374,34 @@ class TopExamples:
     ) -> None:
         """:meth:`add` for several detectors of one block at once, ``offers = [(name, values, counted),
         ...]``: one selection over every (detector, head) row, so a block costs a few tensor calls
-        whatever the number of detectors. ``start``: the values, counts and pattern hold query rows
-        ``start ..`` of the block (a chunk of a map), not all of them; chunks may come in any order."""
+        whatever the number of detectors, and no Python object per example (they are made when
+        read). ``start``: the values, counts and pattern hold query rows ``start ..`` of the block (a
+        chunk of a map), not all of them; chunks may come in any order."""
         if not offers:
             return
         B, H, Q = self._check_offers(layer, offers, pattern)
         if B == 0 or Q == 0:
             return
-        kept = [self._kept[name][layer][h] for name, _, _ in offers for h in range(H)]  # row r = d * H + h
         view = self._batch_view(batch, Q, offers[0][1].device, start)
-        v, eligible = self._eligible(offers, kept, view)
+        names = [name for name, _, _ in offers]
+        floats, ints = self._block_slots(layer, view.device)
+        rows = None  # every detector, in order: every row
+        if names != list(self.detectors):
+            at = [self.detectors.index(name) * H + h for name in names for h in range(H)]
+            rows = torch.tensor(at, dtype=torch.long, device=view.device)
+            floats, ints = floats.index_select(0, rows), ints.index_select(0, rows)
+        v, eligible = self._eligible(offers, floats, ints, view)
         take = _first_k(eligible, v, self.k)
-        if self.per_story is not None:  # what _best would skip anyway: no Example is made for it
-            take &= self._story_room(kept, v, view)
-        ri, fi = take.nonzero(as_tuple=True)  # at most k per row
-        if ri.numel() == 0:
+        if view.device.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
             return
-        val = v[ri, fi]
-        best = self._survivors(kept, ri, fi, val, view)  # per row: the new top k, offers as _Offer
-        at = [o.at for row in best for o in row if isinstance(o, _Offer)]
-        if not at:
-            return
-        sel = torch.tensor(at, dtype=torch.long, device=ri.device)  # only the offers kept become Examples
-        made = self._examples(ri[sel], fi[sel], val[sel], pattern, view, len(kept))
-        built = dict(zip(at, (e for r in range(len(kept)) for e in made[r])))
-        for r, row in enumerate(best):
-            if any(isinstance(o, _Offer) for o in row):
-                name = offers[r // H][0]
-                self._kept[name][layer][r % H] = [built[o.at] if isinstance(o, _Offer) else o for o in row]
-
-    def _survivors(
-        self, kept: list[list[Example]], ri: torch.Tensor, fi: torch.Tensor, val: torch.Tensor, view: _BatchView
-    ) -> list[list[Example | _Offer]]:
-        """Each row's top ``k`` of its kept examples and the taken queries (``ri``, ``fi``, ``val``), the
-        latter as :class:`_Offer` (by the same order, so :func:`_best` picks what it would pick among
-        whole examples): an :class:`Example` is then made only for an offer that is kept."""
-        Q = view.Q
-        stories = view.story_of[0, fi].tolist()
-        offered: list[list[Example | _Offer]] = [list(row) for row in kept]
-        for i, (r, f, x, s) in enumerate(zip(ri.tolist(), fi.tolist(), val.tolist(), stories)):
-            offered[r].append(_Offer(s, view.start + f % Q, float(x), i))
-        return [_best(row, self.k, self.per_story) if len(row) > len(kept[r]) else row for r, row in enumerate(offered)]
-
-    def _story_room(self, kept: list[list[Example]], v: torch.Tensor, view: _BatchView) -> torch.Tensor:
-        """``[R, B * Q]``: False where a row already keeps ``per_story`` examples of the query's story
-        and the query does not beat the worst of them (under the order), so :func:`_best` would skip it
-        whatever else is offered. A long story's chunks then make no :class:`Example` once each head's
-        best few of it are kept (the filter only leaves out; which queries are taken is unchanged)."""
-        R, n = v.shape
-        Q = view.Q
-        room = torch.ones(R, n, dtype=torch.bool, device=v.device)
-        place = {s: i for i, s in enumerate(sorted(view.story_index))}  # story -> its row in story order
-        if len(place) != len(view.story_index):  # a story twice in one batch: no filter
-            return room
-        worst: list[tuple[int, int, Example]] = []  # (row, batch row in story order, the story's worst kept)
-        for r, row in enumerate(kept):
-            per: dict[int, list[Example]] = {}
-            for e in row:
-                if e.story in place:
-                    per.setdefault(e.story, []).append(e)
-            for story, es in per.items():
-                if len(es) >= self.per_story:  # type: ignore[operator]
-                    worst.append((r, place[story], max(es, key=lambda e: e.order)))
-        if not worst:
-            return room
-        rs = torch.tensor([w[0] for w in worst], dtype=torch.long, device=v.device)
-        bs = torch.tensor([w[1] for w in worst], dtype=torch.long, device=v.device)
-        wv = _at_most([w[2].value for w in worst], v.dtype).to(v.device)[:, None]  # [W, 1]
-        wq = torch.tensor([w[2].query for w in worst], dtype=torch.long, device=v.device)[:, None]
-        cols = bs[:, None] * Q + torch.arange(Q, device=v.device)  # [W, Q]: that story's queries
-        vals = v[rs[:, None], cols]
-        beats = (vals > wv) | ((vals == wv) & (view.query_of[0, cols] < wq))
-        room[rs[:, None], cols] = beats
-        return room
+        new_f, new_i = self._offered(take, v, pattern, view)
+        floats, ints = _select(torch.cat([floats, new_f], 1), torch.cat([ints, new_i], 1), self.k, self.per_story)
+        if rows is None:
+            self._slots[layer] = (floats, ints)
+        else:
+            self._slots[layer][0].index_copy_(0, rows, floats)
+            self._slots[layer][1].index_copy_(0, rows, ints)
+        self._stale.add(layer)
 
     def _check_offers(
         self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern: torch.Tensor
@@ -407,86 +420,168 @@ class TopExamples:
                 raise ValueError(f"examples: values of shape {tuple(values.shape)}; expected {(B, H, Q)}")
             if tuple(counted.shape) != (B, Q):
                 raise ValueError(f"examples: counted of shape {tuple(counted.shape)}; expected {(B, Q)}")
+        if len({name for name, _, _ in offers}) != len(offers):
+            raise ValueError(f"examples: a detector offered twice ({', '.join(name for name, _, _ in offers)})")
         if pattern.dim() != 4 or tuple(pattern.shape[:3]) != (B, H, Q):
             raise ValueError(f"examples: pattern of shape {tuple(pattern.shape)}; expected [{B}, {H}, {Q}, key]")
         return B, H, Q
 
     def _eligible(
-        self, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], kept: list[list[Example]], view: _BatchView
+        self,
+        offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+        floats: torch.Tensor,
+        ints: torch.Tensor,
+        view: _BatchView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (detector, head) row's values ``[D * H, B * Q]`` (rows in story order, so a flat index
-        ``b * Q + q`` runs in (story, query) order) and which of them may enter its top ``k``."""
+        ``b * Q + q`` runs in (story, query) order) and which of them may enter its top ``k``: a row
+        that keeps k examples takes only queries that beat its worst one (an empty slot: any)."""
         dev = view.device
         B, H, Q = offers[0][1].shape
         D = len(offers)
-        v = torch.stack([values.detach() for _, values, _ in offers])  # [D, B, H, Q]
+        v = torch.stack([values.detach().transpose(0, 1) for _, values, _ in offers])  # [D, H, B, Q]
         if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
             v = v.to(torch.float32)  # exact: every half value is a float32
         c = torch.stack([counted.detach().to(device=dev, dtype=torch.bool) for _, _, counted in offers])  # [D, B, Q]
         if view.perm is not None:
-            v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
+            v, c = v.index_select(2, view.perm), c.index_select(1, view.perm)
         R = D * H
-        v = v.transpose(1, 2).reshape(R, B * Q)  # [D * H, B * Q]
-        c = (c & view.inside).reshape(D, 1, B * Q).expand(D, H, B * Q).reshape(R, B * Q)
-        eligible = c & v.isfinite()
-        full = [len(kept[r]) == self.k for r in range(R)]
-        if any(full):  # a row that keeps k examples takes only queries that beat its worst one
-            worst = [kept[r][-1] if full[r] else None for r in range(R)]
-            wv = _at_most([e.value if e else -math.inf for e in worst], v.dtype).to(dev)[:, None]
-            ws = torch.tensor([e.story if e else -1 for e in worst], dtype=torch.long, device=dev)[:, None]
-            wq = torch.tensor([e.query if e else -1 for e in worst], dtype=torch.long, device=dev)[:, None]
-            earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [R, B * Q]
-            eligible &= (v > wv) | ((v == wv) & earlier)
+        v = v.reshape(D, H, B * Q)
+        c = (c & view.inside).reshape(D, 1, B * Q)  # the same for every head
+        wv = _at_most(floats[:, -1, 0], v.dtype).view(D, H, 1)  # the worst kept; -inf: room left
+        ws, wq = ints[:, -1, 0].view(D, H, 1), ints[:, -1, 1].view(D, H, 1)
+        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [D, H, B * Q]
+        eligible = (c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))).view(R, B * Q)
+        v = v.view(R, B * Q)  # [D * H, B * Q]
         if self.per_story is not None and self.per_story < Q:
             eligible = _per_story(eligible, v, B, self.per_story)
         return v, eligible
 
-    def _examples(
-        self, ri: torch.Tensor, fi: torch.Tensor, val: torch.Tensor, pattern: torch.Tensor, view: _BatchView, R: int
-    ) -> list[list[Example]]:
-        """The :class:`Example` of each taken (row ``ri``, flat query ``fi``), per row: its most-attended
-        key (the earliest key holding the row's maximum), its weight and the windows around both."""
+    def _offered(
+        self, take: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots (floats ``[R, c, F]``, ints ``[R, c, I]``, ``c = min(k, B * Q)``) of each row's taken
+        queries (``take [R, B * Q]``, at most k a row), then empty slots."""
+        fi, real = _taken(take, self.k)  # [R, c]
+        R, c = fi.shape
+        dev = fi.device
+        # on the CPU only the taken queries' windows are gathered; elsewhere every slot's (no sync)
+        at = real.reshape(-1).nonzero()[:, 0] if dev.type == "cpu" else torch.arange(R * c, device=dev)  # [N]
+        got_f, got_i = self._windows(at // c, fi.reshape(-1)[at], v, pattern, view)
+        floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
+        ints = torch.full((R * c, got_i.shape[-1]), -1, dtype=torch.long, device=dev)
+        floats[at], ints[at] = got_f, got_i
+        floats[:, 0].masked_fill_(~real.reshape(-1), -math.inf)  # padding: an empty slot
+        return floats.view(R, c, -1), ints.view(R, c, -1)
+
+    def _windows(
+        self, row: torch.Tensor, flat: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each (row, flat query) offered: the value,
+        the most-attended key (the earliest key holding the row's maximum), its weight, the weights and
+        token ids around the query and around that key."""
         B, H, Q, K = pattern.shape
-        hi = ri % H
-        bs, qi = fi // Q, fi % Q  # bs: the row in story order; qi: the row in the chunk
+        dev = flat.device
+        hi = row % H
+        bs, qi = flat // Q, flat % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
-        flat_rows = (bi * H + hi) * Q + qi
         if pattern.is_contiguous():
-            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, flat_rows.to(pattern.device))
+            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, ((bi * H + hi) * Q + qi).to(pattern.device))
         else:
             rowmaps = pattern.detach()[bi, hi, qi]
-        keys = torch.arange(K, device=rowmaps.device)
-        top = rowmaps.amax(-1, keepdim=True)
-        key = torch.where(rowmaps == top, keys, K).amin(-1).clamp(max=K - 1)
-        weight = rowmaps.gather(-1, key[:, None])[:, 0]
-        qi = qi + view.start  # the query's position
-        seen = _seen_weights(rowmaps, qi.to(rowmaps.device), self.context, self.context + 1)
-        near_key = _seen_weights(rowmaps, key, KEY_BEFORE, KEY_BEFORE + KEY_AFTER)
-        new: list[list[Example]] = [[] for _ in range(R)]  # per (detector, head) row
-        rows, story_index = view.rows, view.story_index
-        for r, b, q, x, kk, w, ws, wk in zip(
-            ri.tolist(), bi.tolist(), qi.tolist(), val.tolist(), key.tolist(), weight.tolist(), seen, near_key
-        ):
-            ids = rows[b]
-            tokens, query_at = _window(ids, q, self.context, QUERY_AFTER)
-            key_tokens, key_at = _window(ids, kk, KEY_BEFORE, KEY_AFTER)
-            weights, key_weights = tuple(ws[: query_at + 1]), tuple(wk[: _key_seen(q, kk, key_at, key_tokens)])
-            new[r].append(
-                Example(
-                    story_index[b],
-                    q,
-                    float(x),
-                    kk,
-                    float(w),
-                    tokens,
-                    query_at,
-                    key_tokens,
-                    key_at,
-                    weights,
-                    key_weights,
-                )
-            )
-        return new
+        rowmaps = rowmaps.to(dev)  # [N, K]
+        keys = torch.arange(K, device=dev)
+        key = torch.where(rowmaps == rowmaps.amax(-1, keepdim=True), keys, K).amin(-1).clamp(max=K - 1)  # [N]
+        query = qi + view.start  # the query's position
+        near = torch.cat(
+            [_near(rowmaps, query, self.context, self.context + 1), _near(rowmaps, key, KEY_BEFORE, KEY_WIDTH)], -1
+        )
+        value = v[row, flat].to(torch.float64)[:, None]
+        floats = torch.cat([value, rowmaps.gather(-1, key[:, None]).to(torch.float64), _rounded_now(near)], -1)
+        ids, T = view.batch.ids.to(dev), view.batch.ids.shape[1]
+        length = view.batch.lengths.to(dev)[bi][:, None]  # [N, 1]
+
+        def ids_at(first: torch.Tensor, width: int) -> torch.Tensor:  # [N, width]: -1 outside the story
+            pos = first[:, None] + torch.arange(width, device=dev)
+            return torch.where((pos >= 0) & (pos < length), ids[bi[:, None], pos.clamp(0, T - 1)], -1)
+
+        raw = torch.full_like(key, int(pattern.dtype not in _NARROW))
+        heads = torch.stack([view.story_of[0, flat], query, key, raw], -1)  # [N, 4]
+        tokens = [ids_at(query - self.context, self.context + QUERY_AFTER), ids_at(key - KEY_BEFORE, KEY_WIDTH)]
+        return floats, torch.cat([heads, *tokens], -1)
+
+    # ---------------------------------------------------------------- slots and Examples
+
+    def _widths(self) -> tuple[int, int]:
+        """The floats' and ints' widths of a slot."""
+        return 2 + self.context + 1 + KEY_WIDTH, 4 + self.context + QUERY_AFTER + KEY_WIDTH
+
+    def _block_slots(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``layer``'s slots on ``device``, made from its Examples where it has none yet (a
+        fresh instance, or after :meth:`load_state` or :meth:`merge`)."""
+        if layer in self._slots:
+            floats, ints = self._slots[layer]
+            if floats.device != device:
+                self._slots[layer] = floats, ints = floats.to(device), ints.to(device)
+            return floats, ints
+        n_float, n_int = self._widths()
+        R, k = len(self.detectors) * self.n_head, self.k
+        fl = [[[-math.inf] + [0.0] * (n_float - 1)] * k for _ in range(R)]
+        il = [[[-1] * n_int] * k for _ in range(R)]
+        for d, name in enumerate(self.detectors):
+            for h, row in enumerate(self._kept[name][layer]):
+                for s, e in enumerate(row):
+                    fl[d * self.n_head + h][s], il[d * self.n_head + h][s] = self._slot_of(e)
+        self._slots[layer] = torch.tensor(fl, dtype=torch.float64, device=device), torch.tensor(il, device=device)
+        return self._slots[layer]
+
+    def _slot_of(self, e: Example) -> tuple[list[float], list[int]]:
+        """One Example as a slot's floats and ints (its weights already rounded: raw 0)."""
+        floats = [e.value, e.key_weight, *e.weights, *[0.0] * (self.context + 1 - len(e.weights)), *e.key_weights]
+        tokens = [-1] * (self.context - e.query_at) + list(e.tokens)
+        key_tokens = [-1] * (KEY_BEFORE - e.key_at) + list(e.key_tokens)
+        tokens += [-1] * (self.context + QUERY_AFTER - len(tokens))
+        ints = [e.story, e.query, e.key, 0, *tokens, *key_tokens, *[-1] * (KEY_WIDTH - len(key_tokens))]
+        return floats + [0.0] * (self._widths()[0] - len(floats)), ints
+
+    def _settle(self) -> None:
+        """Make the Examples of every block fed since they were last made: one copy of its slots."""
+        C = self.context
+        for layer in sorted(self._stale):
+            floats, ints = self._slots[layer]
+            count = floats[..., 0].isfinite().sum(-1).tolist()  # per row: its slots in use come first
+            fl, il = floats.cpu().tolist(), ints.cpu().tolist()
+            for r, n in enumerate(count):
+                row = []
+                for f, i in zip(fl[r][:n], il[r][:n]):
+                    story, query, key, raw = i[:4]
+                    query_at, key_at = query - max(0, query - C), key - max(0, key - KEY_BEFORE)
+                    tokens = tuple(t for t in i[4 : 4 + C + QUERY_AFTER] if t >= 0)
+                    key_tokens = tuple(t for t in i[4 + C + QUERY_AFTER :] if t >= 0)
+                    weights, key_weights = (
+                        f[2 : 3 + C][: query_at + 1],
+                        f[3 + C :][: _key_seen(query, key, key_at, key_tokens)],
+                    )
+                    if raw:
+                        weights = [round(w, WEIGHT_DECIMALS) for w in weights]
+                        key_weights = [round(w, WEIGHT_DECIMALS) for w in key_weights]
+                    row.append(
+                        Example(
+                            story,
+                            query,
+                            f[0],
+                            key,
+                            f[1],
+                            tokens,
+                            query_at,
+                            key_tokens,
+                            key_at,
+                            tuple(weights),
+                            tuple(key_weights),
+                        )
+                    )
+                self._kept[self.detectors[r // self.n_head]][layer][r % self.n_head] = row
+        self._stale.clear()
 
     # ---------------------------------------------------------------- combining and checkpoints
 
@@ -504,6 +599,9 @@ class TopExamples:
     def merge(self, other: TopExamples) -> TopExamples:
         """Keep the top k of the union of both (``other`` is left as it is); returns ``self``."""
         self._same_kind(other, "merge")
+        self._settle()
+        other._settle()
+        self._slots = {}  # the lists change: slots are made again from them when fed
         for name in self.detectors:
             for mine, theirs in zip(self._kept[name], other._kept[name]):
                 for h in range(self.n_head):
@@ -515,6 +613,7 @@ class TopExamples:
         """Everything kept, as plain data (ints, floats, strings, lists, dicts): a checkpoint, or
         what a worker sends to be merged. ``examples[detector][layer][head]`` lists the examples
         best first."""
+        self._settle()
         return {
             "k": self.k,
             "context": self.context,
@@ -571,7 +670,7 @@ class TopExamples:
                 for hi, items in enumerate(heads):
                     out[li][hi] = self._check_list(items, f"{where}[{li}][{hi}]")
             loaded[name] = out
-        self._kept = loaded
+        self._kept, self._slots, self._stale = loaded, {}, set()
         return self
 
     def _check_list(self, items, where: str) -> list[Example]:
@@ -635,12 +734,14 @@ class TopExamples:
             raise KeyError(f"{name!r}: no such detector ({', '.join(self.detectors)})")
         if not (0 <= layer < self.n_layer and 0 <= head < self.n_head):
             raise KeyError(f"head ({layer}, {head}): no such head ({self.n_layer} layers of {self.n_head})")
+        self._settle()
         return list(self._kept[name][layer][head])
 
     def as_json(self, decode: Callable[[int], str], label: Callable[[int, int], str] = head_label) -> dict:
         """What :meth:`to_json` writes: ``schema_version`` (:mod:`storylens.core.schema`), ``k``, ``per_story`` (None: no limit), the detectors, and every head, layer-major (``layer`` and ``head`` counted from 1,
         like its label), its examples per detector with the token ids decoded one by one
         (``decode(id) -> str``)."""
+        self._settle()
         texts: dict[int, str] = {}
 
         def text(ids: Sequence[int]) -> list[str]:
@@ -673,6 +774,7 @@ class TopExamples:
         def text(ids: Sequence[int]) -> list:
             return [decode(t) for t in ids] if decode is not None else list(ids)
 
+        self._settle()
         rows = []
         for layer in range(self.n_layer):
             for head in range(self.n_head):
