@@ -20,7 +20,8 @@ def _model(name: str) -> str:
     kind, layers = name.rsplit("-", 1)
     if kind == "gpt2":
         return "GPT-2 small's shape (12 x 12 heads)"
-    return f"Llama of SmolLM-135M's shape, {layers} of its 30 blocks (9 heads, 3 key/value heads)"
+    depth = "all 30 of its blocks" if layers == "30" else f"{layers} of its 30 blocks"
+    return f"Llama of SmolLM-135M's shape, {depth} (9 heads, 3 key/value heads)"
 
 
 def body(bench: dict) -> str:

@@ -65,6 +65,19 @@ def table(r: dict) -> str:
                 + ".",
             ]
     for kind, entry in r["models"].items():
+        e = entry.get("end_to_end")
+        if e:
+            best = e["ratios"].index(e["ratio"])
+            rows += [
+                "",
+                f"`storylens score` end to end as a user runs it (`score_heads` with every built-in column and "
+                f"the top examples, encoding included) against the bare forward on the same length-packed batches, "
+                f"{NAMES[kind]}, the first {e['stories']} quiz stories in {e['batches']} batches (on "
+                f"{e.get('machine', r['cpu'])}, `--sections end_to_end`): bare {e['seconds']['bare'][best]:.1f} s, "
+                f"score {e['seconds']['score'][best]:.1f} s, **{e['ratio']:.2f}x** (target ≤ 1.15x), the best of "
+                f"{len(e['ratios'])} rounds; round by round " + ", ".join(f"{x:.2f}x" for x in e["ratios"]) + ".",
+            ]
+    for kind, entry in r["models"].items():
         mem = entry.get("memory")
         if not mem:
             continue
