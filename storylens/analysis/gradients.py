@@ -252,7 +252,7 @@ _OUTPUT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "
 
 def _split_head(lm: AttentionLM) -> tuple[nn.Module, nn.Linear] | None:
     """The model's decoder (its base model, whose output the unembedding reads) and its unembedding,
-    where the logits may be nothing but that (no soft cap or scale in the config; :func:`_can_rerun`
+    where the logits may be nothing but that (no soft cap or scale in the config; :func:`_splits`
     checks the rest on the probe): the pass then forms the logits :data:`LOSS_ROWS` positions at a
     time and never whole (``[tokens, vocab]``: 600 MB for 3,000 tokens and a 50k vocabulary)."""
     module = lm.module
