@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from storylens.lm import wrap
-from storylens.lm.attention import NAME, attach, grouped_attention, streaming
+from storylens.lm.attention import HIDE_ROWS, NAME, _hide_ahead, attach, grouped_attention, streaming
 
 BOUND = 1e-10
 transformers = pytest.importorskip("transformers")
@@ -84,6 +84,20 @@ def test_grouped_attention_equals_the_models_own_eager_attention(kind, tokenizer
     assert len(got) == 2
     assert max((a - b).abs().max().item() for a, b in zip(ref.attentions, got)) <= BOUND
     assert (ref.logits - out.logits).abs().max().item() <= BOUND
+
+
+@pytest.mark.parametrize("n, past", [(1, 0), (HIDE_ROWS, 0), (2 * HIDE_ROWS + 5, 0), (HIDE_ROWS + 3, 7), (70, 40)])
+def test_hiding_the_keys_ahead_band_by_band_sets_exactly_the_causal_corner(n, past):
+    """The banded corner (plain fills past each band, a masked fill on its own triangle) sets to -inf
+    exactly the entries a whole ``[n, keys]`` causal mask does, and leaves every other entry as it was
+    (a NaN or +inf ahead included, as ``masked_fill`` does)."""
+    keys = n + past + 3  # the rows are queries past .. past + n - 1 of a full-row chunk: 3 keys beyond the last
+    scores = torch.randn(2, 3, n, keys, generator=torch.Generator().manual_seed(n))
+    scores[..., -1] = float("inf")  # always ahead: hidden all the same
+    visible = torch.ones(n, keys, dtype=torch.bool).tril(past)
+    expected = scores.masked_fill(~visible, float("-inf"))
+    _hide_ahead(scores, keys - past)
+    assert torch.equal(scores, expected)
 
 
 def test_grouped_heads_read_their_own_group_and_the_cache():

@@ -509,14 +509,24 @@ def scaled_prev_is_argmax(
     unsure = ~wins & ~(prev <= earlier * lo)
     if bool(unsure.any()):  # those rows scaled and compared in full
         b, h, r = unsure.nonzero(as_tuple=True)
-        rows = pattern[b, h, r] * w[b, h]  # [m, keys]
-        q = (start + r)[:, None]
-        keys = torch.arange(rows.shape[-1], device=rows.device)[None, :]
-        rows = rows.masked_fill((keys == q) | (keys == q - 1), 0)  # as prev_is_argmax zeroes them
+        rows = _rows_at(pattern, b, h, r) * _rows_at(w, b, h)  # [m, keys]
+        q = start + r  # each row's query (a key of its map: q < keys)
+        rows.scatter_(-1, torch.stack([q, (q - 1).clamp(min=0)], -1), 0)  # as prev_is_argmax zeroes them
         wins[b, h, r] = prev[b, h, r] > rows.amax(-1)
     wins[..., lead:] &= prev[..., lead:] >= own
     wins[..., :lead] = False
     return wins.to(pattern.dtype)
+
+
+def _rows_at(x: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for indices into every axis but the last (``[m, last]``): one ``index_select`` of
+    flat rows where ``x`` is contiguous (several times faster on a CPU than advanced indexing)."""
+    if not x.is_contiguous():
+        return x[index]
+    flat = index[0]
+    for size, i in zip(x.shape[1:-1], index[1:]):
+        flat = flat * size + i
+    return x.view(-1, x.shape[-1]).index_select(0, flat)
 
 
 def _earlier_max(pattern: torch.Tensor, start: int) -> torch.Tensor:

@@ -60,6 +60,14 @@ def head_images(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     with ``W_O^h^T = Q R``, so ``x W_O^h = (x F_h) Q^T``: each vector's image in an orthonormal frame
     of the head's output space, with every length, distance and mean of the ``x W_O^h`` themselves.
     One matrix product per group for all of its heads; no copy of a group per head."""
+    y = _group_images(x, factor)  # [G, B, T, r, k]
+    G, B, T, r, k = y.shape
+    return y.permute(1, 0, 3, 2, 4).reshape(B, G * r, T, k)
+
+
+def _group_images(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """:func:`head_images` as the product leaves them, ``[group, batch, tokens, r, k]`` (head
+    ``h = g * r + i`` at ``[g, ..., i, :]``), before the copy into ``[batch, head, tokens, k]``."""
     B, T, G, d = x.shape
     H, k = factor.shape[0], factor.shape[-1]
     if H % G:
@@ -67,13 +75,16 @@ def head_images(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     r = H // G
     xt = x.to(factor.dtype).permute(2, 0, 1, 3).reshape(G, B * T, d)  # [G, BT, d]
     per_group = factor.view(G, r, d, k).permute(0, 2, 1, 3).reshape(G, d, r * k)  # [G, d, r * k]
-    y = torch.bmm(xt, per_group).view(G, B, T, r, k)  # x F_h for each head h of the group
-    return y.permute(1, 0, 3, 2, 4).reshape(B, H, T, k)
+    return torch.bmm(xt, per_group).view(G, B, T, r, k)  # x F_h for each head h of the group
 
 
 def head_norms(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``|x[b, t, g] W_O^h|`` ``[batch, head, tokens]``: the lengths of :func:`head_images`."""
-    return torch.linalg.vector_norm(head_images(x, factor), dim=-1)
+    """``|x[b, t, g] W_O^h|`` ``[batch, head, tokens]``: the lengths of :func:`head_images`, taken
+    before their copy into head order (each length the same sum over a contiguous row of ``k``;
+    only the ``[.., tokens]`` lengths are moved)."""
+    y = _group_images(x, factor)  # [G, B, T, r, k]
+    G, B, T, r, _ = y.shape
+    return torch.linalg.vector_norm(y, dim=-1).permute(1, 0, 3, 2).reshape(B, G * r, T)
 
 
 def key_norms(v: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

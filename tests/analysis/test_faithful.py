@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from storylens.analysis.faithful import (
+    head_images,
     head_norms,
     key_norms,
     norm_weighted,
@@ -163,6 +164,18 @@ def test_grouped_values_go_to_the_query_heads_that_read_them():
     for h in range(4):
         direct = (v[0, :, h // 2] @ w_o[h]).norm(dim=-1)
         assert torch.allclose(n[0, h], direct, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_norms_are_the_lengths_of_the_head_images_bit_for_bit(dtype):
+    """head_norms takes each length before the images are copied into head order: the same numbers,
+    to the bit, as the lengths of head_images (grouped and ungrouped heads, a head size not a
+    multiple of the vector width)."""
+    g = torch.Generator().manual_seed(3)
+    for G, H, d, D in ((3, 9, 16, 40), (2, 2, 7, 12), (1, 4, 33, 20)):
+        factor = ov_factor(torch.randn(H, d, D, generator=g, dtype=torch.float64)).to(dtype)
+        x = torch.randn(2, 37, G, d, generator=g, dtype=dtype)
+        assert torch.equal(head_norms(x, factor), torch.linalg.vector_norm(head_images(x, factor), dim=-1))
 
 
 def test_the_output_factor_gives_every_head_its_norms_even_where_its_weights_are_rank_deficient():
