@@ -463,16 +463,22 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
         f"exact patching on {result.exact_heads} of {len(result.heads)} heads"
         + ("" if result.spearman is None else f"; Spearman rho (atp vs exact) {result.spearman:.3f}"),
         "",
-        f"{'head':8} {'exact':>16} {'atp':>16} {'of gap':>7}",
+        f"{'head':8} {'exact':>18} {'atp':>18} {'of gap':>8}",
     ]
 
     def size(h: HeadEffect) -> float:
         return abs(h.exact if h.exact is not None else h.atp)
 
+    def effect(x: float, se: float) -> str:  # in brackets within two standard errors of zero: no sign
+        text = f"{x:+.3f} ± {se:.3f}"
+        return f"({text})" if abs(x) <= 2 * se else f" {text} "
+
     for h in sorted(result.heads, key=size, reverse=True)[:top]:
-        ex = "" if h.exact is None else f"{h.exact:+.3f} ± {h.exact_se:.3f}"
+        ex = "" if h.exact is None or h.exact_se is None else effect(h.exact, h.exact_se)
         frac = "" if h.gap_fraction is None else f"{h.gap_fraction:+.2f}"
-        out.append(f"{h.head:8} {ex:>16} {h.atp:+8.3f} ± {h.atp_se:.3f} {frac:>7}")
+        frac = f"({frac})" if frac and ex.startswith("(") else frac  # the exact effect's sign unclaimed
+        out.append(f"{h.head:8} {ex:>18} {effect(h.atp, h.atp_se):>18} {frac:>8}")
+    out += ["", "in brackets: within two standard errors of zero over the pairs, so no sign is claimed"]
     return out
 
 

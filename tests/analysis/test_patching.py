@@ -358,3 +358,17 @@ def test_page_opens_offline_and_a_click_shows_attention(tmp_path):
         assert page.locator(".sl-export button").count() == 2 * 4  # PNG and SVG on every picture
         browser.close()
     assert errors == [] and requests == []
+
+
+def test_the_summary_claims_no_sign_within_two_errors(result):
+    """The printed top heads bracket every effect within two standard errors of zero (and its share of
+    the gap with the exact one), and say what the brackets mean."""
+    from storylens.analysis.patching import summary_lines
+
+    lines = summary_lines(result, top=len(result.heads))
+    assert lines[-1].startswith("in brackets: within two standard errors")
+    for h in result.heads:
+        (row,) = [line for line in lines if line.startswith(f"{h.head} ")]
+        assert (f"({h.atp:+.3f} ± {h.atp_se:.3f})" in row) == (abs(h.atp) <= 2 * h.atp_se)
+        if h.exact is not None:
+            assert (f"({h.exact:+.3f} ± {h.exact_se:.3f})" in row) == (abs(h.exact) <= 2 * h.exact_se)
