@@ -33,6 +33,10 @@ texts (the name vocabulary's first pass, encoding, every built-in detector, the 
 output norms and the top examples, ``storylens.corpus.score.EXAMPLES`` per head and detector) against
 ``bare`` over the same length-packed batches, whole runs alternating in ``--rounds`` rounds (the first
 side alternating), the ratio of each round's two times, the best kept, processor time's beside it.
+In the same rounds, where score's time goes (``breakdown``, each side over ``bare`` round by round):
+the recording of the same encoded stories forming every map and handing it to a measure that does
+nothing; the same handing over what score's measures ask for besides (the key columns summed in the
+kernel, value and head-output norms); and score's measures themselves (``BREAKDOWN``).
 
 Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each side in its own
 process: peak resident memory above the loaded model (sampled every 5 ms).
@@ -53,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +66,13 @@ from bench_transformerlens import PeakSampler, rss_mb  # noqa: E402
 
 MODELS = ("llama-30x9", "gpt2-small")
 SECTIONS = ("speed", "end_to_end", "memory", "commands")
+# end to end, where score's time goes: the recording of the same stories (encoded once, beforehand) with a
+# measure that asks for the maps alone and does nothing with them (the attention kernel forming every
+# map); one that asks for what score's measures ask (the key columns summed in the kernel, the value
+# and head-output norms) and does nothing; and score's own measures fed (every detector, the
+# norm-weighted and sink columns). score's own time adds the name vocabulary, the encoding, the top
+# examples, the induction score on random tokens and the table.
+BREAKDOWN = ("maps", "maps and inputs", "recording")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
 
@@ -203,6 +215,8 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     from storylens.analysis import score_heads
     from storylens.analysis.encode import BATCH_STORIES, batch_of, encode_stories
     from storylens.analysis.names import name_vocabulary
+    from storylens.analysis.record import Needs, record
+    from storylens.analysis.scores import HeadScoreAccumulator
     from storylens.core.batching import BATCH_TOKENS, length_batches
     from storylens.corpus.score import EXAMPLES
     from storylens.data.stories import load_split
@@ -226,8 +240,30 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     def score() -> None:
         score_heads(lm, stories, batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False)
 
+    class Idle:  # a measure that asks for what ``needs`` says and does nothing with it
+        def __init__(self, needs) -> None:
+            self.needs = needs
+
+        def begin(self, batch) -> None: ...
+
+        def feed(self, chunk) -> None: ...
+
+        def end(self) -> None: ...
+
+    scores = HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True)
+
+    def part(measure) -> Callable[[], None]:  # the recording of the encoded stories into one fresh measure
+        return lambda: record(lm, encoded, [measure()], batch_size=BATCH_STORIES, progress=False)
+
     score_heads(lm, stories[:2], progress=False)  # warm
-    sides = {"bare": bare, "score": score}
+    sides = {
+        "bare": bare,
+        "score": score,
+        # where score's time goes (BREAKDOWN): each a recording of the same batches
+        "maps": part(lambda: Idle(Needs())),
+        "maps and inputs": part(lambda: Idle(scores.needs)),
+        "recording": part(lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True)),
+    }
     every: dict[str, list[float]] = {name: [] for name in sides}
     ratios, cpu_ratios = [], []
     for r in range(rounds):
@@ -241,7 +277,8 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
         cpu_ratios.append(cpu["score"] / cpu["bare"])
         print(
             f"  end to end, round {r + 1}: bare {every['bare'][-1]:.1f} s, score {every['score'][-1]:.1f} s: "
-            f"{ratios[-1]:.3f}x bare (processor time {cpu_ratios[-1]:.3f}x)",
+            f"{ratios[-1]:.3f}x bare (processor time {cpu_ratios[-1]:.3f}x); "
+            + ", ".join(f"{name} {every[name][-1] / every['bare'][-1]:.3f}x" for name in BREAKDOWN),
             flush=True,
         )
     return {
@@ -253,6 +290,7 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
         "ratio": min(ratios),
         "ratios": ratios,
         "cpu_ratios": cpu_ratios,
+        "breakdown": {name: [t / b for t, b in zip(every[name], every["bare"])] for name in BREAKDOWN},
     }
 
 

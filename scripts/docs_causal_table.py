@@ -1,7 +1,6 @@
 """The causal page's cost table, from a run of the benchmark (never typed in):
 
-    python benchmarks/bench_causal.py --stories 16 --layers 6                     # time and memory
-    python benchmarks/bench_causal.py --memory-only --layers 30 --models llama    # the real depth's memory
+    python benchmarks/bench_causal.py --stories 16 --layers 30 --rounds 2         # time and memory
     python scripts/docs_causal_table.py benchmarks/causal.json
 
 Replaces the text between <!-- causal-cost:start/end --> on docs/causal.md.

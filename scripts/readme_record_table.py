@@ -77,6 +77,21 @@ def table(r: dict) -> str:
                 f"score {e['seconds']['score'][best]:.1f} s, **{e['ratio']:.2f}x** (target ≤ 1.15x), the best of "
                 f"{len(e['ratios'])} rounds; round by round " + ", ".join(f"{x:.2f}x" for x in e["ratios"]) + ".",
             ]
+            parts = e.get("breakdown")
+            if parts:
+                rows += [
+                    "",
+                    "Where the time goes, each over the bare forward in the same rounds (round by round): the "
+                    "recording of the same encoded stories with every map formed and handed to a measure that "
+                    "does nothing, "
+                    + ", ".join(f"{x:.2f}x" for x in parts["maps"])
+                    + "; handing over what score's measures read besides (key columns, value and output norms), "
+                    + ", ".join(f"{x:.2f}x" for x in parts["maps and inputs"])
+                    + "; score's measures fed, "
+                    + ", ".join(f"{x:.2f}x" for x in parts["recording"])
+                    + "; the rest of `score` (name vocabulary, encoding, top examples, the induction score on "
+                    "random tokens, the table) is the step from there to the figure above.",
+                ]
     for kind, entry in r["models"].items():
         mem = entry.get("memory")
         if not mem:
