@@ -44,17 +44,20 @@ STAGES = {  # what is timed: (owner, attribute) -> its name in the output
 
 def timed(spent: dict[str, float]) -> None:
     """Wrap every stage so that its time adds to ``spent`` (for this process's run)."""
-    for (owner, attr), name in STAGES.items():
-        inner = getattr(owner, attr)
 
-        def wrapper(*args, __inner=inner, __name=name, **kwargs):
+    def timer(inner, name: str):
+        @functools.wraps(inner)
+        def wrapper(*args, **kwargs):
             t = time.perf_counter()
             try:
-                return __inner(*args, **kwargs)
+                return inner(*args, **kwargs)
             finally:
-                spent[__name] = spent.get(__name, 0.0) + time.perf_counter() - t
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
 
-        setattr(owner, attr, functools.wraps(inner)(wrapper))
+        return wrapper
+
+    for (owner, attr), name in STAGES.items():
+        setattr(owner, attr, timer(getattr(owner, attr), name))
 
 
 def main() -> None:

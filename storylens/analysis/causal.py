@@ -252,10 +252,10 @@ VOCAB_ROWS = 4096  # unembedding rows widened to float64 at once for the vocabul
 def _vocab_mean(W: torch.Tensor) -> torch.Tensor:
     """``[d_model]`` float64: the mean of ``W [V, d_model]``'s rows, summed in float64
     :data:`VOCAB_ROWS` rows at a time (no float64 copy of a 50k-row unembedding)."""
-    total = torch.zeros(W.shape[-1], dtype=torch.float64, device=_f64(W[:1]).device)
-    for i in range(0, W.shape[0], VOCAB_ROWS):
-        total += _f64(W[i : i + VOCAB_ROWS]).sum(0)
-    return total / W.shape[0]
+    first = _f64(W[:VOCAB_ROWS]).sum(0)
+    return (
+        sum((_f64(W[i : i + VOCAB_ROWS]).sum(0) for i in range(VOCAB_ROWS, W.shape[0], VOCAB_ROWS)), first) / W.shape[0]
+    )
 
 
 def _readout(g: Gradients, predicted: torch.Tensor) -> _Readout | None:

@@ -156,6 +156,15 @@ class _Taps:
         return self.z.pop(layer), self.delta.pop(layer)
 
 
+def _tap(stack: ExitStack, lm: AttentionLM, taps: _Taps, read: Readout | None, held: dict[str, torch.Tensor]) -> None:
+    """On ``stack``: ``taps`` at every block's ``hook_z``, and the final norm's input kept in ``held["x"]``
+    (its frozen scale, :func:`_scale`) where DLA can be read."""
+    stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", taps) for i in range(lm.n_layer)]))
+    if read is not None:
+        handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
+        stack.callback(handle.remove)
+
+
 def _targets(batch: StoryBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ids`` (a normal tensor: the batch is made in inference mode), ``nexts`` and ``predicted [B, T]``."""
     ids = batch.ids.clone()
@@ -315,10 +324,7 @@ def _blockwise(
             emit(Gradients(batch, layer, z, torch.zeros_like(z) if dz is None else dz, scale, read, w))
 
     with ExitStack() as stack:
-        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", taps) for i in range(lm.n_layer)]))
-        if read is not None:
-            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
-            stack.callback(handle.remove)
+        _tap(stack, lm, taps, read, held)
         top, x, saved = _first_pass(lm, blocks, ids, None if split is None else split[0])
         if top is None or x is None or any(s is None for s in saved[:last]):
             return False
@@ -356,10 +362,7 @@ def _whole(lm: AttentionLM, batch: StoryBatch, read: Readout | None, emit: Emit)
     taps = _Taps()
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
-        stack.enter_context(lm.hooks([(f"blocks.{i}.attn.hook_z", taps) for i in range(lm.n_layer)]))
-        if read is not None:
-            handle = read.norm.register_forward_pre_hook(lambda m, args: held.update(x=args[0].detach()))
-            stack.callback(handle.remove)
+        _tap(stack, lm, taps, read, held)
         logits = lm.forward(ids, record_attention=False, logits=True)  # [B, T, V]
         assert logits is not None
         layers = list(range(lm.n_layer))
