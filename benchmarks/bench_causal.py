@@ -1,22 +1,26 @@
 """Attribution patching (``storylens score --causal``'s AtP and DLA) against the model's bare forward.
 
-    python benchmarks/bench_causal.py [--stories 40] [--layers 30] [--rounds 2] [--tokens 3000] [--json FILE]
+    python benchmarks/bench_causal.py [--stories 40] [--layers 30] [--rounds 2] [--tokens 3000] [--batch-size 4]
+                                      [--graph-mb 512] [--json FILE]
 
 Two seeded random transformers models with storylens's tokenizer, built and saved here (no hub is
 reached): a Llama of SmolLM-135M's shape (576 wide, ``--layers`` blocks of 9 query heads sharing 3
 key/value heads, 1,536 in the MLP; fewer blocks than its 30 make a proportionally cheaper model of
 the same per-block cost, said in the output) and GPT-2 small's shape (12 blocks of 12 heads, 768
-wide). On the first ``--stories`` quiz stories, batched as the recording batches them:
+wide). On the first ``--stories`` quiz stories, batched as the recording batches them
+(``--batch-size`` stories a batch, by default ``storylens score``'s):
 
 * ``bare``: the model's own forward of every batch (fused attention, logits), in inference mode;
 * ``atp``: :func:`storylens.analysis.causal.attribution` (one fused forward and one backward per
-  batch, every head's AtP mean/zero and DLA sums), encoding included.
+  batch, every head's AtP mean/zero and DLA sums), encoding included, the gradient pass keeping at
+  most ``--graph-mb`` MiB of the first blocks' graphs (``storylens score --graph-memory``).
 
 The ratio is ``atp`` over ``bare`` in the same round (sides alternating), the best of ``--rounds``.
 Memory: in a fresh process per model and side, the peak resident memory above the loaded model while
-AtP runs on one ``--tokens``-token story (the quiz joined and cut), and while the recording pass
-(``score_heads``) runs on the same story, beside it; each also with glibc mapping every block of 1 MB
-or more alone, so that the peak is that of the tensors alive together (``_memory``).
+AtP runs on one ``--tokens``-token story (the quiz joined and cut), with ``--graph-mb`` and with no
+graph kept (0: one block's activations at a time), and while the recording pass (``score_heads``)
+runs on the same story, beside them; each also with glibc mapping every block of 1 MB or more alone,
+so that the peak is that of the tensors alive together (``_memory``).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def _batches(lm, stories: list[str], batch_size: int) -> list:
             length_batches([len(e.ids) for e in enc], batch_size, BATCH_TOKENS)]  # fmt: skip
 
 
-def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int) -> dict:
+def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int, graph_mb: int) -> dict:
     import torch
 
     from storylens.analysis.audit import attribution
@@ -95,7 +99,7 @@ def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int) -
                 lm.forward(b.ids, logits=True)
 
     def atp() -> None:
-        attribution(lm, stories, batch_size=batch_size)
+        attribution(lm, stories, batch_size=batch_size, graph_bytes=graph_mb << 20)
 
     rows = []
     for r in range(rounds):
@@ -120,8 +124,9 @@ def _status_mb(field: str) -> float:
 
 
 def memory_child(folder: str, tokens: int, what: str) -> None:
-    """In a fresh process: the peak resident memory above the loaded model while ``what`` (``atp``:
-    AtP and DLA, the gradient pass; ``record``: the recording pass, ``score_heads``) runs on one story."""
+    """In a fresh process: the peak resident memory above the loaded model while ``what`` (``atp:MB``:
+    AtP and DLA, the gradient pass keeping at most MB MiB of graphs; ``record``: the recording pass,
+    ``score_heads``) runs on one story."""
     from storylens.analysis import score_heads
     from storylens.analysis.audit import attribution
     from storylens.data.stories import load_split
@@ -138,8 +143,8 @@ def memory_child(folder: str, tokens: int, what: str) -> None:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak (VmHWM) restarts from what is resident now
     base = _status_mb("VmRSS")
-    if what == "atp":
-        attribution(lm, [text], batch_size=1)
+    if what.startswith("atp:"):
+        attribution(lm, [text], batch_size=1, graph_bytes=int(what[4:]) << 20)
     else:
         score_heads(lm, [text], progress=False)
     peak = _status_mb("VmHWM")
@@ -153,34 +158,41 @@ def memory_child(folder: str, tokens: int, what: str) -> None:
 LIVE = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}  # glibc: every tensor of 1 MB or more mapped alone, unmapped when freed
 
 
-def _memory(folder: Path, tokens: int) -> dict:
+def _memory(folder: Path, tokens: int, graph_mb: int) -> dict:
     """AtP's peak above the model on one ``tokens``-token story, and the recording pass's beside it:
     each as the process's peak resident memory with glibc's defaults, and with every large block
     mapped alone (``LIVE``), so that memory freed is returned at once and the peak is that of the
     tensors alive together (glibc's default raises its threshold as large blocks are freed, and a
     heap that reuses freed blocks only grows)."""
     out = {}
-    for what in ("atp", "record"):
+    for side, what in (("atp", f"atp:{graph_mb}"), ("lean", "atp:0"), ("record", "record")):
         for how, env in (("", {}), ("live_", LIVE)):
             child = subprocess.run(
                 [sys.executable, __file__, "--memory-child", str(folder), str(tokens), what],
                 capture_output=True, text=True, check=True, env={**os.environ, **env},
             )  # fmt: skip
-            out[how + what] = json.loads(child.stdout.strip().splitlines()[-1])
+            out[how + side] = json.loads(child.stdout.strip().splitlines()[-1])
     return {
         **out["atp"],
+        "graph_mb": graph_mb,
         "live_above_model_mb": out["live_atp"]["above_model_mb"],
+        "lean_above_model_mb": out["lean"]["above_model_mb"],
+        "lean_live_above_model_mb": out["live_lean"]["above_model_mb"],
         "record_above_model_mb": out["record"]["above_model_mb"],
         "record_live_above_model_mb": out["live_record"]["above_model_mb"],
     }
 
 
 def main() -> None:
+    from storylens.analysis.encode import BATCH_STORIES
+    from storylens.analysis.gradients import GRAPH_BYTES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stories", type=int, default=40)
     ap.add_argument("--layers", type=int, default=30, help="the Llama's blocks (its real shape: 30)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=BATCH_STORIES, help="stories a batch (default: score's)")
+    ap.add_argument("--graph-mb", type=int, default=GRAPH_BYTES >> 20, help="kept graphs at most (default: score's)")
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--models", default=",".join(SHAPES), help="which shapes, comma-separated (llama, gpt2)")
     ap.add_argument("--json", default=str(Path(__file__).with_name("causal.json")))
@@ -196,6 +208,7 @@ def main() -> None:
 
     stories = load_split().quiz[: args.stories]
     result: dict = {"stories": len(stories), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "batch_size": args.batch_size, "graph_mb": args.graph_mb,
                     "load_before": round(os.getloadavg()[0], 2), "models": {}}  # fmt: skip
     if args.memory_only:
         result = {**json.loads(Path(args.json).read_text())}
@@ -207,11 +220,12 @@ def main() -> None:
                 timing = dict(json.loads(Path(args.json).read_text())["models"].get(folder.name, {}))
                 timing.pop("memory", None)
             else:
-                timing = time_model(folder, stories, args.rounds, args.batch_size)
-            memory = _memory(folder, args.tokens)
+                timing = time_model(folder, stories, args.rounds, args.batch_size, args.graph_mb)
+            memory = _memory(folder, args.tokens, args.graph_mb)
             ratio = f"{timing['ratio']:.2f}x" if "ratio" in timing else "not timed"
             print(f"  AtP / bare forward: {ratio}; peak above the model on a {memory['tokens']}-token story: "
-                  f"AtP {memory['above_model_mb']:.0f} MB ({memory['live_above_model_mb']:.0f} MB alive), the "
+                  f"AtP {memory['above_model_mb']:.0f} MB ({memory['live_above_model_mb']:.0f} MB alive), with no "
+                  f"graph kept {memory['lean_above_model_mb']:.0f} MB ({memory['lean_live_above_model_mb']:.0f} MB), the "
                   f"recording pass {memory['record_above_model_mb']:.0f} MB "
                   f"({memory['record_live_above_model_mb']:.0f} MB alive)")  # fmt: skip
             result["models"][folder.name] = {**timing, "memory": memory}

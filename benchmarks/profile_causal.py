@@ -29,6 +29,8 @@ from bench_causal import _batches, build  # noqa: E402
 
 from storylens.analysis import causal, gradients  # noqa: E402
 from storylens.analysis.audit import attribution  # noqa: E402
+from storylens.analysis.encode import BATCH_STORIES  # noqa: E402
+from storylens.analysis.gradients import GRAPH_BYTES  # noqa: E402
 from storylens.data.stories import load_split  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
@@ -66,13 +68,16 @@ def main() -> None:
     ap.add_argument("--stories", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=BATCH_STORIES, help="stories a batch (default: score's)")
+    ap.add_argument("--graph-mb", type=int, default=GRAPH_BYTES >> 20, help="the pass's kept graphs at most, MiB")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     stories = load_split().quiz[: args.stories]
     with tempfile.TemporaryDirectory() as tmp:
         lm = load_lm(build(Path(tmp), "llama", args.layers, 4096))
-        batches = _batches(lm, stories, 16)
+        batches = _batches(lm, stories, args.batch_size)
+        run = functools.partial(attribution, batch_size=args.batch_size, graph_bytes=args.graph_mb << 20)
 
         def bare() -> None:
             with torch.inference_mode():
@@ -80,16 +85,17 @@ def main() -> None:
                     lm.forward(b.ids, logits=True)
 
         bare()
-        attribution(lm, stories)  # warm, and the pass's way chosen once
+        run(lm, stories)  # warm, and the pass's way chosen once
         spent: dict[str, float] = {}
         timed(spent)
-        print(f"Llama, {args.layers} blocks, {len(stories)} quiz stories, {torch.get_num_threads()} threads")
+        print(f"Llama, {args.layers} blocks, {len(stories)} quiz stories in {len(batches)} batches, "
+              f"{torch.get_num_threads()} threads, kept graphs at most {args.graph_mb} MiB")  # fmt: skip
         for r in range(args.rounds):
             spent.clear()
             t0 = time.perf_counter()
             bare()
             t1 = time.perf_counter()
-            attribution(lm, stories)
+            run(lm, stories)
             t2 = time.perf_counter()
             parts = ", ".join(f"{name} {spent.get(name, 0.0):.2f} s" for name in STAGES.values())
             print(f"  round {r + 1}: bare {t1 - t0:.2f} s, AtP {t2 - t1:.2f} s ({(t2 - t1) / (t1 - t0):.2f}x): {parts}")

@@ -30,18 +30,21 @@ def body(bench: dict) -> str:
         mem = m["memory"]
         rows.append(
             f"| {_model(name)} | {rounds} | {mem['above_model_mb']:,.0f} MB ({mem['live_above_model_mb']:,.0f} MB) | "
+            f"{mem['lean_above_model_mb']:,.0f} MB ({mem['lean_live_above_model_mb']:,.0f} MB) | "
             f"{mem['record_above_model_mb']:,.0f} MB ({mem['record_live_above_model_mb']:,.0f} MB) |"
         )
     tokens = next(iter(bench["models"].values()))["memory"]["tokens"]
     return "\n".join(
         [
-            f"{bench['stories']} quiz stories, {bench['threads']} threads, torch {bench.get('torch', '?')}, "
-            f"load average {bench.get('load_before', '?')} when it started; peak resident memory above the "
-            f"loaded model on one {tokens:,}-token story, each side in its own process (in brackets: with "
-            "every tensor of 1 MB or more mapped alone, so the peak is that of the tensors alive together):",
+            f"{bench['stories']} quiz stories, {bench['batch_size']} a batch, at most {bench['graph_mb']:,} MiB of "
+            f"graphs kept, {bench['threads']} threads, torch {bench.get('torch', '?')}, load average "
+            f"{bench.get('load_before', '?')} when it started; peak resident memory above the loaded model on one "
+            f"{tokens:,}-token story, each side in its own process (in brackets: with every tensor of 1 MB or more "
+            "mapped alone, so the peak is that of the tensors alive together):",
             "",
-            "| model | AtP / bare forward (each round) | AtP's peak | the recording pass's peak |",
-            "| --- | --- | --- | --- |",
+            "| model | AtP / bare forward (each round) | AtP's peak | AtP's peak, no graph kept "
+            "(`--graph-memory 0`) | the recording pass's peak |",
+            "| --- | --- | --- | --- | --- |",
             *rows,
         ]
     )

@@ -15,6 +15,7 @@ from storylens.analysis.ablation import generation_divergence, name_ablation_tab
 from storylens.analysis.audit import AUDIT_HEADS, audit_lines
 from storylens.analysis.detectors import BUILTIN_DETECTORS, pattern_detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis.gradients import GRAPH_BYTES
 from storylens.analysis.perplexity import perplexity
 from storylens.analysis.truth import (
     ABLATION_LIMIT_FLOPS,
@@ -722,6 +723,7 @@ def _cmd_report(args) -> int:
         detectors=tuple(load_detector(f) for f in args.detector),
         examples=args.examples,
         causal=args.causal,
+        graph_memory=args.graph_memory,
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
         sections=None if args.sections is None else parse_sections(args.sections),
@@ -937,7 +939,15 @@ def _add_causal(s) -> None:
         action="store_true",
         help="also every head's effect on the loss: attribution patching (atp_mean, atp_zero) and direct logit "
         "attribution (dla), with standard errors; per batch, a backward pass and a second forward of every "
-        "block but the last more (memory: one block's activations at a time; see docs/causal.md)",
+        "block but those whose graphs --graph-memory keeps (see docs/causal.md)",
+    )
+    s.add_argument(
+        "--graph-memory",
+        type=int,
+        default=GRAPH_BYTES >> 20,
+        metavar="MB",
+        help="with --causal: the MiB the gradient pass may hold of the first blocks' graphs, so that it need not "
+        f"run them twice (default {GRAPH_BYTES >> 20}; 0: the least memory, one block's activations at a time)",
     )
 
 
@@ -970,6 +980,7 @@ def cmd_score(args) -> int:
         progress=not args.no_progress,
         examples=args.examples,
         causal=args.causal,
+        graph_memory=args.graph_memory,
         audit=args.audit,
         audit_stories=args.audit_stories,
         seed=args.seed,

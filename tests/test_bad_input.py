@@ -375,11 +375,20 @@ def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp
         (["--causal", "--audit", "--audit-stories", "0"], "--audit-stories: a whole number, 1 or more, with --audit (got 0)"),
         (["--causal", "--audit-stories", "5"], "--audit-stories: a whole number, 1 or more, with --audit (got 5)"),
         (["--causal", "--audit", "--seed", "-1"], "--seed: must be between 0 and 2^64 - 1 (got -1)"),
+        (["--causal", "--graph-memory", "-1"], "--graph-memory: a whole number of MiB, 0 or more (got -1)"),
     ],
 )  # fmt: skip
 def test_score_audit_options_are_one_line_before_the_model_loads(capsys, tmp_path, more, expect):
     argv = ["score", "--stories", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o"), "--no-progress", *more]
     assert one_line(capsys, argv, code=2) == f"storylens: error: {expect}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_graph_memory_is_one_line_before_the_model_loads(capsys, tmp_path):
+    argv = ["report", "--out", str(tmp_path / "r"), "--no-progress", "--causal", "--graph-memory", "-5"]
+    assert (
+        one_line(capsys, argv, code=2) == "storylens: error: --graph-memory: a whole number of MiB, 0 or more (got -5)"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

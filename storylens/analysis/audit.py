@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from storylens.analysis.ablation import _pad, head_output_means
 from storylens.analysis.accumulate import RatioAccumulator
 from storylens.analysis.causal import CausalAccumulator
-from storylens.analysis.encode import EncodedStory
+from storylens.analysis.encode import BATCH_STORIES, EncodedStory
 from storylens.analysis.faithful import rank_correlation
+from storylens.analysis.gradients import GRAPH_BYTES
 from storylens.analysis.record import record
 from storylens.analysis.truth import (
     TRUTH_BUDGET,
@@ -125,13 +126,15 @@ def attribution(
     model: AttentionLM,
     stories: Sequence[str] | Iterable[EncodedStory],
     *,
-    batch_size: int = 16,
+    batch_size: int = BATCH_STORIES,
     progress: bool = False,
+    graph_bytes: int = GRAPH_BYTES,
 ) -> tuple[dict[str, torch.Tensor | None], CausalAccumulator]:
     """AtP (mean and zero) and DLA of every head of ``model`` over ``stories``: the six columns
     ``{name: [layer, head] float64}`` and the accumulator (its :meth:`CausalAccumulator.z_means` the
-    ``mu`` mean ablation replaces each head's output by). One fused forward and backward per batch."""
-    acc = CausalAccumulator(model.n_layer, model.n_head)
+    ``mu`` mean ablation replaces each head's output by). One fused forward and backward per batch
+    (``graph_bytes``: :func:`~storylens.analysis.gradients.gradient_pass`)."""
+    acc = CausalAccumulator(model.n_layer, model.n_head, graph_bytes)
     record(model, stories, [acc], batch_size=batch_size, progress=progress, names=frozenset())
     return acc.columns(), acc
 

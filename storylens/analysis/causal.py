@@ -45,7 +45,7 @@ import torch
 
 from storylens.analysis.accumulate import RatioAccumulator, pooled_ratio
 from storylens.analysis.encode import StoryBatch
-from storylens.analysis.gradients import Gradients
+from storylens.analysis.gradients import GRAPH_BYTES, Gradients
 from storylens.analysis.record import Needs
 from storylens.core.errors import StorylensError
 
@@ -62,9 +62,9 @@ class CausalAccumulator:
     :class:`~storylens.analysis.scores.HeadScoreAccumulator`). ``state``/``load_state``/``merge``
     as every accumulator; :meth:`columns` the six columns, :meth:`z_means` the ``mu`` of ``atp_mean``."""
 
-    def __init__(self, n_layer: int, n_head: int):
+    def __init__(self, n_layer: int, n_head: int, graph_bytes: int = GRAPH_BYTES):
         self.n_layer, self.n_head = n_layer, n_head
-        self.needs = Needs(gradients=True, attention=False)
+        self.needs = Needs(gradients=True, attention=False, graph_bytes=graph_bytes)
         self.d_head: int | None = None  # known from the first batch
         self.zero = RatioAccumulator((n_layer, n_head))  # c = -A
         self.dla = RatioAccumulator((n_layer, n_head))

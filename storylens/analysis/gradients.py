@@ -6,14 +6,18 @@ and unembedding, for direct logit attribution). :mod:`storylens.analysis.record`
 
 **Memory.** The backward needs what each block's forward saved (its activations), and holding that
 for every block at once grows with the model's depth: on a 3,000-token story, several GB for GPT-2
-small. So the pass recomputes, block by block, as activation checkpointing does: a forward with no
-graph keeps only each block's input (one ``[batch, pos, d_model]`` tensor per block) and builds a
-graph for the last block and the model's tail alone (final norm, unembedding); then, from the last
-block but one to the first, each block is run again from its kept input with a graph and
-backpropagated on its own, handing over its ``z`` and ``dL/dz`` and passing ``dL/d(input)`` down.
-At any time one block's activations exist, at the cost of a second forward of every block but the
-last (``benchmarks/bench_causal.py`` measures both). A model whose blocks cannot be rerun this
-way (:meth:`~storylens.lm.AttentionLM.blocks` unknown, or a block's rerun output not what the next
+small. So the pass recomputes, as activation checkpointing does, within a budget (``graph_bytes``,
+``storylens score --graph-memory``): a forward keeps the graph of as many of the first blocks as
+the budget holds (:func:`_kept`, from what one block's graph holds, :class:`BlockCost`, measured
+once per model), only the input of each block after them (one ``[batch, pos, d_model]`` tensor per
+block), and a graph for the last block and the model's tail (final norm, unembedding); then, from
+the last block but one down to the kept ones, each block is run again from its kept input with a
+graph and backpropagated on its own, handing over its ``z`` and ``dL/dz`` and passing
+``dL/d(input)`` down; last, the kept blocks are backpropagated together. At any time the kept
+blocks' activations and one other block's exist, at the cost of a second forward of every block
+but the kept ones and the last (``benchmarks/bench_causal.py`` measures both; a budget of 0 keeps
+none: one block's activations at a time). A model whose blocks cannot be rerun this way
+(:meth:`~storylens.lm.AttentionLM.blocks` unknown, or a block's rerun output not what the next
 block was given) takes one graph through the whole model instead, and a note says so.
 """
 
@@ -217,43 +221,129 @@ def _differs(rerun: torch.Tensor, given: torch.Tensor) -> bool:
 Emit = Callable[[Gradients], None]
 
 
+@dataclass
+class _First:
+    """What the first forward (:func:`_first_pass`) leaves: ``top``, the logits (or the decoder's
+    output); ``leaf``, the last block's input as its graph's leaf (None where the kept blocks reach
+    the last: one graph through the whole model); ``saved``, the arguments of every block between the
+    kept ones and the last, with a copy of its hidden input (a block may change its input in place);
+    ``bottom``, the kept blocks' output with their graph (None where none is kept or they reach the
+    last); ``ran``, whether every block ran as a block, in order (was handed its hidden states)."""
+
+    top: torch.Tensor | None
+    leaf: torch.Tensor | None
+    saved: list[tuple[tuple, dict] | None]
+    bottom: torch.Tensor | None
+    ran: bool
+
+
 def _first_pass(
-    lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor, base: nn.Module | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[tuple, dict] | None]]:
-    """The forward with a graph only from the last block's input on (that block and the tail: final
-    norm, unembedding, a soft cap): the logits (with ``base``, the decoder: its output instead, the
-    unembedding not run), the last block's input as that graph's leaf (None: the block did not run
-    as a block), and every other block's arguments with a copy of its hidden input (a block may
-    change its input in place)."""
+    lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor, base: nn.Module | None, kept: int
+) -> _First:
+    """The forward with a graph for the first ``kept`` blocks (:func:`_kept`: their reruns skipped)
+    and from the last block's input on (that block and the tail: final norm, unembedding, a soft cap),
+    none in between; with ``base``, the decoder, its output is kept and the unembedding not run."""
     saved: list[tuple[tuple, dict] | None] = [None] * len(blocks)
-    leaf: list[torch.Tensor] = []
     last = len(blocks) - 1
-    top: dict[str, torch.Tensor] = {}
+    got: dict[str, torch.Tensor] = {}
+    ran: list[int] = []  # the blocks handed their hidden states, in the order they ran
 
     def keeper(i: int) -> Callable[..., tuple[tuple, dict] | None]:
         def keep(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             x = _hidden(args, kwargs)
             if x is None:
                 return None
-            if i < last:
-                saved[i] = _with_hidden(args, dict(kwargs), x.clone())
+            ran.append(i)
+            if i < kept or i == last == kept:
+                torch.set_grad_enabled(True)  # a kept block with a graph
                 return None
-            leaf.append(x.detach().clone().requires_grad_())
+            if i < last:
+                if i == kept:
+                    got["bottom"] = x  # the kept blocks' output, with their graph
+                saved[i] = _with_hidden(args, dict(kwargs), x.detach().clone())
+                torch.set_grad_enabled(False)
+                return None
+            got["leaf"] = x.detach().clone().requires_grad_()
             torch.set_grad_enabled(True)  # the last block and the tail with a graph
-            return _with_hidden(args, kwargs, leaf[0])
+            return _with_hidden(args, kwargs, got["leaf"])
 
         return keep
 
     handles = [b.register_forward_pre_hook(keeper(i), with_kwargs=True) for i, b in enumerate(blocks)]
     if base is not None:
-        handles.append(base.register_forward_hook(lambda m, args, out: top.update(out=_output(out))))
+        handles.append(base.register_forward_hook(lambda m, args, out: got.update(out=_output(out))))
     try:
-        with torch.no_grad():  # left with grad mode as it was, whatever the last block's hook set
+        with torch.no_grad():  # left with grad mode as it was, whatever the blocks' hooks set
             logits = lm.forward(ids, record_attention=False, logits=base is None)  # [B, T, V]
     finally:
         for h in handles:
             h.remove()
-    return (logits if base is None else top.get("out")), (leaf[0] if len(leaf) == 1 else None), saved
+    top = logits if base is None else got.get("out")
+    return _First(top, got.get("leaf"), saved, got.get("bottom") if kept else None, ran == list(range(len(blocks))))
+
+
+GRAPH_BYTES = 512 << 20  # what the gradient pass may hold of the first blocks' graphs, to skip their reruns
+
+
+def block_bytes(lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor) -> int:
+    """Bytes autograd saves for one block's backward on ``ids [1, n]`` (weights frozen, parameters and
+    buffers aside): block 0 run again from its input under a hook counting every saved tensor's
+    storage once."""
+    own = {t.untyped_storage().data_ptr() for t in [*lm.module.parameters(), *lm.module.buffers()]}
+    got: dict[str, Any] = {}
+    handle = blocks[0].register_forward_pre_hook(lambda m, a, k: got.update(args=(a, k)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            lm.forward(ids, record_attention=False, logits=False)
+    finally:
+        handle.remove()
+    args, kwargs = got.get("args", ((), {}))
+    x = _hidden(args, kwargs)
+    if x is None:
+        return 0
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _rerun(lm, blocks[0], *_with_hidden(args, kwargs, x.detach().clone()))
+    return sum(sizes.values())
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """What one block's graph holds for a story of ``n`` tokens: ``per_token * n + per_pair * n^2``
+    bytes (the second term where the attention keeps its map: not the fused kernel), from
+    :func:`block_bytes` at two lengths."""
+
+    per_token: float
+    per_pair: float
+
+    @staticmethod
+    def measure(lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor) -> BlockCost:
+        """From ``ids [1, n]`` tiled to 16 and 32 tokens (what a block holds does not depend on the ids)."""
+        short, long = (block_bytes(lm, blocks, ids.repeat(1, -(-n // ids.shape[1]))[:, :n]) for n in (16, 32))
+        pair = max(0.0, (long - 2 * short) / (32 * 32 - 2 * 16 * 16))  # long = 32 t + 1024 p, short = 16 t + 256 p
+        return BlockCost(max(0.0, (short - 256 * pair) / 16), pair)
+
+    def batch(self, ids: torch.Tensor) -> float:
+        """Bytes for a batch ``ids [B, T]``."""
+        B, T = ids.shape
+        return B * (self.per_token * T + self.per_pair * T * T)
+
+
+def _kept(graph_bytes: int, cost: BlockCost | None, ids: torch.Tensor, last: int) -> int:
+    """How many of the first blocks keep their graph from the first forward (skipping their rerun)
+    within ``graph_bytes``, each holding ``cost.batch(ids)`` bytes, at most all but the last (which,
+    with the tail, always has its graph); none where the cost is unknown."""
+    each = 0.0 if cost is None else cost.batch(ids)
+    if each <= 0 or graph_bytes <= 0:
+        return 0
+    return min(last, int(graph_bytes // each))
 
 
 _OUTPUT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -307,11 +397,13 @@ def _blockwise(
     read: Readout | None,
     emit: Emit | None,
     split_head: bool = False,
+    kept: int = 0,
 ) -> bool:
     """The pass block by block (the module docstring); ``split_head``: the logits a few rows at a
-    time (:func:`_split_head`). ``emit`` None: a check only, on this batch, handing nothing over.
-    False: the blocks cannot be rerun (nothing was handed over; with ``emit``, a block that reruns
-    to something else raises, the check having passed on this model)."""
+    time (:func:`_split_head`); ``kept``: the first blocks whose graph the first forward keeps
+    (:func:`_kept`), backpropagated together last. ``emit`` None: a check only, on this batch, handing
+    nothing over. False: the blocks cannot be rerun (nothing was handed over; with ``emit``, a block
+    that reruns to something else raises, the check having passed on this model)."""
     ids, nexts, predicted = _targets(batch)
     held: dict[str, torch.Tensor] = {}
     taps = _Taps()
@@ -323,35 +415,46 @@ def _blockwise(
             w = None if read is None else lm.head_output_weights(layer).detach()
             emit(Gradients(batch, layer, z, torch.zeros_like(z) if dz is None else dz, scale, read, w))
 
+    def back(out: torch.Tensor, layers: list[int], up: torch.Tensor, below: torch.Tensor | None) -> Any:
+        """Backpropagate ``up`` from ``out`` through ``layers`` (from the last), handing each over;
+        returns ``dL/d below`` (None: not asked)."""
+        taken = [taps.take(lm, i) for i in layers]
+        wanted = [d for _, d in taken] + ([below] if below is not None else [])
+        found = torch.autograd.grad(out, wanted, grad_outputs=up, allow_unused=True)
+        for i, (z, _), g in zip(layers, taken, found):
+            hand(i, z, g)
+        return found[len(layers)] if below is not None else None
+
     with ExitStack() as stack:
         _tap(stack, lm, taps, read, held)
-        top, x, saved = _first_pass(lm, blocks, ids, None if split is None else split[0])
-        if top is None or x is None or any(s is None for s in saved[:last]):
+        first = _first_pass(lm, blocks, ids, None if split is None else split[0], min(kept, last))
+        top, x, saved = first.top, first.leaf, first.saved
+        if top is None or not first.ran or (x is None and kept < last):
             return False
         if split is None:
             seed = loss_gradient(top.detach(), nexts, predicted)  # dL/dlogits [B, T, V]
         else:
             seed = _head_gradient(top.detach(), split[1], nexts, predicted)  # dL/d(decoder output) [B, T, D]
-        z, delta = taps.take(lm, last)
-        found = torch.autograd.grad(top, [delta, x][: 2 if last else 1], grad_outputs=seed, allow_unused=True)
-        del top, seed
         scale = _scale(read, held)
-        hand(last, z, found[0])
-        for layer in reversed(range(last)):  # dL/d(input of block layer + 1) in found[1], that input in x
+        if x is None:  # the kept blocks reach the last: one graph through the whole model
+            back(top, list(reversed(range(last + 1))), seed, None)
+            return True
+        up = back(top, [last], seed, x if last else None)
+        del top, seed
+        for layer in reversed(range(kept, last)):  # dL/d(input of block layer + 1) in up, that input in x
             args, kwargs = saved[layer]  # type: ignore[misc]
             saved[layer] = None
-            given, up = x.detach(), found[1]
+            given = x.detach()
             x, h = _rerun(lm, blocks[layer], args, kwargs)
             if _differs(h.detach(), given):
                 if emit is None:
                     return False
                 raise StorylensError(f"{lm.name}: block {layer} reran to other hidden states than the first time")
-            z, delta = taps.take(lm, layer)
-            wanted = [delta, x] if layer > 0 else [delta]
-            up = torch.zeros_like(given) if up is None else up
-            found = torch.autograd.grad(h, wanted, grad_outputs=up, allow_unused=True)
+            up = back(h, [layer], torch.zeros_like(given) if up is None else up, x if layer > 0 else None)
             del h
-            hand(layer, z, found[0])
+        if kept:
+            assert first.bottom is not None
+            back(first.bottom, list(reversed(range(kept))), torch.zeros_like(x) if up is None else up, None)
     return True
 
 
@@ -378,11 +481,12 @@ def _whole(lm: AttentionLM, batch: StoryBatch, read: Readout | None, emit: Emit)
 
 @dataclass(frozen=True)
 class _Way:
-    """How the gradient pass runs on a model (:func:`_way`): block by block, and the logits a few
-    rows at a time."""
+    """How the gradient pass runs on a model (:func:`_way`): block by block, the logits a few rows at
+    a time, and what one block's graph holds (None: unknown, no block's graph kept)."""
 
     blockwise: bool
     split_head: bool
+    cost: BlockCost | None = None
 
 
 _WAYS: weakref.WeakKeyDictionary[nn.Module, _Way] = weakref.WeakKeyDictionary()
@@ -390,8 +494,9 @@ _WAYS: weakref.WeakKeyDictionary[nn.Module, _Way] = weakref.WeakKeyDictionary()
 
 def _way(lm: AttentionLM, blocks: list[nn.Module] | None, batch: StoryBatch) -> _Way:
     """How the pass runs on ``lm``, checked once per model on the batch's first story's first 16
-    tokens (a note where the blocks cannot be rerun): every block reruns to what the model ran, and
-    the model's logits are its unembedding of its decoder's output (equal within 16 roundings)."""
+    tokens (a note where the blocks cannot be rerun): every block reruns to what the model ran, the
+    model's logits are its unembedding of its decoder's output (equal within 16 roundings), and what
+    a block's graph holds (:class:`BlockCost`)."""
     if blocks is None or len(blocks) != lm.n_layer:
         return _Way(False, False)
     if lm.module not in _WAYS:
@@ -401,7 +506,10 @@ def _way(lm: AttentionLM, blocks: list[nn.Module] | None, batch: StoryBatch) -> 
         if not blockwise:
             print(f"storylens: note: {lm.name}'s blocks cannot be rerun one at a time: the gradient pass "
                   "holds every block's activations at once", file=sys.stderr)  # fmt: skip
-        _WAYS[lm.module] = _Way(blockwise, blockwise and _splits(lm, probe.ids.clone()))
+        split = blockwise and _splits(lm, probe.ids.clone())
+        _WAYS[lm.module] = _Way(
+            blockwise, split, BlockCost.measure(lm, blocks, probe.ids.clone()) if blockwise else None
+        )
     return _WAYS[lm.module]
 
 
@@ -425,18 +533,21 @@ def _splits(lm: AttentionLM, ids: torch.Tensor) -> bool:
     return float((split - logits).abs().max()) <= tol
 
 
-def gradient_pass(lm: AttentionLM, batch: StoryBatch, emit: Emit) -> None:
+def gradient_pass(lm: AttentionLM, batch: StoryBatch, emit: Emit, graph_bytes: int = GRAPH_BYTES) -> None:
     """The gradient pass of one batch: one forward with the model's fused attention and one backward
     of the batch's summed next-token loss (every predicted token, the opening token's prediction
     included), block by block (the module docstring); no weight gradient, no map formed. A zero
     tensor added at each block's ``hook_z`` is the leaf whose gradient is ``dL/dz``; the final
-    norm's input is kept for its frozen scale. ``emit`` gets every block's :class:`Gradients`, from
-    the last block to the first."""
+    norm's input is kept for its frozen scale. ``graph_bytes``: what the first blocks' graphs may
+    hold, kept from the first forward so that those blocks are not run again (0: one block's
+    activations at a time). ``emit`` gets every block's :class:`Gradients`, from the last block to
+    the first."""
     read = readout(lm)
     with torch.inference_mode(False), _frozen(lm.module):
         blocks = lm.blocks()
         way = _way(lm, blocks, batch)
         if blocks is not None and way.blockwise:
-            _blockwise(lm, blocks, batch, read, emit, way.split_head)
+            kept = _kept(graph_bytes, way.cost, batch.ids, len(blocks) - 1)
+            _blockwise(lm, blocks, batch, read, emit, way.split_head, kept)
         else:
             _whole(lm, batch, read, emit)

@@ -73,7 +73,7 @@ from storylens.analysis.encode import (
     length_batches,
 )
 from storylens.analysis.faithful import head_images, key_norms, ov_factor
-from storylens.analysis.gradients import Gradients, gradient_pass
+from storylens.analysis.gradients import GRAPH_BYTES, Gradients, gradient_pass
 from storylens.analysis.names import name_vocabulary
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
@@ -104,6 +104,8 @@ class Needs:
     # the gradient pass's Gradients per batch and block (storylens.analysis.gradients), to gradients(grads)
     gradients: bool = False
     attention: bool = True  # it reads attention (False: no recording forward is run for it)
+    # with gradients: what the first blocks' graphs may hold to skip their reruns (gradients.gradient_pass)
+    graph_bytes: int = GRAPH_BYTES
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ class Plan:
     no_norms: str | None = None  # why key norms and outputs were asked for but cannot be read
     gradients: bool = False  # one fused forward+backward per batch too (storylens.analysis.causal.gradients)
     attention: bool = True  # the recording forward runs (some measure reads attention)
+    graph_bytes: int = GRAPH_BYTES  # the gradient pass's kept graphs at most (the least any measure allows)
 
 
 def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
@@ -200,7 +203,8 @@ def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
     readable = no_norms is None
     key, out = any(n.key_norms for n in needs) and readable, any(n.outputs for n in needs) and readable
     grads, attention = any(n.gradients for n in needs), any(n.attention for n in needs)
-    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms, grads, attention)
+    graph = min([n.graph_bytes for n in needs if n.gradients], default=GRAPH_BYTES)
+    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms, grads, attention, graph)
 
 
 @dataclass(frozen=True)
@@ -262,7 +266,7 @@ class _Pass:
                 for t in takers:
                     t.gradients(grads)
 
-            gradient_pass(self.lm, batch, hand)
+            gradient_pass(self.lm, batch, hand, self.plan.graph_bytes)
         for m in self.measures:
             m.end()
         self.masks = None

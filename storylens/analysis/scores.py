@@ -85,7 +85,7 @@ from storylens.analysis.detectors import (
 from storylens.analysis.encode import CHUNK_STORIES, EncodedStory, StoryBatch
 from storylens.analysis.examples import PER_STORY, TopExamples
 from storylens.analysis.faithful import norm_scaled, norm_weighted, row_divide, shares
-from storylens.analysis.gradients import Gradients
+from storylens.analysis.gradients import GRAPH_BYTES, Gradients
 from storylens.analysis.grid_html import grid_html
 from storylens.analysis.induction import induction_random
 from storylens.analysis.record import Chunk, KeyColumn, Measure, Needs, record
@@ -201,7 +201,8 @@ class HeadScoreAccumulator:
 
     ``causal``: also every head's AtP and DLA (:class:`~storylens.analysis.causal.CausalAccumulator`,
     the ``atp_*`` and ``dla*`` columns, None without it), from one fused forward and backward per batch
-    that :func:`~storylens.analysis.record.record` runs beside the recording (``needs.gradients``)."""
+    that :func:`~storylens.analysis.record.record` runs beside the recording (``needs.gradients``),
+    ``graph_bytes`` its kept graphs at most (:func:`~storylens.analysis.gradients.gradient_pass`)."""
 
     def __init__(
         self,
@@ -212,6 +213,7 @@ class HeadScoreAccumulator:
         faithful: bool = True,
         examples: int = 0,
         causal: bool = False,
+        graph_bytes: int = GRAPH_BYTES,
     ):
         names = [d.name for d in detectors]
         if len(set(names)) != len(names):
@@ -237,9 +239,10 @@ class HeadScoreAccumulator:
             if faithful
             else Needs(MASS_COLUMNS, streams=streams)
         )
-        self.causal = CausalAccumulator(n_layer, n_head) if causal else None  # AtP and DLA (--causal)
+        self.graph_bytes = graph_bytes
+        self.causal = CausalAccumulator(n_layer, n_head, graph_bytes) if causal else None  # AtP and DLA (--causal)
         if causal:
-            self.needs = dataclasses.replace(self.needs, gradients=True)
+            self.needs = dataclasses.replace(self.needs, gradients=True, graph_bytes=graph_bytes)
         self._batch: StoryBatch | None = None
         self._masks: Masks | None = None  # the batch's, from its first chunk
         self._sums: list[dict[str, torch.Tensor]] = []
@@ -495,7 +498,7 @@ class HeadScoreAccumulator:
             raise ValueError("state: the causal columns kept in one of the state and this accumulator only")
         if self.causal is not None:
             try:
-                self.causal = CausalAccumulator(self.n_layer, self.n_head).load_state(state["causal"])
+                self.causal = CausalAccumulator(self.n_layer, self.n_head, self.graph_bytes).load_state(state["causal"])
             except ValueError as e:
                 raise ValueError(f"state: causal: {e}") from None
         self.examples = examples
@@ -852,6 +855,7 @@ def score_heads(
     examples: int = 0,
     faithful: bool = True,
     causal: bool = False,
+    graph_bytes: int = GRAPH_BYTES,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories) with every detector.
 
@@ -864,7 +868,8 @@ def score_heads(
     :attr:`HeadScores.examples`). ``measures``: more accumulators fed by the same recording
     (see :mod:`storylens.analysis.record`); ``faithful=False`` leaves out the norm-weighted columns and
     output norms (:mod:`storylens.analysis.faithful`); ``causal=True`` adds every head's AtP and DLA
-    (:mod:`storylens.analysis.causal`: one fused forward and backward per batch more). Stories are encoded ``chunk_stories`` at a time, each
+    (:mod:`storylens.analysis.causal`: one fused forward and backward per batch more, holding at most
+    ``graph_bytes`` of kept graphs: :func:`~storylens.analysis.gradients.gradient_pass`). Stories are encoded ``chunk_stories`` at a time, each
     chunk's stories go through the model longest first, ``batch_size`` at a time, padded at the
     end (causal attention: padding never changes an earlier position), and each block's map is
     scored as soon as it exists: memory does not grow with the number of stories.
@@ -873,7 +878,9 @@ def score_heads(
     if max_stories_prev is not None and max_stories_prev < 1:
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful, causal=causal)
+    acc = HeadScoreAccumulator(
+        lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful, causal=causal, graph_bytes=graph_bytes
+    )
     stats = record(
         lm,
         stories,

@@ -42,6 +42,7 @@ from functools import partial
 from storylens.analysis import detectors
 from storylens.analysis.detectors import BUILTIN_DETECTORS
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.analysis.gradients import GRAPH_BYTES
 from storylens.analysis.record import RecordStats, record
 from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.core.errors import StorylensError, UsageError, install_hint
@@ -59,7 +60,10 @@ GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second a
 class ChunkScorer:
     """A Ray Data actor: the model, loaded once; each call scores one chunk of stories."""
 
-    def __init__(self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False):
+    def __init__(
+        self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False,
+        graph_bytes: int = GRAPH_BYTES,
+    ):  # fmt: skip
         import torch
 
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
@@ -69,6 +73,7 @@ class ChunkScorer:
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
         self.examples = examples
         self.causal = causal  # AtP and DLA too (storylens.analysis.causal)
+        self.graph_bytes = graph_bytes  # the gradient pass's kept graphs at most
 
     def __call__(self, batch: dict) -> dict:
         try:
@@ -82,8 +87,9 @@ class ChunkScorer:
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
             acc = HeadScoreAccumulator(
-                self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, causal=self.causal
-            )
+                self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, causal=self.causal,
+                graph_bytes=self.graph_bytes,
+            )  # fmt: skip
             stats = record(
                 self.lm,
                 texts,
@@ -355,6 +361,7 @@ def score_with_ray(
     detectors=None,
     examples: int = 0,
     causal: bool = False,
+    graph_bytes: int = GRAPH_BYTES,
     details: dict | None = None,
     start: int = 0,
     on_progress=None,
@@ -390,6 +397,7 @@ def score_with_ray(
             detectors=detectors,
             examples=examples,
             causal=causal,
+            graph_bytes=graph_bytes,
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)

@@ -32,6 +32,7 @@ from typing import Any
 from storylens.analysis.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
+from storylens.analysis.gradients import GRAPH_BYTES
 from storylens.analysis.names import NameVocabulary
 from storylens.analysis.record import Counter, RecordStats, record
 from storylens.analysis.run_info import StoriesInfo, model_info
@@ -57,6 +58,12 @@ EXAMPLES = 8  # queries kept per head and detector, where it fires most (example
 # and explore.html (0.74 KB held, 0.62 KB of JSON: the shipped model, K = 200): about 0.5 GB at most,
 # and room for the default K on a model of 80 x 64 heads (286,720)
 EXAMPLES_BUDGET = 500_000
+
+
+def check_graph_memory(mb) -> None:
+    """``--graph-memory MB``: a whole number of MiB, 0 or more (0: one block's activations at a time)."""
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        raise UsageError(f"--graph-memory: a whole number of MiB, 0 or more (got {mb!r})")
 
 
 def check_examples(k, heads: int | None = None, detectors: int | None = None) -> None:
@@ -118,7 +125,8 @@ class ScoreOptions:
     "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
     a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
     ``examples``: the queries kept per head and detector where it fires most (0: none); ``causal``:
-    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``); ``audit``: K > 0
+    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``), the gradient pass
+    holding at most ``graph_memory`` MiB of kept graphs (``--graph-memory``); ``audit``: K > 0
     (with ``causal``) audits AtP by exact ablation after the scoring, the K heads of largest |AtP| and K
     drawn at random (``seed``) on ``audit_stories`` first stories (None: as many as the ablation budget
     allows, :func:`~storylens.analysis.audit.audit_budget_stories`), refused past
@@ -136,6 +144,7 @@ class ScoreOptions:
     progress: bool = True
     examples: int = EXAMPLES
     causal: bool = False
+    graph_memory: int = GRAPH_BYTES >> 20
     audit: int = 0
     audit_stories: int | None = None
     seed: int = 0
@@ -146,6 +155,7 @@ class ScoreOptions:
         check_examples(self.examples)
         if isinstance(self.audit, bool) or not isinstance(self.audit, int) or self.audit < 0:
             raise UsageError(f"--audit: a whole number of heads, 0 or more (got {self.audit!r})")
+        check_graph_memory(self.graph_memory)
         if self.audit and not self.causal:
             raise UsageError("--audit: audits the causal columns; pass --causal too")
         n = self.audit_stories
@@ -231,7 +241,10 @@ def _score_into(
         **({"causal": True} if opts.causal else {}),  # a run without it keeps its fingerprint
     }
     fingerprint = _fingerprint(lm, source, names, settings)
-    acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal)
+    acc = HeadScoreAccumulator(
+        lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal,
+        graph_bytes=opts.graph_memory << 20,
+    )  # fmt: skip
     audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
     done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
     t1 = time.perf_counter()
@@ -365,6 +378,7 @@ def _second_pass(
             detectors=opts.detectors,
             examples=opts.examples,
             causal=opts.causal,
+            graph_bytes=opts.graph_memory << 20,
             start=done.n_stories,
             on_progress=on_chunk,
         )

@@ -25,6 +25,7 @@ from typing import Any
 from storylens.analysis.audit import Audit, audit_stories
 from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
 from storylens.analysis.encode import EncodedStory, encode_stories
+from storylens.analysis.gradients import GRAPH_BYTES
 from storylens.analysis.names import name_vocabulary
 from storylens.analysis.position import PositionControlAccumulator
 from storylens.analysis.pronouns import PronounAccumulator
@@ -47,7 +48,7 @@ from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
-from storylens.corpus.score import EXAMPLES, check_examples, write_examples
+from storylens.corpus.score import EXAMPLES, check_examples, check_graph_memory, write_examples
 from storylens.data.leakage import LeakageReport
 from storylens.data.stories import QUIZ_FILE
 from storylens.lesson.beyond import BeyondSummary, beyond_summary, run_beyond
@@ -103,7 +104,8 @@ class ReportOptions:
     ``check_stories``/``check_tokens``: the numerical checks' stories and generated tokens;
     ``examples``: queries kept per head and detector; ``truth_stories``: the ablations' stories
     (None: as many as their budget allows), refused past the budget unless ``over_budget``;
-    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`);
+    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`), its
+    gradient pass holding at most ``graph_memory`` MiB of kept graphs;
     ``sections``: the page's sections (:data:`SECTIONS`; None: :func:`default_sections`), a section
     left out not computed where it costs anything (the leakage check, the numerical checks, the
     ablations) and its keys left out of summary.json."""
@@ -124,6 +126,7 @@ class ReportOptions:
     truth_stories: int | None = None
     over_budget: bool = False
     causal: bool = False
+    graph_memory: int = GRAPH_BYTES >> 20
     sections: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +134,7 @@ class ReportOptions:
         if self.sections is not None:
             object.__setattr__(self, "sections", parse_sections(",".join(self.sections)))
         check_examples(self.examples)
+        check_graph_memory(self.graph_memory)
         t = self.truth_stories
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
             raise UsageError(f"--truth-stories: a whole number, 0 or more (got {t!r})")
@@ -262,6 +266,7 @@ def _score(
         progress=opts.progress,
         examples=opts.examples,
         causal=opts.causal,
+        graph_bytes=opts.graph_memory << 20,
     )
     if scores.n_name_scored == 0:
         raise StorylensError(

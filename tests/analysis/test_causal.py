@@ -373,7 +373,52 @@ def test_the_block_by_block_pass_equals_one_graph_through_the_model(lm, stories,
             assert (value - other[name]).abs().max() <= TOL * max(1.0, float(whole[name].abs().max())), name
     # transformers models form the logits a few rows at a time (the native model has no base model)
     batch = batch_of(encode_stories(lm, stories[:1], frozenset()), lm.marker_id, lm.device)
-    assert gradients._way(lm, lm.blocks(), batch) == gradients._Way(True, not isinstance(lm, NativeLM))
+    way = gradients._way(lm, lm.blocks(), batch)
+    assert (
+        (way.blockwise, way.split_head) == (True, not isinstance(lm, NativeLM))
+        and way.cost is not None
+        and way.cost.per_token > 0
+    )
+
+
+def _handed(lm, batch, kept: int) -> list:
+    """(layer, z, dL/dz) as the block-by-block pass hands them over, the first ``kept`` blocks' graphs
+    kept from the first forward."""
+    from storylens.analysis import gradients
+
+    got: list = []
+    with torch.inference_mode(False), gradients._frozen(lm.module):
+        assert gradients._blockwise(lm, lm.blocks(), batch, gradients.readout(lm), got.append, False, kept)
+    return [(g.layer, g.z, g.grad) for g in got]
+
+
+def test_blocks_whose_graphs_are_kept_hand_over_what_their_reruns_would(lm, stories):
+    """Keeping the first blocks' graphs from the first forward (no rerun for them), any number of them
+    up to one graph through the whole model, hands over every block once, the last first, with the
+    ``z`` and ``dL/dz`` of the pass that reruns every block: the same operations, float64."""
+    batch = batch_of(encode_stories(lm, stories[:3], frozenset()), lm.marker_id, lm.device)
+    last = lm.n_layer - 1
+    lean = _handed(lm, batch, 0)
+    assert [layer for layer, _, _ in lean] == list(reversed(range(lm.n_layer)))
+    assert all(float(g.abs().max()) > 0 for _, _, g in lean)
+    for kept in sorted({1, last // 2, last, last + 5}):
+        got = _handed(lm, batch, kept)
+        assert [layer for layer, _, _ in got] == [layer for layer, _, _ in lean], kept
+        for (_, z, g), (_, z0, g0) in zip(got, lean):
+            assert (z - z0).abs().max() <= TOL * max(1.0, float(z0.abs().max())), kept
+            assert (g - g0).abs().max() <= TOL * max(1.0, float(g0.abs().max())), kept
+
+
+def test_kept_blocks_fill_the_budget_and_never_the_last():
+    from storylens.analysis.gradients import BlockCost, _kept
+
+    ids, cost = torch.zeros(4, 250, dtype=torch.long), BlockCost(30_000.0, 0.0)  # 1,000 tokens: 30 MB a block
+    assert _kept(0, cost, ids, 29) == 0  # no budget: every block reruns
+    assert _kept(1 << 30, None, ids, 29) == 0  # a block's bytes unknown: none kept
+    assert _kept(3 * 30_000_000 + 1, cost, ids, 29) == 3
+    assert _kept(3 * 30_000_000 - 1, cost, ids, 29) == 2
+    assert _kept(1 << 40, cost, ids, 29) == 29  # all but the last: one graph through the model
+    assert _kept(3 * 30_000_000 + 1, BlockCost(30_000.0, 40.0), ids, 29) == 2  # + 4 x 250^2 x 40 = 10 MB a block
 
 
 class _Shuffled(NativeLM):
@@ -418,9 +463,10 @@ class _Held:
         self.live.now -= self.n
 
 
-def _held_peak(native_tok, layers: int, whole: bool, tmp_path) -> int:
+def _held_peak(native_tok, layers: int, whole: bool, tmp_path, graph: float = 0.0) -> int:
     """The most bytes held for the backward at once while the gradient pass runs on 4 quiz-length
-    stories, on a seeded Llama of ``layers`` blocks."""
+    stories, on a seeded Llama of ``layers`` blocks; ``graph``: the kept graphs' budget, in blocks'
+    worth on this batch (from what a block holds per token, :func:`gradients.block_bytes`)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from storylens.analysis import gradients
@@ -435,10 +481,13 @@ def _held_peak(native_tok, layers: int, whole: bool, tmp_path) -> int:
     lm = load_lm(folder)
     texts = ["Tom and Sam went to the park. Tom saw a big red ball and gave it to Sam. " * 3] * 4
     batch = batch_of(encode_stories(lm, texts, frozenset()), lm.marker_id, lm.device)
-    gradients._WAYS[lm.module] = gradients._Way(not whole, not whole)
+    cost = gradients.BlockCost.measure(lm, lm.blocks(), batch.ids[:1, :16].clone()) if graph else None
+    gradients._WAYS[lm.module] = gradients._Way(not whole, not whole, cost)
+    budget = int(graph * cost.batch(batch.ids)) if cost is not None else 0
+    assert gradients._kept(budget, cost, batch.ids, layers - 1) == min(int(graph), layers - 1)
     live = _Live(lm.module)
     with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-        gradients.gradient_pass(lm, batch, lambda g: None)
+        gradients.gradient_pass(lm, batch, lambda g: None, graph_bytes=budget)
     return live.peak
 
 
@@ -452,6 +501,25 @@ def test_the_gradient_pass_holds_one_block_at_a_time_whatever_the_depth(native, 
     # one graph: 8 blocks' activations (7 whole, the first from its hook_z on) against 2, and several
     # times what one block and the tail hold
     assert whole_eight > 3 * whole_two and whole_eight > 4 * eight
+    # a budget of 3.5 blocks' graphs keeps 3 blocks' whatever the depth: more than one block at a
+    # time, the same at 6 blocks as at 8, far below one graph through 8
+    six, kept_eight = (_held_peak(native.tokenizer, n, False, tmp_path, graph=3.5) for n in (6, 8))
+    assert six == kept_eight > eight and kept_eight < whole_eight / 2
+
+
+def test_what_a_block_holds_is_foreseen_from_two_short_probes(lm, stories):
+    """A block's graph on a story six times the longer probe (96 tokens against 16 and 32) holds
+    what the probes' fit says: linear in the tokens for a fused attention, with a square term where
+    the attention keeps its map (GPT-Neo's local attention); a budget set from it holds on long
+    stories. The fit is exact where the bytes are a quadratic in the tokens; 5% covers a few vectors
+    every run keeps whatever its length."""
+    from storylens.analysis import gradients
+
+    ids = torch.tensor([lm.encode(" ".join(stories))[:96]])  # the test models' window
+    with torch.inference_mode(False), gradients._frozen(lm.module):
+        cost = gradients.BlockCost.measure(lm, lm.blocks(), ids[:, :16].clone())
+        held = gradients.block_bytes(lm, lm.blocks(), ids)
+    assert cost.per_token > 0 and abs(cost.batch(ids) - held) <= 0.05 * held
 
 
 def test_logits_are_formed_whole_where_the_model_changes_them_after_its_unembedding(lm, stories):
