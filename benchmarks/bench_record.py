@@ -36,7 +36,8 @@ side alternating), the ratio of each round's two times, the best kept, processor
 In the same rounds, where score's time goes (``breakdown``, each side over ``bare`` round by round):
 the recording of the same encoded stories forming every map and handing it to a measure that does
 nothing; the same handing over what score's measures ask for besides (the key columns summed in the
-kernel, value and head-output norms); and score's measures themselves (``BREAKDOWN``).
+kernel, value and head-output norms); score's measures themselves; and those with the top examples
+(``BREAKDOWN``).
 
 Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each side in its own
 process: peak resident memory above the loaded model (sampled every 5 ms).
@@ -72,7 +73,7 @@ SECTIONS = ("speed", "end_to_end", "memory", "commands")
 # and head-output norms) and does nothing; and score's own measures fed (every detector, the
 # norm-weighted and sink columns). score's own time adds the name vocabulary, the encoding, the top
 # examples, the induction score on random tokens and the table.
-BREAKDOWN = ("maps", "maps and inputs", "recording")
+BREAKDOWN = ("maps", "maps and inputs", "recording", "recording and examples")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
 
@@ -263,6 +264,7 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
         "maps": part(lambda: Idle(Needs())),
         "maps and inputs": part(lambda: Idle(scores.needs)),
         "recording": part(lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True)),
+        "recording and examples": part(lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, examples=EXAMPLES)),
     }
     every: dict[str, list[float]] = {name: [] for name in sides}
     ratios, cpu_ratios = [], []
@@ -419,7 +421,7 @@ def main() -> None:
                 entry["commands"] = bench_commands(folder, args.rounds)
             for section in entry.values():
                 if isinstance(section, dict):  # memory is a list of rows: it is measured with the speed
-                    section["machine"] = result["cpu"]
+                    section["machine"], section["rounds"] = result["cpu"], args.rounds
             result["models"][kind] = entry
     if args.merge and args.json and Path(args.json).exists():
         old = json.loads(Path(args.json).read_text())
@@ -429,6 +431,7 @@ def main() -> None:
                 if name not in mine:
                     if isinstance(section, dict):
                         section.setdefault("machine", old["cpu"])
+                        section.setdefault("rounds", old["rounds"])
                     mine[name] = section
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

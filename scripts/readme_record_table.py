@@ -27,10 +27,12 @@ def _rounds(section: dict, side: str, over: str) -> str:
 
 
 def table(r: dict) -> str:
+    speeds = [m["speed"] for m in r["models"].values() if "speed" in m]
+    rounds = speeds[0].get("rounds", r["rounds"]) if speeds else r["rounds"]  # a section keeps its run's rounds
     rows = [
         f"Measured by `python benchmarks/bench_record.py` on {r['cpu']} ({r['cores']} cores, torch {r['torch']}, "
         f"transformers {r['transformers']}, {r['threads']} threads), seeded random weights, best of "
-        f"{r['rounds']} rounds, every side run on each batch in turn (the first side rotating), so that each is timed "
+        f"{rounds} rounds, every side run on each batch in turn (the first side rotating), so that each is timed "
         "within seconds of the others; each ratio is to the model's bare sdpa forward in the same round:",
         "",
         "| model | what | time | ratio to bare | target |",
@@ -89,8 +91,15 @@ def table(r: dict) -> str:
                     + ", ".join(f"{x:.2f}x" for x in parts["maps and inputs"])
                     + "; score's measures fed, "
                     + ", ".join(f"{x:.2f}x" for x in parts["recording"])
-                    + "; the rest of `score` (name vocabulary, encoding, top examples, the induction score on "
-                    "random tokens, the table) is the step from there to the figure above.",
+                    + (
+                        "; with the top examples kept too, "
+                        + ", ".join(f"{x:.2f}x" for x in parts["recording and examples"])
+                        + "; the rest of `score` (name vocabulary, encoding, the induction score on random tokens, "
+                        "the table) is the step from there to the figure above."
+                        if "recording and examples" in parts
+                        else "; the rest of `score` (name vocabulary, encoding, top examples, the induction score "
+                        "on random tokens, the table) is the step from there to the figure above."
+                    ),
                 ]
     for kind, entry in r["models"].items():
         mem = entry.get("memory")

@@ -318,17 +318,20 @@ def block_bytes(lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor) -> 
 class BlockCost:
     """What one block's graph holds for a story of ``n`` tokens: ``per_token * n + per_pair * n^2``
     bytes (the second term where the attention keeps its map: not the fused kernel), from
-    :func:`block_bytes` at two lengths."""
+    :func:`block_bytes` at two lengths (:meth:`measure`)."""
 
     per_token: float
     per_pair: float
 
     @staticmethod
     def measure(lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor) -> BlockCost:
-        """From ``ids [1, n]`` tiled to 16 and 32 tokens (what a block holds does not depend on the ids)."""
-        short, long = (block_bytes(lm, blocks, ids.repeat(1, -(-n // ids.shape[1]))[:, :n]) for n in (16, 32))
-        pair = max(0.0, (long - 2 * short) / (32 * 32 - 2 * 16 * 16))  # long = 32 t + 1024 p, short = 16 t + 256 p
-        return BlockCost(max(0.0, (short - 256 * pair) / 16), pair)
+        """From ``ids [1, m]`` tiled to ``n`` and ``2n`` tokens, ``n`` 16 or half the model's window if
+        less (what a block holds does not depend on the ids): ``short = n t + n^2 p`` and
+        ``long = 2n t + 4n^2 p``, so ``p = (long - 2 short) / 2n^2``."""
+        n = max(1, min(16, lm.window // 2))
+        short, long = (block_bytes(lm, blocks, ids.repeat(1, -(-m // ids.shape[1]))[:, :m]) for m in (n, 2 * n))
+        pair = max(0.0, (long - 2 * short) / (2 * n * n))
+        return BlockCost(max(0.0, (short - n * n * pair) / n), pair)
 
     def batch(self, ids: torch.Tensor) -> float:
         """Bytes for a batch ``ids [B, T]``."""
