@@ -411,6 +411,7 @@ def _blockwise(
     held: dict[str, torch.Tensor] = {}
     taps = _Taps()
     last = len(blocks) - 1
+    kept = min(kept, last)  # the last block always has its graph, with the tail
     split = _split_head(lm) if split_head else None
 
     def hand(layer: int, z: torch.Tensor, dz: torch.Tensor | None) -> None:
@@ -430,7 +431,7 @@ def _blockwise(
 
     with ExitStack() as stack:
         _tap(stack, lm, taps, read, held)
-        first = _first_pass(lm, blocks, ids, None if split is None else split[0], min(kept, last))
+        first = _first_pass(lm, blocks, ids, None if split is None else split[0], kept)
         top, x, saved = first.top, first.leaf, first.saved
         if top is None or not first.ran or (x is None and kept < last):
             return False
