@@ -7,6 +7,7 @@ Replaces the text between <!-- record:start --> and <!-- record:end -->.
 """
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def table(r: dict) -> str:
                 f"{NAMES[kind]}, the first {e['stories']} quiz stories in {e['batches']} batches (on "
                 f"{e.get('machine', r['cpu'])}, `--sections end_to_end`): bare {e['seconds']['bare'][best]:.1f} s, "
                 f"score {e['seconds']['score'][best]:.1f} s, **{e['ratio']:.2f}x** (target ≤ 1.15x), the best of "
-                f"{len(e['ratios'])} rounds; round by round " + ", ".join(f"{x:.2f}x" for x in e["ratios"]) + ".",
+                f"{len(e['ratios'])} rounds; round by round " + ", ".join(f"{x:.2f}x" for x in e["ratios"]) + ""
+                f" (median {statistics.median(e['ratios']):.2f}x: whole runs a minute long on a shared machine, "
+                "whose speed drifts between them).",
             ]
             parts = e.get("breakdown")
             if parts:

@@ -149,6 +149,8 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     import storylens.lm.interface as interface
     from storylens.analysis import pattern_detector, score_heads
     from storylens.analysis.detectors import BUILTIN_DETECTORS
+    from storylens.analysis.record import record
+    from storylens.analysis.scores import HeadScoreAccumulator
     from storylens.data.stories import load_split
 
     stories = load_split().quiz[:6]
@@ -177,6 +179,10 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     monkeypatch.setattr(interface, "stream_attention", spy)
     got = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)
     assert chunks and max(n for _, _, n in chunks) < 40  # chunks of rows, not whole maps
+    mlp: list[int] = []  # the blocks whose MLP ran: streamed, the recording stops at the last block's attention
+    with lm.hooks([(f"blocks.{i}.hook_mlp_out", lambda x, hook: mlp.append(hook.layer)) for i in range(2)]):
+        record(lm, stories, [HeadScoreAccumulator(lm.n_layer, lm.n_head)], batch_size=2, progress=False)
+    assert mlp == [0, 0, 0]  # three batches, block 0's MLP in each, the last block's in none
     firsts = [s for layer, s, _ in chunks if layer == 0]
     assert firsts.count(0) >= 1 and all(b > a or b == 0 for a, b in zip(firsts, firsts[1:]))  # in order
     lm.module.set_attn_implementation("eager")  # whole maps through hook_pattern

@@ -66,6 +66,25 @@ def test_one_call_per_block_equals_one_call_per_detector(recorded):
     assert per_block.state() == per_detector.state()
 
 
+@pytest.mark.parametrize("per_story", [None, 2])
+def test_selecting_only_in_rows_a_query_can_enter_keeps_what_every_row_keeps(recorded, monkeypatch, per_story):
+    """On a CPU each block first finds the (detector, head) rows where some counted query beats the
+    worst example kept, and selects only in those: the same examples, ties and per-story caps included
+    (0/1 detectors tie by the thousand), as selecting in every row (what other devices do)."""
+    import storylens.analysis.examples as examples
+
+    lm, _, batches = recorded
+    tops = []
+    for first in (True, False):
+        monkeypatch.setattr(examples, "ROWS_FIRST", first)
+        top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K, per_story=per_story)
+        for batch, blocks in batches:
+            for layer, pattern, per in blocks:
+                top.add_block(layer, [(name, v, c) for name, (v, c) in per.items()], pattern, batch)
+        tops.append(top.state())
+    assert tops[0] == tops[1]
+
+
 def brute_force(batches, layer, head, name, k=K, per_story=None):
     """Every counted query of every story, sorted by (-value, story, query), the first k (at most
     per_story of one story): (story, query, value, most-attended key, its weight, the weights on

@@ -324,6 +324,41 @@ class Masks:
             )
         return self._pairs[name]
 
+    def read_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where :class:`Reads` reads these rows' map ``[B, H, n, keys]`` seen flat: ``[n * READ_KEYS]``
+        flat indices (row ``r`` at keys ``q - k`` for ``k = 0 .. PREV_SPAN``, then 0, ``q = start + r``),
+        ``[n * READ_KEYS]`` the keys themselves and ``[n, READ_KEYS]`` which exist (``q - k >= 0``); made
+        once per batch and rows."""
+        key = f"reads:{self.start}:{self.stop}:{self.keys}"
+        if key not in self._sets.cache:
+            dev = self._sets.inside.device
+            q = torch.arange(self.start, self.stop, device=dev)[:, None]  # [n, 1]
+            back = torch.arange(READ_KEYS, device=dev)
+            keys = torch.where(back < READ_KEYS - 1, q - back, 0)  # [n, READ_KEYS]
+            valid = keys >= 0
+            keys = keys.clamp(min=0)
+            flat = (q - self.start) * self.keys + keys
+            self._sets.cache[key] = (flat.reshape(-1), keys.reshape(-1), valid)
+        return self._sets.cache[key]
+
+    def read_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both key sets' pairs in these rows (:meth:`key_pairs`, duplicate-token then induction), as
+        :class:`Reads` gathers and sums them: ``[B, 1, P]`` each pair's slot in a per-row ``[2 * (n + 1)]``
+        sum (duplicate-token's at ``row``, induction's at ``n + 1 + row``, a missing pair at ``n`` past
+        its set's rows), its flat index into the ``[n * keys]`` rows and its key; made once per batch and rows."""
+        key = f"read pairs:{self.start}:{self.stop}:{self.keys}"
+        if key not in self._sets.cache:
+            n = self.stop - self.start
+            slots, flats, keys = [], [], []
+            for i, name in enumerate(("duplicate_keys", "induction_keys")):
+                queries, at = self.key_pairs(name)
+                row = (queries - self.start).clamp(max=n)
+                slots.append(row + i * (n + 1))
+                flats.append(torch.where(row < n, row * self.keys + at, 0))
+                keys.append(at)
+            self._sets.cache[key] = tuple(torch.cat(x, 1)[:, None] for x in (slots, flats, keys))
+        return self._sets.cache[key]
+
     def pattern_keys(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str = "pattern") -> torch.Tensor:
         """A user pattern's key weights, ``[B, q, k]`` (these rows and keys), kept inside each story
         and causal. Anything but finite weights from 0 to 1 of the right shape is refused in one line
@@ -498,11 +533,21 @@ def scaled_prev_is_argmax(
     wins and ``s_prev <= E lo`` loses for certain; only the rows in between are scaled and compared
     in full. The same decision, bit for bit, as on the formed map. ``earlier``: as
     :func:`prev_is_argmax`'s (the raw map's, shared)."""
-    n, lead = pattern.shape[-2], max(0, 1 - start)
+    n = pattern.shape[-2]
     w = _key_norms(pattern, norms)  # [B, H, keys]
     earlier = _earlier_max(pattern, start) if earlier is None else earlier  # [..., n]: raw, keys 0 .. q-2
     prev = diagonal(pattern, 1, start) * key_diagonal(w, 1, start, n)  # [..., n]: s_{q-1}
-    own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)[..., lead:n] * w[..., start + lead : start + n]
+    own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)[..., :n] * w[..., start : start + n]  # s_q
+    return _scaled_wins(pattern, w, start, earlier, prev, own)
+
+
+def _scaled_wins(
+    pattern: torch.Tensor, w: torch.Tensor, start: int, earlier: torch.Tensor, prev: torch.Tensor, own: torch.Tensor
+) -> torch.Tensor:
+    """:func:`scaled_prev_is_argmax` given ``w`` (the key norms in the map's dtype), the raw map's
+    ``earlier`` maximum and each row's scaled weights on keys ``q - 1`` (``prev``, 0 for query 0) and
+    ``q`` (``own``), ``[B, H, n]`` each."""
+    n, lead = pattern.shape[-2], max(0, 1 - start)
     hi = key_diagonal(w.cummax(-1).values, 2, start, n)  # [..., n]: over keys 0 .. q-2 (0 for q < 2)
     lo = key_diagonal(w.cummin(-1).values, 2, start, n)
     wins = prev > earlier * hi
@@ -513,7 +558,7 @@ def scaled_prev_is_argmax(
         q = start + r  # each row's query (a key of its map: q < keys)
         rows.scatter_(-1, torch.stack([q, (q - 1).clamp(min=0)], -1), 0)  # as prev_is_argmax zeroes them
         wins[b, h, r] = prev[b, h, r] > rows.amax(-1)
-    wins[..., lead:] &= prev[..., lead:] >= own
+    wins &= prev >= own
     wins[..., :lead] = False
     return wins.to(pattern.dtype)
 
@@ -571,6 +616,96 @@ def pairs_mass(
     return out.scatter_add_(-1, row[:, None].expand(B, H, row.shape[1]), picked)[..., :Q]
 
 
+READ_KEYS = PREV_SPAN + 2  # Reads: each row's weights on keys q, q - 1, .., q - PREV_SPAN, then on key 0
+
+
+class Reads:
+    """What the built-in detectors read of one chunk of a block's map ``pattern [B, H, n, keys]``
+    (:attr:`Detector.read`), taken once for all of them: each row's weights on its newest keys
+    ``q .. q - PREV_SPAN`` and on key 0 in one gather, every duplicate-token and induction pair's weight
+    (:meth:`Masks.key_pairs`) in another, summed per query in one scatter. :meth:`scaled` gives the same
+    reads of the norm-scaled map (:func:`scaled`): each read weight times its key's norm, the map not
+    formed. Each value equals the detector's ``values`` (``scaled``) bit for bit: the same entries, the
+    same products, the same sums in the same order (a key before position 0 reads 0, as
+    :func:`diagonal` pads)."""
+
+    def __init__(
+        self, pattern: torch.Tensor, masks: Masks, norms: torch.Tensor | None = None, raw: Reads | None = None
+    ):
+        self.pattern, self.masks, self.norms, self._raw = pattern, masks, norms, raw
+
+    def scaled(self, norms: torch.Tensor, masks: Masks | None = None) -> Reads:
+        """The same reads of ``pattern * norms[key]`` (``norms [B, H, keys]``), from these; ``masks``:
+        views of the same rows with the scaled name and marker masses formed (:meth:`Masks.with_mass`)."""
+        return Reads(self.pattern, self.masks if masks is None else masks, norms, self)
+
+    @cached_property
+    def _w(self) -> torch.Tensor:  # [B, H, keys]: the key norms in the map's dtype
+        assert self.norms is not None
+        return _key_norms(self.pattern, self.norms)
+
+    @cached_property
+    def _entries(self) -> torch.Tensor:
+        """``[B, H, n, READ_KEYS]``: each row's weights on keys ``q, q - 1, .., q - PREV_SPAN`` and 0."""
+        flat, key, valid = self.masks.read_index()
+        B, H, n, K = self.pattern.shape
+        if self._raw is None:  # (a gather, several times faster on a CPU than index_select on the last axis)
+            got = self.pattern.reshape(B, H, n * K).gather(-1, flat.expand(B, H, flat.shape[0]))
+        else:
+            got = self._raw._entries.view(B, H, -1) * self._w.gather(-1, key.expand(B, H, key.shape[0]))
+        return torch.where(valid, got.view(B, H, n, READ_KEYS), torch.zeros((), dtype=got.dtype))
+
+    def diagonal(self, k: int) -> torch.Tensor:
+        """:func:`diagonal` ``k`` (0 .. PREV_SPAN) of the map, ``[B, H, n]``."""
+        return self._entries[..., k]
+
+    def first(self) -> torch.Tensor:
+        """Each row's weight on key 0, ``[B, H, n]``."""
+        return self._entries[..., READ_KEYS - 1]
+
+    def prev_span(self, span: int = PREV_SPAN) -> torch.Tensor:
+        """:func:`prev_span`: the weights on keys ``q - 1 .. q - span`` summed in the same order."""
+        return sum((self.diagonal(k) for k in range(2, span + 1)), self.diagonal(1))
+
+    def column_mass(self) -> torch.Tensor:
+        """:meth:`Masks.column_mass` (or its scaled twin), ``[B, H, n, 2]``: name and marker."""
+        if self._raw is None:
+            return self.masks.column_mass(self.pattern)
+        assert self.norms is not None
+        return self.masks.scaled_column_mass(self.pattern, self.norms)
+
+    def prev_is_argmax(self) -> torch.Tensor:
+        """:func:`prev_is_argmax` (or :func:`scaled_prev_is_argmax`) from the read diagonals."""
+        earlier = self.masks.earlier_max(self.pattern)
+        prev, own = self.diagonal(1), self.diagonal(0)
+        if self._raw is not None:
+            return _scaled_wins(self.pattern, self._w, self.masks.start, earlier, prev, own)
+        valid = self.masks.read_index()[2][:, 1]  # [n]: query q >= 1
+        return ((prev >= own) & (prev > earlier) & valid).to(self.pattern.dtype)
+
+    @cached_property
+    def _picked(self) -> torch.Tensor:
+        """``[B, H, P]``: the weight of every pair of both key sets (:meth:`Masks.read_pairs`)."""
+        rows, flat, keys = self.masks.read_pairs()
+        B, H, n, K = self.pattern.shape
+        if self._raw is None:
+            return self.pattern.reshape(B, H, n * K).gather(-1, flat.expand(B, H, flat.shape[-1]))
+        return self._raw._picked * self._w.gather(-1, keys.expand(B, H, keys.shape[-1]))
+
+    @cached_property
+    def _pair_sums(self) -> torch.Tensor:
+        rows, _, _ = self.masks.read_pairs()
+        B, H, n, _ = self.pattern.shape
+        out = torch.zeros(B, H, 2 * (n + 1), dtype=self.pattern.dtype, device=self.pattern.device)
+        return out.scatter_add_(-1, rows.expand(B, H, rows.shape[-1]), self._picked)
+
+    def pairs(self, name: str) -> torch.Tensor:
+        """:func:`pairs_mass` of the key set ``name`` ("duplicate_keys" or "induction_keys"), ``[B, H, n]``."""
+        n = self.pattern.shape[-2]
+        at = ("duplicate_keys", "induction_keys").index(name) * (n + 1)
+        return self._pair_sums[..., at : at + n]
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x [batch, head, query]`` over the queries in ``mask [batch, query]``: ``[batch, head]``."""
     m = mask.to(x.dtype)[:, None, :]
@@ -600,6 +735,9 @@ class Detector:
     # norms [B, H, keys], masks)`` (the norm-weighted columns then cost a few reads of the map, not a
     # pass; None: the scaled map is formed for it)
     scaled: Callable[[torch.Tensor, torch.Tensor, Masks], torch.Tensor] | None = None
+    # values (and scaled) from the block's shared reads (:class:`Reads`), bit for bit: the built-in
+    # detectors read a few entries of each row, gathered once for all of them (None: values, scaled)
+    read: Callable[[Reads], torch.Tensor] | None = None
     title: str = ""  # "" : "Detector <name>"
     meaning: str = ""
     shown: frozenset[str] = SHOWN_BEYOND_LESSON
@@ -647,6 +785,7 @@ NAME_MASS = Detector(
     lambda m: m.name_queries,
     rows=True,
     scaled=lambda p, w, m: m.scaled_column_mass(p, w)[..., 0],
+    read=lambda r: r.column_mass()[..., 0],
     title="Name mass (share of attention on the main character's name)",
     meaning="attention on the main character's name tokens, over the queries after its first mention",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -659,6 +798,7 @@ MARKER = Detector(
     lambda m: m.queries,
     rows=True,
     scaled=lambda p, w, m: m.scaled_column_mass(p, w)[..., 1],
+    read=lambda r: r.column_mass()[..., 1],
     title="Attention on {marker}",
     meaning="attention on the end-of-story marker tokens, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -670,6 +810,7 @@ PREV_TOKEN = Detector(
     first_columns=True,
     rows=True,
     scaled=lambda p, w, m: scaled_diagonal(p, w, 1, m.start),
+    read=lambda r: r.diagonal(1),
     title="Attention on the previous token",
     meaning="attention on position q - 1, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH, TIMELINE)),
@@ -682,6 +823,7 @@ PREV_ARGMAX = Detector(
     first_columns=True,
     rows=True,
     scaled=lambda p, w, m: scaled_prev_is_argmax(p, w, m.start, m.earlier_max(p)),
+    read=lambda r: r.prev_is_argmax(),
     scale_free=True,
     title="Share of queries whose top key is the previous token",
     meaning="share of queries q >= 1 whose most-attended key is q - 1 (ties to the earliest key)",
@@ -694,6 +836,7 @@ PREV4 = Detector(
     first_columns=True,
     rows=True,
     scaled=lambda p, w, m: scaled_prev_span(p, w, start=m.start),
+    read=lambda r: r.prev_span(),
     title="Attention on the last four tokens",
     meaning="attention on positions q - 1 .. q - 4 together, over queries q >= 1",
     shown=frozenset((OVERVIEW, LESSON, TRUTH)),
@@ -704,6 +847,7 @@ DUPLICATE_TOKEN = Detector(
     _duplicate_queries,
     rows=True,
     scaled=lambda p, w, m: pairs_mass(p, *m.key_pairs("duplicate_keys"), m.start, w),
+    read=lambda r: r.pairs("duplicate_keys"),
     title="Attention on earlier copies of the query's token (duplicate-token)",
     meaning="attention on earlier positions holding the query's token, over the queries that have one",
     shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
@@ -714,6 +858,7 @@ INDUCTION = Detector(
     _induction_queries,
     rows=True,
     scaled=lambda p, w, m: pairs_mass(p, *m.key_pairs("induction_keys"), m.start, w),
+    read=lambda r: r.pairs("induction_keys"),
     title="Attention on the token after an earlier copy of the query's token (induction)",
     meaning="attention on the positions just after an earlier copy of the query's token, over the queries that have one",
     shown=frozenset((OVERVIEW, MORE, TRUTH, TIMELINE)),
@@ -725,6 +870,7 @@ FIRST_MASS = Detector(
     lambda m: m.queries,
     rows=True,
     scaled=lambda p, w, m: p[..., 0] * _key_norms(p, w)[..., 0, None],
+    read=lambda r: r.first(),
     title="Attention on position 0 (the opening token)",
     meaning="attention on position 0, the token that opens every sequence, over queries q >= 1",
     shown=frozenset((OVERVIEW, MORE, SINKS)),

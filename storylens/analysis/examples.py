@@ -152,6 +152,7 @@ def _best(examples, k: int, per_story: int | None = None) -> list:
 KEY_WIDTH = KEY_BEFORE + KEY_AFTER  # the key's window: key - 3 .. key + 3
 _NARROW = (torch.float32, torch.float16, torch.bfloat16)  # weights rounded in tensor ops (see rounded())
 _SPLIT = 2**32  # story * _SPLIT + query: one integer in (story, query) order (a query is below 2^32)
+ROWS_FIRST = True  # on a CPU, select only in the rows where some query can enter (TopExamples.add_stacked)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class _BatchView:
     inside: torch.Tensor  # [B, Q] real positions, rows in story order
     story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
     query_of: torch.Tensor  # [1, B * Q] query position of each flat position
+    order_of: torch.Tensor  # [B, Q] story * _SPLIT + query position of each row and query (batch order)
 
 
 def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -347,7 +349,9 @@ class TopExamples:
         inside = pos[None, :] < n_sorted[:, None]  # [B, Q]: never a padding query
         story_of = s_sorted[:, None].expand(B, Q).reshape(1, B * Q)
         query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
-        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of)
+        index = torch.tensor(story_index, dtype=torch.long, device=device)
+        order_of = index[:, None] * _SPLIT + pos[None, :]
+        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of, order_of)
         return self._view
 
     def add(
@@ -382,25 +386,61 @@ class TopExamples:
         B, H, Q = self._check_offers(layer, offers, pattern)
         if B == 0 or Q == 0:
             return
-        view = self._batch_view(batch, Q, offers[0][1].device, start)
-        names = [name for name, _, _ in offers]
-        floats, ints = self._block_slots(layer, view.device)
-        rows = None  # every detector, in order: every row
-        if names != list(self.detectors):
-            at = [self.detectors.index(name) * H + h for name in names for h in range(H)]
-            rows = torch.tensor(at, dtype=torch.long, device=view.device)
-            floats, ints = floats.index_select(0, rows), ints.index_select(0, rows)
-        v, eligible = self._eligible(offers, floats, ints, view)
-        take = _first_k(eligible, v, self.k)
-        if view.device.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
+        values = torch.stack([values.detach() for _, values, _ in offers], 2)  # [B, H, D, Q]
+        counted = torch.stack([c.detach().to(device=values.device, dtype=torch.bool) for _, _, c in offers], 1)
+        self.add_stacked(layer, [name for name, _, _ in offers], values, counted, pattern, batch, start)
+
+    def add_stacked(
+        self,
+        layer: int,
+        names: Sequence[str],
+        values: torch.Tensor,
+        counted: torch.Tensor,
+        pattern: torch.Tensor,
+        batch: StoryBatch,
+        start: int = 0,
+    ) -> None:
+        """:meth:`add_block` with the detectors' values stacked, ``values [B, H, D, Q]`` and ``counted
+        [B, D, Q]`` bool (detector ``names[d]`` at ``d``; shapes as :meth:`add_block` checks them).
+
+        Most rows (detector, head) of a block take nothing once the kept examples are good ones: a
+        query enters only if its value reaches the row's worst kept. So one pass over the values finds
+        the rows where some counted query reaches it, and only those rows are selected among (on a CPU;
+        elsewhere every row, with no sync): the same examples as selecting in every row."""
+        B, H, D, Q = values.shape
+        if B == 0 or Q == 0:
             return
-        new_f, new_i = self._offered(take, v, pattern, view)
-        floats, ints = _select(torch.cat([floats, new_f], 1), torch.cat([ints, new_i], 1), self.k, self.per_story)
-        if rows is None:
-            self._slots[layer] = (floats, ints)
+        if not values.is_floating_point() or values.dtype in (torch.float16, torch.bfloat16):
+            values = values.to(torch.float32)  # exact: every half value is a float32
+        view = self._batch_view(batch, Q, values.device, start)
+        dev = view.device
+        floats, ints = self._block_slots(layer, dev)
+        det = torch.tensor([self.detectors.index(name) for name in names], dtype=torch.long, device=dev)
+        if (
+            dev.type == "cpu" and ROWS_FIRST
+        ):  # the rows where some counted query beats the worst kept one (as _eligible)
+            offered = (det[:, None] * H + torch.arange(H, device=dev)).reshape(-1)  # [D * H] rows, detector-major
+            worst = _at_most(floats[offered, -1, 0], values.dtype).view(D, H).t()[None, :, :, None]  # [1, H, D, 1]
+            last = ints[offered, -1]  # the worst kept's story and query
+            later = (last[:, 0] * _SPLIT + last[:, 1]).view(D, H).t()[None, :, :, None]
+            beats = (values > worst) | ((values == worst) & (view.order_of[:, None, None, :] < later))
+            hit = (beats & counted[:, None]).any(-1).any(0)  # [H, D]
+            if not bool(hit.any()):
+                return
+            heads, at = hit.nonzero(as_tuple=True)  # [r] each: the row's head and offered detector
         else:
-            self._slots[layer][0].index_copy_(0, rows, floats)
-            self._slots[layer][1].index_copy_(0, rows, ints)
+            heads = torch.arange(H, device=dev).repeat(D)
+            at = torch.arange(D, device=dev).repeat_interleave(H)
+        rows = det[at] * H + heads  # [r]: the rows selected among
+        row_f, row_i = floats[rows], ints[rows]
+        v, eligible = self._eligible(values, counted, heads, at, row_f, row_i, view)
+        take = _first_k(eligible, v, self.k)
+        if dev.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
+            return
+        new_f, new_i = self._offered(take, v, pattern, view, heads)
+        kept_f, kept_i = _select(torch.cat([row_f, new_f], 1), torch.cat([row_i, new_i], 1), self.k, self.per_story)
+        # new tensors, not written in place: slots made inside a recording's inference mode are fed outside it
+        self._slots[layer] = floats.index_copy(0, rows, kept_f), ints.index_copy(0, rows, kept_i)
         self._stale.add(layer)
 
     def _check_offers(
@@ -428,46 +468,46 @@ class TopExamples:
 
     def _eligible(
         self,
-        offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+        values: torch.Tensor,
+        counted: torch.Tensor,
+        heads: torch.Tensor,
+        at: torch.Tensor,
         floats: torch.Tensor,
         ints: torch.Tensor,
         view: _BatchView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every (detector, head) row's values ``[D * H, B * Q]`` (rows in story order, so a flat index
-        ``b * Q + q`` runs in (story, query) order) and which of them may enter its top ``k``: a row
-        that keeps k examples takes only queries that beat its worst one (an empty slot: any)."""
-        dev = view.device
-        B, H, Q = offers[0][1].shape
-        D = len(offers)
-        v = torch.stack([values.detach().transpose(0, 1) for _, values, _ in offers])  # [D, H, B, Q]
-        if not v.is_floating_point() or v.dtype in (torch.float16, torch.bfloat16):
-            v = v.to(torch.float32)  # exact: every half value is a float32
-        c = torch.stack([counted.detach().to(device=dev, dtype=torch.bool) for _, _, counted in offers])  # [D, B, Q]
+        """The selected rows' values ``[r, B * Q]`` (row ``i``: head ``heads[i]`` of offered detector
+        ``at[i]``, of ``values [B, H, D, Q]``; stories in story order, so a flat index ``b * Q + q``
+        runs in (story, query) order) and which of them may enter its top ``k``: a row that keeps k
+        examples (``floats`` / ``ints``: the rows' slots) takes only queries that beat its worst one
+        (an empty slot: any)."""
+        B, H, D, Q = values.shape
+        r = heads.shape[0]
+        v = values[:, heads, at].transpose(0, 1)  # [r, B, Q]
+        c = counted[:, at].transpose(0, 1)  # [r, B, Q]
         if view.perm is not None:
-            v, c = v.index_select(2, view.perm), c.index_select(1, view.perm)
-        R = D * H
-        v = v.reshape(D, H, B * Q)
-        c = (c & view.inside).reshape(D, 1, B * Q)  # the same for every head
-        wv = _at_most(floats[:, -1, 0], v.dtype).view(D, H, 1)  # the worst kept; -inf: room left
-        ws, wq = ints[:, -1, 0].view(D, H, 1), ints[:, -1, 1].view(D, H, 1)
-        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [D, H, B * Q]
-        eligible = (c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))).view(R, B * Q)
-        v = v.view(R, B * Q)  # [D * H, B * Q]
+            v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
+        v = v.reshape(r, B * Q)
+        c = (c & view.inside).reshape(r, B * Q)
+        wv = _at_most(floats[:, -1, 0], v.dtype)[:, None]  # the worst kept; -inf: room left
+        ws, wq = ints[:, -1, 0:1], ints[:, -1, 1:2]
+        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [r, B * Q]
+        eligible = c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))
         if self.per_story is not None and self.per_story < Q:
             eligible = _per_story(eligible, v, B, self.per_story)
         return v, eligible
 
     def _offered(
-        self, take: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+        self, take: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView, heads: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots (floats ``[R, c, F]``, ints ``[R, c, I]``, ``c = min(k, B * Q)``) of each row's taken
-        queries (``take [R, B * Q]``, at most k a row), then empty slots."""
+        queries (``take [R, B * Q]``, at most k a row; ``heads [R]`` each row's head), then empty slots."""
         fi, real = _taken(take, self.k)  # [R, c]
         R, c = fi.shape
         dev = fi.device
         # on the CPU only the taken queries' windows are gathered; elsewhere every slot's (no sync)
         at = real.reshape(-1).nonzero()[:, 0] if dev.type == "cpu" else torch.arange(R * c, device=dev)  # [N]
-        got_f, got_i = self._windows(at // c, fi.reshape(-1)[at], v, pattern, view)
+        got_f, got_i = self._windows(at // c, fi.reshape(-1)[at], v, pattern, view, heads)
         floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
         ints = torch.full((R * c, got_i.shape[-1]), -1, dtype=torch.long, device=dev)
         floats[at], ints[at] = got_f, got_i
@@ -475,14 +515,20 @@ class TopExamples:
         return floats.view(R, c, -1), ints.view(R, c, -1)
 
     def _windows(
-        self, row: torch.Tensor, flat: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView
+        self,
+        row: torch.Tensor,
+        flat: torch.Tensor,
+        v: torch.Tensor,
+        pattern: torch.Tensor,
+        view: _BatchView,
+        heads: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each (row, flat query) offered: the value,
         the most-attended key (the earliest key holding the row's maximum), its weight, the weights and
         token ids around the query and around that key."""
         B, H, Q, K = pattern.shape
         dev = flat.device
-        hi = row % H
+        hi = heads[row]
         bs, qi = flat // Q, flat % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
         if pattern.is_contiguous():

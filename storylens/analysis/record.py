@@ -258,7 +258,7 @@ class _Pass:
             # with a gradient pass, the hooks and streaming live for this forward only: the gradient
             # pass must run the fused attention, handing no rows to any measure
             with self.context() if self.plan.gradients else contextlib.nullcontext():
-                self.lm.forward(batch.ids, record_attention=True, logits=False)
+                self._forward(batch.ids)
         if self.plan.gradients:
             takers = [cast(GradientMeasure, m) for m in self.measures if m.needs.gradients]
 
@@ -270,6 +270,20 @@ class _Pass:
         for m in self.measures:
             m.end()
         self.masks = None
+
+    def _forward(self, ids: torch.Tensor) -> None:
+        """The recording forward. Streamed, it stops at the last block's attention output: every chunk
+        of every map has been handed over by then, and nothing after it (the last block's MLP, the final
+        norm) is read by any measure (whole maps arrive after the attention module returns: those run
+        to the end)."""
+        if not self.plan.streamed:
+            self.lm.forward(ids, record_attention=True, logits=False)
+            return
+        try:
+            with self.lm.hooks([(f"blocks.{self.lm.n_layer - 1}.hook_attn_out", _stop)]):
+                self.lm.forward(ids, record_attention=True, logits=False)
+        except _Done:
+            pass
 
     def _masks(self, probs: torch.Tensor) -> Masks:
         if self.masks is None:
@@ -333,6 +347,14 @@ class _Pass:
         masks = masks.rows(start, start + n, keys)
         key = None if norms is None else norms[..., :keys]
         self._feed(Chunk(layer, start, probs, masks, columns, key, outputs, vectors))
+
+
+class _Done(Exception):
+    """Raised at the last block's attention output by a streamed recording: the rest is not read."""
+
+
+def _stop(_out: torch.Tensor, _hook: Hook) -> None:
+    raise _Done
 
 
 def _unless(per_batch: bool, context: Callable[[], ExitStack]) -> AbstractContextManager:

@@ -78,6 +78,7 @@ from storylens.analysis.detectors import (
     Column,
     Detector,
     Masks,
+    Reads,
     columns_named,
     masked_mean,
     table_columns,
@@ -189,6 +190,14 @@ def _formed_mass(chunk: Chunk, probs: torch.Tensor, names: tuple[str, str]) -> M
     return chunk.masks
 
 
+def _read_scaled(d: Detector, scaled: Reads, norms: torch.Tensor, masks: Masks) -> torch.Tensor:
+    """Detector ``d``'s values on the norm-scaled map, not formed: from the scaled reads, or its ``scaled``."""
+    if d.read is not None:
+        return d.read(scaled)
+    assert d.scaled is not None
+    return d.scaled(scaled.pattern, norms, masks)
+
+
 class HeadScoreAccumulator:
     """Every detector's per-story means, summed and counted batch by batch (a measure for
     :func:`storylens.analysis.record.record`): :meth:`begin` a batch, :meth:`feed` every chunk of
@@ -216,6 +225,7 @@ class HeadScoreAccumulator:
         graph_bytes: int = GRAPH_BYTES,
     ):
         names = [d.name for d in detectors]
+        self._names = names
         if len(set(names)) != len(names):
             raise StorylensError(f"detectors: names must differ ({', '.join(names)})")
         shape = (n_layer, n_head)
@@ -270,16 +280,21 @@ class HeadScoreAccumulator:
             raise RuntimeError("feed() before begin(batch)")
         layer, probs = chunk.layer, chunk.probs
         full = self._masks = chunk.masks.full
+        if self.sinks is not None:  # first: the output vectors were just made (still in the processor's caches)
+            self.sinks.feed(layer, chunk.output_vectors, chunk.outputs, chunk.masks.queries, chunk.key_norms, full)
         masks = _formed_mass(chunk, probs, ("name", "marker"))
-        sums, offers = self._sums[layer], []
-        for d in self.detectors:
-            values, counted = d.values(probs, masks), d.queries(masks)
-            _add(sums, d.name, (values * counted.to(values.dtype)[:, None, :]).sum(-1))
-            offers.append((d.name, values, counted))
+        reads = Reads(probs, masks)  # what the built-in detectors read of the map, gathered once for all
+        values = [d.values(probs, masks) if d.read is None else d.read(reads) for d in self.detectors]
+        counted = [d.queries(masks) for d in self.detectors]
+        stacked = self._sum(self._sums[layer], values, counted)
         if self.examples is not None:  # where each head fires: every detector's values in one selection
-            self.examples.add_block(layer, offers, probs, full.batch, start=chunk.start)
+            if stacked is None:
+                offers = [(d.name, v, c) for d, v, c in zip(self.detectors, values, counted)]
+                self.examples.add_block(layer, offers, probs, full.batch, start=chunk.start)
+            else:
+                self.examples.add_stacked(layer, self._names, *stacked, probs, full.batch, start=chunk.start)
         if self.faithful and chunk.key_norms is not None:
-            self._norm_weighted(chunk, [counted for _, _, counted in offers])
+            self._norm_weighted(chunk, counted, reads)
         T = full.inside.shape[1]
         self._rows_seen[layer] += probs.shape[-2]
         if self.faithful and chunk.outputs is not None:
@@ -288,15 +303,40 @@ class HeadScoreAccumulator:
                 rows = self._out_rows[layer]
                 outputs = rows[0] if len(rows) == 1 else torch.cat(rows, -1)  # [B, H, T]
                 self._out_blocks[layer], self._out_rows[layer] = masked_mean(outputs, full.queries), []
-        if self.sinks is not None:
-            self.sinks.feed(layer, chunk.output_vectors, chunk.outputs, chunk.masks.queries, chunk.key_norms, full)
 
-    def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor]) -> None:
+    def _sum(
+        self,
+        sums: dict[str, torch.Tensor],
+        values: list[torch.Tensor],
+        counted: list[torch.Tensor],
+        total: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every detector's ``values [B, H, n]`` summed over its ``counted [B, n]`` queries into ``sums``
+        (``total [B, H, n]``: each value not scale free divided by it first, :func:`row_divide`), in one
+        stacked product and sum where the values share a dtype (each row's sum is the one
+        ``(values * counted).sum(-1)`` gives alone); returns the values so stacked, ``[B, H, D, n]``,
+        and the counted queries, ``[B, D, n]`` bool (None: values of several dtypes, summed one by one)."""
+        if len({v.dtype for v in values}) != 1:
+            for d, v, c in zip(self.detectors, values, counted):
+                v = v if total is None or d.scale_free else row_divide(v, total)
+                _add(sums, d.name, (v * c.to(v.dtype)[:, None, :]).sum(-1))
+            return None
+        stacked = torch.stack(values, 2)  # [B, H, D, n]
+        if total is not None:  # the same quotients row_divide gives, for every detector at once
+            free = torch.tensor([d.scale_free for d in self.detectors], device=stacked.device)[:, None]
+            stacked = torch.where(free, stacked, row_divide(stacked, total[:, :, None, :]))
+        mask = torch.stack([c.to(torch.bool) for c in counted], 1)  # [B, D, n]
+        for d, x in zip(self.detectors, (stacked * mask[:, None].to(stacked.dtype)).sum(-1).unbind(-1)):
+            _add(sums, d.name, x)
+        return stacked, mask
+
+    def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor], reads: Reads | None = None) -> None:
         """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the
-        rows scaled by ``|f_j|``, a detector linear in a row divided after by the row's sum."""
+        rows scaled by ``|f_j|``, a detector linear in a row divided after by the row's sum. ``reads``:
+        the raw map's (:class:`~storylens.analysis.detectors.Reads`), scaled for the detectors that read them."""
         probs, norms, cols = chunk.probs, chunk.key_norms, chunk.columns
         assert norms is not None
-        if self._norm_unformed(chunk, norms, counted):
+        if self._norm_unformed(chunk, norms, counted, reads or Reads(probs, chunk.masks)):
             return
         scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
         if torch.is_inference_mode_enabled():
@@ -317,20 +357,21 @@ class HeadScoreAccumulator:
                 values = values if d.scale_free else row_divide(values, total)
             _add(self._norm_sums[chunk.layer], d.name, (values * count.to(values.dtype)[:, None, :]).sum(-1))
 
-    def _norm_unformed(self, chunk: Chunk, norms: torch.Tensor, counted: list[torch.Tensor]) -> bool:
+    def _norm_unformed(self, chunk: Chunk, norms: torch.Tensor, counted: list[torch.Tensor], reads: Reads) -> bool:
         """:meth:`_norm_weighted` without forming the scaled map, where every detector reads the few
-        entries of it it needs (``Detector.scaled``, bit for bit) and the row sums and name and marker
-        masses came out of ``probs @ V`` (a streamed chunk); False (nothing added) otherwise."""
+        entries of it it needs (``Detector.read`` of ``reads`` scaled, or ``Detector.scaled``, bit for
+        bit) and the row sums and name and marker masses came out of ``probs @ V`` (a streamed chunk);
+        False (nothing added) otherwise."""
         cols = chunk.columns
         total, name, marker = (cols.get(k) for k in ("key_norm", "norm_name", "norm_marker"))
-        if total is None or name is None or marker is None or any(d.scaled is None for d in self.detectors):
+        if total is None or name is None or marker is None:
+            return False
+        if any(d.read is None and d.scaled is None for d in self.detectors):
             return False
         masks = chunk.masks.with_mass(norms, torch.stack([name, marker], -1))
-        for d, count in zip(self.detectors, counted):
-            assert d.scaled is not None
-            values = d.scaled(chunk.probs, norms, masks)
-            values = values if d.scale_free else row_divide(values, total)
-            _add(self._norm_sums[chunk.layer], d.name, (values * count.to(values.dtype)[:, None, :]).sum(-1))
+        scaled = reads.scaled(norms, masks)
+        values = [_read_scaled(d, scaled, norms, masks) for d in self.detectors]
+        self._sum(self._norm_sums[chunk.layer], values, counted, total)
         return True
 
     def end(self) -> dict[str, torch.Tensor]:

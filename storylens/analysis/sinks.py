@@ -107,10 +107,11 @@ class SinkAccumulator:
         shift = self._shift.setdefault(layer, y[0, :, 0, :].clone())  # story 0's first row: any fixed vector
         w = counted.to(y.dtype)
         d = y - shift[None, :, None, :]  # [B, H, n, k]: 0 to the bit for a head that writes one vector
+        # no copy of d in whatever layout the vectors come (an einsum or a matmul over n would copy it first)
         sums = (
-            torch.einsum("bhnk,bn->bhk", d, w),  # sum of y - a over the counted rows
-            torch.einsum("bhn,bn->bh", (d * d).sum(-1), w),  # sum of |y - a|^2
-            torch.einsum("bhn,bn->bh", outputs.detach().to(y.dtype) ** 2, w),  # sum of |y|^2
+            (d * w[:, None, :, None]).sum(2),  # sum of y - a over the counted rows
+            (torch.linalg.vector_norm(d, dim=-1) ** 2 * w[:, None, :]).sum(-1),  # sum of |y - a|^2
+            (outputs.detach().to(y.dtype) ** 2 * w[:, None, :]).sum(-1),  # sum of |y|^2
         )
         parts = tuple(p.to(F64) for p in sums)
         held = self._sums.get(layer)

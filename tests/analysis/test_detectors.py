@@ -9,6 +9,7 @@ from storylens.analysis.detectors import (
     FIRST_MASS,
     INDUCTION,
     Masks,
+    Reads,
     pattern_detector,
 )
 from storylens.analysis.encode import make_batch
@@ -267,3 +268,7 @@ def test_every_detector_on_the_scaled_map_without_forming_it_gives_its_bits(dtyp
             want = d.values(scaled(pc, wc), rows)
             got = d.scaled(pc.clone(), wc, rows)
             assert torch.equal(got, want), (d.name, start)
+            assert d.read is not None, d.name  # and from the reads every built-in detector shares
+            reads = Reads(pc, rows)
+            assert torch.equal(d.read(reads), d.values(pc, rows)), (d.name, start)
+            assert torch.equal(d.read(reads.scaled(wc)), want), (d.name, start)
