@@ -444,7 +444,13 @@ def prev_token(pattern: torch.Tensor, start: int = 0) -> torch.Tensor:
 
 def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
     """Attention on the ``span`` positions before each query, together."""
-    return sum((diagonal(pattern, k, start) for k in range(2, span + 1)), diagonal(pattern, 1, start))
+    return span_sum(lambda k: diagonal(pattern, k, start), span)
+
+
+def span_sum(diagonal_at: Callable[[int], torch.Tensor], span: int = PREV_SPAN) -> torch.Tensor:
+    """``diagonal_at(1) + diagonal_at(2) + .. + diagonal_at(span)``, in that order: the one sum every
+    form of :func:`prev_span` takes (raw, scaled, from :class:`Reads`), so all give the same bits."""
+    return sum((diagonal_at(k) for k in range(2, span + 1)), diagonal_at(1))
 
 
 def prev_is_argmax(pattern: torch.Tensor, start: int = 0, earlier: torch.Tensor | None = None) -> torch.Tensor:
@@ -517,8 +523,7 @@ def scaled_diagonal(pattern: torch.Tensor, norms: torch.Tensor, k: int, start: i
 
 def scaled_prev_span(pattern: torch.Tensor, norms: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
     """:func:`prev_span` of the scaled map, bit for bit (the same sums in the same order)."""
-    first = scaled_diagonal(pattern, norms, 1, start)
-    return sum((scaled_diagonal(pattern, norms, k, start) for k in range(2, span + 1)), first)
+    return span_sum(lambda k: scaled_diagonal(pattern, norms, k, start), span)
 
 
 def scaled_prev_is_argmax(
@@ -665,7 +670,7 @@ class Reads:
 
     def prev_span(self, span: int = PREV_SPAN) -> torch.Tensor:
         """:func:`prev_span`: the weights on keys ``q - 1 .. q - span`` summed in the same order."""
-        return sum((self.diagonal(k) for k in range(2, span + 1)), self.diagonal(1))
+        return span_sum(self.diagonal, span)
 
     def column_mass(self) -> torch.Tensor:
         """:meth:`Masks.column_mass` (or its scaled twin), ``[B, H, n, 2]``: name and marker."""

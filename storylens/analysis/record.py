@@ -274,8 +274,8 @@ class _Pass:
     def _forward(self, ids: torch.Tensor) -> None:
         """The recording forward. Streamed, it stops at the last block's attention output: every chunk
         of every map has been handed over by then, and nothing after it (the last block's MLP, the final
-        norm) is read by any measure (whole maps arrive after the attention module returns: those run
-        to the end)."""
+        norm) is read by any measure, as storylens's own model stops there by itself with no logits
+        asked for (whole maps arrive after the attention module returns: those run to the end)."""
         if not self.plan.streamed:
             self.lm.forward(ids, record_attention=True, logits=False)
             return

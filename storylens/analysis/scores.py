@@ -225,7 +225,6 @@ class HeadScoreAccumulator:
         graph_bytes: int = GRAPH_BYTES,
     ):
         names = [d.name for d in detectors]
-        self._names = names
         if len(set(names)) != len(names):
             raise StorylensError(f"detectors: names must differ ({', '.join(names)})")
         shape = (n_layer, n_head)
@@ -292,7 +291,9 @@ class HeadScoreAccumulator:
                 offers = [(d.name, v, c) for d, v, c in zip(self.detectors, values, counted)]
                 self.examples.add_block(layer, offers, probs, full.batch, start=chunk.start)
             else:
-                self.examples.add_stacked(layer, self._names, *stacked, probs, full.batch, start=chunk.start)
+                self.examples.add_stacked(
+                    layer, self.examples.detectors, *stacked, probs, full.batch, start=chunk.start
+                )
         if self.faithful and chunk.key_norms is not None:
             self._norm_weighted(chunk, counted, reads)
         T = full.inside.shape[1]
@@ -330,13 +331,13 @@ class HeadScoreAccumulator:
             _add(sums, d.name, x)
         return stacked, mask
 
-    def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor], reads: Reads | None = None) -> None:
+    def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor], reads: Reads) -> None:
         """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the
         rows scaled by ``|f_j|``, a detector linear in a row divided after by the row's sum. ``reads``:
         the raw map's (:class:`~storylens.analysis.detectors.Reads`), scaled for the detectors that read them."""
         probs, norms, cols = chunk.probs, chunk.key_norms, chunk.columns
         assert norms is not None
-        if self._norm_unformed(chunk, norms, counted, reads or Reads(probs, chunk.masks)):
+        if self._norm_unformed(chunk, norms, counted, reads):
             return
         scratch = None  # [B, H, n, keys], in memory the last chunk's scaled map was in (inference only)
         if torch.is_inference_mode_enabled():
