@@ -28,16 +28,18 @@ machine's speed drifts by a fifth over a minute; paired this way the drift falls
 alike). A round is one pass over the batches; each ratio is a side's summed time over ``bare``'s
 in the same round, the best of ``--rounds`` rounds, and every round's times are kept.
 
-End to end (``end_to_end``): ``score_heads`` as ``storylens score`` calls it on the same stories'
-texts (the name vocabulary's first pass, encoding, every built-in detector, the norm-weighted columns,
-output norms and the top examples, ``storylens.corpus.score.EXAMPLES`` per head and detector) against
-``bare`` over the same length-packed batches, whole runs alternating in ``--rounds`` rounds (the first
-side alternating), the ratio of each round's two times, the best kept, processor time's beside it.
-In the same rounds, where score's time goes (``breakdown``, each side over ``bare`` round by round):
-the recording of the same encoded stories forming every map and handing it to a measure that does
-nothing; the same handing over what score's measures ask for besides (the key columns summed in the
-kernel, value and head-output norms); score's measures themselves; and those with the top examples
-(``BREAKDOWN``).
+End to end (``end_to_end``): ``storylens score``'s work on the same stories' texts against ``bare``
+over the same length-packed batches, paired batch by batch as above. In each round: the name
+vocabulary's first pass and the encoding, timed; then every batch through each side in turn (the
+first side rotating): ``bare``; ``record``'s step for the batch (its wiring made once a round, as
+``record`` makes it once a run, and counted in the side's time) into a measure that asks for the maps alone and does nothing (the attention kernel forming every map);
+one that asks for what score's measures read besides (the key columns summed in the kernel, value and
+head-output norms) and does nothing; score's measures fed (every detector, the norm-weighted and sink
+columns); and those with the top examples, ``storylens.corpus.score.EXAMPLES`` per head and detector
+(``BREAKDOWN``); then the induction test on random tokens and the table, timed. ``score`` is the last
+side's time plus the timed steps. The figure is the median of the rounds' ratios. As the check, each round then times whole ``score_heads`` runs (as ``storylens score``
+calls it) against the bare forward over every batch, alternating which goes first (``whole_ratios``):
+whole runs a minute long each, which a shared machine's drift between them moves by a tenth.
 
 Memory: one story of 1,000, 2,000 and 3,000 tokens scored on the Llama, each side in its own
 process: peak resident memory above the loaded model (sampled every 5 ms).
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,12 +70,10 @@ from bench_transformerlens import PeakSampler, rss_mb  # noqa: E402
 
 MODELS = ("llama-30x9", "gpt2-small")
 SECTIONS = ("speed", "end_to_end", "memory", "commands")
-# end to end, where score's time goes: the recording of the same stories (encoded once, beforehand) with a
-# measure that asks for the maps alone and does nothing with them (the attention kernel forming every
-# map); one that asks for what score's measures ask (the key columns summed in the kernel, the value
-# and head-output norms) and does nothing; and score's own measures fed (every detector, the
-# norm-weighted and sink columns). score's own time adds the name vocabulary, the encoding, the top
-# examples, the induction score on random tokens and the table.
+# end to end, where score's time goes, batch by batch: the recording with a measure that asks for the
+# maps alone and does nothing with them; one that asks for what score's measures read besides and does
+# nothing; score's measures fed; and those with the top examples. score's time adds to the last the
+# name vocabulary, the encoding, the induction score on random tokens and the table.
 BREAKDOWN = ("maps", "maps and inputs", "recording", "recording and examples")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
@@ -209,16 +210,18 @@ def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
 
 
 def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
-    """``score_heads`` as ``storylens score`` runs it, from the texts, against the bare forward over the
-    same length-packed batches (see the module docstring)."""
+    """``storylens score``'s work against the bare forward over the same length-packed batches, paired
+    batch by batch, with its fixed costs measured in the same round; and whole ``score_heads`` runs
+    against whole bare passes, alternating, as the check (see the module docstring)."""
     import torch
 
     from storylens.analysis import score_heads
     from storylens.analysis.encode import BATCH_STORIES, batch_of, encode_stories
     from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.record import Needs, record
-    from storylens.analysis.scores import HeadScoreAccumulator
+    from storylens.analysis.record import Needs, RecordStats, _Pass, plan
+    from storylens.analysis.scores import HeadScoreAccumulator, score_table
     from storylens.core.batching import BATCH_TOKENS, length_batches
+    from storylens.core.modes import eval_mode
     from storylens.corpus.score import EXAMPLES
     from storylens.data.stories import load_split
     from storylens.lm import load_lm
@@ -228,18 +231,19 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     model = lm.module
     own = model.config._attn_implementation
     encoded = encode_stories(lm, stories, name_vocabulary(stories))
+    # the batches score_heads makes: one chunk (CHUNK_STORIES >= the quiz), length-packed
     order = length_batches([len(s.ids) for s in encoded], BATCH_STORIES, BATCH_TOKENS)
     batches = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device).ids for idx in order]
 
-    def bare() -> None:
+    def bare_batch(i: int, _encoded, _acc) -> None:
         model.set_attn_implementation("sdpa")
         with torch.inference_mode():
-            for ids in batches:
-                lm.forward(ids, logits=False)
+            lm.forward(batches[i], logits=False)
         model.set_attn_implementation(own)
 
-    def score() -> None:
-        score_heads(lm, stories, batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False)
+    def recorded(i: int, encoded_now, wiring) -> None:  # record's step for this batch, into the round's measure
+        with eval_mode(lm.module), torch.inference_mode(), wiring.context():
+            wiring.run(batch_of([encoded_now[j] for j in order[i]], lm.marker_id, lm.device))
 
     class Idle:  # a measure that asks for what ``needs`` says and does nothing with it
         def __init__(self, needs) -> None:
@@ -251,36 +255,68 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
 
         def end(self) -> None: ...
 
-    scores = HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True)
-
-    def part(measure) -> Callable[[], None]:  # the recording of the encoded stories into one fresh measure
-        return lambda: record(lm, encoded, [measure()], batch_size=BATCH_STORIES, progress=False)
-
-    score_heads(lm, stories[:2], progress=False)  # warm
-    sides = {
-        "bare": bare,
-        "score": score,
-        # where score's time goes (BREAKDOWN): each a recording of the same batches
-        "maps": part(lambda: Idle(Needs())),
-        "maps and inputs": part(lambda: Idle(scores.needs)),
-        "recording": part(lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True)),
-        "recording and examples": part(lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, examples=EXAMPLES)),
+    faithful_needs = HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True).needs
+    measures: dict[str, Callable[[], object]] = {  # each side's measure, fresh every round
+        "bare": lambda: None,
+        "maps": lambda: Idle(Needs()),
+        "maps and inputs": lambda: Idle(faithful_needs),
+        "recording": lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, faithful=True),
+        "recording and examples": lambda: HeadScoreAccumulator(lm.n_layer, lm.n_head, examples=EXAMPLES),
     }
-    every: dict[str, list[float]] = {name: [] for name in sides}
-    ratios, cpu_ratios = [], []
+    runs = {name: (bare_batch if name == "bare" else recorded) for name in measures}
+    names = list(measures)
+    score_heads(lm, stories[:2], progress=False)  # warm
+    every: dict[str, list[float]] = {name: [] for name in [*names, "fixed", "score"]}
+    whole: dict[str, list[float]] = {"bare": [], "score": []}
+    ratios, whole_ratios = [], []
+    turn = 0
     for r in range(rounds):
-        cpu = {}
-        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
-            t, c = time.perf_counter(), time.process_time()
-            sides[name]()
-            every[name].append(time.perf_counter() - t)
-            cpu[name] = time.process_time() - c
-        ratios.append(every["score"][-1] / every["bare"][-1])
-        cpu_ratios.append(cpu["score"] / cpu["bare"])
+        # score's own steps outside the recording, as score_heads takes them: the name vocabulary's
+        # pass and the encoding here, the induction test on random tokens and the table at the end
+        t = time.perf_counter()
+        encoded_now = encode_stories(lm, stories, name_vocabulary(stories))
+        fixed = time.perf_counter() - t
+        times = dict.fromkeys(names, 0.0)
+        accs, wirings = {}, {}
+        for name, make in measures.items():  # each side's recording wired once a round, as record wires it once a run
+            t = time.perf_counter()
+            accs[name] = make()
+            if name != "bare":
+                wirings[name] = _Pass(lm, [accs[name]], plan(lm, [accs[name]]))
+            times[name] += time.perf_counter() - t
+        for i in range(len(batches)):  # every side on this batch, seconds apart; who goes first rotates
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                t = time.perf_counter()
+                runs[name](i, encoded_now, wirings.get(name))
+                times[name] += time.perf_counter() - t
+            turn += 1
+        stats = RecordStats(
+            len(encoded_now), sum(s.cut for s in encoded_now), sum(s.main is not None for s in encoded_now)
+        )
+        t = time.perf_counter()
+        score_table(accs["recording and examples"], stats, None, lm.window, lm)
+        fixed += time.perf_counter() - t
+        for name in names:
+            every[name].append(times[name])
+        every["fixed"].append(fixed)
+        every["score"].append(times["recording and examples"] + fixed)
+        ratios.append(every["score"][-1] / times["bare"])
+        # the check: whole runs, score_heads as storylens score calls it against the bare forward over
+        # every batch, alternating which goes first
+        for side in ("bare", "score") if r % 2 == 0 else ("score", "bare"):
+            t = time.perf_counter()
+            if side == "bare":
+                for i in range(len(batches)):
+                    bare_batch(i, None, None)
+            else:
+                score_heads(lm, stories, batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False)
+            whole[side].append(time.perf_counter() - t)
+        whole_ratios.append(whole["score"][-1] / whole["bare"][-1])
         print(
-            f"  end to end, round {r + 1}: bare {every['bare'][-1]:.1f} s, score {every['score'][-1]:.1f} s: "
-            f"{ratios[-1]:.3f}x bare (processor time {cpu_ratios[-1]:.3f}x); "
-            + ", ".join(f"{name} {every[name][-1] / every['bare'][-1]:.3f}x" for name in BREAKDOWN),
+            f"  end to end, round {r + 1}: paired by batch: bare {times['bare']:.1f} s, score "
+            f"{every['score'][-1]:.1f} s (fixed {fixed:.2f} s): {ratios[-1]:.3f}x bare; "
+            + ", ".join(f"{name} {times[name] / times['bare']:.3f}x" for name in BREAKDOWN)
+            + f"; whole runs: bare {whole['bare'][-1]:.1f} s, score {whole['score'][-1]:.1f} s: {whole_ratios[-1]:.3f}x",
             flush=True,
         )
     return {
@@ -288,11 +324,13 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
         "batches": len(batches),
         "attention": own,
         "examples": EXAMPLES,
+        "paired": "batch",
         "seconds": every,
-        "ratio": min(ratios),
+        "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "cpu_ratios": cpu_ratios,
         "breakdown": {name: [t / b for t, b in zip(every[name], every["bare"])] for name in BREAKDOWN},
+        "whole_seconds": whole,
+        "whole_ratios": whole_ratios,
     }
 
 

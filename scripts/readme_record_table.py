@@ -7,7 +7,6 @@ Replaces the text between <!-- record:start --> and <!-- record:end -->.
 """
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,53 @@ def _rounds(section: dict, side: str, over: str) -> str:
     if not a or len(a.get(side, ())) < 2:
         return ""
     return "; round by round " + ", ".join(f"{t / b:.2f}x" for t, b in zip(a[side], a[over], strict=True))
+
+
+def _x(values) -> str:
+    return ", ".join(f"{x:.3f}x" for x in values)
+
+
+def _end_to_end(e: dict, name: str, machine: str) -> list[str]:
+    """The end-to-end paragraphs: score's work paired batch by batch with the bare forward (the
+    figure), where its time goes, and whole runs as the check."""
+    sec, parts = e["seconds"], e["breakdown"]
+    rounds = len(e["ratios"])
+    out = [
+        f"`storylens score` end to end as a user runs it (every built-in column, the norm-weighted and sink "
+        f"columns and the top examples, the name vocabulary and encoding included) against the bare forward on "
+        f"the same length-packed batches, {name}, the first {e['stories']} quiz stories in {e['batches']} "
+        f"batches (on {machine}, `--sections end_to_end`), each batch through both in turn: "
+        f"**{e['ratio']:.3f}x** (target ≤ 1.15x), the median of {rounds} rounds; round by round "
+        + _x(e["ratios"])
+        + " (bare "
+        + ", ".join(f"{t:.1f} s" for t in sec["bare"])
+        + "; score "
+        + ", ".join(f"{t:.1f} s" for t in sec["score"])
+        + ", of which name vocabulary, encoding, the induction test on random tokens and the table "
+        + ", ".join(f"{t:.2f} s" for t in sec["fixed"])
+        + ").",
+        "",
+        "Where the time goes, each over the bare forward on the same batches, round by round: the recording "
+        "with every map formed and handed to a measure that does nothing, "
+        + _x(parts["maps"])
+        + "; handing over what score's measures read besides (key columns, value and output norms), "
+        + _x(parts["maps and inputs"])
+        + "; score's measures fed, "
+        + _x(parts["recording"])
+        + "; with the top examples kept too, "
+        + _x(parts["recording and examples"])
+        + "; the steps outside the recording make the rest.",
+    ]
+    whole = e.get("whole_ratios")
+    if whole:
+        out += [
+            "",
+            "The check, in the same rounds: whole `score_heads` runs against whole bare passes over every batch, "
+            "one after the other (a minute each, so a shared machine's drift between them falls on one side): "
+            + _x(whole)
+            + ".",
+        ]
+    return out
 
 
 def table(r: dict) -> str:
@@ -70,40 +116,7 @@ def table(r: dict) -> str:
     for kind, entry in r["models"].items():
         e = entry.get("end_to_end")
         if e:
-            best = e["ratios"].index(e["ratio"])
-            rows += [
-                "",
-                f"`storylens score` end to end as a user runs it (`score_heads` with every built-in column and "
-                f"the top examples, encoding included) against the bare forward on the same length-packed batches, "
-                f"{NAMES[kind]}, the first {e['stories']} quiz stories in {e['batches']} batches (on "
-                f"{e.get('machine', r['cpu'])}, `--sections end_to_end`): bare {e['seconds']['bare'][best]:.1f} s, "
-                f"score {e['seconds']['score'][best]:.1f} s, **{e['ratio']:.2f}x** (target ≤ 1.15x), the best of "
-                f"{len(e['ratios'])} rounds; round by round " + ", ".join(f"{x:.2f}x" for x in e["ratios"]) + ""
-                f" (median {statistics.median(e['ratios']):.2f}x: whole runs a minute long on a shared machine, "
-                "whose speed drifts between them).",
-            ]
-            parts = e.get("breakdown")
-            if parts:
-                rows += [
-                    "",
-                    "Where the time goes, each over the bare forward in the same rounds (round by round): the "
-                    "recording of the same encoded stories with every map formed and handed to a measure that "
-                    "does nothing, "
-                    + ", ".join(f"{x:.2f}x" for x in parts["maps"])
-                    + "; handing over what score's measures read besides (key columns, value and output norms), "
-                    + ", ".join(f"{x:.2f}x" for x in parts["maps and inputs"])
-                    + "; score's measures fed, "
-                    + ", ".join(f"{x:.2f}x" for x in parts["recording"])
-                    + (
-                        "; with the top examples kept too, "
-                        + ", ".join(f"{x:.2f}x" for x in parts["recording and examples"])
-                        + "; the rest of `score` (name vocabulary, encoding, the induction score on random tokens, "
-                        "the table) is the step from there to the figure above."
-                        if "recording and examples" in parts
-                        else "; the rest of `score` (name vocabulary, encoding, top examples, the induction score "
-                        "on random tokens, the table) is the step from there to the figure above."
-                    ),
-                ]
+            rows += ["", *_end_to_end(e, NAMES[kind], e.get("machine", r["cpu"]))]
     for kind, entry in r["models"].items():
         mem = entry.get("memory")
         if not mem:

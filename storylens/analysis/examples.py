@@ -45,6 +45,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -166,6 +167,33 @@ class _BatchView:
     story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
     query_of: torch.Tensor  # [1, B * Q] query position of each flat position
     order_of: torch.Tensor  # [B, Q] story * _SPLIT + query position of each row and query (batch order)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """One block's queries taken into its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting for
+    :meth:`TopExamples.flush`: the slots' rows ``rows [R]``, which of the ``c`` places per row are real
+    ``[R, c]`` and their flat indices ``at [N]``, and per taken query its row of the map ``[N, K]`` (read
+    when the block was fed), value (float64), flat index in story order, row in the chunk and in the batch."""
+
+    READ: ClassVar[tuple[str, ...]] = ("rowmaps", "value", "flat", "qi", "bi")  # what TopExamples._windows reads
+
+    layer: int
+    rows: torch.Tensor
+    real: torch.Tensor
+    c: int
+    at: torch.Tensor
+    view: _BatchView
+    rowmaps: torch.Tensor
+    value: torch.Tensor
+    flat: torch.Tensor
+    qi: torch.Tensor
+    bi: torch.Tensor
+
+    def alike(self, other: _Taken) -> bool:
+        """Taken from the same batch's same rows, the same slot count, keys and dtype: selected together."""
+        a, b = self.rowmaps, other.rowmaps
+        return self.view is other.view and self.c == other.c and a.shape[-1] == b.shape[-1] and a.dtype == b.dtype
 
 
 def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -316,10 +344,11 @@ class TopExamples:
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per block fed: its examples as tensors
         self._stale: set[int] = set()  # the blocks whose _kept lists are behind their slots
         self._view: _BatchView | None = None  # the current batch's story order
+        self._pending: list[_Taken] = []  # queries taken from blocks fed since the last flush(), not yet selected
 
     def __getstate__(self) -> dict:  # pickled or copied: the examples, not tensors of the last batch
         self._settle()
-        return {**self.__dict__, "_view": None, "_slots": {}, "_stale": set()}
+        return {**self.__dict__, "_view": None, "_slots": {}, "_stale": set(), "_pending": []}
 
     def _empty(self) -> list[list[list[Example]]]:
         return [[[] for _ in range(self.n_head)] for _ in range(self.n_layer)]
@@ -410,6 +439,8 @@ class TopExamples:
         B, H, D, Q = values.shape
         if B == 0 or Q == 0:
             return
+        if any(t.layer == layer for t in self._pending):  # a block's second chunk: its first selected before
+            self.flush()
         if not values.is_floating_point() or values.dtype in (torch.float16, torch.bfloat16):
             values = values.to(torch.float32)  # exact: every half value is a float32
         view = self._batch_view(batch, Q, values.device, start)
@@ -437,11 +468,50 @@ class TopExamples:
         take = _first_k(eligible, v, self.k)
         if dev.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
             return
-        new_f, new_i = self._offered(take, v, pattern, view, heads)
-        kept_f, kept_i = _select(torch.cat([row_f, new_f], 1), torch.cat([row_i, new_i], 1), self.k, self.per_story)
-        # new tensors, not written in place: slots made inside a recording's inference mode are fed outside it
-        self._slots[layer] = floats.index_copy(0, rows, kept_f), ints.index_copy(0, rows, kept_i)
-        self._stale.add(layer)
+        self._pending.append(self._taken_rows(layer, rows, take, v, pattern, view, heads))
+
+    def flush(self) -> None:
+        """Select the queries taken from the blocks fed since the last flush into their blocks' slots:
+        each block's taken queries were read off its map when it was fed (the rows of the map they
+        need), and the slots and top ``k`` of every such block are made here in one pass for all of
+        them, not block by block (the same slots: a block's rows are its own; a block fed twice before
+        a flush is flushed at its second chunk, so its worst kept is always up to date)."""
+        pending, self._pending = self._pending, []
+        groups: list[list[_Taken]] = []  # taken from the same chunk of rows of the same batch
+        for t in pending:
+            group = next((g for g in groups if g[0].alike(t)), None)
+            if group is None:
+                groups.append([t])
+            else:
+                group.append(t)
+        for group in groups:
+            self._select_taken(group)
+
+    def _select_taken(self, group: list[_Taken]) -> None:
+        """:meth:`flush` for blocks whose taken queries share a batch view, key count and slot count."""
+        view, c, dev = group[0].view, group[0].c, group[0].rows.device
+        offsets = [0]
+        for t in group:
+            offsets.append(offsets[-1] + t.rows.shape[0])
+        at = torch.cat([t.at + offsets[i] * c for i, t in enumerate(group)])  # [N]: flat slots of every block
+        rowmaps, value, flat, qi, bi = (torch.cat([getattr(t, f) for t in group]) for f in _Taken.READ)
+        got_f, got_i = self._windows(rowmaps, value, flat, qi, bi, view)
+        R = offsets[-1]
+        floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
+        ints = torch.full((R * c, got_i.shape[-1]), -1, dtype=torch.long, device=dev)
+        floats[at], ints[at] = got_f, got_i
+        floats[:, 0].masked_fill_(~torch.cat([t.real.reshape(-1) for t in group]), -math.inf)  # padding: empty
+        slots = [self._block_slots(t.layer, dev) for t in group]
+        row_f = torch.cat([f[t.rows] for t, (f, _) in zip(group, slots)])
+        row_i = torch.cat([i[t.rows] for t, (_, i) in zip(group, slots)])
+        kept_f, kept_i = _select(
+            torch.cat([row_f, floats.view(R, c, -1)], 1), torch.cat([row_i, ints.view(R, c, -1)], 1),
+            self.k, self.per_story,
+        )  # fmt: skip
+        for t, (f, i), a, b in zip(group, slots, offsets, offsets[1:]):
+            # new tensors, not written in place: slots made inside a recording's inference mode are fed outside it
+            self._slots[t.layer] = f.index_copy(0, t.rows, kept_f[a:b]), i.index_copy(0, t.rows, kept_i[a:b])
+            self._stale.add(t.layer)
 
     def _check_offers(
         self, layer: int, offers: Sequence[tuple[str, torch.Tensor, torch.Tensor]], pattern: torch.Tensor
@@ -497,37 +567,26 @@ class TopExamples:
             eligible = _per_story(eligible, v, B, self.per_story)
         return v, eligible
 
-    def _offered(
-        self, take: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor, view: _BatchView, heads: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots (floats ``[R, c, F]``, ints ``[R, c, I]``, ``c = min(k, B * Q)``) of each row's taken
-        queries (``take [R, B * Q]``, at most k a row; ``heads [R]`` each row's head), then empty slots."""
-        fi, real = _taken(take, self.k)  # [R, c]
-        R, c = fi.shape
-        dev = fi.device
-        # on the CPU only the taken queries' windows are gathered; elsewhere every slot's (no sync)
-        at = real.reshape(-1).nonzero()[:, 0] if dev.type == "cpu" else torch.arange(R * c, device=dev)  # [N]
-        got_f, got_i = self._windows(at // c, fi.reshape(-1)[at], v, pattern, view, heads)
-        floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
-        ints = torch.full((R * c, got_i.shape[-1]), -1, dtype=torch.long, device=dev)
-        floats[at], ints[at] = got_f, got_i
-        floats[:, 0].masked_fill_(~real.reshape(-1), -math.inf)  # padding: an empty slot
-        return floats.view(R, c, -1), ints.view(R, c, -1)
-
-    def _windows(
+    def _taken_rows(
         self,
-        row: torch.Tensor,
-        flat: torch.Tensor,
+        layer: int,
+        rows: torch.Tensor,
+        take: torch.Tensor,
         v: torch.Tensor,
         pattern: torch.Tensor,
         view: _BatchView,
         heads: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each (row, flat query) offered: the value,
-        the most-attended key (the earliest key holding the row's maximum), its weight, the weights and
-        token ids around the query and around that key."""
+    ) -> _Taken:
+        """The taken queries of block ``layer`` (``take [R, B * Q]``, at most k a row; ``rows [R]`` the
+        slots' rows, ``heads [R]`` each row's head) with what their slots need of the map, read now:
+        each query's row of ``pattern [B, H, Q, K]`` (its most-attended key and the weights around)."""
+        fi, real = _taken(take, self.k)  # [R, c]
+        R, c = fi.shape
+        dev = fi.device
         B, H, Q, K = pattern.shape
-        dev = flat.device
+        # on the CPU only the taken queries' rows are read; elsewhere every slot's (no sync)
+        at = real.reshape(-1).nonzero()[:, 0] if dev.type == "cpu" else torch.arange(R * c, device=dev)  # [N]
+        row, flat = at // c, fi.reshape(-1)[at]
         hi = heads[row]
         bs, qi = flat // Q, flat % Q  # bs: the row in story order; qi: the row in the chunk
         bi = view.perm[bs] if view.perm is not None else bs  # the row in the batch
@@ -535,15 +594,30 @@ class TopExamples:
             rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, ((bi * H + hi) * Q + qi).to(pattern.device))
         else:
             rowmaps = pattern.detach()[bi, hi, qi]
-        rowmaps = rowmaps.to(dev)  # [N, K]
+        value = v[row, flat].to(torch.float64)
+        return _Taken(layer, rows, real, c, at, view, rowmaps.to(dev), value, flat, qi, bi)
+
+    def _windows(
+        self,
+        rowmaps: torch.Tensor,
+        value: torch.Tensor,
+        flat: torch.Tensor,
+        qi: torch.Tensor,
+        bi: torch.Tensor,
+        view: _BatchView,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each query taken (its row of the map
+        ``rowmaps [N, K]``, its value, flat index ``b * Q + q`` in story order, row in the chunk and
+        row in the batch): the value, the most-attended key (the earliest key holding the row's
+        maximum), its weight, the weights and token ids around the query and around that key."""
+        dev, K = rowmaps.device, rowmaps.shape[-1]
         keys = torch.arange(K, device=dev)
         key = torch.where(rowmaps == rowmaps.amax(-1, keepdim=True), keys, K).amin(-1).clamp(max=K - 1)  # [N]
         query = qi + view.start  # the query's position
         near = torch.cat(
             [_near(rowmaps, query, self.context, self.context + 1), _near(rowmaps, key, KEY_BEFORE, KEY_WIDTH)], -1
         )
-        value = v[row, flat].to(torch.float64)[:, None]
-        floats = torch.cat([value, rowmaps.gather(-1, key[:, None]).to(torch.float64), _rounded_now(near)], -1)
+        floats = torch.cat([value[:, None], rowmaps.gather(-1, key[:, None]).to(torch.float64), _rounded_now(near)], -1)
         ids, T = view.batch.ids.to(dev), view.batch.ids.shape[1]
         length = view.batch.lengths.to(dev)[bi][:, None]  # [N, 1]
 
@@ -551,7 +625,7 @@ class TopExamples:
             pos = first[:, None] + torch.arange(width, device=dev)
             return torch.where((pos >= 0) & (pos < length), ids[bi[:, None], pos.clamp(0, T - 1)], -1)
 
-        raw = torch.full_like(key, int(pattern.dtype not in _NARROW))
+        raw = torch.full_like(key, int(rowmaps.dtype not in _NARROW))
         heads = torch.stack([view.story_of[0, flat], query, key, raw], -1)  # [N, 4]
         tokens = [ids_at(query - self.context, self.context + QUERY_AFTER), ids_at(key - KEY_BEFORE, KEY_WIDTH)]
         return floats, torch.cat([heads, *tokens], -1)
@@ -592,6 +666,7 @@ class TopExamples:
 
     def _settle(self) -> None:
         """Make the Examples of every block fed since they were last made: one copy of its slots."""
+        self.flush()
         C = self.context
         for layer in sorted(self._stale):
             floats, ints = self._slots[layer]
@@ -716,7 +791,7 @@ class TopExamples:
                 for hi, items in enumerate(heads):
                     out[li][hi] = self._check_list(items, f"{where}[{li}][{hi}]")
             loaded[name] = out
-        self._kept, self._slots, self._stale = loaded, {}, set()
+        self._kept, self._slots, self._stale, self._pending = loaded, {}, set(), []
         return self
 
     def _check_list(self, items, where: str) -> list[Example]:

@@ -389,6 +389,8 @@ class HeadScoreAccumulator:
         outs = [o for o in self._out_blocks if o is not None]
         if 0 < normed < self.n_layer or 0 < len(outs) < self.n_layer:
             raise RuntimeError(f"end(): value vectors or head outputs for only some blocks ({normed}, {len(outs)})")
+        if self.examples is not None:  # the batch's taken queries into every block's top k, in one pass
+            self.examples.flush()
         masks, sums, norm_sums = self._masks, self._sums, self._norm_sums
         self._batch, self._masks, self._sums, self._norm_sums, self._out_blocks = None, None, [], [], []
         self._scratch = Workspace()
