@@ -31,7 +31,9 @@ story, query, key, weights and token ids), and the top ``k`` of the kept and the
 chosen by tensor ops in the order above (ties, ``(story, query)`` once, ``per_story`` as
 :func:`_best` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
 :meth:`~TopExamples.state`, :meth:`~TopExamples.merge`, :meth:`~TopExamples.as_json`, pickling), not
-for every block of every batch.
+for every block of every batch. A block's newly taken queries wait (their rows of the map read when
+it is fed) and enter its slots at :meth:`~TopExamples.flush`, once per batch for every block (the
+scores' accumulator flushes at the end of each batch; every read flushes first).
 
 **Values** are kept as Python floats equal to the tensor's values (half precision is widened
 exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
@@ -181,7 +183,6 @@ class _Taken:
     layer: int
     rows: torch.Tensor
     real: torch.Tensor
-    c: int
     at: torch.Tensor
     view: _BatchView
     rowmaps: torch.Tensor
@@ -189,6 +190,11 @@ class _Taken:
     flat: torch.Tensor
     qi: torch.Tensor
     bi: torch.Tensor
+
+    @property
+    def c(self) -> int:
+        """Places per row: ``min(k, B * Q)``."""
+        return self.real.shape[1]
 
     def alike(self, other: _Taken) -> bool:
         """Taken from the same batch's same rows, the same slot count, keys and dtype: selected together."""
@@ -595,7 +601,7 @@ class TopExamples:
         else:
             rowmaps = pattern.detach()[bi, hi, qi]
         value = v[row, flat].to(torch.float64)
-        return _Taken(layer, rows, real, c, at, view, rowmaps.to(dev), value, flat, qi, bi)
+        return _Taken(layer, rows, real, at, view, rowmaps.to(dev), value, flat, qi, bi)
 
     def _windows(
         self,
