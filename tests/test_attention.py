@@ -198,6 +198,40 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
                 assert all(abs(x.value - y.value) <= BOUND for x, y in zip(a, b))
 
 
+def test_norm_weighted_sums_held_to_the_batch_end_equal_those_summed_chunk_by_chunk(tokenizer, monkeypatch):
+    """The norm-weighted columns from reads held back and summed once per batch for every block at
+    once (HeadScoreAccumulator._sum_held, chunks of several rows per block) are, bit for bit, those
+    summed as each chunk comes (a budget of 0 bytes) and those of detectors that read the scaled map
+    chunk by chunk themselves (no shared reads): the same products, the same sums in the same order."""
+    import dataclasses
+
+    import storylens.analysis.scores as scores
+    from storylens.analysis.detectors import BUILTIN_DETECTORS, NORM_PREFIX, HeldReads
+    from storylens.data.stories import load_split
+
+    stories = load_split().quiz[:6]
+    lm = wrap(_model("llama"), tokenizer)
+    lm.chunk_bytes = 3000  # a few rows a chunk: several chunks per block
+    names = [NORM_PREFIX + d.name for d in BUILTIN_DETECTORS]
+
+    def norm_columns(detectors=BUILTIN_DETECTORS):
+        hs = scores.score_heads(lm, stories, detectors=detectors, progress=False)
+        return {c: hs.grid(c) for c in names}
+
+    joined: list[int] = []
+    join = HeldReads.join
+    monkeypatch.setattr(HeldReads, "join", staticmethod(lambda parts: joined.append(len(parts)) or join(parts)))
+    held = norm_columns()
+    assert joined and max(joined) == lm.n_layer  # every block's chunk of the same rows, joined
+    joined.clear()
+    monkeypatch.setattr(scores, "HELD_BYTES", 0)
+    each = norm_columns()
+    assert joined and max(joined) == 1  # summed chunk by chunk
+    unshared = norm_columns(tuple(dataclasses.replace(d, read=None) for d in BUILTIN_DETECTORS))
+    assert all(v is not None for row in held["norm_prev_token"] for v in row)
+    assert held == each == unshared
+
+
 def test_a_hand_made_detector_gets_whole_maps(tokenizer):
     """A detector made by hand (no ``rows``) may not read a chunk: the recording gives it whole maps."""
     from storylens.analysis import score_heads

@@ -635,9 +635,26 @@ class Reads:
     :func:`diagonal` pads)."""
 
     def __init__(
-        self, pattern: torch.Tensor, masks: Masks, norms: torch.Tensor | None = None, raw: Reads | None = None
+        self,
+        pattern: torch.Tensor,
+        masks: Masks,
+        norms: torch.Tensor | None = None,
+        raw: Reads | None = None,
+        held: HeldReads | None = None,
     ):
         self.pattern, self.masks, self.norms, self._raw = pattern, masks, norms, raw
+        self._held = held  # the raw reads of a map now gone (:meth:`HeldReads.scaled`): served from it
+
+    def held(self, norms: torch.Tensor) -> HeldReads:
+        """What the reads of the map scaled by ``norms [B, H, keys]`` need of the map, taken now: the
+        raw entries and pairs gathered, and the scaled previous-token argmax decided (it needs the map
+        where its bounds leave a row unsure)."""
+        n, start = self.pattern.shape[-2], self.masks.start
+        w = _key_norms(self.pattern, norms)
+        prev = self.diagonal(1) * key_diagonal(w, 1, start, n)  # the scaled reads' diagonals 1 and 0, bit for bit
+        own = self.diagonal(0) * w[..., start : start + n]
+        wins = _scaled_wins(self.pattern, w, start, self.masks.earlier_max(self.pattern), prev, own)
+        return HeldReads(self._entries, self._picked, self.pattern.shape[-1], norms, wins)
 
     def scaled(self, norms: torch.Tensor, masks: Masks | None = None) -> Reads:
         """The same reads of ``pattern * norms[key]`` (``norms [B, H, keys]``), from these; ``masks``:
@@ -652,6 +669,8 @@ class Reads:
     @cached_property
     def _entries(self) -> torch.Tensor:
         """``[B, H, n, READ_KEYS]``: each row's weights on keys ``q, q - 1, .., q - PREV_SPAN`` and 0."""
+        if self._held is not None:
+            return self._held.entries
         flat, key, valid = self.masks.read_index()
         B, H, n, K = self.pattern.shape
         if self._raw is None:  # (a gather, several times faster on a CPU than index_select on the last axis)
@@ -681,6 +700,8 @@ class Reads:
 
     def prev_is_argmax(self) -> torch.Tensor:
         """:func:`prev_is_argmax` (or :func:`scaled_prev_is_argmax`) from the read diagonals."""
+        if self._raw is not None and self._raw._held is not None:  # decided when the map was fed
+            return self._raw._held.wins
         earlier = self.masks.earlier_max(self.pattern)
         prev, own = self.diagonal(1), self.diagonal(0)
         if self._raw is not None:
@@ -691,6 +712,8 @@ class Reads:
     @cached_property
     def _picked(self) -> torch.Tensor:
         """``[B, H, P]``: the weight of every pair of both key sets (:meth:`Masks.read_pairs`)."""
+        if self._held is not None:
+            return self._held.picked
         rows, flat, keys = self.masks.read_pairs()
         B, H, n, K = self.pattern.shape
         if self._raw is None:
@@ -709,6 +732,39 @@ class Reads:
         n = self.pattern.shape[-2]
         at = ("duplicate_keys", "induction_keys").index(name) * (n + 1)
         return self._pair_sums[..., at : at + n]
+
+
+@dataclass(frozen=True)
+class HeldReads:
+    """What :class:`Reads` of the norm-scaled map read of one chunk (:meth:`Reads.held`), kept once the
+    map is gone: the raw entries ``[B, H, n, READ_KEYS]`` and pairs ``[B, H, P]``, the key norms
+    ``[B, H, keys]`` and the scaled previous-token argmax ``[B, H, n]``. Chunks of the same rows of
+    several blocks :meth:`join` along the head axis, so their scaled reads are made once for all of
+    them: each entry the same product as the chunk's own, so the same bits."""
+
+    entries: torch.Tensor
+    picked: torch.Tensor
+    keys: int  # the map's
+    norms: torch.Tensor
+    wins: torch.Tensor
+
+    @staticmethod
+    def join(parts: Sequence[HeldReads]) -> HeldReads:
+        """Chunks of the same rows and keys, block after block along the head axis."""
+        if len(parts) == 1:
+            return parts[0]
+        entries, picked, norms, wins = (
+            torch.cat(x, 1) for x in zip(*((p.entries, p.picked, p.norms, p.wins) for p in parts))
+        )
+        return HeldReads(entries, picked, parts[0].keys, norms, wins)
+
+    def scaled(self, masks: Masks) -> Reads:
+        """The scaled reads (:meth:`Reads.scaled`) of these rows, ``masks`` theirs with the scaled name
+        and marker masses formed (:meth:`Masks.with_mass`). The map they stand for is gone: their
+        ``pattern`` is a stand-in of its shape, dtype and device, holding no entries."""
+        B, H, n, _ = self.entries.shape
+        standin = torch.zeros((), dtype=self.entries.dtype, device=self.entries.device).expand(B, H, n, self.keys)
+        return Reads(standin, masks, held=self).scaled(self.norms, masks)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,7 @@ class _BatchView:
     story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
     query_of: torch.Tensor  # [1, B * Q] query position of each flat position
     order_of: torch.Tensor  # [B, Q] story * _SPLIT + query position of each row and query (batch order)
+    flat_order: torch.Tensor  # [1, B * Q] story * _SPLIT + query position of each flat position (story order)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,15 @@ def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     value kept from a float64 run still admits every query that beats it."""
     near = exact.to(dtype)
     return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
+
+
+def _worst(
+    floats: torch.Tensor, ints: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worst kept example of each of the slots' ``rows [r]``: its value as ``dtype`` (:func:`_at_most`;
+    -inf: room left) and its ``story * _SPLIT + query`` (negative for an empty slot: no query is before it)."""
+    last = ints[rows, -1]
+    return _at_most(floats[rows, -1, 0], dtype), last[:, 0] * _SPLIT + last[:, 1]
 
 
 def _near(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> torch.Tensor:
@@ -386,7 +396,8 @@ class TopExamples:
         query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
         index = torch.tensor(story_index, dtype=torch.long, device=device)
         order_of = index[:, None] * _SPLIT + pos[None, :]
-        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of, order_of)
+        flat_order = story_of * _SPLIT + query_of
+        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of, order_of, flat_order)
         return self._view
 
     def add(
@@ -457,21 +468,25 @@ class TopExamples:
             dev.type == "cpu" and ROWS_FIRST
         ):  # the rows where some counted query beats the worst kept one (as _eligible)
             offered = (det[:, None] * H + torch.arange(H, device=dev)).reshape(-1)  # [D * H] rows, detector-major
-            worst = _at_most(floats[offered, -1, 0], values.dtype).view(D, H).t()[None, :, :, None]  # [1, H, D, 1]
-            last = ints[offered, -1]  # the worst kept's story and query
-            later = (last[:, 0] * _SPLIT + last[:, 1]).view(D, H).t()[None, :, :, None]
-            beats = (values > worst) | ((values == worst) & (view.order_of[:, None, None, :] < later))
-            hit = (beats & counted[:, None]).any(-1).any(0)  # [H, D]
+            worst, later = (x.view(D, H).t() for x in _worst(floats, ints, offered, values.dtype))  # [H, D] each
+            w, lt = worst[None, :, :, None], later[None, :, :, None]  # [1, H, D, 1]
+            beats = (values > w) | ((values == w) & (view.order_of[:, None, None, :] < lt))
+            beats &= counted[:, None]
+            hit = beats.view(torch.uint8).amax(-1).amax(0) > 0  # [H, D]: any (a max of bytes: several times faster)
             if not bool(hit.any()):
                 return
             heads, at = hit.nonzero(as_tuple=True)  # [r] each: the row's head and offered detector
+            rows = det[at] * H + heads  # [r]: the rows selected among
+            kept = worst[heads, at], later[heads, at]
         else:
             heads = torch.arange(H, device=dev).repeat(D)
             at = torch.arange(D, device=dev).repeat_interleave(H)
-        rows = det[at] * H + heads  # [r]: the rows selected among
-        row_f, row_i = floats[rows], ints[rows]
-        v, eligible = self._eligible(values, counted, heads, at, row_f, row_i, view)
-        take = _first_k(eligible, v, self.k)
+            rows = det[at] * H + heads
+            kept = _worst(floats, ints, rows, values.dtype)
+        v, eligible = self._eligible(values, counted, heads, at, *kept, view)
+        # at most per_story of each of the B stories is already at most k: nothing more to cut
+        capped = self.per_story is not None and self.per_story * B <= self.k
+        take = eligible if capped else _first_k(eligible, v, self.k)
         if dev.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
             return
         self._pending.append(self._taken_rows(layer, rows, take, v, pattern, view, heads))
@@ -548,15 +563,15 @@ class TopExamples:
         counted: torch.Tensor,
         heads: torch.Tensor,
         at: torch.Tensor,
-        floats: torch.Tensor,
-        ints: torch.Tensor,
+        worst: torch.Tensor,
+        later: torch.Tensor,
         view: _BatchView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The selected rows' values ``[r, B * Q]`` (row ``i``: head ``heads[i]`` of offered detector
         ``at[i]``, of ``values [B, H, D, Q]``; stories in story order, so a flat index ``b * Q + q``
         runs in (story, query) order) and which of them may enter its top ``k``: a row that keeps k
-        examples (``floats`` / ``ints``: the rows' slots) takes only queries that beat its worst one
-        (an empty slot: any)."""
+        examples takes only queries that beat its worst one (``worst``, ``later``: :func:`_worst` of
+        the rows; an empty slot: any)."""
         B, H, D, Q = values.shape
         r = heads.shape[0]
         v = values[:, heads, at].transpose(0, 1)  # [r, B, Q]
@@ -565,9 +580,8 @@ class TopExamples:
             v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
         v = v.reshape(r, B * Q)
         c = (c & view.inside).reshape(r, B * Q)
-        wv = _at_most(floats[:, -1, 0], v.dtype)[:, None]  # the worst kept; -inf: room left
-        ws, wq = ints[:, -1, 0:1], ints[:, -1, 1:2]
-        earlier = (view.story_of < ws) | ((view.story_of == ws) & (view.query_of < wq))  # [r, B * Q]
+        wv = worst[:, None]
+        earlier = view.flat_order < later[:, None]  # [r, B * Q]: before the worst kept in (story, query) order
         eligible = c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))
         if self.per_story is not None and self.per_story < Q:
             eligible = _per_story(eligible, v, B, self.per_story)

@@ -77,6 +77,7 @@ from storylens.analysis.detectors import (
     PREV_TOKEN,
     Column,
     Detector,
+    HeldReads,
     Masks,
     Reads,
     columns_named,
@@ -96,6 +97,10 @@ from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.core.schema import check_version, versioned
 from storylens.lm import AttentionLM, ModelLike, wrap
+
+# the norm-weighted reads a batch's chunks hold back to sum once for every block (HeadScoreAccumulator._sum_held),
+# at most (about a batch of quiz stories' 30 blocks; a long story's chunks are summed whenever they reach it)
+HELD_BYTES = 64 * 2**20
 
 _COUNT_FIELDS = (
     "n_stories",
@@ -153,6 +158,10 @@ def refuse_non_finite(
         f"{Head(layer, head).label}: its {what} is NaN or infinite{story} (its queries, keys or values overflow "
         f"{name}); refused, nothing written"
     )
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _add(sums: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
@@ -260,6 +269,11 @@ class HeadScoreAccumulator:
         self._out_rows: list[list[torch.Tensor]] = []
         self._out_blocks: list[torch.Tensor | None] = []
         self._scratch = Workspace()  # a batch's scratch memory (the norm-weighted chunk), freed at end()
+        # per chunk whose norm-weighted values wait for end(): (block, its masks, its held reads, [B, H, n, 3]
+        # the scaled map's row sums, name and marker masses)
+        self._held: list[tuple[int, Masks, HeldReads, torch.Tensor]] = []
+        self._held_bytes = 0  # their tensors' size, at most HELD_BYTES (then summed at once)
+        self._counted_rows: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}  # see _counted
 
     def begin(self, batch: StoryBatch) -> None:
         self._batch, self._masks = batch, None
@@ -268,6 +282,8 @@ class HeadScoreAccumulator:
         self._rows_seen = [0] * self.n_layer
         self._out_rows = [[] for _ in range(self.n_layer)]  # per block, [B, H, n] output sizes of its chunks
         self._out_blocks = [None] * self.n_layer
+        self._held, self._held_bytes = [], 0
+        self._counted_rows = {}
         if self.sinks is not None:
             self.sinks.begin(batch)
 
@@ -284,8 +300,8 @@ class HeadScoreAccumulator:
         masks = _formed_mass(chunk, probs, ("name", "marker"))
         reads = Reads(probs, masks)  # what the built-in detectors read of the map, gathered once for all
         values = [d.values(probs, masks) if d.read is None else d.read(reads) for d in self.detectors]
-        counted = [d.queries(masks) for d in self.detectors]
-        stacked = self._sum(self._sums[layer], values, counted)
+        counted, mask = self._counted(masks)
+        stacked = self._sum(self._sums[layer], values, counted, mask=mask)
         if self.examples is not None:  # where each head fires: every detector's values in one selection
             if stacked is None:
                 offers = [(d.name, v, c) for d, v, c in zip(self.detectors, values, counted)]
@@ -305,31 +321,49 @@ class HeadScoreAccumulator:
                 outputs = rows[0] if len(rows) == 1 else torch.cat(rows, -1)  # [B, H, T]
                 self._out_blocks[layer], self._out_rows[layer] = masked_mean(outputs, full.queries), []
 
+    def _counted(self, masks: Masks) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every detector's counted queries of the rows ``masks`` cut, ``[B, n]`` each, and stacked
+        ``[B, D, n]`` bool: the same in every block, so made once per batch and rows."""
+        rows = (masks.start, masks.stop)
+        if rows not in self._counted_rows:
+            counted = [d.queries(masks) for d in self.detectors]
+            self._counted_rows[rows] = counted, torch.stack([c.to(torch.bool) for c in counted], 1)
+        return self._counted_rows[rows]
+
     def _sum(
         self,
         sums: dict[str, torch.Tensor],
         values: list[torch.Tensor],
         counted: list[torch.Tensor],
         total: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every detector's ``values [B, H, n]`` summed over its ``counted [B, n]`` queries into ``sums``
         (``total [B, H, n]``: each value not scale free divided by it first, :func:`row_divide`), in one
         stacked product and sum where the values share a dtype (each row's sum is the one
         ``(values * counted).sum(-1)`` gives alone); returns the values so stacked, ``[B, H, D, n]``,
-        and the counted queries, ``[B, D, n]`` bool (None: values of several dtypes, summed one by one)."""
+        and the counted queries, ``[B, D, n]`` bool (``mask``: these, already stacked; None: values of
+        several dtypes, summed one by one)."""
         if len({v.dtype for v in values}) != 1:
-            for d, v, c in zip(self.detectors, values, counted):
-                v = v if total is None or d.scale_free else row_divide(v, total)
-                _add(sums, d.name, (v * c.to(v.dtype)[:, None, :]).sum(-1))
+            self._sum_each(sums, values, counted, total)
             return None
         stacked = torch.stack(values, 2)  # [B, H, D, n]
         if total is not None:  # the same quotients row_divide gives, for every detector at once
             free = torch.tensor([d.scale_free for d in self.detectors], device=stacked.device)[:, None]
             stacked = torch.where(free, stacked, row_divide(stacked, total[:, :, None, :]))
-        mask = torch.stack([c.to(torch.bool) for c in counted], 1)  # [B, D, n]
+        mask = torch.stack([c.to(torch.bool) for c in counted], 1) if mask is None else mask  # [B, D, n]
         for d, x in zip(self.detectors, (stacked * mask[:, None].to(stacked.dtype)).sum(-1).unbind(-1)):
             _add(sums, d.name, x)
         return stacked, mask
+
+    def _sum_each(
+        self, sums: dict[str, torch.Tensor], values: list[torch.Tensor], counted: list[torch.Tensor], total=None
+    ) -> None:
+        """:meth:`_sum` one detector at a time (the same sums): where the values' dtypes differ, or where
+        they are large enough that a stacked copy costs more than the calls it saves (:meth:`_sum_held`)."""
+        for d, v, c in zip(self.detectors, values, counted):
+            v = v if total is None or d.scale_free else row_divide(v, total)
+            _add(sums, d.name, (v * c.to(v.dtype)[:, None, :]).sum(-1))
 
     def _norm_weighted(self, chunk: Chunk, counted: list[torch.Tensor], reads: Reads) -> None:
         """Every detector on the chunk's norm-weighted map (:mod:`storylens.analysis.faithful`): the
@@ -369,11 +403,40 @@ class HeadScoreAccumulator:
             return False
         if any(d.read is None and d.scaled is None for d in self.detectors):
             return False
+        if all(d.read is not None for d in self.detectors):  # summed at end(), for every block at once
+            held = reads.held(norms)
+            formed = torch.stack([total, name, marker], -1)
+            self._held.append((chunk.layer, chunk.masks, held, formed))
+            self._held_bytes += sum(_bytes(t) for t in (held.entries, held.picked, held.wins, formed))
+            if self._held_bytes > HELD_BYTES:  # (a long story's chunks): summed now, memory stays bounded
+                self._sum_held()
+            return True
         masks = chunk.masks.with_mass(norms, torch.stack([name, marker], -1))
         scaled = reads.scaled(norms, masks)
         values = [_read_scaled(d, scaled, norms, masks) for d in self.detectors]
-        self._sum(self._norm_sums[chunk.layer], values, counted, total)
+        self._sum(self._norm_sums[chunk.layer], values, counted, total, self._counted(chunk.masks)[1])
         return True
+
+    def _sum_held(self) -> None:
+        """The norm-weighted values of the chunks held back (:meth:`_norm_unformed`), made once for all
+        the blocks whose chunks cover the same rows (their reads joined along the head axis), each
+        block's sums added in the order its chunks came."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        groups: dict[tuple[int, int, int], list[tuple[int, Masks, HeldReads, torch.Tensor]]] = {}
+        for h in held:
+            groups.setdefault((h[1].start, h[1].stop, h[1].keys), []).append(h)
+        for group in groups.values():
+            layers, masks = [h[0] for h in group], group[0][1]
+            formed = torch.cat([h[3] for h in group], 1)  # [B, G * H, n, 3]
+            joined = HeldReads.join([h[2] for h in group])
+            scaled_masks = masks.with_mass(joined.norms, formed[..., 1:])
+            scaled = joined.scaled(scaled_masks)
+            values = [_read_scaled(d, scaled, joined.norms, scaled_masks) for d in self.detectors]
+            sums: dict[str, torch.Tensor] = {}
+            self._sum_each(sums, values, self._counted(masks)[0], formed[..., 0])
+            for name, x in sums.items():
+                for layer, part in zip(layers, x.view(x.shape[0], len(layers), self.n_head).unbind(1)):
+                    _add(self._norm_sums[layer], name, part)
 
     def end(self) -> dict[str, torch.Tensor]:
         """Adds the batch; returns its per-story means, ``{detector: [batch, layer, head]}``."""
@@ -385,6 +448,7 @@ class HeadScoreAccumulator:
         missing = [i for i, n in enumerate(self._rows_seen) if n < T]
         if missing:
             raise RuntimeError(f"end(): no map for blocks {missing}")
+        self._sum_held()
         normed = sum(1 for b in self._norm_sums if b)
         outs = [o for o in self._out_blocks if o is not None]
         if 0 < normed < self.n_layer or 0 < len(outs) < self.n_layer:
