@@ -357,10 +357,15 @@ class HeadScoreAccumulator:
         return stacked, mask
 
     def _sum_each(
-        self, sums: dict[str, torch.Tensor], values: list[torch.Tensor], counted: list[torch.Tensor], total=None
+        self,
+        sums: dict[str, torch.Tensor],
+        values: list[torch.Tensor],
+        counted: list[torch.Tensor],
+        total: torch.Tensor | None = None,
     ) -> None:
-        """:meth:`_sum` one detector at a time (the same sums): where the values' dtypes differ, or where
-        they are large enough that a stacked copy costs more than the calls it saves (:meth:`_sum_held`)."""
+        """:meth:`_sum` one detector at a time (the same sums): where the values' dtypes differ, and for
+        the chunks of every block held to the batch's end (:meth:`_sum_held`), where a stacked copy would
+        be as large as all their values."""
         for d, v, c in zip(self.detectors, values, counted):
             v = v if total is None or d.scale_free else row_divide(v, total)
             _add(sums, d.name, (v * c.to(v.dtype)[:, None, :]).sum(-1))
