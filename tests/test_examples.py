@@ -66,23 +66,46 @@ def test_one_call_per_block_equals_one_call_per_detector(recorded):
     assert per_block.state() == per_detector.state()
 
 
-@pytest.mark.parametrize("per_story", [None, 2])
-def test_selecting_only_in_rows_a_query_can_enter_keeps_what_every_row_keeps(recorded, monkeypatch, per_story):
-    """On a CPU each block first finds the (detector, head) rows where some counted query beats the
-    worst example kept, and selects only in those: the same examples, ties and per-story caps included
-    (0/1 detectors tie by the thousand), as selecting in every row (what other devices do)."""
+@pytest.mark.parametrize(("per_story", "k"), [(None, K), (2, K), (1, 3), (2, 5)])
+def test_selecting_only_in_rows_a_query_can_enter_keeps_what_every_row_keeps(recorded, monkeypatch, per_story, k):
+    """On a CPU each block first finds the queries that can enter (counted, beating their row's worst
+    example kept), and either keeps them with their rows of the map, selected among at the flush for
+    every block at once (where those rows are few), or selects at once in the rows they are in: the
+    same examples, ties and per-story caps included (0/1 detectors tie by the thousand), as selecting
+    in every row (what other devices do); with the per-story cap bounding the top k (2 x 4 stories
+    <= 8) and not (1 x 4 > 3, 2 x 4 > 5), fed whole and in chunks of rows; a padding query said to
+    be counted never enters."""
     import storylens.analysis.examples as examples
 
     lm, _, batches = recorded
-    tops = []
-    for first in (True, False):
+    held = []
+    take = examples.TopExamples._take_offered
+    monkeypatch.setattr(
+        examples.TopExamples, "_take_offered", lambda self, group: held.append(len(group)) or take(self, group)
+    )
+    states = []
+    for first, offered in ((False, 0), (True, 0), (True, 2**40), (True, 2**40)):
         monkeypatch.setattr(examples, "ROWS_FIRST", first)
-        top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=K, per_story=per_story)
+        monkeypatch.setattr(examples, "OFFERED_BYTES", offered)
+        held.clear()
+        top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=k, per_story=per_story)
         for batch, blocks in batches:
             for layer, pattern, per in blocks:
-                top.add_block(layer, [(name, v, c) for name, (v, c) in per.items()], pattern, batch)
-        tops.append(top.state())
-    assert tops[0] == tops[1]
+                padding = torch.arange(pattern.shape[-2]) >= batch.lengths[:, None]  # never offered, though counted
+                offers = [(name, v, c.to(torch.bool) | padding) for name, (v, c) in per.items()]
+                if len(states) < 3:
+                    top.add_block(layer, offers, pattern, batch)
+                    continue
+                T = pattern.shape[-2]
+                for start in (0, T // 3, 2 * T // 3):  # a third of the rows at a time
+                    rows = slice(start, T if start == 2 * T // 3 else start + T // 3)
+                    part = [(name, v[..., rows], c[:, rows]) for name, v, c in offers]
+                    top.add_block(layer, part, pattern[:, :, rows], batch, start=start)
+        assert (sum(held) > 0) == (offered > 0)  # the held path ran where it may
+        if offered and len(states) == 2:  # blocks held until the flush are selected together
+            assert max(held) == lm.n_layer
+        states.append(top.state())
+    assert states[0] == states[1] == states[2] == states[3]
 
 
 def brute_force(batches, layer, head, name, k=K, per_story=None):

@@ -156,6 +156,9 @@ KEY_WIDTH = KEY_BEFORE + KEY_AFTER  # the key's window: key - 3 .. key + 3
 _NARROW = (torch.float32, torch.float16, torch.bfloat16)  # weights rounded in tensor ops (see rounded())
 _SPLIT = 2**32  # story * _SPLIT + query: one integer in (story, query) order (a query is below 2^32)
 ROWS_FIRST = True  # on a CPU, select only in the rows where some query can enter (TopExamples.add_stacked)
+# on a CPU, a block whose queries that can enter have map rows of at most this many bytes in all keeps those
+# rows and selects at the flush, with every other such block (TopExamples.add_stacked); more: selected at once
+OFFERED_BYTES = 2 * 2**20
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,42 @@ class _Taken:
         """Taken from the same batch's same rows, the same slot count, keys and dtype: selected together."""
         a, b = self.rowmaps, other.rowmaps
         return self.view is other.view and self.c == other.c and a.shape[-1] == b.shape[-1] and a.dtype == b.dtype
+
+
+@dataclass(frozen=True)
+class _Offered:
+    """One block's queries that can enter its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting
+    for :meth:`TopExamples.flush` to select among them with every other block's: ``at [n]`` their flat
+    indices in the block's values ``[B, H, D, Q]`` (detector ``det[d]``), ``value [n]`` and each one's
+    row of the map ``rowmaps [n, K]``, read when the block was fed."""
+
+    layer: int
+    names: tuple[str, ...]
+    det: torch.Tensor
+    view: _BatchView
+    at: torch.Tensor
+    value: torch.Tensor
+    rowmaps: torch.Tensor
+
+    def alike(self, other: _Offered) -> bool:
+        """The same batch view, detectors, key count and dtypes: selected among together."""
+        a, b = self.rowmaps, other.rowmaps
+        same = a.shape[-1] == b.shape[-1] and a.dtype == b.dtype and self.value.dtype == other.value.dtype
+        return self.view is other.view and self.names == other.names and same
+
+
+def _ranks(key: torch.Tensor) -> torch.Tensor:
+    """Each entry's place among the entries of its run of equal ``key`` (sorted ``[n]``), from 0."""
+    return torch.arange(key.numel(), device=key.device) - torch.searchsorted(key, key)
+
+
+def _sorted_by(*keys: torch.Tensor) -> torch.Tensor:
+    """The permutation sorting ``[n]`` entries by ``keys[0]``, then ``keys[1]``, ...: stable sorts, the
+    last key first."""
+    order = keys[-1].argsort(stable=True)
+    for key in reversed(keys[:-1]):
+        order = order.gather(0, key.gather(0, order).argsort(stable=True))
+    return order
 
 
 def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -361,10 +400,11 @@ class TopExamples:
         self._stale: set[int] = set()  # the blocks whose _kept lists are behind their slots
         self._view: _BatchView | None = None  # the current batch's story order
         self._pending: list[_Taken] = []  # queries taken from blocks fed since the last flush(), not yet selected
+        self._offered: list[_Offered] = []  # queries that can enter, of blocks fed since then (_offer)
 
     def __getstate__(self) -> dict:  # pickled or copied: the examples, not tensors of the last batch
         self._settle()
-        return {**self.__dict__, "_view": None, "_slots": {}, "_stale": set(), "_pending": []}
+        return {**self.__dict__, "_view": None, "_slots": {}, "_stale": set(), "_pending": [], "_offered": []}
 
     def _empty(self) -> list[list[list[Example]]]:
         return [[[] for _ in range(self.n_head)] for _ in range(self.n_layer)]
@@ -456,8 +496,8 @@ class TopExamples:
         B, H, D, Q = values.shape
         if B == 0 or Q == 0:
             return
-        if any(t.layer == layer for t in self._pending):  # a block's second chunk: its first selected before
-            self.flush()
+        if any(t.layer == layer for t in self._pending) or any(o.layer == layer for o in self._offered):
+            self.flush()  # a block's second chunk: its first selected before
         if not values.is_floating_point() or values.dtype in (torch.float16, torch.bfloat16):
             values = values.to(torch.float32)  # exact: every half value is a float32
         view = self._batch_view(batch, Q, values.device, start)
@@ -472,6 +512,8 @@ class TopExamples:
             w, lt = worst[None, :, :, None], later[None, :, :, None]  # [1, H, D, 1]
             beats = (values > w) | ((values == w) & (view.order_of[:, None, None, :] < lt))
             beats &= counted[:, None]
+            if self._offer(layer, names, det, beats, values, pattern, view):
+                return
             hit = beats.view(torch.uint8).amax(-1).amax(0) > 0  # [H, D]: any (a max of bytes: several times faster)
             if not bool(hit.any()):
                 return
@@ -491,12 +533,102 @@ class TopExamples:
             return
         self._pending.append(self._taken_rows(layer, rows, take, v, pattern, view, heads))
 
+    def _offer(
+        self,
+        layer: int,
+        names: Sequence[str],
+        det: torch.Tensor,
+        beats: torch.Tensor,
+        values: torch.Tensor,
+        pattern: torch.Tensor,
+        view: _BatchView,
+    ) -> bool:
+        """Keep the queries that can enter (``beats [B, H, D, Q]``: counted and beating their row's worst
+        kept) with their rows of ``pattern``, for :meth:`flush` to select among with every other block's;
+        False (nothing kept) where their rows would take more than :data:`OFFERED_BYTES`."""
+        B, H, D, Q = beats.shape
+        K = pattern.shape[-1]
+        at = beats.reshape(-1).nonzero()[:, 0]  # [n]
+        n = at.numel()
+        if n == 0:
+            return True
+        if n * K * pattern.element_size() > OFFERED_BYTES:
+            return False
+        bhq = at // (D * Q) * Q + at % Q  # [n]: (b * H + h) * Q + q
+        if pattern.is_contiguous():
+            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, bhq)
+        else:
+            rowmaps = pattern.detach().reshape(B * H * Q, K)[bhq]
+        value = values.reshape(-1)[at]
+        self._offered.append(_Offered(layer, tuple(names), det, view, at, value, rowmaps))
+        return True
+
+    def _take_offered(self, group: list[_Offered]) -> list[_Taken]:
+        """The queries each block of ``group`` takes into its top ``k`` rows, of those it offered
+        (:meth:`_offer`), selected for every block at once: as :meth:`_eligible`, :func:`_per_story`,
+        :func:`_first_k` and :func:`_taken` select among a block's values (the same queries)."""
+        view, det = group[0].view, group[0].det
+        B, Q = view.inside.shape
+        H, D, rows_per_block = self.n_head, det.numel(), len(self.detectors) * self.n_head
+        at = torch.cat([o.at for o in group])
+        layer = torch.repeat_interleave(
+            torch.tensor([o.layer for o in group]), torch.tensor([o.at.numel() for o in group])
+        )
+        v = torch.cat([o.value for o in group])
+        bi, h, d, q = at // (H * D * Q), at // (D * Q) % H, at // Q % D, at % Q
+        bs = bi if view.perm is None else torch.empty_like(view.perm).index_put_((view.perm,), torch.arange(B))[bi]
+        flat = bs * Q + q  # in story order, so in (story, query) order
+        g = layer * rows_per_block + det[d] * H + h  # the row among every block's
+        chosen = (v.isfinite() & view.inside.view(-1)[flat]).nonzero()[:, 0]  # eligible (they beat the worst kept)
+        if self.per_story is not None:  # each row's best per_story of each story: by value, then query
+            gb = g[chosen] * B + bs[chosen]
+            order = _sorted_by(gb, -v[chosen], q[chosen])
+            chosen = chosen[order][_ranks(gb[order]) < self.per_story]
+        if self.per_story is None or self.per_story * B > self.k:  # each row's first k (else already at most k)
+            order = _sorted_by(g[chosen], -v[chosen], flat[chosen])
+            chosen = chosen[order][_ranks(g[chosen][order]) < self.k]
+        chosen = chosen[(g[chosen] * (B * Q) + flat[chosen]).argsort()]  # by row, then (story, query)
+        if chosen.numel() == 0:
+            return []
+        g, flat = g[chosen], flat[chosen]
+        rows, row_of = torch.unique_consecutive(g, return_inverse=True)  # [U] rows, [N] each query's
+        c = min(self.k, B * Q)
+        place = _ranks(g)  # [N]: its place in its row
+        real = torch.zeros(rows.numel(), c, dtype=torch.bool)
+        real[row_of, place] = True
+        first_row = torch.searchsorted(rows, torch.arange(self.n_layer + 1) * rows_per_block).tolist()
+        first = torch.searchsorted(g, torch.arange(self.n_layer + 1) * rows_per_block).tolist()
+        rowmaps = torch.cat([o.rowmaps for o in group])[chosen]
+        value, qi, bi = v[chosen].to(torch.float64), q[chosen], bi[chosen]
+        taken = []
+        for lay in range(self.n_layer):
+            a, b, ra, rb = first[lay], first[lay + 1], first_row[lay], first_row[lay + 1]
+            if a == b:
+                continue
+            here = slice(a, b)
+            spot = (row_of[here] - ra) * c + place[here]
+            local = rows[ra:rb] - lay * rows_per_block
+            taken.append(
+                _Taken(lay, local, real[ra:rb], spot, view, rowmaps[here], value[here], flat[here], qi[here], bi[here])
+            )
+        return taken
+
     def flush(self) -> None:
         """Select the queries taken from the blocks fed since the last flush into their blocks' slots:
         each block's taken queries were read off its map when it was fed (the rows of the map they
         need), and the slots and top ``k`` of every such block are made here in one pass for all of
         them, not block by block (the same slots: a block's rows are its own; a block fed twice before
         a flush is flushed at its second chunk, so its worst kept is always up to date)."""
+        offered, self._offered = self._offered, []
+        together: list[list[_Offered]] = []  # offered from the same chunk of rows of the same batch
+        for o in offered:
+            same = next((g for g in together if g[0].alike(o)), None)
+            if same is None:
+                together.append([o])
+            else:
+                same.append(o)
+        for same in together:
+            self._pending += self._take_offered(same)
         pending, self._pending = self._pending, []
         groups: list[list[_Taken]] = []  # taken from the same chunk of rows of the same batch
         for t in pending:
@@ -811,7 +943,7 @@ class TopExamples:
                 for hi, items in enumerate(heads):
                     out[li][hi] = self._check_list(items, f"{where}[{li}][{hi}]")
             loaded[name] = out
-        self._kept, self._slots, self._stale, self._pending = loaded, {}, set(), []
+        self._kept, self._slots, self._stale, self._pending, self._offered = loaded, {}, set(), [], []
         return self
 
     def _check_list(self, items, where: str) -> list[Example]:
