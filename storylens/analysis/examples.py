@@ -798,13 +798,16 @@ class TopExamples:
             return floats, ints
         n_float, n_int = self._widths()
         R, k = len(self.detectors) * self.n_head, self.k
-        fl = [[[-math.inf] + [0.0] * (n_float - 1)] * k for _ in range(R)]
-        il = [[[-1] * n_int] * k for _ in range(R)]
+        floats = torch.zeros(R, k, n_float, dtype=torch.float64)  # empty slots (no Python list per slot)
+        floats[..., 0] = -math.inf
+        ints = torch.full((R, k, n_int), -1, dtype=torch.long)
         for d, name in enumerate(self.detectors):
             for h, row in enumerate(self._kept[name][layer]):
-                for s, e in enumerate(row):
-                    fl[d * self.n_head + h][s], il[d * self.n_head + h][s] = self._slot_of(e)
-        self._slots[layer] = torch.tensor(fl, dtype=torch.float64, device=device), torch.tensor(il, device=device)
+                if row:
+                    fl, il = zip(*(self._slot_of(e) for e in row))
+                    floats[d * self.n_head + h, : len(row)] = torch.tensor(fl, dtype=torch.float64)
+                    ints[d * self.n_head + h, : len(row)] = torch.tensor(il, dtype=torch.long)
+        self._slots[layer] = floats.to(device), ints.to(device)
         return self._slots[layer]
 
     def _slot_of(self, e: Example) -> tuple[list[float], list[int]]:
