@@ -547,16 +547,24 @@ def scaled_prev_is_argmax(
 
 
 def _scaled_wins(
-    pattern: torch.Tensor, w: torch.Tensor, start: int, earlier: torch.Tensor, prev: torch.Tensor, own: torch.Tensor
+    pattern: torch.Tensor,
+    w: torch.Tensor,
+    start: int,
+    earlier: torch.Tensor,
+    prev: torch.Tensor,
+    own: torch.Tensor,
+    known: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`scaled_prev_is_argmax` given ``w`` (the key norms in the map's dtype), the raw map's
     ``earlier`` maximum and each row's scaled weights on keys ``q - 1`` (``prev``, 0 for query 0) and
-    ``q`` (``own``), ``[B, H, n]`` each."""
+    ``q`` (``own``), ``[B, H, n]`` each; ``known``: where given, the largest of some scaled weights
+    of each row on keys ``j <= q - 2`` (0 where none), a lower bound of their maximum as ``E lo`` is."""
     n, lead = pattern.shape[-2], max(0, 1 - start)
     hi = key_diagonal(w.cummax(-1).values, 2, start, n)  # [..., n]: over keys 0 .. q-2 (0 for q < 2)
     lo = key_diagonal(w.cummin(-1).values, 2, start, n)
     wins = prev > earlier * hi
-    unsure = ~wins & ~(prev <= earlier * lo)
+    below = earlier * lo if known is None else torch.maximum(earlier * lo, known)
+    unsure = ~wins & ~(prev <= below)
     if bool(unsure.any()):  # those rows scaled and compared in full
         b, h, r = unsure.nonzero(as_tuple=True)
         rows = _rows_at(pattern, b, h, r) * _rows_at(w, b, h)  # [m, keys]
@@ -649,11 +657,17 @@ class Reads:
         """What the reads of the map scaled by ``norms [B, H, keys]`` need of the map, taken now: the
         raw entries and pairs gathered, and the scaled previous-token argmax decided (it needs the map
         where its bounds leave a row unsure)."""
-        n, start = self.pattern.shape[-2], self.masks.start
+        B, H, n, _ = self.pattern.shape
+        start = self.masks.start
         w = _key_norms(self.pattern, norms)
-        prev = self.diagonal(1) * key_diagonal(w, 1, start, n)  # the scaled reads' diagonals 1 and 0, bit for bit
-        own = self.diagonal(0) * w[..., start : start + n]
-        wins = _scaled_wins(self.pattern, w, start, self.masks.earlier_max(self.pattern), prev, own)
+        key = self.masks.read_index()[1]
+        # the scaled reads, bit for bit (the same products): keys q, q - 1, .., q - PREV_SPAN, then 0
+        scaled = (self._entries.view(B, H, -1) * w.gather(-1, key.expand(B, H, key.shape[0]))).view(B, H, n, -1)
+        # a lower bound of the largest on keys 0 .. q - 2: those read there (0 where a key is missing). For
+        # q < 2 key 0 is q - 1 or q itself, but no row there is unsure (the upper bound is 0: prev > 0 wins)
+        known = scaled[..., 2:].amax(-1)
+        prev, own = scaled[..., 1], scaled[..., 0]
+        wins = _scaled_wins(self.pattern, w, start, self.masks.earlier_max(self.pattern), prev, own, known)
         return HeldReads(self._entries, self._picked, self.pattern.shape[-1], norms, wins)
 
     def scaled(self, norms: torch.Tensor, masks: Masks | None = None) -> Reads:

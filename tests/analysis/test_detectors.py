@@ -272,3 +272,8 @@ def test_every_detector_on_the_scaled_map_without_forming_it_gives_its_bits(dtyp
             reads = Reads(pc, rows)
             assert torch.equal(d.read(reads), d.values(pc, rows)), (d.name, start)
             assert torch.equal(d.read(reads.scaled(wc)), want), (d.name, start)
+        if d.name == "prev_argmax":  # decided as the reads are held (the map then gone), with the read
+            for start, stop in ((0, T), (0, 1), (1, 7), (7, 20), (20, T)):  # weights as bounds too
+                rows = m.rows(start, stop, stop)
+                pc, wc = p[:, :, start:stop, :stop].contiguous(), w[..., :stop]
+                assert torch.equal(Reads(pc, rows).held(wc).wins, d.values(scaled(pc, wc), rows)), start
