@@ -107,9 +107,8 @@ class SinkAccumulator:
         shift = self._shift.setdefault(layer, y[0, :, 0, :].clone())  # story 0's first row: any fixed vector
         w = counted.to(y.dtype)
         d = y - shift[None, :, None, :]  # [B, H, n, k]: 0 to the bit for a head that writes one vector
-        # no copy of d in whatever layout the vectors come (an einsum or a matmul over n would copy it first)
         sums = (
-            (d * w[:, None, :, None]).sum(2),  # sum of y - a over the counted rows
+            torch.matmul(w[:, None, None, :], d)[:, :, 0],  # sum of y - a over the counted rows, [B, H, k]
             (torch.linalg.vector_norm(d, dim=-1) ** 2 * w[:, None, :]).sum(-1),  # sum of |y - a|^2
             (outputs.detach().to(y.dtype) ** 2 * w[:, None, :]).sum(-1),  # sum of |y|^2
         )
