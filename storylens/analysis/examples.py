@@ -33,7 +33,11 @@ chosen by tensor ops in the order above (ties, ``(story, query)`` once, ``per_st
 :meth:`~TopExamples.state`, :meth:`~TopExamples.merge`, :meth:`~TopExamples.as_json`, pickling), not
 for every block of every batch. A block's newly taken queries wait (their rows of the map read when
 it is fed) and enter its slots at :meth:`~TopExamples.flush`, once per batch for every block (the
-scores' accumulator flushes at the end of each batch; every read flushes first).
+scores' accumulator flushes at the end of each batch; every read flushes first). On a CPU a block
+does not even select when it is fed: it keeps the queries that beat their row's worst kept example
+(few, once the kept are good ones) with their rows of the map, and the flush selects among every
+block's at once (the same rules, so the same examples); a block with more than
+:data:`OFFERED_BYTES` of such rows (the first batches) selects when fed.
 
 **Values** are kept as Python floats equal to the tensor's values (half precision is widened
 exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
@@ -490,9 +494,11 @@ class TopExamples:
         [B, D, Q]`` bool (detector ``names[d]`` at ``d``; shapes as :meth:`add_block` checks them).
 
         Most rows (detector, head) of a block take nothing once the kept examples are good ones: a
-        query enters only if its value reaches the row's worst kept. So one pass over the values finds
-        the rows where some counted query reaches it, and only those rows are selected among (on a CPU;
-        elsewhere every row, with no sync): the same examples as selecting in every row."""
+        query enters only if its value reaches the row's worst kept. So on a CPU one pass over the values
+        finds the queries that reach it: they and their rows of the map are kept for :meth:`flush` to
+        select among, with every other block's (:meth:`_offer`), or, where their rows are many, the rows
+        they are in are selected among now (elsewhere every row, with no sync): the same examples as
+        selecting in every row."""
         B, H, D, Q = values.shape
         if B == 0 or Q == 0:
             return
@@ -554,11 +560,10 @@ class TopExamples:
             return True
         if n * K * pattern.element_size() > OFFERED_BYTES:
             return False
-        bhq = at // (D * Q) * Q + at % Q  # [n]: (b * H + h) * Q + q
-        if pattern.is_contiguous():
-            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, bhq)
+        if pattern.is_contiguous():  # (one index_select of flat rows: several times faster than indexing)
+            rowmaps = pattern.detach().view(B * H * Q, K).index_select(0, at // (D * Q) * Q + at % Q)
         else:
-            rowmaps = pattern.detach().reshape(B * H * Q, K)[bhq]
+            rowmaps = pattern.detach()[at // (H * D * Q), at // (D * Q) % H, at % Q]
         value = values.reshape(-1)[at]
         self._offered.append(_Offered(layer, tuple(names), det, view, at, value, rowmaps))
         return True
@@ -618,7 +623,8 @@ class TopExamples:
         each block's taken queries were read off its map when it was fed (the rows of the map they
         need), and the slots and top ``k`` of every such block are made here in one pass for all of
         them, not block by block (the same slots: a block's rows are its own; a block fed twice before
-        a flush is flushed at its second chunk, so its worst kept is always up to date)."""
+        a flush is flushed at its second chunk, so its worst kept is always up to date). The queries
+        blocks offered (:meth:`_offer`) are selected among first, for every block at once."""
         offered, self._offered = self._offered, []
         together: list[list[_Offered]] = []  # offered from the same chunk of rows of the same batch
         for o in offered:
