@@ -232,6 +232,18 @@ class _Offered:
         return self.view is other.view and self.names == other.names and same
 
 
+def _alike_groups(items: Sequence) -> list[list]:
+    """``items`` (each with ``alike(other)``) in groups of alike ones, in the order they first came."""
+    groups: list[list] = []
+    for item in items:
+        group = next((g for g in groups if g[0].alike(item)), None)
+        if group is None:
+            groups.append([item])
+        else:
+            group.append(item)
+    return groups
+
+
 def _ranks(key: torch.Tensor) -> torch.Tensor:
     """Each entry's place among the entries of its run of equal ``key`` (sorted ``[n]``), from 0."""
     return torch.arange(key.numel(), device=key.device) - torch.searchsorted(key, key)
@@ -626,24 +638,10 @@ class TopExamples:
         a flush is flushed at its second chunk, so its worst kept is always up to date). The queries
         blocks offered (:meth:`_offer`) are selected among first, for every block at once."""
         offered, self._offered = self._offered, []
-        together: list[list[_Offered]] = []  # offered from the same chunk of rows of the same batch
-        for o in offered:
-            same = next((g for g in together if g[0].alike(o)), None)
-            if same is None:
-                together.append([o])
-            else:
-                same.append(o)
-        for same in together:
+        for same in _alike_groups(offered):  # offered from the same chunk of rows of the same batch
             self._pending += self._take_offered(same)
         pending, self._pending = self._pending, []
-        groups: list[list[_Taken]] = []  # taken from the same chunk of rows of the same batch
-        for t in pending:
-            group = next((g for g in groups if g[0].alike(t)), None)
-            if group is None:
-                groups.append([t])
-            else:
-                group.append(t)
-        for group in groups:
+        for group in _alike_groups(pending):  # taken from the same chunk of rows of the same batch
             self._select_taken(group)
 
     def _select_taken(self, group: list[_Taken]) -> None:
