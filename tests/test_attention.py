@@ -146,6 +146,7 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     """Every column (raw, norm-weighted, output norms, a user pattern) and every top example from
     maps handed over a few query rows at a time equal those from whole eager maps. float64 (Llama's
     and NeoX's softmax in float32, as their own): the same sums in another order, BOUND as above."""
+    import storylens.lm.attention as attention
     import storylens.lm.interface as interface
     from storylens.analysis import pattern_detector, score_heads
     from storylens.analysis.detectors import BUILTIN_DETECTORS
@@ -158,6 +159,7 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     detectors = BUILTIN_DETECTORS + (same_token,)
     lm = wrap(_model(kind), tokenizer)
     lm.chunk_bytes = 3000  # a few rows a chunk, not dividing the stories' lengths
+    monkeypatch.setattr(attention, "SUB_ROWS", 5)  # a chunk of more rows taken in bands (_Rows.banded)
     chunks: list[tuple[int, int, int]] = []
 
     class Seen:  # the recording's consumer, watched
@@ -340,6 +342,49 @@ def test_key_columns_come_back_as_each_heads_rows_times_its_own_columns():
         _streaming([module], sink, 3000, columns=lambda layer: columns[:, :2]),
     ):
         grouped_attention(module, q, k, v, None, scaling=0.4)
+
+
+@pytest.mark.parametrize("past", [0, 9])
+@pytest.mark.parametrize("chunk_rows", [12, 1000])
+def test_a_chunk_taken_in_bands_of_rows_hands_over_what_whole_rows_do(monkeypatch, past, chunk_rows):
+    """In inference mode a chunk's rows are taken SUB_ROWS at a time, each band over the keys its own
+    rows see: the map handed over (0 past each band's keys, as the softmax leaves them), the key columns
+    and the layer's output equal those of the chunk taken whole, with and without a padding mask, with
+    keys cached before the queries (``past``), one hand-over per chunk, not per band. float64: the same
+    sums over fewer terms, BOUND as above."""
+    import storylens.lm.attention as attention
+
+    torch.manual_seed(5)
+    B, H, G, T, d, c = 2, 6, 2, 30, 8, 3
+    S = T + past
+    q = 2 * torch.randn(B, H, T, d, dtype=torch.float64)
+    k, v = (torch.randn(B, G, S, d, dtype=torch.float64) for _ in range(2))
+    columns = torch.rand(B, H, S, c, dtype=torch.float64)
+    module = torch.nn.Module()
+    pad = torch.ones(B, 1, T, S, dtype=torch.bool).tril(past)
+    pad[1, :, :, past + 20 :] = False  # the second story ends at 20
+    chunk_bytes = B * H * S * 8 * chunk_rows
+    for mask in (None, pad):
+
+        def run(sub: int, mask=mask):
+            monkeypatch.setattr(attention, "SUB_ROWS", sub)
+            seen: list = []
+
+            def sink(layer, rows, start, masses):
+                seen.append((start, rows.clone(), masses.clone()))
+
+            with torch.inference_mode(), _streaming([module], sink, chunk_bytes, columns=lambda layer: columns):
+                out, _ = grouped_attention(module, q, k, v, mask, scaling=0.4)
+            return out, seen
+
+        out, banded = run(4)
+        ref, whole = run(10**6)
+        assert (out - ref).abs().max() <= BOUND
+        assert [s for s, _, _ in banded] == [s for s, _, _ in whole] == list(range(0, T, min(chunk_rows, T)))
+        for (_, got, got_masses), (_, ref_rows, ref_masses) in zip(banded, whole):
+            assert got.shape == ref_rows.shape
+            assert (got - ref_rows).abs().max() <= BOUND and (got_masses - ref_masses).abs().max() <= BOUND
+            assert torch.equal(got == 0, ref_rows == 0)  # every key ahead of a query (or masked) exactly 0
 
 
 def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(tokenizer):

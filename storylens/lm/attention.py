@@ -36,8 +36,11 @@ group's value matrix (padded to :data:`COLUMN_ALIGN`), so ``rows @ weights`` com
 probabilities-times-values product that runs anyway, handed over with each chunk (with each head's
 output at those rows), instead of a pass over the chunk of its own (the name and marker masses, the
 norm-weighted row sums). A chunk of queries
-``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), so its rows are the full
-rows' up to the order of the softmax's sum (the scaling is taken inside the one product,
+``q0 .. q1 - 1`` reads only the keys it can see (``q1 + S - T``: causal), and in inference mode its
+rows are taken :data:`SUB_ROWS` at a time, each band's scores, softmax and product with the values
+over the keys its own rows see (about half the products and exponentials of a square chunk),
+written into the one map handed over, whose keys past a band's rows are set to 0 (:meth:`_Rows.banded`);
+so its rows are the full rows' up to the order of the softmax's sum (the scaling is taken inside the one product,
 ``baddbmm(buffer, q, k^T, beta=0, alpha=scaling)``, and where no mask is given only the corner of
 keys ahead of the chunk's queries, ``[rows, rows]``, is set to -inf: no ``[rows, keys]`` mask or
 bias is built or read); where the softmax runs in float32 under float64 inputs
@@ -56,6 +59,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from typing import Protocol
 
@@ -72,6 +76,7 @@ NAME = "storylens"
 CHUNK_BYTES = 32 * 2**20
 
 COLUMN_ALIGN = 16  # the value matrix widened by key columns is padded to a multiple of this (BLAS's speed)
+SUB_ROWS = 64  # a streamed chunk's products are taken this many query rows at a time (:meth:`_Rows.banded`)
 HIDE_ROWS = 32  # the causal corner is hidden this many query rows at a time (:func:`_hide_ahead`)
 TAP = "storylens_tap"  # the attribute under which a wrapped model's attention module holds its tap
 
@@ -245,7 +250,7 @@ def _streamed(
     chunk of queries at a time (the module docstring)."""
     B, H, T, d = query.shape
     G, S = key.shape[1], key.shape[2]
-    r, past = H // G, S - T  # the queries are the last T of the S positions
+    r = H // G  # query heads per key/value head; the queries are the last T of the S positions
     soft = softmax_dtype(module, query.dtype)
     full_rows = soft != query.dtype and query.dtype == torch.float64  # keep eager's rows bit for bit
     itemsize = max(torch.finfo(soft).bits, torch.finfo(query.dtype).bits) // 8
@@ -264,33 +269,13 @@ def _streamed(
         value = torch.cat([value, packed, value.new_zeros(B, G, S, pad)], -1)
     reuse = torch.is_inference_mode_enabled()  # out= products record no gradient
     room = B * H * min(rows, T) * S  # the largest chunk: the buffers are taken at that size once
+    rowed = _Rows(grouped, key, value, attention_mask, scaling, soft, full_rows, buffers if reuse else None, room)
     for q0 in range(0, T, rows):
         q1 = min(T, q0 + rows)
-        n, keys = q1 - q0, (S if full_rows else q1 + past)
-        q = grouped[:, :, :, q0:q1].reshape(B, G, r * n, d)
-        k_t = key[:, :, :keys].transpose(-1, -2)  # [B, G, d, keys]
-        place = buffers.take("scores", (B, G, r * n, keys), q.dtype, q.device, room) if reuse else None
-        # scores = scaling * q k^T in one product (beta=0: what the buffer held is ignored)
-        q3, k3 = q.reshape(B * G, r * n, d), k_t.reshape(B * G, d, keys)
-        if place is None:
-            scores = torch.baddbmm(q3.new_empty(B * G, r * n, keys), q3, k3, beta=0, alpha=scaling)
-        else:
-            flat = place.view(B * G, r * n, keys)
-            scores = torch.baddbmm(flat, q3, k3, beta=0, alpha=scaling, out=flat)
-        scores = scores.view(B, G, r * n, keys)
-        if attention_mask is None and keys > q0 + past + 1:  # no mask given: causal, hiding only what is ahead
-            _hide_ahead(scores.view(B, G, r, n, keys), keys - (q0 + past))
-        per_head = scores.view(B, H, n, keys)
-        if attention_mask is not None:
-            _masked(per_head, attention_mask[:, :, q0:q1, :keys], in_place=True)
-        if reuse and soft == per_head.dtype:  # [B, H, n, keys]
-            probs = torch.ops.aten._softmax.out(
-                per_head, -1, False, out=buffers.take("probs", (B, H, n, keys), soft, q.device, room)
-            )
-        else:
-            probs = torch.softmax(per_head, dim=-1, dtype=soft)
-        probs = probs.to(value.dtype)
-        moved = torch.matmul(probs.view(B, G, r * n, keys), value[:, :, :keys])  # [B, G, r*n, width]
+        n = q1 - q0
+        # in bands of rows where the workspace holds the map (inference) and rows need not be whole
+        banded = reuse and not full_rows and n > SUB_ROWS
+        probs, moved = rowed.banded(q0, q1, SUB_ROWS) if banded else rowed.whole(q0, q1)  # [B, G, r*n, width]
         masses = None
         if extra is not None:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
             wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
@@ -298,8 +283,83 @@ def _streamed(
         heads = moved[..., :d].view(B, H, n, d)  # each head's output at these rows
         consumer.rows(layer, probs, q0, masses, heads)
         out[:, :, :, q0:q1] = heads.view(B, G, r, n, d)
-        del scores, per_head, probs, moved, masses, heads
+        del probs, moved, masses, heads
     return out.view(B, H, T, d).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One layer's queries ``grouped [B, G, r, T, d]`` against its keys and (widened) values: the
+    probabilities and the products of a chunk of query rows (:func:`_streamed`). ``buffers``: the
+    workspace the scores and probabilities are written into (None: fresh tensors, as autograd needs)."""
+
+    grouped: torch.Tensor
+    key: torch.Tensor  # [B, G, S, d]
+    value: torch.Tensor  # [B, G, S, width]
+    mask: torch.Tensor | None
+    scaling: float
+    soft: torch.dtype  # the softmax's dtype
+    full_rows: bool  # every row over every key (else each over the keys up to its chunk's last row's)
+    buffers: Workspace | None
+    room: int
+
+    @property
+    def past(self) -> int:  # S - T: the keys before the first query
+        return self.key.shape[2] - self.grouped.shape[3]
+
+    def probs(self, a: int, b: int, keys: int, name: str, room: int) -> torch.Tensor:
+        """``[B, H, b - a, keys]`` in the softmax's dtype: queries ``a .. b - 1`` over keys ``0 ..
+        keys - 1``, into workspace buffer ``name`` (and the scores into "scores"), each made with
+        ``room`` elements where it must grow."""
+        B, G, r, _, d = self.grouped.shape
+        n, H, past = b - a, G * r, self.past
+        q = self.grouped[:, :, :, a:b].reshape(B, G, r * n, d)
+        k_t = self.key[:, :, :keys].transpose(-1, -2)  # [B, G, d, keys]
+        # scores = scaling * q k^T in one product (beta=0: what the buffer held is ignored)
+        q3, k3 = q.reshape(B * G, r * n, d), k_t.reshape(B * G, d, keys)
+        if self.buffers is None:
+            scores = torch.baddbmm(q3.new_empty(B * G, r * n, keys), q3, k3, beta=0, alpha=self.scaling)
+        else:
+            flat = self.buffers.take("scores", (B * G, r * n, keys), q.dtype, q.device, room)
+            scores = torch.baddbmm(flat, q3, k3, beta=0, alpha=self.scaling, out=flat)
+        if self.mask is None and keys > a + past + 1:  # no mask given: causal, hiding only what is ahead
+            _hide_ahead(scores.view(B, G, r, n, keys), keys - (a + past))
+        per_head = scores.view(B, H, n, keys)
+        if self.mask is not None:
+            _masked(per_head, self.mask[:, :, a:b, :keys], in_place=True)
+        if self.buffers is not None and self.soft == per_head.dtype:  # [B, H, n, keys]
+            place = self.buffers.take(name, (B, H, n, keys), self.soft, q.device, room)
+            return torch.ops.aten._softmax.out(per_head, -1, False, out=place)
+        return torch.softmax(per_head, dim=-1, dtype=self.soft)
+
+    def whole(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``q0 .. q1 - 1`` over every key up to the last one's, in one product:
+        ``(probs [B, H, n, keys], probs @ value [B, G, r * n, width])``."""
+        B, G, r, _, _ = self.grouped.shape
+        n, keys = q1 - q0, (self.key.shape[2] if self.full_rows else q1 + self.past)
+        probs = self.probs(q0, q1, keys, "probs", self.room).to(self.value.dtype)
+        return probs, torch.matmul(probs.view(B, G, r * n, keys), self.value[:, :, :keys])
+
+    def banded(self, q0: int, q1: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`whole`, the rows taken ``step`` at a time, each band over the keys its own rows see
+        (causal: about half the products and exponentials of a square chunk), written into one map
+        whose keys past a band's last row hold 0, as the softmax leaves them."""
+        assert self.buffers is not None  # (inference only: the bands are written into the map)
+        B, G, r, _, _ = self.grouped.shape
+        n, keys, width, past = q1 - q0, q1 + self.past, self.value.shape[-1], self.past
+        dtype, device = self.value.dtype, self.value.device
+        probs = self.buffers.take("probs", (B, G * r, n, keys), dtype, device, self.room)
+        moved = torch.empty(B, G, r, n, width, dtype=dtype, device=device)
+        room = B * G * r * step * self.key.shape[2]  # a band's scores at most: no chunk-sized scores buffer
+        for a in range(q0, q1, step):
+            b = min(q1, a + step)
+            m, seen = b - a, b + past
+            band = self.probs(a, b, seen, "band", room).to(dtype)  # [B, H, m, seen]
+            probs[:, :, a - q0 : b - q0, :seen] = band
+            probs[:, :, a - q0 : b - q0, seen:] = 0
+            product = torch.matmul(band.view(B, G, r * m, seen), self.value[:, :, :seen])  # [B, G, r*m, width]
+            moved[:, :, :, a - q0 : b - q0] = product.view(B, G, r, m, width)
+        return probs, moved.view(B, G, r * n, width)
 
 
 def _hide_ahead(scores: torch.Tensor, width: int) -> None:
