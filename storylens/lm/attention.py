@@ -273,9 +273,7 @@ def _streamed(
     for q0 in range(0, T, rows):
         q1 = min(T, q0 + rows)
         n = q1 - q0
-        # in bands of rows where the workspace holds the map (inference) and rows need not be whole
-        banded = reuse and not full_rows and n > SUB_ROWS
-        probs, moved = rowed.banded(q0, q1, SUB_ROWS) if banded else rowed.whole(q0, q1)  # [B, G, r*n, width]
+        probs, moved = rowed.chunk(q0, q1)  # [B, H, n, keys], [B, G, r*n, width]
         masses = None
         if extra is not None:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
             wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
@@ -331,6 +329,13 @@ class _Rows:
             place = self.buffers.take(name, (B, H, n, keys), self.soft, q.device, room)
             return torch.ops.aten._softmax.out(per_head, -1, False, out=place)
         return torch.softmax(per_head, dim=-1, dtype=self.soft)
+
+    def chunk(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``q0 .. q1 - 1``: :meth:`banded` in bands of :data:`SUB_ROWS` rows where the workspace
+        holds the map (inference) and rows need not be whole, else :meth:`whole`."""
+        if self.buffers is not None and not self.full_rows and q1 - q0 > SUB_ROWS:
+            return self.banded(q0, q1, SUB_ROWS)
+        return self.whole(q0, q1)
 
     def whole(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``q0 .. q1 - 1`` over every key up to the last one's, in one product:
