@@ -272,15 +272,15 @@ class _Pass:
         self.masks = None
 
     def _forward(self, ids: torch.Tensor) -> None:
-        """The recording forward. Streamed, it stops at the last block's attention output: every chunk
-        of every map has been handed over by then, and nothing after it (the last block's MLP, the final
-        norm) is read by any measure, as storylens's own model stops there by itself with no logits
-        asked for (whole maps arrive after the attention module returns: those run to the end)."""
+        """The recording forward. Streamed, it stops at the last block's head outputs (``hook_z``, the
+        output projection's input): every chunk of every map has been handed over by then, and nothing
+        after it (that block's output projection and MLP, the final norm) is read by any measure (whole
+        maps arrive after the attention module returns: those run to the end)."""
         if not self.plan.streamed:
             self.lm.forward(ids, record_attention=True, logits=False)
             return
         try:
-            with self.lm.hooks([(f"blocks.{self.lm.n_layer - 1}.hook_attn_out", _stop)]):
+            with self.lm.hooks([(f"blocks.{self.lm.n_layer - 1}.attn.hook_z", _stop)]):
                 self.lm.forward(ids, record_attention=True, logits=False)
         except _Done:
             pass
@@ -350,7 +350,7 @@ class _Pass:
 
 
 class _Done(Exception):
-    """Raised at the last block's attention output by a streamed recording: the rest is not read."""
+    """Raised at the last block's head outputs by a streamed recording: the rest is not read."""
 
 
 def _stop(_out: torch.Tensor, _hook: Hook) -> None:

@@ -257,7 +257,12 @@ def _streamed(
     layer, buffers = tap.layer, tap.buffers
     rows = query_chunk(B, H, S, itemsize, tap.chunk_bytes)
     grouped = query.view(B, G, r, T, d)
-    out = torch.empty(B, G, r, T, d, dtype=value.dtype, device=value.device)
+    # transformers hands keys and values in [B, S, G, d] memory: made contiguous once here, not copied
+    # again by every band's product (a band's k^T and values are then views BLAS reads in place)
+    key = key.contiguous()
+    # [B, G, r, T, d] over [B, T, H, d] memory: the output handed back is the layout the output
+    # projection reads, with no copy
+    out = torch.empty(B, T, G, r, d, dtype=value.dtype, device=value.device).permute(0, 2, 3, 1, 4)
     extra = consumer.key_weights(layer)
     c = 0
     if extra is not None:  # each group's values widened by its heads' key columns: [B, G, S, d + r * c + pad]
@@ -267,6 +272,7 @@ def _streamed(
         packed = extra.to(value.dtype).view(B, G, r, S, c).permute(0, 1, 3, 2, 4).reshape(B, G, S, r * c)
         pad = -(d + r * c) % COLUMN_ALIGN
         value = torch.cat([value, packed, value.new_zeros(B, G, S, pad)], -1)
+    value = value.contiguous()
     reuse = torch.is_inference_mode_enabled()  # out= products record no gradient
     room = B * H * min(rows, T) * S  # the largest chunk: the buffers are taken at that size once
     rowed = _Rows(grouped, key, value, attention_mask, scaling, soft, full_rows, buffers if reuse else None, room)
