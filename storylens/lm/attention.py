@@ -284,9 +284,11 @@ def _streamed(
         if extra is not None:  # head i of a group: its rows (i*n ..) times its own columns (d + i*c ..)
             wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
             masses = wide.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3).reshape(B, H, n, c)
-        heads = moved[..., :d].view(B, H, n, d)  # each head's output at these rows
+        out[:, :, :, q0:q1] = moved[..., :d].view(B, G, r, n, d)
+        # each head's output at these rows, as a view of the output: [B, T, H, d] memory, so a block taken
+        # in one chunk is handed over in the layout the head outputs' images read with no copy
+        heads = out[:, :, :, q0:q1].view(B, H, n, d)
         consumer.rows(layer, probs, q0, masses, heads)
-        out[:, :, :, q0:q1] = heads.view(B, G, r, n, d)
         del probs, moved, masses, heads
     return out.view(B, H, T, d).transpose(1, 2)
 
