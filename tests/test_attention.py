@@ -430,3 +430,79 @@ def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(to
         # |sum_j a_j f_j| summed in another order: at most 2 K u sum_j a_j |f_j| apart (K <= 128 keys,
         # u = 2^-53, |f_j| well under 100 here): below 3e-12; 1e-10 leaves a margin for any CPU
         assert torch.allclose(chunked, full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("sub_rows", [4, 10**6])
+def test_inputs_strided_as_transformers_hands_them_give_the_same_rows_and_a_contiguous_output(monkeypatch, sub_rows):
+    """transformers hands queries, keys and values as ``[B, T, heads, d]`` memory seen as ``[B, heads,
+    T, d]``: the kernel hands over the same maps and head outputs as from contiguous copies of them (the
+    same products on the same numbers: bit for bit), in bands or whole, each chunk's head outputs are
+    the output's rows, and the output comes back as contiguous ``[B, T, H, d]`` (what the output
+    projection reads, with no copy)."""
+    import storylens.lm.attention as attention
+
+    monkeypatch.setattr(attention, "SUB_ROWS", sub_rows)
+    torch.manual_seed(6)
+    B, H, G, T, d = 2, 6, 2, 30, 8
+    strided = [torch.randn(B, T, n, d, dtype=torch.float64).transpose(1, 2) for n in (H, G, G)]
+    assert not any(x.is_contiguous() for x in strided)
+    module = torch.nn.Module()
+
+    def run(q, k, v):
+        seen: list = []
+
+        class Kept(_Rows):
+            def rows(self, layer, probs, start, masses, heads):
+                seen.append((start, probs.clone(), heads.clone()))
+
+        with torch.inference_mode(), streaming(attach([module]), Kept(None), B * H * T * 8 * 12):
+            out, _ = grouped_attention(module, q, k, v, None, scaling=0.4)
+        return out, seen
+
+    out, seen = run(*strided)
+    ref, ref_seen = run(*(x.contiguous() for x in strided))
+    assert out.shape == (B, T, H, d) and out.is_contiguous()
+    assert torch.equal(out, ref) and len(seen) == len(ref_seen) == 3  # chunks of 12 rows
+    for (start, probs, heads), (ref_start, ref_probs, ref_heads) in zip(seen, ref_seen):
+        assert start == ref_start and torch.equal(probs, ref_probs) and torch.equal(heads, ref_heads)
+        assert torch.equal(heads.transpose(1, 2), out[:, start : start + heads.shape[2]])
+
+
+def test_a_streamed_recording_runs_nothing_past_the_last_blocks_head_outputs(tokenizer):
+    """Streamed, the recording stops at the last block's head outputs (``hook_z``): every block's map is
+    handed over, and that block's output projection and MLP never run (no measure reads them); a pass
+    of whole maps runs the forward to its end."""
+    from storylens.analysis.record import Needs, record
+    from storylens.data.stories import load_split
+
+    class Kept:
+        def __init__(self, streams):
+            self.needs, self.layers = Needs(streams=streams), set()
+
+        def begin(self, batch):
+            pass
+
+        def feed(self, chunk):
+            self.layers.add(chunk.layer)
+
+        def end(self):
+            pass
+
+    lm = wrap(_model("llama"), tokenizer)
+    last = lm.module.model.layers[-1]
+    calls = {"o_proj": 0, "mlp": 0}
+    handles = [
+        module.register_forward_hook(lambda m, a, o, name=name: calls.__setitem__(name, calls[name] + 1))
+        for name, module in (("o_proj", last.self_attn.o_proj), ("mlp", last.mlp))
+    ]
+    stories = load_split().quiz[:2]
+    try:
+        for streams, ran in ((True, 0), (False, 1)):
+            calls.update(o_proj=0, mlp=0)
+            kept = Kept(streams)
+            record(lm, stories, [kept], batch_size=2, progress=False)
+            assert kept.layers == set(range(lm.n_layer))
+            assert calls == {"o_proj": ran, "mlp": ran}, streams
+    finally:
+        for h in handles:
+            h.remove()
