@@ -506,3 +506,30 @@ def test_a_streamed_recording_runs_nothing_past_the_last_blocks_head_outputs(tok
     finally:
         for h in handles:
             h.remove()
+
+
+def test_head_outputs_handed_over_under_autograd_take_a_backward():
+    """Streamed outside inference mode (autograd), a consumer may build on each chunk's head outputs
+    and take a backward through them and the layer's output: the gradients are those of the whole-map
+    path (float64, BOUND as above), and writing a later chunk's rows marks nothing it read as modified."""
+    torch.manual_seed(7)
+    B, H, G, T, d = 2, 6, 2, 30, 8
+    leaves = [torch.randn(B, T, n, d, dtype=torch.float64, requires_grad=True) for n in (H, G, G)]
+    module = torch.nn.Module()
+    kept: list = []
+
+    class Kept(_Rows):
+        def rows(self, layer, probs, start, masses, heads):
+            kept.append(heads.square().sum())
+
+    with streaming(attach([module]), Kept(None), B * H * T * 8 * 12):
+        out, _ = grouped_attention(module, *(x.transpose(1, 2) for x in leaves), None, scaling=0.4)
+    assert len(kept) == 3  # chunks of 12 rows
+    (sum(kept) + out.sum()).backward()
+    grads = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    ref, _ = grouped_attention(torch.nn.Module(), *(x.transpose(1, 2) for x in leaves), None, scaling=0.4)
+    (ref.square().sum() + ref.sum()).backward()
+    for got, x in zip(grads, leaves):
+        assert (got - x.grad).abs().max() <= BOUND

@@ -285,9 +285,11 @@ def _streamed(
             wide = moved[..., d : d + r * c].view(B, G, r, n, r, c)
             masses = wide.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3).reshape(B, H, n, c)
         out[:, :, :, q0:q1] = moved[..., :d].view(B, G, r, n, d)
-        # each head's output at these rows, as a view of the output: [B, T, H, d] memory, so a block taken
-        # in one chunk is handed over in the layout the head outputs' images read with no copy
-        heads = out[:, :, :, q0:q1].view(B, H, n, d)
+        # each head's output at these rows, in inference as a view of the output: [B, T, H, d] memory, so
+        # a block taken in one chunk is handed over in the layout the head outputs' images read with no
+        # copy (under autograd a view of the product: the next chunk's rows written into the output
+        # would mark a view of it modified for a consumer's backward)
+        heads = (out[:, :, :, q0:q1] if reuse else moved[..., :d]).reshape(B, H, n, d)
         consumer.rows(layer, probs, q0, masses, heads)
         del probs, moved, masses, heads
     return out.view(B, H, T, d).transpose(1, 2)
