@@ -11,7 +11,7 @@ wide). On the first ``--stories`` quiz stories, batched as the recording batches
 (``--batch-size`` stories a batch, by default ``storylens score``'s):
 
 * ``bare``: the model's own forward of every batch (fused attention, logits), in inference mode;
-* ``atp``: :func:`storylens.analysis.causal.attribution` (one fused forward and one backward per
+* ``atp``: :func:`storylens.effects.attribution.attribution` (one fused forward and one backward per
   batch, every head's AtP mean/zero and DLA sums), encoding included, the gradient pass keeping at
   most ``--graph-mb`` MiB of the first blocks' graphs (``storylens score --graph-memory``).
 
@@ -75,9 +75,9 @@ def build(folder: Path, name: str, layers: int, window: int) -> Path:
 
 
 def _batches(lm, stories: list[str], batch_size: int) -> list:
-    """The batches the recording makes of ``stories`` (:func:`storylens.analysis.record.record`)."""
-    from storylens.analysis.encode import batch_of, encode_stories
+    """The batches the recording makes of ``stories`` (:func:`storylens.engine.record.record`)."""
     from storylens.core.batching import BATCH_TOKENS, length_batches
+    from storylens.engine.encode import batch_of, encode_stories
 
     enc = encode_stories(lm, stories, frozenset())
     return [batch_of([enc[i] for i in idx], lm.marker_id, lm.device) for idx in
@@ -87,7 +87,7 @@ def _batches(lm, stories: list[str], batch_size: int) -> list:
 def time_model(folder: Path, stories: list[str], rounds: int, batch_size: int, graph_mb: int) -> dict:
     import torch
 
-    from storylens.analysis.audit import attribution
+    from storylens.effects.audit import attribution
     from storylens.lm import load_lm
 
     lm = load_lm(folder)
@@ -128,8 +128,8 @@ def memory_child(folder: str, tokens: int, what: str) -> None:
     AtP and DLA, the gradient pass keeping at most MB MiB of graphs; ``record``: the recording pass,
     ``score_heads``) runs on one story."""
     from storylens.analysis import score_heads
-    from storylens.analysis.audit import attribution
     from storylens.data.stories import load_split
+    from storylens.effects.audit import attribution
     from storylens.lm import load_lm
 
     lm = load_lm(folder)
@@ -184,8 +184,8 @@ def _memory(folder: Path, tokens: int, graph_mb: int) -> dict:
 
 
 def main() -> None:
-    from storylens.analysis.encode import BATCH_STORIES
-    from storylens.analysis.gradients import GRAPH_BYTES
+    from storylens.engine.encode import BATCH_STORIES
+    from storylens.engine.gradients import GRAPH_BYTES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stories", type=int, default=40)

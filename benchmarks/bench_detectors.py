@@ -42,7 +42,7 @@ What each computes (so only time and memory are compared, not the scores)
     key right: k - 1 < q, token k - 1 = token q, k >= 1). A list of prompts is scored one prompt
     at a time and the scores averaged. It loops in Python over heads (one ``.item()`` each) and
     builds D per prompt (the duplicate pattern with numpy).
-    storylens (``storylens.analysis.detectors``): the **mean over stories of the per-story mean
+    storylens (``storylens.looking.detectors``): the **mean over stories of the per-story mean
     over the queries a detector applies to**: prev_token over q >= 1 (so TL's score is
     (T - 1) / T of it), duplicate_token and induction over the queries that have such a key at
     all (TL divides by every query). Same keys, different denominators; plus four more detectors.
@@ -95,7 +95,7 @@ SEED = 0
 def storylens_batch_ids(lm, stories, batch_size: int) -> list:
     """storylens's own batches as ``(ids, lengths)``: ids ``[batch, tokens]`` padded at the end,
     and each story's length (marker included). The TL side runs exactly these ids."""
-    from storylens.analysis.encode import iter_batches
+    from storylens.engine.encode import iter_batches
 
     return [(b.ids, b.lengths.tolist()) for b in iter_batches(lm, stories, batch_size=batch_size)]
 

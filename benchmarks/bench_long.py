@@ -85,8 +85,8 @@ def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
     import torch
 
     from storylens.analysis import score_heads
-    from storylens.analysis.encode import BATCH_STORIES
     from storylens.corpus.score import EXAMPLES
+    from storylens.engine.encode import BATCH_STORIES
     from storylens.lm import load_lm
 
     lm = load_lm(str(folder))

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from storylens.analysis.patching import EXAMPLE_PAIRS, _batches, encode_pairs, patch_heads, read_pairs
+from storylens.effects.patching import EXAMPLE_PAIRS, _batches, encode_pairs, patch_heads, read_pairs
 from storylens.lm import AttentionLM, load_lm, wrap
 
 

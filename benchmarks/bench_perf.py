@@ -77,8 +77,8 @@ def bench_report(rounds: int) -> dict:
 
 
 def _quiz_batches(model, batch_size=16):
-    from storylens.analysis.encode import iter_batches
     from storylens.data.stories import load_split
+    from storylens.engine.encode import iter_batches
     from storylens.lm import NativeLM
 
     quiz = load_split().quiz
@@ -88,11 +88,12 @@ def _quiz_batches(model, batch_size=16):
 def bench_scoring(rounds: int, with_tl: bool) -> dict:
     import torch
 
-    from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
-    from storylens.analysis.record import _Pass, plan
-    from storylens.analysis.scores import HeadScoreAccumulator, score_heads
+    from storylens.engine.record import _Pass, plan
     from storylens.lm import NativeLM
+    from storylens.looking.detectors import BUILTIN_DETECTORS, LESSON_DETECTORS
     from storylens.model.hub import export_hf, load_model
+    from storylens.table.accumulator import HeadScoreAccumulator
+    from storylens.table.scores import score_heads
 
     model = load_model().eval()
     quiz, batches = _quiz_batches(model)

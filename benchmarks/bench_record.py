@@ -16,7 +16,7 @@ at most 16 stories and 4,096 padded tokens a batch, ``storylens.core.batching``)
 * ``score``: the same as ``storylens score`` runs it (also every norm-weighted column and the
   output norms, from the same pass);
 * ``score, no sink columns``: ``score`` without the sink and context columns
-  (:mod:`storylens.analysis.sinks`): what they cost;
+  (:mod:`storylens.looking.sinks`): what they cost;
 * ``score, eager``: the same with transformers' eager attention, the path before storylens's own;
 * ``TL patterns``: TransformerLens ``run_with_cache`` keeping only the patterns, over the same
   batches (caching alone, no score computed), where TransformerLens loads the model.
@@ -114,13 +114,13 @@ def build(kind: str, folder: Path) -> Path:
 def bench_speed(folder: Path, n_stories: int, rounds: int) -> dict:
     import torch
 
-    from storylens.analysis.encode import batch_of, encode_stories
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.record import record
-    from storylens.analysis.scores import HeadScoreAccumulator
     from storylens.core.batching import BATCH_TOKENS, length_batches
+    from storylens.data.names import name_vocabulary
     from storylens.data.stories import load_split
+    from storylens.engine.encode import batch_of, encode_stories
+    from storylens.engine.record import record
     from storylens.lm import load_lm
+    from storylens.table.accumulator import HeadScoreAccumulator
 
     stories = load_split().quiz[:n_stories]
     lm = load_lm(str(folder))
@@ -216,15 +216,16 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     import torch
 
     from storylens.analysis import score_heads
-    from storylens.analysis.encode import BATCH_STORIES, batch_of, encode_stories
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.record import Needs, RecordStats, _Pass, plan
-    from storylens.analysis.scores import HeadScoreAccumulator, score_table
     from storylens.core.batching import BATCH_TOKENS, length_batches
     from storylens.core.modes import eval_mode
     from storylens.corpus.score import EXAMPLES
+    from storylens.data.names import name_vocabulary
     from storylens.data.stories import load_split
+    from storylens.engine.encode import BATCH_STORIES, batch_of, encode_stories
+    from storylens.engine.record import Needs, RecordStats, _Pass, plan
     from storylens.lm import load_lm
+    from storylens.table.accumulator import HeadScoreAccumulator
+    from storylens.table.scores import score_table
 
     stories = load_split().quiz[:n_stories]
     lm = load_lm(str(folder))

@@ -5,7 +5,7 @@
 The same weights (storylens's shipped model; TransformerLens boots its HF export
 offline through ``TransformerBridge.boot_transformers``), the same quiz stories, the
 same batches (longest first) and the same metrics (every column of
-``storylens.analysis.scores``: name mass, previous-token scores, marker):
+``storylens.table.scores``: name mass, previous-token scores, marker):
 
 * ``storylens``: ``score_heads``, one recording pass, per-story means summed batch by batch;
 * ``TL full cache``: ``bridge.run_with_cache(batch)`` caching every hook (the usual way),
@@ -80,12 +80,13 @@ def child(side: str, hf_dir: str, n_stories: int, batch_size: int, repeats: int)
     t0 = time.perf_counter()
     import torch
 
-    from storylens.analysis.encode import length_batches, make_batch
-    from storylens.analysis.names import find_main_characters
-    from storylens.analysis.scores import HeadScoreAccumulator, score_heads
+    from storylens.data.names import find_main_characters
     from storylens.data.stories import load_split
+    from storylens.engine.encode import length_batches, make_batch
     from storylens.model.hub import SHIPPED_MODEL, TOKENIZER, load_model
     from storylens.model.tokenizer import encode_story, eot_id, load_tokenizer
+    from storylens.table.accumulator import HeadScoreAccumulator
+    from storylens.table.scores import score_heads
 
     stories = load_split().quiz[:n_stories]
     if side == "storylens":

@@ -38,16 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_record import build  # noqa: E402
 
 from storylens.analysis import score_heads  # noqa: E402
-from storylens.analysis.encode import batch_of, encode_stories  # noqa: E402
-from storylens.analysis.faithful import rank_correlation  # noqa: E402
-from storylens.analysis.names import name_vocabulary  # noqa: E402
-from storylens.analysis.patching import _batches, encode_pairs, patch_heads, read_pairs  # noqa: E402
-from storylens.analysis.record import record  # noqa: E402
-from storylens.analysis.scores import HeadScoreAccumulator  # noqa: E402
 from storylens.core.batching import BATCH_TOKENS, length_batches  # noqa: E402
+from storylens.data.names import name_vocabulary  # noqa: E402
+from storylens.effects.patching import _batches, encode_pairs, patch_heads, read_pairs  # noqa: E402
+from storylens.engine.encode import batch_of, encode_stories  # noqa: E402
+from storylens.engine.ranks import rank_correlation  # noqa: E402
+from storylens.engine.record import record  # noqa: E402
 from storylens.lesson.inputs import lesson_quiz  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 from storylens.model.hub import load_model  # noqa: E402
+from storylens.table.accumulator import HeadScoreAccumulator  # noqa: E402
 
 RANKED = ("name_mass", "prev_token", "first_mass", "norm_prev_token", "output_share", "context_share")
 

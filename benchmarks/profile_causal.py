@@ -4,7 +4,7 @@
 
 ``bench_causal.py``'s seeded random Llama of SmolLM-135M's shape (``--layers`` blocks), the first
 ``--stories`` quiz stories. Per round, the model's bare forward over the same batches, then
-:func:`storylens.analysis.audit.attribution` with each stage of :mod:`storylens.analysis.gradients`
+:func:`storylens.effects.audit.attribution` with each stage of :mod:`storylens.engine.gradients`
 timed where it is called: the first forward (no graph but the last block's), the logits' gradient
 formed a few rows at a time, every block's rerun, autograd's backward, the rerun check, and the
 accumulator's AtP and DLA sums. A tool for finding what to speed up, not a benchmark: the ratios
@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_causal import _batches, build  # noqa: E402
 
-from storylens.analysis import causal, gradients  # noqa: E402
-from storylens.analysis.audit import attribution  # noqa: E402
-from storylens.analysis.encode import BATCH_STORIES  # noqa: E402
-from storylens.analysis.gradients import GRAPH_BYTES  # noqa: E402
 from storylens.data.stories import load_split  # noqa: E402
+from storylens.effects import attribution as causal  # noqa: E402
+from storylens.effects.audit import attribution  # noqa: E402
+from storylens.engine import gradients  # noqa: E402
+from storylens.engine.encode import BATCH_STORIES  # noqa: E402
+from storylens.engine.gradients import GRAPH_BYTES  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 STAGES = {  # what is timed: (owner, attribute) -> its name in the output

@@ -9,7 +9,7 @@ have random queries and keys over the tokens' own features; no block writes into
 the heads' queries and keys read, so every block's sink stays a sink. The model is scored over the
 first ``--stories`` quiz stories (cut to 40 words), and then, exactly: the change in the stories'
 mean next-token loss (pooled over predicted tokens, with its standard error over stories:
-``storylens.analysis.accumulate.RatioAccumulator``) when the flagged heads are mean-ablated together
+``storylens.engine.accumulate.RatioAccumulator``) when the flagged heads are mean-ablated together
 (their output replaced after the opening token by its mean over these stories) against ``--draws``
 random draws of as many heads from all of them.
 """
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from storylens.analysis import score_heads  # noqa: E402
-from storylens.analysis.accumulate import RatioAccumulator  # noqa: E402
 from storylens.core.heads import Head  # noqa: E402
+from storylens.engine.accumulate import RatioAccumulator  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 D_MODEL, N_HEAD, N_KV, D_HEAD = 64, 4, 2, 16

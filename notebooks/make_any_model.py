@@ -243,7 +243,7 @@ display(head_heatmap_figure(scores.grid("atp_mean"), title="AtP, mean ablation (
 ### The exact audit
 
 AtP is a first-order estimate: it can miss where a head's attention saturates or where heads
-cancel. `storylens.analysis.audit` checks it where a reader would look: the heads with the largest
+cancel. `storylens.effects.audit` checks it where a reader would look: the heads with the largest
 |AtP| in each mode and as many drawn at random from the rest, each ablated for real (one forward
 pass per head and mode), with Spearman's rho between estimate and measurement and the heads where
 they disagree in sign beyond two standard errors. Both sides replace a head's output by the same
@@ -251,8 +251,8 @@ mean, taken over the same stories.
 """),
     code(
         """
-from storylens.analysis.audit import Effect, attribution, audit
-from storylens.analysis.encode import encode_stories
+from storylens.effects.audit import Effect, attribution, audit
+from storylens.engine.encode import encode_stories
 from storylens.core.heads import Head
 
 chosen = encode_stories(lm, stories[:8], names=frozenset())   # ids cut to the window, as scored
@@ -302,7 +302,7 @@ command line.
 """),
     code(
         """
-from storylens.analysis.patching import EXAMPLE_PAIRS, encode_pairs, patch_heads, read_pairs, summary_lines
+from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, patch_heads, read_pairs, summary_lines
 
 pairs = encode_pairs(lm, read_pairs(EXAMPLE_PAIRS))
 patched = patch_heads(lm, pairs, exact="all")
@@ -336,7 +336,7 @@ patch.html (the two grids, a click on a head showing its attention on a pair), a
 `storylens.load_patch` reads patch.json back as the same result.
 """),
     code("""
-from storylens.analysis.patching import write_patch
+from storylens.effects.patching import write_patch
 
 folder = write_patch("patch-run", patched, lm, pairs)
 again = storylens.load_patch(folder)

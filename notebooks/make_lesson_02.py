@@ -383,7 +383,7 @@ change when each detector's strongest heads are switched off, and says in number
 agree and where they part.
 """),
     code("""
-from storylens.analysis.truth import truth_table
+from storylens.table.truth import truth_table
 truth = truth_table(model, scores, quiz)
 for r in truth.rows:
     print(f"{r.detector:16} {r.head}  raw {r.raw:.3f}  norm-weighted {r.norm:.3f}  "

@@ -4,12 +4,12 @@
 
 prints, for the working tree or for a git revision (``--rev``, e.g. the commit before a change):
 
-- **schema spelled outside the detectors**: files other than ``storylens/analysis/detectors.py``
+- **schema spelled outside the detectors**: files other than ``storylens/looking/detectors.py``
   that type the head table's columns themselves: a class body declaring three or more score
   columns as fields, or a tuple, list, set or dict literal (Python) or array/object literal
   (JS, HTML templates) holding three or more of them;
 - **probes in the recording pass**: ``getattr``/``hasattr`` calls and ``cast(Any, ...)`` in
-  ``storylens/analysis/record.py`` and the accumulator that feeds the head table;
+  ``storylens/engine/record.py`` and the accumulator that feeds the head table;
 - **id()-keyed state**: calls of the builtin ``id`` in the package;
 - **functions over 80 lines** (Python, and the JS of ``storylens/viz/static``);
 - **unannotated spine parameters**: parameters named ``lm``, ``scores`` or ``model`` with no annotation;
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DETECTORS = "storylens/analysis/detectors.py"
-RECORDING = ("storylens/analysis/record.py", "storylens/analysis/scores.py")
+DETECTORS = "storylens/looking/detectors.py"
+RECORDING = ("storylens/engine/record.py", "storylens/table/accumulator.py")
 MAX_LINES = 80
 SPINE = ("lm", "scores", "model")
 # the head table's score columns, as the lesson and the first faithful round named them (a fixed

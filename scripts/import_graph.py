@@ -4,8 +4,8 @@
 
 prints the imports of storylens's modules made inside function bodies, the import cycles
 between modules (imports inside functions counted too) and, with ``--edges``, every module's
-imports. tests/test_layers.py holds the package to: no cycle, at most 25 imports of its own
-modules inside functions.
+imports. scripts/tree_measures.py reads its cycles (tests/test_layers.py holds the package to none,
+and to no import inside a function but the optional dependencies').
 """
 
 from __future__ import annotations

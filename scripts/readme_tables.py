@@ -15,10 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.readme_check_table import table as check_table
-from storylens.analysis.truth import Truth
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.summary import load
 from storylens.lesson.tables import LESSON_TABLE, lesson_table
+from storylens.table.truth import Truth
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from storylens.core import moved
+
+moved.install()  # the old module paths of the regroup, for one release (storylens.core.moved)
+
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -24,22 +28,22 @@ _WHERE = {
     "KVCache": "storylens.model.gpt",
     "load_model": "storylens.model.hub",
     "load_heads": "storylens.lesson.results",
-    "load_patch": "storylens.analysis.patching",
-    "score_heads": "storylens.analysis.scores",
+    "load_patch": "storylens.effects.patching",
+    "score_heads": "storylens.table.scores",
     "attention_widget": "storylens.recording",
     "story_attention": "storylens.recording",
 }
 
 if TYPE_CHECKING:
-    from storylens.analysis.patching import load_patch
-    from storylens.analysis.scores import score_heads
     from storylens.core.errors import StorylensError
     from storylens.core.heads import Head, head_label, parse_head_label
+    from storylens.effects.patching import load_patch
     from storylens.lesson.results import load_heads
     from storylens.lm import AttentionLM, load_lm, wrap
     from storylens.model.gpt import GPT, GPTConfig, KVCache
     from storylens.model.hub import load_model
     from storylens.recording import attention_widget, story_attention
+    from storylens.table.scores import score_heads
 
 __all__ = [
     "GPT",

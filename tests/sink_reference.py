@@ -1,10 +1,10 @@
-"""The sink and context columns (storylens.analysis.sinks) written out plainly, story by story, from
+"""The sink and context columns (storylens.looking.sinks) written out plainly, story by story, from
 each block's attention probabilities and value vectors through the output projection: the
 reference the tests hold storylens's streamed, merged sums to."""
 
 import torch
 
-from storylens.analysis.sinks import ACTIVE_SHARE, SINK_THRESHOLD
+from storylens.looking.sinks import ACTIVE_SHARE, SINK_THRESHOLD
 
 
 def sink_columns(stories: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> dict[str, dict]:

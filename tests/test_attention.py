@@ -147,12 +147,12 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
     maps handed over a few query rows at a time equal those from whole eager maps. float64 (Llama's
     and NeoX's softmax in float32, as their own): the same sums in another order, BOUND as above."""
     import storylens.lm.attention as attention
-    import storylens.lm.interface as interface
+    import storylens.lm.transformers_lm as interface
     from storylens.analysis import pattern_detector, score_heads
-    from storylens.analysis.detectors import BUILTIN_DETECTORS
-    from storylens.analysis.record import record
-    from storylens.analysis.scores import HeadScoreAccumulator
     from storylens.data.stories import load_split
+    from storylens.engine.record import record
+    from storylens.looking.detectors import BUILTIN_DETECTORS
+    from storylens.table.accumulator import HeadScoreAccumulator
 
     stories = load_split().quiz[:6]
     same_token = pattern_detector("same_token", lambda ids: (ids[:, :, None] == ids[:, None, :]).float())
@@ -207,9 +207,11 @@ def test_norm_weighted_sums_held_to_the_batch_end_equal_those_summed_chunk_by_ch
     chunk by chunk themselves (no shared reads): the same products, the same sums in the same order."""
     import dataclasses
 
-    import storylens.analysis.scores as scores
-    from storylens.analysis.detectors import BUILTIN_DETECTORS, NORM_PREFIX, HeldReads
+    import storylens.table.accumulator as accumulator
+    import storylens.table.scores as scores
     from storylens.data.stories import load_split
+    from storylens.looking.detectors import BUILTIN_DETECTORS, NORM_PREFIX
+    from storylens.looking.reads import HeldReads
 
     stories = load_split().quiz[:6]
     lm = wrap(_model("llama"), tokenizer)
@@ -226,7 +228,7 @@ def test_norm_weighted_sums_held_to_the_batch_end_equal_those_summed_chunk_by_ch
     held = norm_columns()
     assert joined and max(joined) == lm.n_layer  # every block's chunk of the same rows, joined
     joined.clear()
-    monkeypatch.setattr(scores, "HELD_BYTES", 0)
+    monkeypatch.setattr(accumulator, "HELD_BYTES", 0)
     each = norm_columns()
     assert joined and max(joined) == 1  # summed chunk by chunk
     unshared = norm_columns(tuple(dataclasses.replace(d, read=None) for d in BUILTIN_DETECTORS))
@@ -237,8 +239,8 @@ def test_norm_weighted_sums_held_to_the_batch_end_equal_those_summed_chunk_by_ch
 def test_a_hand_made_detector_gets_whole_maps(tokenizer):
     """A detector made by hand (no ``rows``) may not read a chunk: the recording gives it whole maps."""
     from storylens.analysis import score_heads
-    from storylens.analysis.detectors import Detector
     from storylens.data.stories import load_split
+    from storylens.looking.detectors import Detector
 
     shapes: list[tuple[int, ...]] = []
 
@@ -391,8 +393,8 @@ def test_the_plan_says_how_a_pass_feeds_and_one_whole_map_measure_switches_it(to
     """Every measure streams: chunks of rows, with the key norms and head output sizes asked for; one
     measure that does not (``Needs(streams=False)``) makes the whole pass hand whole maps, and the
     plan says so and why. Both ways the chunks carry the same norms and output sizes."""
-    from storylens.analysis.record import Needs, plan, record
     from storylens.data.stories import load_split
+    from storylens.engine.record import Needs, plan, record
 
     class Kept:
         def __init__(self, streams):
@@ -472,8 +474,8 @@ def test_a_streamed_recording_runs_nothing_past_the_last_blocks_head_outputs(tok
     """Streamed, the recording stops at the last block's head outputs (``hook_z``): every block's map is
     handed over, and that block's output projection and MLP never run (no measure reads them); a pass
     of whole maps runs the forward to its end."""
-    from storylens.analysis.record import Needs, record
     from storylens.data.stories import load_split
+    from storylens.engine.record import Needs, record
 
     class Kept:
         def __init__(self, streams):

@@ -342,8 +342,8 @@ def test_dot_targets_are_refused(capsys, target):
 def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp_path, corpus_split):
     """--examples K keeps heads x detectors x K examples: at most EXAMPLES_BUDGET in all (the
     shipped model: 24 heads x every built-in detector), refused past it before a story is scored."""
-    from storylens.analysis.detectors import BUILTIN_DETECTORS
     from storylens.corpus.score import EXAMPLES_BUDGET
+    from storylens.looking.detectors import BUILTIN_DETECTORS
 
     d = len(BUILTIN_DETECTORS)
 
@@ -395,9 +395,9 @@ def test_report_graph_memory_is_one_line_before_the_model_loads(capsys, tmp_path
 def test_score_audit_past_the_budget_is_refused_before_scoring(capsys, tmp_path, corpus_split, monkeypatch):
     """The audit's cost is counted once the first pass has counted the stories, before the scoring:
     past the ablation limit it is one line naming --over-budget, and nothing is written."""
-    import storylens.analysis.truth as truth
+    import storylens.effects.cost as budget
 
-    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", 1e6)
+    monkeypatch.setattr(budget, "ABLATION_LIMIT_FLOPS", 1e6)
     stories = tmp_path / "stories.txt"
     stories.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:2]))
     argv = ["score", "--stories", str(stories), "--out", str(tmp_path / "o"), "--no-progress", "--causal", "--audit"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, table_columns
+from storylens.looking.detectors import BUILTIN_DETECTORS, table_columns
 
 ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")

@@ -108,9 +108,9 @@ def test_each_python_measure_finds_what_it_counts():
 
 def test_the_package_is_held_to_zero_on_every_measure():
     found = _measures().measure()
-    assert found.schema == [], "columns spelled outside storylens/analysis/detectors.py"
+    assert found.schema == [], "columns spelled outside storylens/looking/detectors.py"
     assert found.probes == [], "probes in the recording pass"
     assert found.ids == [], "id()-keyed state"
     assert found.long == [], "functions over 80 lines"
     assert found.untyped == [], "unannotated lm/scores/model parameters"
-    assert found.touched() == ["storylens/analysis/detectors.py", "tests/analysis/test_detectors.py"]
+    assert found.touched() == ["storylens/looking/detectors.py", "tests/analysis/test_detectors.py"]

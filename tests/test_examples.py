@@ -8,13 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, Masks
-from storylens.analysis.encode import EncodedStory, batch_of, encode_stories, length_batches
-from storylens.analysis.examples import WEIGHT_DECIMALS, TopExamples, rounded
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.record import Needs, record
 from storylens.core.errors import StorylensError
+from storylens.data.names import name_vocabulary
+from storylens.engine.encode import EncodedStory, batch_of, encode_stories, length_batches
+from storylens.engine.masks import Masks
+from storylens.engine.record import Needs, record
 from storylens.lm import wrap
+from storylens.looking.detectors import BUILTIN_DETECTORS
+from storylens.looking.example_select import rounded
+from storylens.looking.example_store import WEIGHT_DECIMALS
+from storylens.looking.examples import TopExamples
 
 NAMES = [d.name for d in BUILTIN_DETECTORS]
 K = 8
@@ -75,7 +78,7 @@ def test_selecting_only_in_rows_a_query_can_enter_keeps_what_every_row_keeps(rec
     in every row (what other devices do); with the per-story cap bounding the top k (2 x 4 stories
     <= 8) and not (1 x 4 > 3, 2 x 4 > 5), fed whole and in chunks of rows; a padding query said to
     be counted never enters."""
-    import storylens.analysis.examples as examples
+    import storylens.looking.examples as examples
 
     lm, _, batches = recorded
     held = []

@@ -10,9 +10,9 @@ import pytest
 
 pd = pytest.importorskip("pandas")
 
-from storylens.analysis.scores import score_heads  # noqa: E402
 from storylens.core.errors import StorylensError  # noqa: E402
 from storylens.core.frames import to_frame  # noqa: E402
+from storylens.table.scores import score_heads  # noqa: E402
 from storylens.viz.tokens import token_text  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def test_repr_html_is_the_block_by_head_grid(scored):
 
 
 def test_grid_html_escapes_and_shows_missing_values():
-    from storylens.analysis.grid_html import grid_html
+    from storylens.viz.grid_html import grid_html
 
     page = grid_html([[0.0, None], [float("nan"), 1.0]], "<script>alert(1)</script>", "a & b")
     assert "<script>" not in page and "&lt;script&gt;" in page and "a &amp; b" in page

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from storylens.core.errors import StorylensError
 from storylens.lm import NativeLM, load_lm
-from storylens.lm.interface import _attention_of, _decoder_layers
+from storylens.lm.transformers_lm import _attention_of, _decoder_layers
 
 KINDS = ("hook_resid_pre", "hook_q", "hook_k", "hook_v", "hook_z", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
 D, H = 32, 4

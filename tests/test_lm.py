@@ -12,12 +12,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from storylens.analysis import score_heads
-from storylens.analysis.ablation import ablate_heads
-from storylens.analysis.examples import PER_STORY
-from storylens.analysis.names import main_character, name_vocabulary
 from storylens.core.heads import Head
+from storylens.data.names import main_character, name_vocabulary
+from storylens.effects.ablation import ablate_heads
 from storylens.lesson.inputs import lesson_quiz
 from storylens.lm import NativeLM, TransformersLM, load_lm
+from storylens.looking.example_store import PER_STORY
 from storylens.model.hub import export_hf, load_model
 
 WINDOW = 96
@@ -194,7 +194,7 @@ def test_a_pass_that_reads_no_attention_is_transformers_sdpa_bit_for_bit(tiny_fo
 
 
 def test_ablations_that_skip_the_blocks_before_the_head_equal_whole_passes(tiny_folder, quiz):
-    from storylens.analysis.ablation import Condition, ablation_losses, head_output_means
+    from storylens.effects.ablation import Condition, ablation_losses, head_output_means
 
     lm = load_lm(tiny_folder, dtype=torch.float64)
     ids = [lm.encode(t)[:WINDOW] for t in quiz[:6]]
@@ -347,7 +347,7 @@ def _value_and_output(attn, kind: str, hidden: torch.Tensor, n_head: int):
 def _attention_inputs(model, ids: list[int]):
     """Each layer's attention probabilities ``[head, q, k]`` (``output_attentions``) and the hidden
     states its attention module was handed."""
-    from storylens.lm.interface import _attention_of, _decoder_layers
+    from storylens.lm.transformers_lm import _attention_of, _decoder_layers
 
     seen: dict[int, torch.Tensor] = {}
     handles = []
@@ -371,7 +371,7 @@ def test_norm_weighted_scores_and_output_norms_equal_the_direct_computation(tiny
     """Kobayashi et al.'s norm-weighted map w_ij = a_ij |f_j| / sum_k a_ik |f_k|, f_j = W_O^h v_j,
     computed here from transformers' own probabilities and the modules' own value and output
     projections; storylens's norm_* columns and output norms equal it in float64."""
-    from storylens.lm.interface import _attention_of, _decoder_layers
+    from storylens.lm.transformers_lm import _attention_of, _decoder_layers
 
     lm = load_lm(tiny_folder, dtype=torch.float64)
     kind = lm.module.config.model_type

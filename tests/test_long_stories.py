@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from storylens.analysis.encode import encode_stories
-from storylens.analysis.names import name_vocabulary
+from storylens.data.names import name_vocabulary
 from storylens.data.stories import EOT
+from storylens.engine.encode import encode_stories
 from storylens.lm import wrap
 from storylens.recording import figure_tokens
 

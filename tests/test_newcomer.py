@@ -298,9 +298,9 @@ def test_commands_offer_quiz_only_where_they_have_it(capsys, tmp_path):
 
 def test_the_shipped_report_keeps_the_lesson_wording(tmp_path):
     """The shipped model still reads as the lesson's: its name, its marker and the lesson column."""
-    from storylens.analysis.run_info import display_name
     from storylens.lesson.tables import marker_words
     from storylens.lm import load_lm
+    from storylens.table.run_info import display_name
 
     lm = load_lm()
     assert display_name(lm) == "Tiny Storyteller" and marker_words(lm) == "the end-of-story marker"
@@ -342,7 +342,7 @@ def test_ablate_heads_runs_only_those_heads(capsys, monkeypatch, corpus_split, t
 def _ablate_cost(heads, modes, group, quiz_path=None):
     """What storylens ablate estimates on the shipped model and its quiz, or the stories of
     ``quiz_path`` (as ablate reads and counts them)."""
-    from storylens.analysis.truth import ablate_cost
+    from storylens.effects.cost import ablate_cost
     from storylens.lesson.inputs import lesson_data
     from storylens.lesson.report import _quiz_folder
     from storylens.lm import load_lm
@@ -356,13 +356,13 @@ def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
     """Every head alone (no --heads) on the shipped model: its estimate under the budget is said and run;
     with the budget lowered below it (the shipped model is small), one line naming the estimate, the
     budget and --over-budget, exit 2, and nothing run; --over-budget runs it."""
-    import storylens.analysis.truth as truth
+    import storylens.effects.cost as budget
 
     every = _ablate_cost(None, ("zero", "mean"), 3)
     one = _ablate_cost(["L4H2"], ("zero",), 0)
-    assert one.flops < every.flops < truth.ABLATION_LIMIT_FLOPS / 2  # the shipped model's whole ablate fits
+    assert one.flops < every.flops < budget.ABLATION_LIMIT_FLOPS / 2  # the shipped model's whole ablate fits
     assert 0 < one.passes < every.passes and one.scoring == every.scoring
-    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", every.flops / 2)
+    monkeypatch.setattr(budget, "ABLATION_LIMIT_FLOPS", every.flops / 2)
     limit = f"{every.flops / 2e12:g}"
     assert main(["ablate"]) == 2
     out, err = capsys.readouterr()
@@ -370,7 +370,7 @@ def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
         f"storylens: error: ablate: {every.describe()}, past the budget of {limit} TFLOP; "
         "pass --over-budget to run it anyway\n"
     )
-    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", one.flops / 2)
+    monkeypatch.setattr(budget, "ABLATION_LIMIT_FLOPS", one.flops / 2)
     assert main(["ablate", "--heads", "L4H2", "--mode", "zero", "--no-progress", "--over-budget"]) == 0
     out, err = capsys.readouterr()
     assert _rows(out) == ["L4H2"] and err == f"storylens: ablate: {one.describe()}\n"
@@ -379,12 +379,12 @@ def test_ablate_says_its_cost_and_refuses_past_the_budget(capsys, monkeypatch):
 def _truth_cost(quiz_file: Path, n: int):
     """What ``report --truth-stories n --quiz quiz_file`` estimates on the shipped model: its ablations'
     heads come from the scoring pass over the same stories, encoded as the report encodes them."""
-    from storylens.analysis.encode import encode_stories
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.scores import score_heads
-    from storylens.analysis.truth import truth_cost
+    from storylens.data.names import name_vocabulary
+    from storylens.engine.encode import encode_stories
     from storylens.lesson.inputs import lesson_data
     from storylens.lm import load_lm
+    from storylens.table.scores import score_heads
+    from storylens.table.truth import truth_cost
 
     lm = load_lm(None)
     quiz = lesson_data(None, None, str(quiz_file)).quiz
@@ -397,13 +397,13 @@ def test_report_truth_stories_says_its_cost_and_refuses_past_the_budget(capsys, 
     """An explicit --truth-stories on a quiz of four stories: with the budget lowered below its estimate,
     one line naming the estimate, the budget and --over-budget, exit 2, no report folder; with
     --over-budget the line is said on stderr and the table runs on the stories asked."""
-    import storylens.analysis.truth as truth
+    import storylens.effects.cost as budget
 
     quiz = tmp_path / "quiz.txt"
     quiz.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:4]))
     cost = _truth_cost(quiz, 3)
-    assert 0 < cost.scoring < cost.flops < truth.ABLATION_LIMIT_FLOPS / 2  # unpatched, it would just run
-    monkeypatch.setattr(truth, "ABLATION_LIMIT_FLOPS", cost.flops / 2)
+    assert 0 < cost.scoring < cost.flops < budget.ABLATION_LIMIT_FLOPS / 2  # unpatched, it would just run
+    monkeypatch.setattr(budget, "ABLATION_LIMIT_FLOPS", cost.flops / 2)
     out = tmp_path / "r"
     args = ["report", "--quiz", str(quiz), "--out", str(out), "--truth-stories", "3", "--no-progress"]
     assert main(args) == 2
@@ -424,8 +424,8 @@ def test_the_docs_state_the_budget_and_the_progress_interval_the_code_uses():
     """The docs' ablation budget and progress interval (docs/outputs.md, docs/lesson.md) are the constants
     the commands use, and the README says how storylens gets on the PATH after setup (which installs into
     .venv only)."""
-    from storylens.analysis.truth import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
     from storylens.core.progress import PROGRESS_EVERY, PROGRESS_EVERY_ENV
+    from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
 
     docs = " ".join(" ".join(p.read_text().split()) for p in sorted((ROOT / "docs").glob("*.md")))
     readme = " ".join((ROOT / "README.md").read_text().split())

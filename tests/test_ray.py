@@ -12,12 +12,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.record import record
-from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.data.names import name_vocabulary
 from storylens.data.sources import StorySource, open_source
+from storylens.engine.record import record
 from storylens.lm import NativeLM
+from storylens.table.accumulator import HeadScoreAccumulator
 
 BATCH, CHUNK = 4, 8
 EXAMPLES = 8

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from storylens.analysis.record import RecordStats
-from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.core.errors import StorylensError
 from storylens.corpus.ray_engine import _InOrder
+from storylens.engine.record import RecordStats
+from storylens.table.accumulator import HeadScoreAccumulator
 
 
 def row(start: int, n: int, pid: int = 1, peak: float = 10.0) -> dict:

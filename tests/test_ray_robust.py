@@ -18,10 +18,10 @@ import psutil
 from cli_lines import one_line
 from test_ray import BATCH, CHUNK, single
 
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.scores import HeadScoreAccumulator
 from storylens.corpus.ray_engine import score_with_ray
+from storylens.data.names import name_vocabulary
 from storylens.data.stories import EOT
+from storylens.table.accumulator import HeadScoreAccumulator
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 

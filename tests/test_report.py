@@ -69,7 +69,7 @@ def test_report_html_is_self_contained(report_dir):
     # the overview: a grid per column (every detector raw, then norm-weighted, then the output share,
     # as the detectors declare); the sections' score heatmaps after it (the lesson's, then the ones
     # past it). Every cell the head's value in heads.json
-    from storylens.analysis.detectors import BUILTIN_COLUMNS, LESSON, MORE, OVERVIEW, SINKS
+    from storylens.looking.detectors import BUILTIN_COLUMNS, LESSON, MORE, OVERVIEW, SINKS
 
     overview = dict(re.findall(r'<div class="sl-ov" data-col="([a-z0-9_]+)">(.*?)</div>', page, flags=re.S))
     raw = ["name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker", "duplicate_token", "induction"]
@@ -169,9 +169,9 @@ def test_the_typed_summary_is_summary_json(report_dir):
 def test_the_summary_holds_the_results_themselves(report_dir):
     """No mirror classes: the summary's parts are the analysis results (the checks, the faithfulness
     table, the leakage figures, the model as score names it), read back as those types."""
-    from storylens.analysis.run_info import ModelInfo
-    from storylens.analysis.truth import Truth, TruthRow
     from storylens.lesson.checks import Check
+    from storylens.table.run_info import ModelInfo
+    from storylens.table.truth import Truth, TruthRow
 
     s = load(report_dir)
     assert isinstance(s.model, ModelInfo) and all(isinstance(c, Check) for c in s.numerics) and s.numerics
@@ -250,13 +250,13 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
     import math
     import sys
 
-    from storylens.analysis.detectors import BUILTIN_DETECTORS, TRUTH
-    from storylens.analysis.encode import encode_stories
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.scores import HeadScores
-    from storylens.analysis.truth import TRUTH_HEADS, TRUTH_STORIES, truth_budget_stories
+    from storylens.data.names import name_vocabulary
     from storylens.data.stories import load_split
+    from storylens.engine.encode import encode_stories
     from storylens.lm import load_lm
+    from storylens.looking.detectors import BUILTIN_DETECTORS, TRUTH
+    from storylens.table.scores import HeadScores
+    from storylens.table.truth import TRUTH_HEADS, TRUTH_STORIES, truth_budget_stories
 
     f = load(report_dir).faithfulness
     DETECTORS = [d.name for d in BUILTIN_DETECTORS if TRUTH in d.shown]  # the detectors the table checks
@@ -302,12 +302,12 @@ def test_the_faithfulness_section_is_the_head_table(report_dir):
 
 
 def test_the_ablation_note_says_how_its_stories_were_chosen(shipped_model, corpus_split):
-    from storylens.analysis.encode import encode_stories
-    from storylens.analysis.names import name_vocabulary
-    from storylens.analysis.scores import score_heads
-    from storylens.analysis.truth import truth_budget_stories
+    from storylens.data.names import name_vocabulary
+    from storylens.engine.encode import encode_stories
     from storylens.lesson.report import _truth_stories_note
     from storylens.lm import NativeLM
+    from storylens.table.scores import score_heads
+    from storylens.table.truth import truth_budget_stories
 
     lm = NativeLM(shipped_model)
     quiz = corpus_split.quiz[:3]

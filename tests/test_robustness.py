@@ -179,8 +179,8 @@ class _Watched(list):
 
 
 def test_positions_look_only_inside_the_window_so_a_long_story_is_linear(shipped_model):
-    from storylens.analysis.encode import mention_first_tokens
-    from storylens.analysis.names import main_character, pronoun_positions, pronoun_spans, token_positions
+    from storylens.data.names import main_character, pronoun_positions, pronoun_spans, token_positions
+    from storylens.engine.encode import mention_first_tokens
 
     text = "Lily saw a cat. She smiled at Lily. " * 20_000  # 720 KB: 200,000 tokens, 40,000 mentions
     enc = shipped_model.tokenizer.encode(text)
@@ -446,8 +446,8 @@ def test_a_detector_name_kept_for_a_norm_weighted_column(tmp_path, corpus_file, 
 
 
 def test_reserved_columns_cover_the_head_table():
-    from storylens.analysis.detectors import BUILTIN_COLUMNS, RESERVED_COLUMNS
-    from storylens.analysis.scores import HeadScore
+    from storylens.looking.detectors import BUILTIN_COLUMNS, RESERVED_COLUMNS
+    from storylens.table.scores import HeadScore
 
     # a user column may take neither a built-in's name nor one a row answers to itself (row.label, row.at)
     own = {n for n in dir(HeadScore) if not n.startswith("_")}

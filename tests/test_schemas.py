@@ -13,15 +13,15 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from storylens import load_heads, load_patch  # noqa: E402
-from storylens.analysis.detectors import BUILTIN_DETECTORS, FLAG, table_columns  # noqa: E402
-from storylens.analysis.patching import CSV_COLUMNS, EXAMPLE_PAIRS, PatchResult, read_pairs  # noqa: E402
-from storylens.analysis.scores import HeadScores  # noqa: E402
 from storylens.cli import main  # noqa: E402
 from storylens.core.errors import StorylensError  # noqa: E402
 from storylens.core.schema import SCHEMA_VERSION, SCHEMAS, heads_schema, schema  # noqa: E402
 from storylens.corpus.summary import ScoreSummary  # noqa: E402
 from storylens.data.stories import EOT  # noqa: E402
+from storylens.effects.patching import CSV_COLUMNS, EXAMPLE_PAIRS, PatchResult, read_pairs  # noqa: E402
 from storylens.lesson.summary import ReportSummary  # noqa: E402
+from storylens.looking.detectors import BUILTIN_DETECTORS, FLAG, table_columns  # noqa: E402
+from storylens.table.scores import HeadScores  # noqa: E402
 
 N = 6
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from storylens.analysis.names import NameVocabulary, name_vocabulary
 from storylens.cli import main
+from storylens.data.names import NameVocabulary, name_vocabulary
 from storylens.data.stories import EOT
 
 N = 48
@@ -164,9 +164,10 @@ def test_a_killed_run_resumes_to_the_same_numbers(files, tmp_path):
 def test_the_causal_columns_are_written_and_a_checkpoint_carries_them(files, stories, shipped_model, tmp_path):
     """--causal: the six AtP/DLA columns in heads.json (None without it), and the accumulator's state (what a
     checkpoint holds) read back and merged with the rest equals one pass within 1e-9."""
-    from storylens.analysis.record import RecordStats, record
-    from storylens.analysis.scores import HeadScoreAccumulator, score_table
+    from storylens.engine.record import RecordStats, record
     from storylens.lm import NativeLM
+    from storylens.table.accumulator import HeadScoreAccumulator
+    from storylens.table.scores import score_table
 
     few = files / "few.txt"
     few.write_text("".join(f"{s}\n{EOT}\n" for s in stories[:8]))
@@ -192,8 +193,8 @@ def test_the_causal_columns_are_written_and_a_checkpoint_carries_them(files, sto
 
 
 def test_a_stream_needs_its_names(shipped_model, stories):
-    from storylens.analysis.record import record
     from storylens.core.errors import StorylensError
+    from storylens.engine.record import record
     from storylens.lm import NativeLM
 
     with pytest.raises(StorylensError, match="pass names"):

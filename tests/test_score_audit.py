@@ -1,7 +1,7 @@
 """storylens score --causal --audit K: the report's audit of AtP against exact ablation, run after the
 scoring on the first stories of the corpus, within the ablations' budget; written to summary.json (its
 schema) and audit.csv, and printed. On a tiny seeded Llama with grouped key/value heads saved here, in
-float64: the run's audit is the one :func:`storylens.analysis.audit.audit_stories` computes on the same
+float64: the run's audit is the one :func:`storylens.effects.audit.audit_stories` computes on the same
 stories, its cost is said before the scoring, and past the budget it is refused with nothing written."""
 
 import csv
@@ -12,19 +12,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis.audit import (  # noqa: E402
-    AUDIT_CSV,
-    audit_budget_stories,
-    audit_cost,
-    audit_passes,
-    audit_stories,
-)
-from storylens.analysis.encode import encode_stories  # noqa: E402
-from storylens.analysis.names import name_vocabulary  # noqa: E402
-from storylens.analysis.truth import block_flops, head_flops  # noqa: E402
 from storylens.cli import main  # noqa: E402
 from storylens.core.schema import schema  # noqa: E402
+from storylens.data.names import name_vocabulary  # noqa: E402
 from storylens.data.stories import EOT  # noqa: E402
+from storylens.effects.audit import AUDIT_CSV, audit_budget_stories, audit_cost, audit_passes, audit_stories
+from storylens.effects.cost import block_flops, head_flops  # noqa: E402
+from storylens.engine.encode import encode_stories  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 N, K, AUDITED = 8, 2, 3
@@ -158,7 +152,7 @@ def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(f
 
     import jsonschema
 
-    from storylens.analysis.truth import effect_text
+    from storylens.effects.cost import effect_text
 
     out = tmp_path / "rep"
     argv = ["report", "--model", str(folder), "--dtype", "float64", "--quiz", str(stories), "--out", str(out),

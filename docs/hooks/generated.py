@@ -1,7 +1,7 @@
 """mkdocs hook: the pages' generated parts, read from the code's own declarations, never retyped.
 
 ``<!-- columns -->`` becomes the table of every heads.csv column, from
-``table_columns(BUILTIN_DETECTORS)`` in ``storylens/analysis/detectors.py`` (name, title, meaning);
+``table_columns(BUILTIN_DETECTORS)`` in ``storylens/looking/detectors.py`` (name, title, meaning);
 ``<!-- api -->`` becomes one mkdocstrings block per name ``storylens`` exports (``storylens.__all__``).
 A page that holds a marker the hook does not fill fails the build (``mkdocs build --strict``).
 """
@@ -9,7 +9,7 @@ A page that holds a marker the hook does not fill fails the build (``mkdocs buil
 import re
 
 import storylens
-from storylens.analysis.detectors import BUILTIN_DETECTORS, table_columns
+from storylens.looking.detectors import BUILTIN_DETECTORS, table_columns
 
 MARKER = re.compile(r"<!-- (columns|api) -->")
 

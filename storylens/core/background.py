@@ -14,6 +14,7 @@ dies with its parent (``PR_SET_PDEATHSIG`` on Linux), so a killed run leaves no 
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -40,8 +41,6 @@ def _can_fork() -> bool:
 
 def _die_with_parent(parent: int) -> None:
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed when the parent dies
     except (OSError, AttributeError):  # not Linux: the check below still catches most cases

@@ -6,6 +6,8 @@ wrong on its face: :class:`UsageError`), 1 for any other problem found while run
 (:class:`StorylensError`: a bad file, a model that is not what it claims), 130 when interrupted.
 """
 
+from importlib.metadata import PackageNotFoundError, metadata
+
 
 class StorylensError(Exception):
     """A problem with the user's input: the message names the file and the problem (exit 1)."""
@@ -19,8 +21,6 @@ def install_hint(extra: str) -> str:
     """How to install storylens with an optional extra (``hf``, ``ray``): from the project's own
     repository, whose address lives in one place, pyproject's ``[project.urls]`` (storylens is not
     on PyPI, and a package of that name there would not be this one)."""
-    from importlib.metadata import PackageNotFoundError, metadata
-
     try:
         urls = metadata("storylens").get_all("Project-URL") or []
     except PackageNotFoundError:

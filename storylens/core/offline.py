@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+# huggingface_hub reads its settings from the environment once, when this is first imported: so
+# hub_offline sets the value the client reads (constants.HF_HUB_OFFLINE) itself, besides the variables
+import huggingface_hub.constants as hc
+
 
 @contextmanager
 def hub_offline(offline: bool = True):
@@ -12,8 +16,6 @@ def hub_offline(offline: bool = True):
     if not offline:
         yield
         return
-    import huggingface_hub.constants as hc
-
     saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     saved = hc.HF_HUB_OFFLINE
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"

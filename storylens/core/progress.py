@@ -44,7 +44,7 @@ class ProgressLines:
     ``enabled`` (the caller's progress switch) and the stream is not a terminal. Call
     :meth:`update` with the stories just done (``initial``: how many were done before, as a resumed
     run starts); a loop shorter than ``every`` prints nothing. A recording pass counts its batches
-    with it (``record(..., [..., Counter(lines.update)])``, :class:`storylens.analysis.record.Counter`)."""
+    with it (``record(..., [..., Counter(lines.update)])``, :class:`storylens.engine.record.Counter`)."""
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,8 +47,6 @@ def fault_point(name: str) -> None:
     """Fault injection for the tests (tests/faults): ``STORYLENS_INJECT_KILL=NAME`` kills this
     process with SIGKILL when it reaches the point called NAME, as a power cut would."""
     if os.environ.get("STORYLENS_INJECT_KILL") == name:
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -51,7 +51,7 @@ def schema(name: str) -> dict:
 
 def heads_schema(columns: Sequence[str]) -> dict:
     """The heads.json schema with every row holding ``columns`` (a run's score columns, e.g. the
-    names of :func:`storylens.analysis.detectors.table_columns` less the flag) as numbers or null, and
+    names of :func:`storylens.looking.detectors.table_columns` less the flag) as numbers or null, and
     the column list naming exactly those plus the flag."""
     doc = schema("heads")
     row = doc["$defs"]["row"]

@@ -39,16 +39,24 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from storylens.analysis import detectors
-from storylens.analysis.detectors import BUILTIN_DETECTORS
-from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES
-from storylens.analysis.gradients import GRAPH_BYTES
-from storylens.analysis.record import RecordStats, record
-from storylens.analysis.scores import HeadScoreAccumulator
+import torch
+from tqdm.auto import tqdm
+
 from storylens.core.errors import StorylensError, UsageError, install_hint
 from storylens.core.progress import ProgressLines
-from storylens.data.sources import StorySource, chunk_spans, chunked
+from storylens.data.sources import StorySource, chunk_spans, chunked, read_chunk_run
+from storylens.engine import masks
+from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES
+from storylens.engine.gradients import GRAPH_BYTES
+from storylens.engine.record import RecordStats, record
 from storylens.lm import load_lm
+from storylens.looking.detectors import BUILTIN_DETECTORS
+from storylens.table.accumulator import HeadScoreAccumulator
+
+try:
+    import resource
+except ImportError:  # not on Windows: there peak_rss_mb has no ru_maxrss to fall back on
+    resource = None  # type: ignore[assignment]
 
 READ_TASKS_PER_WORKER = 1  # read tasks per actor: each reads its own run of consecutive chunks
 IN_FLIGHT = 2  # chunks an actor holds: the one it scores and the next (no wait between chunks)
@@ -64,15 +72,13 @@ class ChunkScorer:
         self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False,
         graph_bytes: int = GRAPH_BYTES,
     ):  # fmt: skip
-        import torch
-
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
         self.lm = load_lm(model_source)
         self.names = frozenset(names)
         self.batch_size = batch_size
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
         self.examples = examples
-        self.causal = causal  # AtP and DLA too (storylens.analysis.causal)
+        self.causal = causal  # AtP and DLA too (storylens.effects.attribution)
         self.graph_bytes = graph_bytes  # the gradient pass's kept graphs at most
 
     def __call__(self, batch: dict) -> dict:
@@ -113,9 +119,6 @@ class ChunkScorer:
 def peak_rss_mb() -> float:
     """This process's resident-memory high-water mark, from the OS: ``VmHWM`` (Linux; it starts
     afresh at exec, where ``ru_maxrss`` carries the parent's peak over), else ``ru_maxrss``."""
-    import resource
-    import sys
-
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -129,14 +132,14 @@ def peak_rss_mb() -> float:
 
 def _actor_failure(e: BaseException) -> str:
     """One line for an exception raised while an actor scored a chunk. A user pattern (called from
-    :meth:`Masks.pattern_keys <storylens.analysis.detectors.Masks.pattern_keys>`) is named
+    :meth:`Masks.pattern_keys <storylens.engine.masks.Masks.pattern_keys>`) is named
     by its file, as ``--detector FILE`` gave it."""
 
     what = f"{type(e).__name__}: {_one_line(e)}"
     tb, found = e.__traceback__, None
-    while tb is not None:  # where the pattern is called: detectors._pattern_weights (its local fn)
+    while tb is not None:  # where the pattern is called: masks._pattern_weights (its local fn)
         frame = tb.tb_frame
-        if frame.f_code.co_name == "_pattern_weights" and frame.f_code.co_filename == detectors.__file__:
+        if frame.f_code.co_name == "_pattern_weights" and frame.f_code.co_filename == masks.__file__:
             found = tb
         tb = tb.tb_next
     if found is None:
@@ -368,27 +371,19 @@ def score_with_ray(
 ):
     """Score the stories of ``source`` from index ``start`` on, on Ray, in one streaming pipeline, and
     merge the chunks' states into ``acc`` in story order; returns the
-    :class:`~storylens.analysis.record.RecordStats` of the stories it scored (see the module docstring).
+    :class:`~storylens.engine.record.RecordStats` of the stories it scored (see the module docstring).
 
     ``source``: a :class:`~storylens.data.sources.StorySource` (read on the workers) or a sequence of
     stories (sent by the driver). ``total``: how many stories ``source`` holds (counted if not given).
     ``on_progress(stats)`` is called whenever the stories merged so far grow (a run that checkpoints
     saves there: what is merged is always the first stories, exactly)."""
-    from tqdm.auto import tqdm
-
-    if workers < 1:
-        raise UsageError(f"--workers: must be at least 1 (got {workers})")
-    if batch_size < 1 or chunk_stories < 1:
-        raise UsageError("--batch-size and --chunk-stories: must be at least 1")
+    _check_sizes(workers, batch_size, chunk_stories)
     ray = _import_ray()
     with _quiet_ray():
         _init_ray(ray, address)
         workers = _actors(ray, workers)
         _configure_data(ray)
-        if total is None:
-            total = len(source) if isinstance(source, Sequence) else sum(1 for _ in source)
-        if total <= start:
-            raise StorylensError("stories: nothing to score (no story)")
+        total = _story_count(source, total, start)
         n_chunks = -(-(total - start) // chunk_stories)
         scorer = dict(  # each actor's ChunkScorer: the model loaded once, the detectors
             model_source=model_source,
@@ -401,24 +396,8 @@ def score_with_ray(
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)
-        lines = ProgressLines(f"scoring on Ray ({workers} workers)", total, enabled=progress, initial=start)
         merger = _InOrder(acc, examples, start)
-        with tqdm(
-            total=total,
-            initial=start,
-            unit="story",
-            desc=f"recording attention on Ray ({workers} workers)",
-            disable=None if progress else True,
-        ) as bar:
-            try:
-                for row in ds.iter_rows():
-                    merged = merger.add(row)
-                    bar.update(int(row["n"]))
-                    lines.update(int(row["n"]))  # off a terminal, instead of the bar
-                    if merged and on_progress is not None:
-                        on_progress(merger.stats)
-            except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
-                raise StorylensError(_ray_failure(e)) from None
+        _merge_rows(ray, ds, merger, total, start, workers=workers, progress=progress, on_progress=on_progress)
     if merger.waiting or merger.next != total:
         raise StorylensError(f"ray: stories {merger.next:,} to {total:,} did not come back from the actors")
     if details is not None:
@@ -426,6 +405,47 @@ def score_with_ray(
         details["workers"] = workers  # as used: --workers capped at the cluster's CPUs
         details["read_on_workers"] = isinstance(source, StorySource)
     return merger.stats
+
+
+def _check_sizes(workers: int, batch_size: int, chunk_stories: int) -> None:
+    """Refuse fewer than one worker, or batches or chunks of fewer than one story."""
+    if workers < 1:
+        raise UsageError(f"--workers: must be at least 1 (got {workers})")
+    if batch_size < 1 or chunk_stories < 1:
+        raise UsageError("--batch-size and --chunk-stories: must be at least 1")
+
+
+def _story_count(source, total: int | None, start: int) -> int:
+    """``total``, else how many stories ``source`` holds (counted); refused where none is left from ``start``."""
+    if total is None:
+        total = len(source) if isinstance(source, Sequence) else sum(1 for _ in source)
+    if total <= start:
+        raise StorylensError("stories: nothing to score (no story)")
+    return total
+
+
+def _merge_rows(
+    ray, ds, merger: _InOrder, total: int, start: int, *, workers: int, progress: bool, on_progress
+) -> None:
+    """Every chunk's row of ``ds`` into ``merger`` as it comes back, with a bar (lines off a terminal),
+    ``on_progress(stats)`` whenever the stories merged grow; an actor's error is one line."""
+    lines = ProgressLines(f"scoring on Ray ({workers} workers)", total, enabled=progress, initial=start)
+    with tqdm(
+        total=total,
+        initial=start,
+        unit="story",
+        desc=f"recording attention on Ray ({workers} workers)",
+        disable=None if progress else True,
+    ) as bar:
+        try:
+            for row in ds.iter_rows():
+                merged = merger.add(row)
+                bar.update(int(row["n"]))
+                lines.update(int(row["n"]))  # off a terminal, instead of the bar
+                if merged and on_progress is not None:
+                    on_progress(merger.stats)
+        except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
+            raise StorylensError(_ray_failure(e)) from None
 
 
 def chunk_dataset(ray, source, start: int, total: int, chunk_stories: int, workers: int):
@@ -442,8 +462,6 @@ def chunk_dataset(ray, source, start: int, total: int, chunk_stories: int, worke
 
     def read(firsts: list[int]):  # runs in a read task, so it imports only what reading needs (no torch)
         import pyarrow as pa
-
-        from storylens.data.sources import read_chunk_run
 
         for first, texts in read_chunk_run(source, firsts, total, chunk_stories):
             yield pa.table({"start": [first], "texts": [[str(t) for t in texts]]})

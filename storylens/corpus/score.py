@@ -7,10 +7,10 @@ Two passes over the source (:mod:`storylens.data.sources`), both streamed:
 
 1. **names**: the lesson's name definition needs the whole set scored (a name is a capitalised
    word whose lower-case form appears nowhere in it), so a first pass builds the
-   :class:`~storylens.analysis.names.NameVocabulary`, a mergeable pair of word sets;
+   :class:`~storylens.data.names.NameVocabulary`, a mergeable pair of word sets;
 2. **recording**: stories are encoded and batched ``chunk_stories`` at a time, in order (the same
    stories always make the same batches); each batch is run once and every detector streamed
-   into one :class:`~storylens.analysis.scores.HeadScoreAccumulator` (float64 sums and counts).
+   into one :class:`~storylens.table.accumulator.HeadScoreAccumulator` (float64 sums and counts).
 
 Every ``checkpoint_every`` batches (at the end of a chunk) the merged sums, counts and the number of
 stories done are written atomically beside ``out``; ``resume=True`` skips those stories and goes on,
@@ -20,31 +20,38 @@ the chunks go to a pool of Ray actors instead (:mod:`storylens.corpus.ray_engine
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from storylens.analysis.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
-from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
-from storylens.analysis.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
-from storylens.analysis.gradients import GRAPH_BYTES
-from storylens.analysis.names import NameVocabulary
-from storylens.analysis.record import Counter, RecordStats, record
-from storylens.analysis.run_info import StoriesInfo, model_info
-from storylens.analysis.scores import HeadScoreAccumulator, HeadScores, score_table
-from storylens.analysis.truth import TRUTH_STORIES, check_ablation_budget
+import torch
+from tqdm.auto import tqdm
+
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder, write_text_atomic
 from storylens.corpus.ray_engine import score_with_ray
 from storylens.corpus.summary import NAME_DEFINITION, EngineInfo, NamesInfo, ScoreSummary, TopHead
+from storylens.data.names import NameVocabulary
 from storylens.data.sources import StorySource
+from storylens.effects.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
+from storylens.effects.cost import check_ablation_budget
+from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
+from storylens.engine.gradients import GRAPH_BYTES
+from storylens.engine.record import Counter, RecordStats, record
 from storylens.lm import AttentionLM
+from storylens.looking.detectors import BUILTIN_DETECTORS, Detector
+from storylens.table.accumulator import HeadScoreAccumulator
+from storylens.table.run_info import StoriesInfo, model_info
+from storylens.table.scores import HeadScores, score_table
+from storylens.table.truth import TRUTH_STORIES
 from storylens.viz.explorer import write_explorer_for
 from storylens.viz.tokens import token_text
 
@@ -90,8 +97,6 @@ def checkpoint_path(out: Path) -> Path:
 
 def first_pass(source, *, progress: bool = True):
     """The name vocabulary of every story in ``source`` and how many there are (streamed)."""
-    from tqdm.auto import tqdm
-
     vocab, n = NameVocabulary(), 0
     lines = ProgressLines("first pass: names", None, enabled=progress)  # off a terminal, instead of the bar
     for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
@@ -125,12 +130,12 @@ class ScoreOptions:
     "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
     a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
     ``examples``: the queries kept per head and detector where it fires most (0: none); ``causal``:
-    every head's AtP and DLA too (:mod:`storylens.analysis.causal`, ``--causal``), the gradient pass
+    every head's AtP and DLA too (:mod:`storylens.effects.attribution`, ``--causal``), the gradient pass
     holding at most ``graph_memory`` MiB of kept graphs (``--graph-memory``); ``audit``: K > 0
     (with ``causal``) audits AtP by exact ablation after the scoring, the K heads of largest |AtP| and K
     drawn at random (``seed``) on ``audit_stories`` first stories (None: as many as the ablation budget
-    allows, :func:`~storylens.analysis.audit.audit_budget_stories`), refused past
-    :data:`~storylens.analysis.truth.ABLATION_LIMIT_FLOPS` unless ``over_budget``."""
+    allows, :func:`~storylens.effects.audit.audit_budget_stories`), refused past
+    :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` unless ``over_budget``."""
 
     batch_size: int = BATCH_STORIES
     chunk_stories: int = CHUNK_STORIES
@@ -289,11 +294,9 @@ def _audit_plan(
     lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions
 ) -> list[EncodedStory]:
     """The stories the audit will run on, the first of the source: ``audit_stories`` of them, or as
-    many of the first :data:`~storylens.analysis.truth.TRUTH_STORIES` as the report's ablation budget
+    many of the first :data:`~storylens.table.truth.TRUTH_STORIES` as the report's ablation budget
     allows (a fifth of the scoring pass, estimated from their mean length, or 1 TFLOP). Its cost is said
     on stderr now, before the scoring, and past the budget refused unless ``over_budget``."""
-    from itertools import islice
-
     asked = opts.audit_stories
     texts = list(islice(iter(source), min(asked or TRUTH_STORIES, n_total)))
     candidates = encode_stories(lm, texts, names)
@@ -310,7 +313,7 @@ def _audit_plan(
 
 
 def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions, timings: dict) -> Audit | None:
-    """The report's audit (:func:`~storylens.analysis.audit.audit_stories`) on the planned stories."""
+    """The report's audit (:func:`~storylens.effects.audit.audit_stories`) on the planned stories."""
     t = time.perf_counter()
     audit = audit_stories(lm, stories, k=opts.audit, seed=opts.seed, batch_size=opts.batch_size, progress=opts.progress)
     timings["audit"] = round(time.perf_counter() - t, 3)
@@ -318,9 +321,7 @@ def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions,
 
 
 def write_audit_csv(audit: Audit, path: Path) -> Path:
-    """audit.csv: one row per audited head (:data:`~storylens.analysis.audit.AUDIT_CSV`)."""
-    import csv
-
+    """audit.csv: one row per audited head (:data:`~storylens.effects.audit.AUDIT_CSV`)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(AUDIT_CSV))
         w.writeheader()
@@ -427,8 +428,6 @@ def _checked_stats(stats, n_total: int):
 def weights_sha256(lm: AttentionLM) -> str:
     """A hash of every weight's bytes, in order (with its name, shape and dtype): a checkpoint made
     with other weights of the same shapes is never resumed. About a second per 500 MB of weights."""
-    import torch
-
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in lm.module.state_dict().items():
@@ -444,8 +443,6 @@ def _astuple(stats) -> tuple[int, int, int]:
 
 def _skip(source, n: int):
     """The stories after the first ``n`` (a resumed run reads the source again from the start)."""
-    from itertools import islice
-
     return islice(iter(source), n, None)
 
 

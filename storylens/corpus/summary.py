@@ -1,8 +1,8 @@
 """``storylens score``'s summary, typed: what it writes as ``summary.json``.
 
 Named as the report's summary names the same things (:mod:`storylens.lesson.summary`): the model is
-the same :class:`~storylens.analysis.run_info.ModelInfo`, the stories the same
-:class:`~storylens.analysis.run_info.StoriesInfo` (the report's ``quiz`` holds the same keys and
+the same :class:`~storylens.table.run_info.ModelInfo`, the stories the same
+:class:`~storylens.table.run_info.StoriesInfo` (the report's ``quiz`` holds the same keys and
 more), the seconds each phase took ``timings_s``. :meth:`ScoreSummary.to_dict` is ``summary.json``
 exactly; :func:`load` reads one back.
 """
@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from storylens.analysis.audit import Audit
-from storylens.analysis.run_info import ModelInfo, StoriesInfo
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
+from storylens.effects.audit import Audit
+from storylens.table.run_info import ModelInfo, StoriesInfo
 
 NAME_DEFINITION = "a capitalised word whose lower-case form appears nowhere in the stories scored"
 

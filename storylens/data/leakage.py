@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from storylens.core.plain import Plain
 
@@ -95,8 +95,6 @@ class LeakageReport:
 
     def to_dict(self) -> dict:
         """Every field (per-story lists included), JSON-ready; :meth:`from_dict` reads it back."""
-        from dataclasses import asdict
-
         return asdict(self)
 
     @classmethod

@@ -8,13 +8,20 @@ the **last 200 stories are the quiz**, the rest are for training.
 from __future__ import annotations
 
 import gzip
+import json
 import os
+import stat
 import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+
+# huggingface_hub loads its parts on first use: the cache lookup and the download below load its HTTP
+# client when first called, not when a reader of stories imports this module
+import huggingface_hub
+import huggingface_hub.utils
 
 from storylens.core.errors import StorylensError, UsageError
 
@@ -137,8 +144,6 @@ def text_lines(path: str | os.PathLike) -> Iterator[str]:
 
 def describe_non_file(path: Path) -> str | None:
     """Why ``path`` cannot be read as a stories file, or None if it is a regular file."""
-    import stat
-
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
@@ -164,10 +169,8 @@ def resolve_corpus(path: str | os.PathLike) -> Path:
     name = str(path)
     if name not in HUB_NAMES:
         return Path(path)
-    from huggingface_hub import try_to_load_from_cache
-
     split = HUB_NAMES[name]
-    found = try_to_load_from_cache(HUB_DATASET, HUB_FILES[split], repo_type="dataset")
+    found = huggingface_hub.try_to_load_from_cache(HUB_DATASET, HUB_FILES[split], repo_type="dataset")
     if not isinstance(found, str):
         raise StorylensError(
             f"{name}: the TinyStories {split} split is not downloaded here; "
@@ -179,15 +182,13 @@ def resolve_corpus(path: str | os.PathLike) -> Path:
 def download_tinystories(split: str = "train") -> Path:
     """Fetch one TinyStories text file from the Hugging Face Hub into the user's cache (with a
     progress bar); only ever called by ``storylens data download``."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import logging as hub_logging
-
+    hub_logging = huggingface_hub.utils.logging
     if split not in HUB_FILES:
         raise UsageError(f"--split: one of {', '.join(HUB_FILES)} (got {split!r})")
     level = hub_logging.get_verbosity()
     hub_logging.set_verbosity_error()  # its retry warnings would bury the one line that matters
     try:
-        return Path(hf_hub_download(HUB_DATASET, HUB_FILES[split], repo_type="dataset"))
+        return Path(huggingface_hub.hf_hub_download(HUB_DATASET, HUB_FILES[split], repo_type="dataset"))
     except Exception as e:  # the hub client raises many types for "no network"
         raise StorylensError(
             f"{HUB_DATASET}: could not download {HUB_FILES[split]} "
@@ -302,8 +303,6 @@ def shipped_quiz(folder: str | os.PathLike | None) -> list[str] | None:
 
 def shipped_leakage(folder: str | os.PathLike | None) -> dict | None:
     """The leakage check stored with a model folder (``leakage.json``), or None."""
-    import json
-
     path = Path(folder) / LEAKAGE_FILE if folder is not None else None
     if path is None or not path.is_file():
         return None

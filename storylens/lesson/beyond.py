@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storylens.analysis.ablation import AblationTable, Divergence, generation_divergence, name_ablation_table
-from storylens.analysis.position import PositionControl, PositionControlAccumulator
-from storylens.analysis.pronouns import PronounAccumulator, PronounAttention
-from storylens.analysis.record import record
-from storylens.analysis.scores import HeadScores
 from storylens.core.plain import Plain
+from storylens.effects.ablation import AblationTable, Divergence, generation_divergence
+from storylens.engine.record import record
 from storylens.lesson.figures import DIVERGENCE_PROMPT
 from storylens.lm import AttentionLM
+from storylens.looking.position import PositionControl, PositionControlAccumulator
+from storylens.looking.pronouns import PronounAccumulator, PronounAttention
+from storylens.table.name_ablation import name_ablation_table
+from storylens.table.scores import HeadScores
 
 
 @dataclass

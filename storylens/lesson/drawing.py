@@ -14,11 +14,11 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
-from storylens.analysis.scores import HeadScores
 from storylens.core.errors import StorylensError
 from storylens.lesson.inputs import LessonData, leakage_for
 from storylens.lm import AttentionLM
 from storylens.recording import figure_tokens, story_attention
+from storylens.table.scores import HeadScores
 from storylens.viz import (
     all_heads_figure,
     causal_mask_figure,

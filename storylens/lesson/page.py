@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
-from storylens.analysis.detectors import FLAG, LESSON, MORE, OVERVIEW, SINKS
-from storylens.analysis.scores import HeadScores
 from storylens.core.heads import parse_head_label
 from storylens.lesson.drawing import BARS_SHOWN, GRID_DPI, GRID_LABEL_PT, LESSON_GRID_HEADS
 from storylens.lesson.figures import LESSON_FIGURES
@@ -26,6 +24,8 @@ from storylens.lesson.tables import (
     numerics_rows,
     truth_rows,
 )
+from storylens.looking.detectors import FLAG, LESSON, MORE, OVERVIEW, SINKS
+from storylens.table.scores import HeadScores
 from storylens.viz import HEATMAP_CSS, head_heatmap_html
 from storylens.viz.widget import page_script
 

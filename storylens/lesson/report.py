@@ -22,35 +22,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from storylens.analysis.audit import Audit, audit_stories
-from storylens.analysis.detectors import BUILTIN_DETECTORS, Detector
-from storylens.analysis.encode import EncodedStory, encode_stories
-from storylens.analysis.gradients import GRAPH_BYTES
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.position import PositionControlAccumulator
-from storylens.analysis.pronouns import PronounAccumulator
-from storylens.analysis.record import Counter
-from storylens.analysis.scores import HeadScores, score_heads
-from storylens.analysis.truth import (
-    TRUTH_BUDGET,
-    TRUTH_FLOOR_FLOPS,
-    TRUTH_STORIES,
-    Truth,
-    ablation_flops,
-    check_ablation_budget,
-    scoring_flops,
-    truth_budget_stories,
-    truth_cost,
-    truth_table,
-    with_causal,
-)
+import torch
+
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
 from storylens.corpus.score import EXAMPLES, check_examples, check_graph_memory, write_examples
 from storylens.data.leakage import LeakageReport
+from storylens.data.names import name_vocabulary
 from storylens.data.stories import QUIZ_FILE
+from storylens.effects.audit import Audit, audit_stories
+from storylens.effects.cost import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, check_ablation_budget, scoring_flops
+from storylens.engine.encode import EncodedStory, encode_stories
+from storylens.engine.gradients import GRAPH_BYTES
+from storylens.engine.record import Counter
 from storylens.lesson.beyond import BeyondSummary, beyond_summary, run_beyond
 from storylens.lesson.checks import Check, run_checks
 from storylens.lesson.drawing import (
@@ -67,10 +53,24 @@ from storylens.lesson.page import CHECK_STORIES, CHECK_TOKENS, PRACTITIONER, SEC
 from storylens.lesson.summary import ReportSummary
 from storylens.lesson.tables import report_summary
 from storylens.lm import AttentionLM, ModelLike, NativeLM, load_lm, wrap
+from storylens.looking.detectors import BUILTIN_DETECTORS, Detector
+from storylens.looking.position import PositionControlAccumulator
+from storylens.looking.pronouns import PronounAccumulator
 from storylens.model.tokenizer import encode_story
+from storylens.table.scores import HeadScores, score_heads
+from storylens.table.truth import (
+    TRUTH_STORIES,
+    Truth,
+    ablation_flops,
+    truth_budget_stories,
+    truth_cost,
+    truth_table,
+    with_causal,
+)
 from storylens.viz import AttentionWidget, toy_widget
 from storylens.viz.explorer import write_explorer_for
-from storylens.viz.figures import figure_png_bytes, figure_svg_bytes, head_heatmap_figure
+from storylens.viz.figures import figure_png_bytes, figure_svg_bytes
+from storylens.viz.score_figures import head_heatmap_figure
 
 WIDGET_BUDGET = 4 * 2**20  # bytes of the widget's embedded attention in report.html (8 bits past it)
 
@@ -104,7 +104,7 @@ class ReportOptions:
     ``check_stories``/``check_tokens``: the numerical checks' stories and generated tokens;
     ``examples``: queries kept per head and detector; ``truth_stories``: the ablations' stories
     (None: as many as their budget allows), refused past the budget unless ``over_budget``;
-    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.analysis.causal`), its
+    ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.effects.attribution`), its
     gradient pass holding at most ``graph_memory`` MiB of kept graphs;
     ``sections``: the page's sections (:data:`SECTIONS`; None: :func:`default_sections`), a section
     left out not computed where it costs anything (the leakage check, the numerical checks, the
@@ -168,8 +168,6 @@ def _timer(timings: dict, name: str):
 def _one_thread_if(cond: bool):
     """torch on one thread while another process has the other core (two thread pools spinning
     for two cores slow each other several times over)."""
-    import torch
-
     before = torch.get_num_threads()
     if cond:
         torch.set_num_threads(1)
@@ -191,7 +189,7 @@ def build_report(
     given as keywords changed: ``build_report("r", quiz="mine.txt", truth_stories=0)``.
 
     An explicit ``truth_stories`` says its ablations' cost on stderr once the scoring pass has chosen
-    their heads, and past :data:`~storylens.analysis.truth.ABLATION_LIMIT_FLOPS` is refused (a
+    their heads, and past :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` is refused (a
     UsageError, nothing written) unless ``over_budget``.
 
     With ``progress`` and stderr not a terminal (no tqdm bar), the long loops print a line every
@@ -357,7 +355,7 @@ def _faithfulness(
 def _audit(
     lm: AttentionLM, scores: HeadScores, encoded: list[EncodedStory], opts: ReportOptions, timings: dict
 ) -> Audit | None:
-    """AtP against exact ablation (:func:`storylens.analysis.audit.audit`) on the stories the ablations'
+    """AtP against exact ablation (:func:`storylens.effects.audit.audit`) on the stories the ablations'
     budget allows (as the faithfulness table's), AtP recomputed on those same stories so that both
     replace a head's output by the same mean; None when the budget allows none."""
     n = opts.truth_stories
@@ -369,7 +367,7 @@ def _audit(
 
 def _truth_with_atp(truth: Truth, scores: HeadScores, audit: Audit | None) -> Truth:
     """The faithfulness table with AtP (mean ablation) beside each row and the audit's exact effect
-    where it ablated the row's head (:func:`storylens.analysis.truth.with_causal`)."""
+    where it ablated the row's head (:func:`storylens.table.truth.with_causal`)."""
     exact = {} if audit is None else {r.head: (r.exact_mean.nats, r.exact_mean.se) for r in audit.rows}
     return with_causal(truth, scores, exact, 0 if audit is None else audit.n_stories)
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storylens.analysis.examples import EXAMPLE_FIELDS
-from storylens.analysis.scores import HeadScores
 from storylens.core.errors import StorylensError
 from storylens.core.frames import need_pandas, to_frame
 from storylens.core.schema import check_version
 from storylens.corpus.summary import ScoreSummary
 from storylens.lesson.summary import ReportSummary
+from storylens.looking.example_store import EXAMPLE_FIELDS
+from storylens.table.scores import HeadScores
 
 
 @dataclass(frozen=True)
 class Run:
-    """A run read back. ``heads``: the head table (a :class:`~storylens.analysis.scores.HeadScores`,
+    """A run read back. ``heads``: the head table (a :class:`~storylens.table.scores.HeadScores`,
     or a data frame equal to ``pandas.read_csv(heads.csv)``); ``examples``: examples.json as written
     (or a frame, one row per kept example), None where the run kept none; ``summary``: a
     :class:`~storylens.corpus.summary.ScoreSummary` (``storylens score``) or

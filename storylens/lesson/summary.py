@@ -3,10 +3,10 @@
 :class:`ReportSummary` holds every figure the report states, and the report's page, ``storylens
 report``'s printout and the README's tables read it by attribute. Its parts are the results
 themselves wherever one exists: the model and the quiz as ``storylens score`` names them
-(:mod:`storylens.analysis.run_info`), the leakage check's :class:`~storylens.data.leakage.LeakageStats`,
+(:mod:`storylens.table.run_info`), the leakage check's :class:`~storylens.data.leakage.LeakageStats`,
 the numerical checks (:class:`~storylens.lesson.checks.Check`), ``--beyond``'s findings
 (:class:`~storylens.lesson.beyond.BeyondSummary`) and the faithfulness table
-(:class:`~storylens.analysis.truth.Truth`). :meth:`ReportSummary.to_dict` is ``summary.json``
+(:class:`~storylens.table.truth.Truth`). :meth:`ReportSummary.to_dict` is ``summary.json``
 exactly (its keys in their order, its values); :meth:`ReportSummary.from_dict` and :func:`load`
 read one back.
 """
@@ -18,19 +18,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storylens.analysis.audit import Audit
-from storylens.analysis.run_info import ModelInfo, StoriesInfo
-from storylens.analysis.truth import Truth
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
 from storylens.data.leakage import LeakageStats
+from storylens.effects.audit import Audit
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import Check
+from storylens.table.run_info import ModelInfo, StoriesInfo
+from storylens.table.truth import Truth
 
 
 @dataclass
 class QuizInfo(StoriesInfo):
-    """The quiz scored (:class:`~storylens.analysis.run_info.StoriesInfo`) and what the lesson adds."""
+    """The quiz scored (:class:`~storylens.table.run_info.StoriesInfo`) and what the lesson adds."""
 
     skipped: int = 0
     shipped_with_storylens: bool = False

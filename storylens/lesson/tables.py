@@ -3,11 +3,9 @@ printout and the README show from it (cells as text)."""
 
 from __future__ import annotations
 
-from storylens.analysis.audit import Audit, Effect, sign_words
-from storylens.analysis.run_info import model_info
-from storylens.analysis.scores import HeadScores
-from storylens.analysis.truth import Truth, effect_text
 from storylens.data.leakage import LeakageReport
+from storylens.effects.audit import Audit, Effect, sign_words
+from storylens.effects.cost import effect_text
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import lesson_note
 from storylens.lesson.figures import LESSON_FIGURES, MARKER_HEAD_LEVEL, PREV_HEAD_LEVEL, TOP_HEADS
@@ -29,6 +27,9 @@ from storylens.lesson.summary import (
     StoryShown,
 )
 from storylens.lm import AttentionLM, NativeLM
+from storylens.table.run_info import model_info
+from storylens.table.scores import HeadScores
+from storylens.table.truth import Truth
 
 
 def num(x, spec: str = ".3f") -> str:

@@ -18,10 +18,10 @@ probabilities are float32-rounded, as transformers' own are), GPT-2's in the inp
 (:func:`softmax_dtype`). So the numbers are eager attention's up to the order of a sum. It is
 registered with transformers' ``AttentionInterface`` under :data:`NAME`, with sdpa's mask (none
 where the attention is plainly causal, so no ``T x S`` mask is built for a long story), and
-used by :class:`~storylens.lm.interface.TransformersLM` for every model that dispatches through
+used by :class:`~storylens.lm.transformers_lm.TransformersLM` for every model that dispatches through
 that interface (``_supports_attention_backend``); others keep transformers' eager attention.
 
-**Streamed** (:func:`streaming`, used by :func:`storylens.analysis.record.record`): each attention
+**Streamed** (:func:`streaming`, used by :func:`storylens.engine.record.record`): each attention
 module the model wrapper wraps holds an :class:`AttentionTap` (:func:`attach`), the kernel's one
 consumer, owned by the wrapper (no module-level state). Inside the context a layer's queries are
 taken :func:`query_chunk` rows at a time, each chunk's probabilities ``[B, H, rows, keys]`` are
@@ -46,7 +46,7 @@ keys ahead of the chunk's queries, ``[rows, rows]``, is set to -inf: no ``[rows,
 bias is built or read); where the softmax runs in float32 under float64 inputs
 (Llama, NeoX) every row is taken at full length instead, so the probabilities stay bit-equal to eager.
 
-**Fused** (:func:`fused`, a count on the same taps, used by :meth:`~storylens.lm.interface.TransformersLM.forward` whenever no
+**Fused** (:func:`fused`, a count on the same taps, used by :meth:`~storylens.lm.transformers_lm.TransformersLM.forward` whenever no
 probabilities are asked for: switching heads off, head output means, perplexity): inside that context
 the layer calls transformers' own sdpa attention (``sdpa_attention_forward``, the function the model
 runs with ``attn_implementation="sdpa"``, on the same sdpa mask), so a forward pass that reads no

@@ -19,7 +19,8 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from storylens.core.errors import StorylensError
-from storylens.lm.interface import ModelLike, wrap
+from storylens.lm.hooks import AttentionLM
+from storylens.lm.loader import ModelLike, wrap
 
 
 @dataclass
@@ -49,22 +50,10 @@ def record_generation(
     marker = lm.marker_id
     ids = lm.encode(prompt)
     window = lm.window
-    if max_new_tokens < 1:
-        raise StorylensError("max_new_tokens: record at least one new token")
-    if len(ids) + max_new_tokens > window:  # the same refusal as storylens generate
-        raise StorylensError(
-            f"prompt ({len(ids)} tokens with the opening marker) + {max_new_tokens} new tokens "
-            f"passes the {window}-token window; ask for fewer tokens"
-        )
+    _check_room(len(ids), max_new_tokens, window)
     device = lm.device
     idx = torch.tensor([ids], device=device)
-    # the prompt's rows: one forward pass with the flag on (the same pass generation starts with)
-    prompt_patterns = lm.patterns(idx)
-    L, H = lm.n_layer, lm.n_head
-    total = len(ids) + max_new_tokens
-    patterns = torch.zeros(L, H, total, total, dtype=prompt_patterns[0].dtype, device=device)
-    for b, p in enumerate(prompt_patterns):
-        patterns[b, :, : len(ids), : len(ids)] = p[0]
+    patterns = _prompt_rows(lm, idx, len(ids) + max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)  # sampling draws on the model's device
     new: list[int] = []
     stopped = False
@@ -88,15 +77,43 @@ def record_generation(
         new.append(step.token)
     else:
         if new and n_steps <= max_new_tokens:  # the window had no room for the extra step
-            seq = torch.tensor([ids + new], device=device)
-            last = lm.patterns(seq)
-            q = len(ids) + len(new) - 1
-            for b, p in enumerate(last):
-                patterns[b, :, q, : q + 1] = p[0, :, q, : q + 1]
+            _last_row(lm, ids + new, patterns)
     n = len(ids) + len(new)
     return RecordedGeneration(
         ids=ids + new, prompt_len=len(ids), patterns=patterns[:, :, :n, :n].contiguous(), stopped_at_marker=stopped
     )
+
+
+def _check_room(n_prompt: int, max_new_tokens: int, window: int) -> None:
+    """Refuse a recording of no new token, or of more tokens than the window holds (``n_prompt``:
+    the prompt's tokens with the opening marker)."""
+    if max_new_tokens < 1:
+        raise StorylensError("max_new_tokens: record at least one new token")
+    if n_prompt + max_new_tokens > window:  # the same refusal as storylens generate
+        raise StorylensError(
+            f"prompt ({n_prompt} tokens with the opening marker) + {max_new_tokens} new tokens "
+            f"passes the {window}-token window; ask for fewer tokens"
+        )
+
+
+def _prompt_rows(lm: AttentionLM, idx: torch.Tensor, total: int) -> torch.Tensor:
+    """A zero ``[block, head, total, total]`` map holding the prompt ``idx``'s rows: one forward pass
+    with the flag on (the same pass generation starts with)."""
+    prompt_patterns = lm.patterns(idx)
+    n = idx.shape[1]
+    patterns = torch.zeros(lm.n_layer, lm.n_head, total, total, dtype=prompt_patterns[0].dtype, device=lm.device)
+    for b, p in enumerate(prompt_patterns):
+        patterns[b, :, :n, :n] = p[0]
+    return patterns
+
+
+def _last_row(lm: AttentionLM, ids: list[int], patterns: torch.Tensor) -> None:
+    """Record the last of ``ids``' rows into ``patterns`` with one forward pass over them all (where
+    the window had no room for the step that would have read it)."""
+    last = lm.patterns(torch.tensor([ids], device=lm.device))
+    q = len(ids) - 1
+    for b, p in enumerate(last):
+        patterns[b, :, q, : q + 1] = p[0, :, q, : q + 1]
 
 
 def stream_text(tokenizer, tokens: Iterable[int]) -> Iterator[str]:

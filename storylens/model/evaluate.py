@@ -1,6 +1,6 @@
 """The one perplexity storylens computes: exp(mean next-token loss) over stories, each fed as
 ``[marker] + story`` (cut to the window), every predicted token weighted equally. Training's quiz
-perplexity (:mod:`storylens.training.train`) and :func:`storylens.analysis.perplexity` both call
+perplexity (:mod:`storylens.training.train`) and :func:`storylens.lm.perplexity` both call
 :func:`next_token_perplexity`, the first with the GPT, the second with any model's forward pass."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from huggingface_hub import ModelHubMixin
+from huggingface_hub import ModelHubMixin, snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_model
 from safetensors.torch import save_model
@@ -73,8 +73,6 @@ class TinyStoryteller(
     ):
         folder = Path(model_id)
         if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-
             folder = Path(
                 snapshot_download(
                     model_id,

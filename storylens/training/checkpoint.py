@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from storylens.core.errors import StorylensError
@@ -72,8 +72,6 @@ def load_checkpoint(path: Path):
         raise StorylensError(f"{path}: no checkpoint to resume from")
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         state = json.loads(meta["state"])

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS, TIMELINE
 from storylens.core.errors import StorylensError
 from storylens.core.publish import publish_folder
+from storylens.looking.detectors import BUILTIN_DETECTORS, TIMELINE
 from storylens.training.copying import read_copying
 from storylens.training.timeline import (
     TIMELINE_FILE,

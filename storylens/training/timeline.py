@@ -38,17 +38,17 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from storylens.analysis.detectors import BUILTIN_DETECTORS
-from storylens.analysis.encode import BATCH_STORIES, encode_stories
-from storylens.analysis.induction import induction_sequences
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.scores import score_heads
 from storylens.core.batching import length_batches, pad_batch
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
 from storylens.core.publish import write_text_atomic
+from storylens.data.names import name_vocabulary
+from storylens.engine.encode import BATCH_STORIES, encode_stories
 from storylens.lm import NativeLM
+from storylens.looking.detectors import BUILTIN_DETECTORS
+from storylens.looking.induction import induction_sequences
 from storylens.model.gpt import GPT
+from storylens.table.scores import score_heads
 
 TIMELINE_FILE = "heads_timeline.jsonl"
 EARLY = (16, 31)  # predicted positions, inclusive: past the stories' formulaic openings

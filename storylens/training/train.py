@@ -11,11 +11,13 @@ order (a seeded ``torch.Generator``) and the dropout RNG are saved with it.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import signal
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -172,8 +174,6 @@ def validate_config(cfg: TrainConfig) -> None:
 
 def fingerprint(texts) -> str:
     """sha256 of a list of stories (each with its length, so the split points count too)."""
-    import hashlib
-
     h = hashlib.sha256()
     for t in texts:
         b = t.encode("utf-8")
@@ -183,8 +183,6 @@ def fingerprint(texts) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    import hashlib
-
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -494,8 +492,6 @@ def lesson_files(split: Split) -> dict[str, bytes]:
     """What a model folder ships for the lesson besides its weights: the quiz stories (so the lesson
     runs without the corpus), the leakage check computed against the training stories, and the
     data's licence (TinyStories is CDLA-Sharing-1.0)."""
-    from importlib import resources
-
     leakage = check_leakage(split.quiz, split.train)
     licence = (resources.files("storylens") / "licenses" / "CDLA-Sharing-1.0.txt").read_text(encoding="utf-8")
     notice = f"""# Data licence

@@ -1,7 +1,9 @@
 """Pictures of attention: matplotlib figures and a self-contained interactive HTML view.
 
-* :mod:`storylens.viz.figures` - the causal-mask triangle, all heads on one story,
-  per-head score bars and heatmaps, the name head on one story; PNG, SVG and data-URI output.
+* :mod:`storylens.viz.figures` - the causal-mask triangle, all heads on one story; PNG, SVG and
+  data-URI output of any figure.
+* :mod:`storylens.viz.score_figures` - per-head score bars and heatmaps.
+* :mod:`storylens.viz.name_head` - the name head on one story (and the profile and even share it reports).
 * :mod:`storylens.viz.widget` - :class:`AttentionWidget` (click a token, see its
   attention) and :func:`toy_widget` (hand-set queries and keys, score, softmax).
 * :mod:`storylens.viz.explorer` - explore.html: every head of a scoring run, sortable and
@@ -18,15 +20,12 @@ from storylens.viz.figures import (
     figure_data_uri,
     figure_png_bytes,
     figure_svg_bytes,
-    head_heatmap_figure,
-    name_attention_profile,
-    name_even_share,
-    name_head_figure,
-    name_mass_bar_figure,
     save_figure,
     save_png,
     save_svg,
 )
+from storylens.viz.name_head import name_attention_profile, name_even_share, name_head_figure
+from storylens.viz.score_figures import head_heatmap_figure, name_mass_bar_figure
 from storylens.viz.tables import HEATMAP_CSS, head_heatmap_html
 from storylens.viz.tokens import tick_label, to_numpy_attention, token_text, token_texts
 from storylens.viz.widget import AttentionWidget, ToyWidget, replay_widget, toy_widget

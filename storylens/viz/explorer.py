@@ -12,7 +12,7 @@ What it shows (built in the browser by ``static/explorer.js``, styled by ``stati
   and named; where that key lies before the query's window, the tokens around it come first, after
   a gap mark. The chosen example's attention over those tokens is a bar strip, so it always holds
   the key's bar. ``storylens score`` keeps at most
-  :data:`~storylens.analysis.examples.PER_STORY` examples of one story per head and detector.
+  :data:`~storylens.looking.example_store.PER_STORY` examples of one story per head and detector.
 
 Every view saves as PNG and SVG (``static/export.js``, the same colours and labels as on screen).
 

@@ -16,7 +16,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
 from storylens.core.heads import HeadGrid, head_label, parse_head_label
-from storylens.viz.figures import _colour_range, _is_light, _score_grid
+from storylens.viz.score_figures import _colour_range, _is_light, _score_grid
 
 HEATMAP_CSS = (
     ".slh{border-collapse:collapse;margin:.3em 0;font:13px/1.2 system-ui,sans-serif}"

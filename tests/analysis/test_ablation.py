@@ -4,7 +4,8 @@ and nothing stays changed."""
 import pytest
 import torch
 
-from storylens.analysis.ablation import (
+from storylens.core.errors import StorylensError
+from storylens.effects.ablation import (
     Condition,
     ablate_heads,
     ablation_loss_table,
@@ -12,12 +13,11 @@ from storylens.analysis.ablation import (
     first_difference,
     generation_divergence,
     head_output_means,
-    name_ablation_table,
 )
-from storylens.analysis.encode import mention_first_tokens
-from storylens.core.errors import StorylensError
+from storylens.engine.encode import mention_first_tokens
 from storylens.lesson.checks import rounding_bound
 from storylens.lm import wrap
+from storylens.table.name_ablation import name_ablation_table
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_generation_divergence(model):
 
 
 def test_name_ablation_table_on_quiz_stories(model, corpus_split):
-    from storylens.analysis.names import find_main_characters
+    from storylens.data.names import find_main_characters
 
     stories = corpus_split.quiz[:6]
     table = name_ablation_table(model, stories, heads=["L5H3"], name_heads=["L5H3", "L4H4"], modes=("zero",))

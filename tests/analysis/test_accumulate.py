@@ -1,11 +1,11 @@
-"""The pooled per-token ratio and its standard error, streamed and merged (storylens.analysis.accumulate)."""
+"""The pooled per-token ratio and its standard error, streamed and merged (storylens.engine.accumulate)."""
 
 import math
 
 import pytest
 import torch
 
-from storylens.analysis.accumulate import RatioAccumulator, pooled_ratio
+from storylens.engine.accumulate import RatioAccumulator, pooled_ratio
 
 
 def _direct(c: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

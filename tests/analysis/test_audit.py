@@ -1,4 +1,4 @@
-"""Exact ablation with its error (storylens.analysis.audit), against an edit written here: a forward
+"""Exact ablation with its error (storylens.effects.audit), against an edit written here: a forward
 pre-hook on the output projection's input that replaces one head's slice after the opening token, on
 transformers' own modules (GPT-2, Llama with grouped key/value heads) and the native model, float64."""
 
@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis.audit import Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
+from storylens.effects.audit import Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
 from storylens.lm import NativeLM, load_lm
-from storylens.lm.interface import _attention_of, _decoder_layers, _output_projection
+from storylens.lm.transformers_lm import _attention_of, _decoder_layers, _output_projection
 
 STORIES = 6
 
@@ -105,7 +105,7 @@ def test_exact_effects_equal_the_edit_before_the_output_projection(lm, ids):
 
 
 def test_the_default_mean_is_over_positions_after_the_opening_token(lm, ids):
-    from storylens.analysis.ablation import head_output_means
+    from storylens.effects.ablation import head_output_means
 
     h = Head(0, 0)
     means = head_output_means(lm, ids, include_marker=False)

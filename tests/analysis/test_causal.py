@@ -1,4 +1,4 @@
-"""Attribution patching and direct logit attribution (storylens.analysis.causal) against a plain
+"""Attribution patching and direct logit attribution (storylens.effects.attribution) against a plain
 computation the test writes itself on transformers' own modules (GPT-2, GPT-Neo, Llama with grouped
 key/value heads) and on the native model, in float64: a forward pre-hook on each block's output
 projection adds a per-story zero tensor (the head outputs' only route to the loss), torch.autograd
@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis.audit import attribution
-from storylens.analysis.causal import CausalAccumulator
-from storylens.analysis.encode import batch_of, encode_stories
-from storylens.analysis.gradients import LOSS_ROWS, loss_gradient
-from storylens.analysis.record import Needs, plan, record
+from storylens.effects.attribution import CausalAccumulator
+from storylens.effects.audit import attribution
+from storylens.engine.encode import batch_of, encode_stories
+from storylens.engine.gradients import LOSS_ROWS, loss_gradient
+from storylens.engine.record import Needs, plan, record
 from storylens.lm import NativeLM, load_lm
 from storylens.model.hub import load_model
 
@@ -344,7 +344,7 @@ def test_the_loss_gradient_is_autograds_through_cross_entropy(dtype):
 def _columns_by(lm, stories, way: str) -> dict:
     """AtP/DLA columns with the pass run ``way``: ``"checked"`` as the model's probe chooses,
     ``"blockwise"`` block by block with whole logits, ``"whole"`` one graph through the whole model."""
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     gradients._WAYS.pop(lm.module, None)
     if way != "checked":
@@ -362,7 +362,7 @@ def test_the_block_by_block_pass_equals_one_graph_through_the_model(lm, stories,
     the logits whole or a few rows at a time, gives the columns one graph through the whole model
     gives: the same operations on the same numbers, float64 (a rerun may round differently where a
     kernel differs: far below TOL)."""
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     checked = _columns_by(lm, stories, "checked")
     assert "cannot be rerun" not in capsys.readouterr().err
@@ -384,7 +384,7 @@ def test_the_block_by_block_pass_equals_one_graph_through_the_model(lm, stories,
 def _handed(lm, batch, kept: int) -> list:
     """(layer, z, dL/dz) as the block-by-block pass hands them over, the first ``kept`` blocks' graphs
     kept from the first forward."""
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     got: list = []
     with torch.inference_mode(False), gradients._frozen(lm.module):
@@ -410,7 +410,7 @@ def test_blocks_whose_graphs_are_kept_hand_over_what_their_reruns_would(lm, stor
 
 
 def test_kept_blocks_fill_the_budget_and_never_the_last():
-    from storylens.analysis.gradients import BlockCost, _kept
+    from storylens.engine.gradients import BlockCost, _kept
 
     ids, cost = torch.zeros(4, 250, dtype=torch.long), BlockCost(30_000.0, 0.0)  # 1,000 tokens: 30 MB a block
     assert _kept(0, cost, ids, 29) == 0  # no budget: every block reruns
@@ -469,7 +469,7 @@ def _held_peak(native_tok, layers: int, whole: bool, tmp_path, graph: float = 0.
     worth on this batch (from what a block holds per token, :func:`gradients.block_bytes`)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     tok = PreTrainedTokenizerFast(tokenizer_object=native_tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     cfg = _config("llama", native_tok.get_vocab_size(), tok.bos_token_id)
@@ -513,7 +513,7 @@ def test_what_a_block_holds_is_foreseen_from_two_short_probes(lm, stories):
     the attention keeps its map (GPT-Neo's local attention); a budget set from it holds on long
     stories. The fit is exact where the bytes are a quadratic in the tokens; 5% covers a few vectors
     every run keeps whatever its length."""
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     ids = torch.tensor([lm.encode(" ".join(stories))[:96]])  # the test models' window
     with torch.inference_mode(False), gradients._frozen(lm.module):
@@ -525,7 +525,7 @@ def test_what_a_block_holds_is_foreseen_from_two_short_probes(lm, stories):
 def test_logits_are_formed_whole_where_the_model_changes_them_after_its_unembedding(lm, stories):
     """A soft cap or scale after the unembedding (named in the config, or only seen in the logits)
     keeps the logits whole: the few-rows-at-a-time gradient would miss it."""
-    from storylens.analysis import gradients
+    from storylens.engine import gradients
 
     if isinstance(lm, NativeLM):
         pytest.skip("the native model has no base model: its logits are always formed whole")

@@ -3,7 +3,7 @@
 storylens's HF export (a transformers GPT2LMHeadModel folder) is booted offline with
 ``TransformerBridge.boot_transformers``; its cached attention patterns must equal
 storylens's recorded attention, and the previous-token score computed on its cache
-with storylens's own definition (storylens.analysis.scores) must equal storylens's.
+with storylens's own definition (storylens.table.scores) must equal storylens's.
 Install: see TL_SETUP.md beside this file.
 """
 
@@ -23,14 +23,15 @@ except Exception as e:  # any import failure means "not available"
 
 from argmax_ties import mean_rounding, near_tie_share
 
-from storylens.analysis.encode import encode_stories, length_batches, make_batch
-from storylens.analysis.names import find_main_characters, name_vocabulary
-from storylens.analysis.scores import HeadScoreAccumulator, score_heads
+from storylens.data.names import find_main_characters, name_vocabulary
+from storylens.engine.encode import encode_stories, length_batches, make_batch
 from storylens.lesson.checks import probability_bound
 from storylens.lm import load_lm
 from storylens.model.gpt import GPTConfig
 from storylens.model.hub import export_hf
 from storylens.model.tokenizer import eot_id
+from storylens.table.accumulator import HeadScoreAccumulator
+from storylens.table.scores import score_heads
 
 N_STORIES = 200  # float32: the whole quiz (tens of seconds on 2 cores)
 N_STORIES_F64 = 16  # float64: a subset, one story at a time, to show the maths is the same

@@ -3,22 +3,17 @@
 import pytest
 import torch
 
-from storylens.analysis.detectors import (
-    BUILTIN_DETECTORS,
-    DUPLICATE_TOKEN,
-    FIRST_MASS,
-    INDUCTION,
-    Masks,
-    Reads,
-    pattern_detector,
-)
-from storylens.analysis.encode import make_batch
-from storylens.analysis.names import MainCharacter
-from storylens.analysis.record import record
-from storylens.analysis.scores import HeadScoreAccumulator, build_table, score_heads
 from storylens.core.errors import StorylensError
+from storylens.data.names import MainCharacter
+from storylens.engine.encode import make_batch
+from storylens.engine.masks import Masks
+from storylens.engine.record import record
 from storylens.lesson.checks import unit_roundoff
 from storylens.lm import NativeLM
+from storylens.looking.detectors import BUILTIN_DETECTORS, DUPLICATE_TOKEN, FIRST_MASS, INDUCTION, pattern_detector
+from storylens.looking.reads import Reads
+from storylens.table.accumulator import HeadScoreAccumulator
+from storylens.table.scores import build_table, score_heads
 
 # one story, ids 0 5 6 5 6: the second 5 (q=3) repeats position 1, the second 6 (q=4) position 2
 IDS = [0, 5, 6, 5, 6]
@@ -111,7 +106,7 @@ def test_merged_accumulators_equal_one(shipped_model, corpus_split):
     whole = HeadScoreAccumulator(lm.n_layer, lm.n_head)
     record(lm, stories, [whole], batch_size=8, progress=False)
     parts = []
-    from storylens.analysis.names import name_vocabulary
+    from storylens.data.names import name_vocabulary
 
     names = name_vocabulary(stories)  # the vocabulary of the whole run, as one pass would use
     for chunk in (stories[:10], stories[10:17], stories[17:]):
@@ -130,8 +125,8 @@ def test_merged_accumulators_equal_one(shipped_model, corpus_split):
 
 
 def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
-    from storylens.analysis.position import PositionControlAccumulator, position_control_scores
-    from storylens.analysis.pronouns import PronounAccumulator, pronoun_attention
+    from storylens.looking.position import PositionControlAccumulator, position_control_scores
+    from storylens.looking.pronouns import PronounAccumulator, pronoun_attention
 
     stories = corpus_split.quiz[:12]
     calls = []
@@ -141,7 +136,7 @@ def test_one_recording_pass_feeds_every_measure(shipped_model, corpus_split):
         scores = score_heads(shipped_model, stories, batch_size=4, measures=[pos, pron], progress=False)
     finally:
         handle.remove()
-    from storylens.analysis.detectors import INDUCTION_SEQUENCES
+    from storylens.looking.detectors import INDUCTION_SEQUENCES
 
     # one forward pass per batch, then the induction test's one pass on its random sequences, nothing else
     assert calls == [4, 4, 4, INDUCTION_SEQUENCES]
@@ -173,7 +168,7 @@ def test_duplicate_index_equals_the_dense_key_sets():
     (``ids[k] == ids[q]``, ``k < q``, both inside the story), position for position, latest first."""
     import torch
 
-    from storylens.analysis.detectors import duplicate_index
+    from storylens.engine.masks import duplicate_index
 
     g = torch.Generator().manual_seed(0)
     for _ in range(40):
@@ -194,7 +189,7 @@ def test_the_pairs_of_a_key_set_give_its_dense_mass_on_whole_maps_and_chunks():
     """Duplicate and induction masses from the (query, key) pairs equal the dense definition
     (``keys_mass`` over ``duplicate_keys`` / ``induction_keys``) for stories of different lengths
     in one batch, on the whole map and on every chunk of rows a streamed block hands over."""
-    from storylens.analysis.detectors import keys_mass, pairs_mass
+    from storylens.looking.patterns import keys_mass, pairs_mass
 
     g = torch.Generator().manual_seed(3)
     lengths = [23, 9, 17, 1]
@@ -242,7 +237,7 @@ def test_every_detector_on_the_scaled_map_without_forming_it_gives_its_bits(dtyp
     map and on every chunk of rows: random softmax rows (every previous-token argmax case: rows where
     the bounds decide and rows scaled in full), sharp rows, ties made on purpose, zero and equal key
     norms, stories of different lengths in one batch (padding past each story's end)."""
-    from storylens.analysis.detectors import scaled
+    from storylens.looking.patterns import scaled
 
     g = torch.Generator().manual_seed(5)
     lengths = [31, 12, 25]

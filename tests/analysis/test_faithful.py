@@ -7,20 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from storylens.analysis.faithful import (
-    head_images,
-    head_norms,
-    key_norms,
-    norm_weighted,
-    ov_factor,
-    rank_correlation,
-    rank_moves,
-)
-from storylens.analysis.names import main_character, name_vocabulary
-from storylens.analysis.scores import score_heads
 from storylens.core.heads import Head
+from storylens.data.names import main_character, name_vocabulary
+from storylens.engine.images import head_images, head_norms, key_norms, ov_factor
+from storylens.engine.ranks import rank_correlation, rank_moves
 from storylens.lm import NativeLM
+from storylens.looking.faithful import norm_weighted
 from storylens.model.tokenizer import text_only
+from storylens.table.scores import score_heads
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +116,9 @@ def test_a_head_that_writes_nothing_is_dormant(shipped_model, corpus_split):
 
 def test_raw_columns_are_unchanged_by_the_norm_weighting(shipped_model, corpus_split):
     """The same stories with and without the value hooks: the raw columns bit for bit."""
-    from storylens.analysis.record import record
-    from storylens.analysis.scores import HeadScoreAccumulator, score_table
+    from storylens.engine.record import record
+    from storylens.table.accumulator import HeadScoreAccumulator
+    from storylens.table.scores import score_table
 
     lm = NativeLM(shipped_model)
     stories = corpus_split.quiz[:8]
@@ -207,7 +202,7 @@ def test_rank_correlation_and_moves():
 
 
 def test_dormant_reads_the_context_norm_against_its_block_and_the_estimated_effect():
-    from storylens.analysis.sinks import DORMANT_NATS, DORMANT_SHARE, dormant
+    from storylens.looking.sinks import DORMANT_NATS, DORMANT_SHARE, dormant
 
     norm = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.3]], dtype=torch.float64)
     # block 1: head 4 writes nothing that depends on the story; block 2: head 4's energy 0.09 against a

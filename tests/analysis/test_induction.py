@@ -14,10 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from storylens.analysis import score_heads
-from storylens.analysis.detectors import BUILTIN_COLUMNS, INDUCTION_LENGTH, INDUCTION_RANDOM, MORE, OVERVIEW
-from storylens.analysis.induction import induction_random, lm_sequences, special_ids, stripe_scores
 from storylens.core.heads import Head
 from storylens.lm import load_lm
+from storylens.looking.detectors import BUILTIN_COLUMNS, INDUCTION_LENGTH, INDUCTION_RANDOM, MORE, OVERVIEW
+from storylens.looking.induction import induction_random, lm_sequences, special_ids, stripe_scores
 
 D_MODEL, N_HEAD, N_KV, D_HEAD = 32, 4, 2, 8
 WINDOW = 64  # the test's length: min(INDUCTION_LENGTH, (64 - 1) // 2) = 31

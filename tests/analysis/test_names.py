@@ -1,6 +1,6 @@
 """Names, main characters and their token positions, on hand-built cases."""
 
-from storylens.analysis.names import (
+from storylens.data.names import (
     MainCharacter,
     find_main_characters,
     is_capitalised,

@@ -10,14 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from storylens.analysis.patching import (
-    EXAMPLE_PAIRS,
-    encode_pairs,
-    patch_heads,
-    read_pairs,
-)
 from storylens.cli import main
 from storylens.core.errors import StorylensError, UsageError
+from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, patch_heads, read_pairs
 from storylens.lm import load_lm
 from storylens.model.hub import load_model
 
@@ -363,7 +358,7 @@ def test_page_opens_offline_and_a_click_shows_attention(tmp_path):
 def test_the_summary_claims_no_sign_within_two_errors(result):
     """The printed top heads bracket every effect within two standard errors of zero (and its share of
     the gap with the exact one), and say what the brackets mean."""
-    from storylens.analysis.patching import summary_lines
+    from storylens.effects.patching import summary_lines
 
     lines = summary_lines(result, top=len(result.heads))
     assert lines[-1].startswith("in brackets: within two standard errors")

@@ -5,12 +5,7 @@ import math
 import pytest
 import torch
 
-from storylens.analysis.position import (
-    PositionControlAccumulator,
-    distance_profile,
-    distance_sums,
-    position_control,
-)
+from storylens.looking.position import PositionControlAccumulator, distance_profile, distance_sums, position_control
 
 
 def causal(rows):
@@ -162,8 +157,8 @@ def test_rows_and_format():
 
 def test_name_mass_and_even_spread_agree_with_the_head_scores(shipped_model, corpus_split):
     """On real stories the uncontrolled side is exactly the lesson's name mass (scores.py)."""
-    from storylens.analysis.position import position_control_scores
-    from storylens.analysis.scores import score_heads
+    from storylens.looking.position import position_control_scores
+    from storylens.table.scores import score_heads
 
     stories = corpus_split.quiz[:12]
     pc = position_control_scores(shipped_model, stories, batch_size=4)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from storylens.analysis.names import pronoun_positions, pronoun_spans, story_pronoun_positions
-from storylens.analysis.pronouns import PronounAccumulator, story_pronoun_mass
+from storylens.data.names import pronoun_positions, pronoun_spans, story_pronoun_positions
+from storylens.looking.pronouns import PronounAccumulator, story_pronoun_mass
 
 TEXT = "Tom saw her. He and they ran. Where?"
 # hand-made tokens with byte-level style leading spaces; "they" split in two

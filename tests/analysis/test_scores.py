@@ -6,19 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from storylens.analysis.accumulate import MeanAccumulator
-from storylens.analysis.detectors import SCORE_COLUMNS, Masks
-from storylens.analysis.encode import length_batches, make_batch
-from storylens.analysis.names import MainCharacter, find_main_characters, name_vocabulary
-from storylens.analysis.scores import (
-    HeadScoreAccumulator,
-    HeadScores,
-    build_table,
-    name_baseline,
-    score_heads,
-)
 from storylens.core.errors import StorylensError
+from storylens.data.names import MainCharacter, find_main_characters, name_vocabulary
+from storylens.engine.accumulate import MeanAccumulator
+from storylens.engine.encode import length_batches, make_batch
+from storylens.engine.masks import Masks
+from storylens.looking.detectors import SCORE_COLUMNS
 from storylens.model.tokenizer import encode_story, eot_id
+from storylens.table.accumulator import HeadScoreAccumulator, name_baseline
+from storylens.table.scores import HeadScores, build_table, score_heads
 
 # ---------------------------------------------------------------- hand-worked maps
 # Story A: 5 positions, the name at position 2 (first mention 2), so the name queries
@@ -239,8 +235,8 @@ def test_built_in_and_user_detectors_are_one_kind(tmp_path):
     is; every column's title, meaning and place come from the detectors, read back from a file too."""
     from types import SimpleNamespace
 
-    from storylens.analysis.detectors import BUILTIN_DETECTORS, LESSON, MORE, OVERVIEW, TRUTH, pattern_detector
-    from storylens.analysis.scores import score_table
+    from storylens.looking.detectors import BUILTIN_DETECTORS, LESSON, MORE, OVERVIEW, TRUTH, pattern_detector
+    from storylens.table.scores import score_table
 
     def opening(ids):  # every query on the marker at position 0: the first_mass detector's keys
         w = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])
@@ -396,7 +392,7 @@ def test_bad_arguments(shipped_model):
 
 
 def test_prev_is_argmax_equals_argmax_and_leaves_the_map_as_it_was(shipped_model, quiz_ids):
-    from storylens.analysis.detectors import prev_is_argmax
+    from storylens.looking.patterns import prev_is_argmax
 
     ids = torch.tensor([quiz_ids[0]])
     with torch.no_grad():

@@ -15,11 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from storylens.analysis import score_heads
-from storylens.analysis.ablation import ablate_heads, head_output_means
-from storylens.analysis.scores import HeadScoreAccumulator
-from storylens.analysis.sinks import SinkAccumulator
 from storylens.core.heads import Head
+from storylens.effects.ablation import ablate_heads, head_output_means
 from storylens.lm import load_lm
+from storylens.looking.sinks import SinkAccumulator
+from storylens.table.accumulator import HeadScoreAccumulator
 
 D_MODEL, N_HEAD, N_KV, D_HEAD = 32, 4, 2, 8
 C, S, N = 0, 1, 2  # embedding dims: constant 1 for every token; 1 on the opening token only; 1 on the others
@@ -162,7 +162,7 @@ def test_a_resumed_merged_run_equals_one_process(scored, stories):
     lm, whole = scored
     ids_first = score_heads(lm, stories[:3], batch_size=3, progress=False)
     assert ids_first.at(SINK).context_share == 0.0
-    from storylens.analysis.record import record
+    from storylens.engine.record import record
 
     accs = []
     for part in (stories[:3], stories[3:]):

@@ -3,22 +3,13 @@ run, and the stories it picks are the most that fit."""
 
 import pytest
 
-from storylens.analysis.encode import encode_stories
-from storylens.analysis.induction import lm_sequences
-from storylens.analysis.names import name_vocabulary
-from storylens.analysis.scores import score_heads
-from storylens.analysis.truth import (
-    TRUTH_BUDGET,
-    TRUTH_FLOOR_FLOPS,
-    ablation_flops,
-    ablation_passes,
-    block_flops,
-    head_flops,
-    scoring_flops,
-    truth_budget_stories,
-    truth_table,
-)
+from storylens.data.names import name_vocabulary
+from storylens.effects.cost import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, block_flops, head_flops, scoring_flops
+from storylens.engine.encode import encode_stories
 from storylens.lm import NativeLM
+from storylens.looking.induction import lm_sequences
+from storylens.table.scores import score_heads
+from storylens.table.truth import ablation_flops, ablation_passes, truth_budget_stories, truth_table
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +83,8 @@ def test_the_budget_picks_the_most_stories_that_fit(scored):
 
 @pytest.fixture(scope="module")
 def causal_truth(shipped_model, corpus_split):
-    from storylens.analysis.audit import audit_stories
-    from storylens.analysis.truth import with_causal
+    from storylens.effects.audit import audit_stories
+    from storylens.table.truth import with_causal
 
     lm = NativeLM(shipped_model)
     quiz = corpus_split.quiz[:10]
@@ -111,7 +102,7 @@ def test_without_causal_the_table_has_no_causal_key(causal_truth):
 
 
 def test_every_row_gets_atp_with_its_error_and_exact_where_audited(causal_truth):
-    from storylens.analysis.truth import Truth
+    from storylens.table.truth import Truth
 
     scores, truth, a, exact, t = causal_truth
     c = t.causal
@@ -126,7 +117,7 @@ def test_every_row_gets_atp_with_its_error_and_exact_where_audited(causal_truth)
 
 
 def test_the_sentences_say_no_sign_within_two_errors_and_how_many_stories(causal_truth):
-    from storylens.analysis.truth import effect_text
+    from storylens.effects.cost import effect_text
 
     *_, t = causal_truth
     assert effect_text(0.01, 0.005) == "no clear effect (+0.0100 ± 0.0050)"  # exactly two errors: no sign

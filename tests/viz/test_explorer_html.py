@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from storylens.analysis.examples import PER_STORY
 from storylens.cli import main
 from storylens.data.stories import EOT
+from storylens.looking.example_store import PER_STORY
 from storylens.viz.explorer import WEIGHT_SCALE, explorer_html, write_explorer_for
 
 KEPT = ("story", "query", "value", "key", "key_weight", "tokens", "query_at", "weights")  # as examples.json has them

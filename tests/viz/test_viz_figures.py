@@ -162,10 +162,10 @@ def test_name_head_figure_and_data_uri(story_run):
 
 def test_the_name_figures_even_spread_is_the_scores_baseline_on_its_story(model, quiz):
     """name_even_share on one story's scored queries equals the head scores' name_baseline scored on
-    that story alone (two computations: numpy here, float64 torch in storylens.analysis.scores)."""
+    that story alone (two computations: numpy here, float64 torch in storylens.table.scores)."""
     from storylens.analysis import score_heads
-    from storylens.analysis.encode import encode_stories
-    from storylens.analysis.names import name_vocabulary
+    from storylens.data.names import name_vocabulary
+    from storylens.engine.encode import encode_stories
     from storylens.lm import wrap
 
     lm = wrap(model)

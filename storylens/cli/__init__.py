@@ -1,0 +1,111 @@
+"""The ``storylens`` command.
+
+Every user-fixable problem is one line on stderr and a non-zero exit; ``--debug``
+shows the traceback instead.
+
+One module of this package per command, its parser and its runner together; ``options`` holds
+what several commands share. The commands are found, not listed: every module of the package
+(but ``_private`` ones) that defines ``add_parser(sub)`` is a command, and must also define
+``COMMAND`` (its name, as typed) and ``POSITION`` (an int, unique: its place in ``storylens
+--help``, lowest first). ``add_parser`` adds the command's subparser(s) to ``sub`` and sets
+``func``, the runner that takes the parsed arguments and returns the exit code. So a new command
+is one new file (and its test), with no edit elsewhere; a command module imports
+``storylens.cli.options`` and the layers below, never ``storylens.cli`` itself.
+
+``storylens --help`` lists the commands as a newcomer meets them (``COMMAND_ORDER``): the
+lesson's report (10), watching the model write (20), then any corpus and any model (score 30,
+ablate 40, patch 50), the checks (60, 70), the data (80), training last (90, 100, 110). A new
+command takes a free number where it belongs among them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from types import ModuleType
+
+from storylens import __version__
+from storylens.cli.options import Parser, one_line
+from storylens.core.errors import StorylensError, UsageError
+from storylens.core.offline import hub_offline
+
+DESCRIPTION = (
+    "Read the attention heads of Tiny Storyteller (shipped) or any transformers causal LM: where each head "
+    "looks, what it moves, attention sinks and dormant heads, and causal effects, over any corpus."
+)
+
+
+def _discover() -> tuple[ModuleType, ...]:
+    """The command modules of this package, in ``POSITION`` order (see the package's docstring)."""
+    commands = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if not callable(getattr(module, "add_parser", None)):
+            continue  # a helper module: options
+        name, position = getattr(module, "COMMAND", None), getattr(module, "POSITION", None)
+        if not isinstance(name, str) or not isinstance(position, int):
+            raise TypeError(f"{module.__name__}: a command module defines COMMAND (str) and POSITION (int)")
+        commands.append(module)
+    commands.sort(key=lambda m: m.POSITION)
+    positions = [m.POSITION for m in commands]
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"storylens.cli: two commands share a POSITION: {[(m.COMMAND, m.POSITION) for m in commands]}")
+    return tuple(commands)
+
+
+COMMANDS = _discover()
+COMMAND_ORDER = tuple(m.COMMAND for m in COMMANDS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``storylens`` parser: global options, then one subparser per command (its ``func``)."""
+
+    p = Parser(prog="storylens", description=DESCRIPTION)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"storylens {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in COMMANDS:  # in the order a newcomer meets them: COMMAND_ORDER
+        command.add_parser(sub)
+    return p
+
+
+def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` works before or after the subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+                _debug_everywhere(sp)  # nested commands too (storylens data download --debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    _debug_everywhere(parser)
+    args = parser.parse_args(argv)
+    # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
+    try:
+        with hub_offline(not getattr(args, "allow_download", False)):
+            return args.func(args)
+    except (StorylensError, KeyboardInterrupt, OSError, MemoryError) as e:
+        if args.debug:
+            raise
+        message, code = _describe(e)
+        print(f"storylens: {message}", file=sys.stderr)
+        return code
+
+
+def _describe(e: BaseException) -> tuple[str, int]:
+    """One line and an exit code for a problem the user can act on: 2 for a usage error (as
+    argparse's own), 1 for a problem found while running, 130 when interrupted."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(e, MemoryError):
+        return "error: out of memory", 1
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        return f"error: {where}{e.strerror or one_line(e)}", 1
+    return f"error: {one_line(e)}", 2 if isinstance(e, UsageError) else 1

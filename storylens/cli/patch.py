@@ -1,0 +1,63 @@
+"""``storylens patch``: every head's effect on a task of clean/corrupt pairs (attribution and exact
+patching)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from storylens.cli.options import add_model, add_no_progress, load, out_path
+from storylens.core.errors import UsageError
+from storylens.core.progress import ProgressLines, progress_command
+from storylens.core.publish import check_target_folder
+from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, patch_heads, read_pairs, summary_lines, write_patch
+
+COMMAND = "patch"
+POSITION = 50
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        COMMAND, help="every head's effect on a task of clean/corrupt pairs (attribution and exact patching)"
+    )
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line '
+        "(default: the example pairs shipped with storylens, names in the stories' style)",
+    )
+    p.add_argument("--out", required=True, help="output folder: patch.csv, patch.json, patch.html")
+    p.add_argument(
+        "--exact",
+        default=None,
+        metavar="all|K",
+        help="heads patched exactly: all, or the top K by |atp| (default: all while heads x pairs <= 1000, "
+        "else the top 1000 // pairs)",
+    )
+    add_model(p)
+    add_no_progress(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    exact: str | int | None = args.exact
+    if args.exact is not None and args.exact != "all":
+        if not args.exact.isdigit():
+            raise UsageError(f"--exact: {args.exact!r}; give all or a number of heads")
+        exact = int(args.exact)
+    out = out_path(args.out)
+    check_target_folder(out)  # before the model: a bad --out costs nothing
+    source = Path(args.pairs) if args.pairs is not None else EXAMPLE_PAIRS
+    rows = read_pairs(source)  # bad lines refused before the model loads
+    model = load(args)
+    pairs = encode_pairs(model, rows, source.name)
+    lines = ProgressLines("patching", 2 * len(pairs), unit="pairs", enabled=not args.no_progress)
+    with progress_command("patch"):
+        result = patch_heads(model, pairs, exact=exact, progress=lines.update)
+    write_patch(out, result, model, pairs)
+    print(result_summary(result))
+    return 0
+
+
+def result_summary(result) -> str:
+    """What ``storylens patch`` prints: the metrics and the ten heads of largest effect."""
+    return "\n".join(summary_lines(result))

@@ -1,0 +1,60 @@
+"""storylens's own GPT (the Tiny Storyteller) behind the :class:`~storylens.lm.hooks.AttentionLM` interface."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from storylens.core.errors import StorylensError
+from storylens.lm.hooks import AttentionLM, HookFn
+from storylens.model.gpt import GPT, GenerationStep
+from storylens.model.tokenizer import eot_id
+
+if TYPE_CHECKING:
+    pass
+
+
+class NativeLM(AttentionLM):
+    module: GPT
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer | None = None, name: str = "Tiny Storyteller"):
+
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if tokenizer is None:
+            raise StorylensError("model: has no tokenizer (load it with storylens.model.hub.load_model, or pass one)")
+        self.module, self.tokenizer = model, tokenizer
+        self.marker_id = eot_id(tokenizer)
+        cfg = model.config
+        self.n_layer, self.n_head, self.window, self.vocab_size = (
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.block_size,
+            cfg.vocab_size,
+        )
+        self.n_kv_head = cfg.n_head
+        self.name = name
+        self.source_folder = getattr(model, "source_folder", None)
+
+    def head_output_weights(self, layer: int) -> torch.Tensor:
+        proj = cast(nn.Linear, self.module.get_submodule(f"transformer.h.{layer}.attn.c_proj"))
+        w = proj.weight  # [d_model, head * head_size]: y = z @ w.T
+        return w.T.reshape(self.n_head, -1, w.shape[0])
+
+    def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
+        self._parse_hook(name)
+        return self.module.hook_points()[name].add_hook(fn)
+
+    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
+        out = self.module(ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits)
+        return out.logits
+
+    def blocks(self) -> list[nn.Module] | None:
+        return list(self.module.transformer.h)
+
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> Iterator[GenerationStep]:
+        return self.module.generate_stream(idx, max_new_tokens, **kw)
