@@ -116,7 +116,7 @@ class Masks:
         self.start, self.stop, self.keys = start, stop, keys
         self._mass: tuple[torch.Tensor, torch.Tensor] | None = mass  # (the map, its column masses)
         self._pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._earlier: list[tuple[weakref.ref, torch.Tensor]] = []  # (the map, _earlier_max of it): one
+        self._earlier: list[tuple[weakref.ref, torch.Tensor]] = []  # (the map, row_earlier_max of it): one
 
     def _view(self, start: int, stop: int, keys: int, mass=None) -> Masks:
         view = Masks.__new__(Masks)
@@ -212,7 +212,7 @@ class Masks:
         argmax read it (views made by :meth:`with_mass` share it; the map is held weakly)."""
         held = self._earlier
         if not held or held[0][0]() is not pattern:
-            held[:] = [(weakref.ref(pattern), _earlier_max(pattern, self.start))]
+            held[:] = [(weakref.ref(pattern), row_earlier_max(pattern, self.start))]
         return held[0][1]
 
     def scaled_column_mass(self, pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -375,16 +375,16 @@ def columns_mass(
     index = index.clamp(max=K - 1)
     picked = pattern.gather(-1, index[:, None, None, :].expand(B, H, Q, index.shape[-1]))  # [B, H, q, m]
     if norms is not None:
-        picked = picked * _key_norms(pattern, norms).gather(-1, index[:, None, :].expand(B, H, -1))[:, :, None, :]
+        picked = picked * norms_for_keys(pattern, norms).gather(-1, index[:, None, :].expand(B, H, -1))[:, :, None, :]
     return picked @ weight[:, None].to(pattern.dtype)
 
 
-def _key_norms(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+def norms_for_keys(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """``norms [B, H, keys]`` cut to ``pattern``'s keys, in its dtype: the factor :func:`scaled` applies."""
     return norms[..., : pattern.shape[-1]].to(pattern.dtype)
 
 
-def _earlier_max(pattern: torch.Tensor, start: int) -> torch.Tensor:
+def row_earlier_max(pattern: torch.Tensor, start: int) -> torch.Tensor:
     """``[..., n]``: each row's largest weight on keys other than ``q - 1`` and ``q`` (keys after ``q``
     hold 0), the two newest diagonals set to 0 for the ``amax`` and written back after."""
     prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)

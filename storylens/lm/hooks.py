@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tokenizers import Tokenizer
@@ -75,9 +75,6 @@ class HookSite:
 
 
 HookFn = Callable[[torch.Tensor, Hook], "torch.Tensor | None"]
-
-
-_M = TypeVar("_M", bound=nn.Module)
 
 
 ATTN_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")  # blocks.{l}.attn.<kind>

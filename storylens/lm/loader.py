@@ -13,14 +13,14 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 from torch import nn
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
 from storylens.lm.configs import CONFIG_ERRORS, check_no_custom_code, check_sizes
-from storylens.lm.hooks import _M, AttentionLM
+from storylens.lm.hooks import AttentionLM
 from storylens.lm.native import NativeLM
 from storylens.lm.transformers_lm import TransformersLM
 from storylens.model.gpt import GPT
@@ -142,6 +142,9 @@ def load_lm(
     if dtype is not None:
         _check_finite(model, lambda k: str(where), cast=dtype)
     return NativeLM(model)
+
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def _move(model: _M, source: str, dtype: torch.dtype | None, device: torch.device | None) -> _M:

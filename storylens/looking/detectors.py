@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.engine.masks import Masks, _key_norms
+from storylens.engine.masks import Masks, norms_for_keys
 from storylens.looking.patterns import (
     keys_mass,
     masked_mean,
@@ -267,7 +267,7 @@ FIRST_MASS = Detector(
     lambda p, m: p[..., 0].clone(),  # a copy: the map's memory is reused once its block is scored
     lambda m: m.queries,
     rows=True,
-    scaled=lambda p, w, m: p[..., 0] * _key_norms(p, w)[..., 0, None],
+    scaled=lambda p, w, m: p[..., 0] * norms_for_keys(p, w)[..., 0, None],
     read=lambda r: r.first(),
     title="Attention on position 0 (the opening token)",
     meaning="attention on position 0, the token that opens every sequence, over queries q >= 1",

@@ -21,14 +21,14 @@ from storylens.looking.example_store import (
 KEY_WIDTH = KEY_BEFORE + KEY_AFTER  # the key's window: key - 3 .. key + 3
 
 
-_NARROW = (torch.float32, torch.float16, torch.bfloat16)  # weights rounded in tensor ops (see rounded())
+NARROW = (torch.float32, torch.float16, torch.bfloat16)  # weights rounded in tensor ops (see rounded())
 
 
-_SPLIT = 2**32  # story * _SPLIT + query: one integer in (story, query) order (a query is below 2^32)
+SPLIT = 2**32  # story * SPLIT + query: one integer in (story, query) order (a query is below 2^32)
 
 
 @dataclass(frozen=True)
-class _BatchView:
+class BatchView:
     batch: StoryBatch
     Q: int  # query rows
     start: int  # the first of them
@@ -37,12 +37,12 @@ class _BatchView:
     inside: torch.Tensor  # [B, Q] real positions, rows in story order
     story_of: torch.Tensor  # [1, B * Q] story index of each flat position (story order)
     query_of: torch.Tensor  # [1, B * Q] query position of each flat position
-    order_of: torch.Tensor  # [B, Q] story * _SPLIT + query position of each row and query (batch order)
-    flat_order: torch.Tensor  # [1, B * Q] story * _SPLIT + query position of each flat position (story order)
+    order_of: torch.Tensor  # [B, Q] story * SPLIT + query position of each row and query (batch order)
+    flat_order: torch.Tensor  # [1, B * Q] story * SPLIT + query position of each flat position (story order)
 
 
 @dataclass(frozen=True)
-class _Taken:
+class Taken:
     """One block's queries taken into its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting for
     :meth:`TopExamples.flush`: the slots' rows ``rows [R]``, which of the ``c`` places per row are real
     ``[R, c]`` and their flat indices ``at [N]``, and per taken query its row of the map ``[N, K]`` (read
@@ -54,7 +54,7 @@ class _Taken:
     rows: torch.Tensor
     real: torch.Tensor
     at: torch.Tensor
-    view: _BatchView
+    view: BatchView
     rowmaps: torch.Tensor
     value: torch.Tensor
     flat: torch.Tensor
@@ -66,14 +66,14 @@ class _Taken:
         """Places per row: ``min(k, B * Q)``."""
         return self.real.shape[1]
 
-    def alike(self, other: _Taken) -> bool:
+    def alike(self, other: Taken) -> bool:
         """Taken from the same batch's same rows, the same slot count, keys and dtype: selected together."""
         a, b = self.rowmaps, other.rowmaps
         return self.view is other.view and self.c == other.c and a.shape[-1] == b.shape[-1] and a.dtype == b.dtype
 
 
 @dataclass(frozen=True)
-class _Offered:
+class Offered:
     """One block's queries that can enter its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting
     for :meth:`TopExamples.flush` to select among them with every other block's: ``at [n]`` their flat
     indices in the block's values ``[B, H, D, Q]`` (detector ``det[d]``), ``value [n]`` and each one's
@@ -82,19 +82,19 @@ class _Offered:
     layer: int
     names: tuple[str, ...]
     det: torch.Tensor
-    view: _BatchView
+    view: BatchView
     at: torch.Tensor
     value: torch.Tensor
     rowmaps: torch.Tensor
 
-    def alike(self, other: _Offered) -> bool:
+    def alike(self, other: Offered) -> bool:
         """The same batch view, detectors, key count and dtypes: selected among together."""
         a, b = self.rowmaps, other.rowmaps
         same = a.shape[-1] == b.shape[-1] and a.dtype == b.dtype and self.value.dtype == other.value.dtype
         return self.view is other.view and self.names == other.names and same
 
 
-def _alike_groups(items: Sequence) -> list[list]:
+def alike_groups(items: Sequence) -> list[list]:
     """``items`` (each with ``alike(other)``) in groups of alike ones, in the order they first came."""
     groups: list[list] = []
     for item in items:
@@ -106,12 +106,12 @@ def _alike_groups(items: Sequence) -> list[list]:
     return groups
 
 
-def _ranks(key: torch.Tensor) -> torch.Tensor:
+def ranks_of(key: torch.Tensor) -> torch.Tensor:
     """Each entry's place among the entries of its run of equal ``key`` (sorted ``[n]``), from 0."""
     return torch.arange(key.numel(), device=key.device) - torch.searchsorted(key, key)
 
 
-def _sorted_by(*keys: torch.Tensor) -> torch.Tensor:
+def sorted_by(*keys: torch.Tensor) -> torch.Tensor:
     """The permutation sorting ``[n]`` entries by ``keys[0]``, then ``keys[1]``, ...: stable sorts, the
     last key first."""
     order = keys[-1].argsort(stable=True)
@@ -120,23 +120,23 @@ def _sorted_by(*keys: torch.Tensor) -> torch.Tensor:
     return order
 
 
-def _at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def at_most(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each float64 as the largest ``dtype`` value not above it (exact when it is one): a worst
     value kept from a float64 run still admits every query that beats it."""
     near = exact.to(dtype)
     return torch.where(near.to(torch.float64) > exact, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
 
 
-def _worst(
+def worst_kept(
     floats: torch.Tensor, ints: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The worst kept example of each of the slots' ``rows [r]``: its value as ``dtype`` (:func:`_at_most`;
-    -inf: room left) and its ``story * _SPLIT + query`` (negative for an empty slot: no query is before it)."""
+    """The worst kept example of each of the slots' ``rows [r]``: its value as ``dtype`` (:func:`at_most`;
+    -inf: room left) and its ``story * SPLIT + query`` (negative for an empty slot: no query is before it)."""
     last = ints[rows, -1]
-    return _at_most(floats[rows, -1, 0], dtype), last[:, 0] * _SPLIT + last[:, 1]
+    return at_most(floats[rows, -1, 0], dtype), last[:, 0] * SPLIT + last[:, 1]
 
 
-def _near(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> torch.Tensor:
+def window_weights(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> torch.Tensor:
     """``[N, width]``: each row's attention on the ``width`` keys from ``max(0, around - before)`` on
     (``rowmaps [N, key]``, ``around [N]``: the query, or its most-attended key), the last key
     repeated past the map's end (never kept: an Example keeps the keys up to its query)."""
@@ -145,11 +145,11 @@ def _near(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) 
     return rowmaps.gather(-1, keys)
 
 
-def _rounded_now(weights: torch.Tensor) -> torch.Tensor:
+def rounded_now(weights: torch.Tensor) -> torch.Tensor:
     """float64 weights that :func:`rounded` would give, bit for bit, for float32 or narrower weights;
     others widened as they are (rounded by Python when their Example is made)."""
     wide = weights.to(torch.float64)
-    if weights.dtype in _NARROW:
+    if weights.dtype in NARROW:
         scale = 10.0**WEIGHT_DECIMALS
         return torch.round(wide * scale) / scale
     return wide
@@ -161,12 +161,12 @@ def rounded(weights: torch.Tensor) -> list[list[float]]:
     625 * 2^4, 34 bits) is exact in float64, ``torch.round`` then rounds it half to even as Python's
     ``round`` rounds the exact value, and the division is IEEE-rounded to the double nearest to the
     decimal result, which is what ``round`` returns. Wider weights take Python's ``round``."""
-    if weights.dtype in _NARROW:
-        return _rounded_now(weights).tolist()
+    if weights.dtype in NARROW:
+        return rounded_now(weights).tolist()
     return [[round(float(w), WEIGHT_DECIMALS) for w in row] for row in weights.tolist()]
 
 
-def _per_story(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) -> torch.Tensor:
+def story_capped(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) -> torch.Tensor:
     """``eligible [R, B * Q]`` narrowed to each row's best ``per_story`` queries of each story (a
     batch row), ties to the earliest query: the same rule as the top ``k``, story by story."""
     R, Q = v.shape[0], v.shape[1] // B
@@ -179,7 +179,7 @@ def _per_story(eligible: torch.Tensor, v: torch.Tensor, B: int, per_story: int) 
     return (above | (tied & (tied.cumsum(-1) <= room))).view(R, B * Q)
 
 
-def _first_k(eligible: torch.Tensor, v: torch.Tensor, k: int) -> torch.Tensor:
+def first_k(eligible: torch.Tensor, v: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the first ``k`` of the eligible queries under the order: every value above the k-th
     largest, then as many of the values equal to it as fit, earliest (story, query) first."""
     masked = torch.where(eligible, v, torch.tensor(-math.inf, dtype=v.dtype, device=v.device))
@@ -190,7 +190,7 @@ def _first_k(eligible: torch.Tensor, v: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
-def _taken(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def taken_rows(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``take [R, n]`` (at most ``k`` per row) as flat indices ``[R, c]``, ``c = min(k, n)``, in
     (story, query) order, and which of them are real (a row taking fewer is padded): no sync."""
     R, n = take.shape
@@ -206,16 +206,16 @@ def _taken(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return fi.clamp(max=n - 1), fi < n
 
 
-def _select(
+def select_top(
     floats: torch.Tensor, ints: torch.Tensor, k: int, per_story: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top ``k`` slots of ``floats [R, M, F]`` / ``ints [R, M, I]`` (M >= k) as :func:`_best`
+    """Each row's top ``k`` slots of ``floats [R, M, F]`` / ``ints [R, M, I]`` (M >= k) as :func:`best_examples`
     picks them among the Examples they stand for: sorted by value descending, story, query, then
     slot (stable: what was kept before what is offered); a ``(story, query)`` seen before skipped;
     a story's slots past ``per_story`` skipped; the first ``k`` left, best first, then empty slots."""
     R, M, F = floats.shape
     dev = floats.device
-    value, sq = floats[..., 0], ints[..., 0] * _SPLIT + ints[..., 1]  # [R, M]
+    value, sq = floats[..., 0], ints[..., 0] * SPLIT + ints[..., 1]  # [R, M]
     real = value.isfinite()
     by = sq.argsort(dim=-1, stable=True)
     down = torch.where(real, -value, math.inf).gather(-1, by).argsort(dim=-1, stable=True)

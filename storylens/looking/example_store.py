@@ -35,7 +35,7 @@ EXAMPLE_FIELDS = (
     "weights",
     "key_weights",
 )
-_STATE_KEYS = {"k", "context", "per_story", "shape", "detectors", "examples"}
+STATE_KEYS = {"k", "context", "per_story", "shape", "detectors", "examples"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Example:
         }
 
 
-def _best(examples, k: int, per_story: int | None = None) -> list:
+def best_examples(examples, k: int, per_story: int | None = None) -> list:
     """The top ``k`` of ``examples`` under the order, each ``(story, query)`` once (its best), at
     most ``per_story`` of one story (None: any number)."""
     out: list[Example] = []
@@ -99,7 +99,7 @@ def _best(examples, k: int, per_story: int | None = None) -> list:
     return out
 
 
-def _key_seen(query: int, key: int, key_at: int, key_tokens: Sequence[int]) -> int:
+def key_seen(query: int, key: int, key_at: int, key_tokens: Sequence[int]) -> int:
     """How many of the key window's tokens the query sees: those up to the query itself."""
     return min(len(key_tokens), query - (key - key_at) + 1)
 
@@ -151,7 +151,7 @@ class ExampleStore:
             for mine, theirs in zip(self._kept[name], other._kept[name]):
                 for h in range(self.n_head):
                     if theirs[h]:
-                        mine[h] = _best(mine[h] + theirs[h], self.k, self.per_story)
+                        mine[h] = best_examples(mine[h] + theirs[h], self.k, self.per_story)
         return self
 
     def state(self) -> dict:
@@ -175,8 +175,8 @@ class ExampleStore:
         """Take the examples of :meth:`state` (the same heads, detectors, k and context), every
         field checked; a state that is not what :meth:`state` writes raises ValueError saying which
         part is wrong, and changes nothing. Returns ``self``."""
-        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
-            raise ValueError(_not_a_state(state))
+        if not isinstance(state, dict) or set(state) != STATE_KEYS:
+            raise ValueError(not_a_state(state))
         given = (state["shape"], state["detectors"], state["k"], state["context"], state["per_story"])
         mine = ([self.n_layer, self.n_head], list(self.detectors), self.k, self.context, self.per_story)
         if given != mine or any(isinstance(x, bool) for x in (*given[0], given[2], given[3], given[4])):
@@ -211,7 +211,7 @@ class ExampleStore:
         if not isinstance(items, list) or len(items) > self.k:
             raise ValueError(f"{where}: expected a list of at most k={self.k} examples")
         out = [self._check_example(x, f"{where}[{i}]") for i, x in enumerate(items)]
-        if out != _best(out, self.k, self.per_story):
+        if out != best_examples(out, self.k, self.per_story):
             raise ValueError(
                 f"{where}: the examples are not best first, or a (story, query) repeats, or a story passes per_story"
             )
@@ -257,7 +257,7 @@ class ExampleStore:
             raise ValueError(f"{where}.key_at: {key_at} does not place key {key} in its key_tokens")
         value, key_weight = number("value"), number("key_weight")
         seen = weights("weights", query_at + 1)
-        near_key = weights("key_weights", _key_seen(query, key, key_at, key_tokens))
+        near_key = weights("key_weights", key_seen(query, key, key_at, key_tokens))
         return Example(story, query, value, key, key_weight, tokens, query_at, key_tokens, key_at, seen, near_key)
 
     # ---------------------------------------------------------------- reading
@@ -333,6 +333,6 @@ class ExampleStore:
         return write_text_atomic(target, text + "\n")
 
 
-def _not_a_state(state) -> str:
+def not_a_state(state) -> str:
     got = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
-    return f"examples state: not a TopExamples state (got {got or 'an empty dict'}; expected {', '.join(sorted(_STATE_KEYS))})"
+    return f"examples state: not a TopExamples state (got {got or 'an empty dict'}; expected {', '.join(sorted(STATE_KEYS))})"

@@ -29,7 +29,7 @@ at least ``k / PER_STORY`` stories wherever it fires in that many.
 **Lazily made.** While blocks are fed, each block's kept queries are tensors ("slots": the value,
 story, query, key, weights and token ids), and the top ``k`` of the kept and the newly offered is
 chosen by tensor ops in the order above (ties, ``(story, query)`` once, ``per_story`` as
-:func:`_best` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
+:func:`best_examples` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
 :meth:`~TopExamples.state`, :meth:`~TopExamples.merge`, :meth:`~TopExamples.as_json`, pickling), not
 for every block of every batch. A block's newly taken queries wait (their rows of the map read when
 it is fed) and enter its slots at :meth:`~TopExamples.flush`, once per batch for every block (the
@@ -53,32 +53,32 @@ import torch
 from storylens.core.errors import StorylensError
 from storylens.engine.encode import StoryBatch
 from storylens.looking.example_select import (
-    _NARROW,
-    _SPLIT,
     KEY_WIDTH,
-    _alike_groups,
-    _BatchView,
-    _first_k,
-    _near,
-    _Offered,
-    _per_story,
-    _ranks,
-    _rounded_now,
-    _select,
-    _sorted_by,
-    _Taken,
-    _taken,
-    _worst,
+    NARROW,
+    SPLIT,
+    BatchView,
+    Offered,
+    Taken,
+    alike_groups,
+    first_k,
+    ranks_of,
+    rounded_now,
+    select_top,
+    sorted_by,
+    story_capped,
+    taken_rows,
+    window_weights,
+    worst_kept,
 )
 from storylens.looking.example_store import (
-    _STATE_KEYS,
     KEY_BEFORE,
     QUERY_AFTER,
+    STATE_KEYS,
     WEIGHT_DECIMALS,
     Example,
     ExampleStore,
-    _key_seen,
-    _not_a_state,
+    key_seen,
+    not_a_state,
 )
 
 ROWS_FIRST = True  # on a CPU, select only in the rows where some query can enter (TopExamples.add_stacked)
@@ -122,9 +122,9 @@ class TopExamples(ExampleStore):
         self._kept: dict[str, list[list[list[Example]]]] = {name: self._empty() for name in self.detectors}
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per block fed: its examples as tensors
         self._stale: set[int] = set()  # the blocks whose _kept lists are behind their slots
-        self._view: _BatchView | None = None  # the current batch's story order
-        self._pending: list[_Taken] = []  # queries taken from blocks fed since the last flush(), not yet selected
-        self._offered: list[_Offered] = []  # queries that can enter, of blocks fed since then (_offer)
+        self._view: BatchView | None = None  # the current batch's story order
+        self._pending: list[Taken] = []  # queries taken from blocks fed since the last flush(), not yet selected
+        self._offered: list[Offered] = []  # queries that can enter, of blocks fed since then (_offer)
 
     def __getstate__(self) -> dict:  # pickled or copied: the examples, not tensors of the last batch
         self._settle()
@@ -132,7 +132,7 @@ class TopExamples(ExampleStore):
 
     # ---------------------------------------------------------------- feeding
 
-    def _batch_view(self, batch: StoryBatch, Q: int, device: torch.device, start: int = 0) -> _BatchView:
+    def _batch_view(self, batch: StoryBatch, Q: int, device: torch.device, start: int = 0) -> BatchView:
         """What every call on ``batch`` (its query rows ``start .. start + Q - 1``) shares, made once
         per batch and chunk of rows (the last one is kept)."""
         last = self._view
@@ -156,9 +156,9 @@ class TopExamples(ExampleStore):
         story_of = s_sorted[:, None].expand(B, Q).reshape(1, B * Q)
         query_of = pos[None, :].expand(B, Q).reshape(1, B * Q)
         index = torch.tensor(story_index, dtype=torch.long, device=device)
-        order_of = index[:, None] * _SPLIT + pos[None, :]
-        flat_order = story_of * _SPLIT + query_of
-        self._view = _BatchView(batch, Q, start, device, perm, inside, story_of, query_of, order_of, flat_order)
+        order_of = index[:, None] * SPLIT + pos[None, :]
+        flat_order = story_of * SPLIT + query_of
+        self._view = BatchView(batch, Q, start, device, perm, inside, story_of, query_of, order_of, flat_order)
         return self._view
 
     def add(
@@ -231,7 +231,7 @@ class TopExamples(ExampleStore):
             dev.type == "cpu" and ROWS_FIRST
         ):  # the rows where some counted query beats the worst kept one (as _eligible)
             offered = (det[:, None] * H + torch.arange(H, device=dev)).reshape(-1)  # [D * H] rows, detector-major
-            worst, later = (x.view(D, H).t() for x in _worst(floats, ints, offered, values.dtype))  # [H, D] each
+            worst, later = (x.view(D, H).t() for x in worst_kept(floats, ints, offered, values.dtype))  # [H, D] each
             w, lt = worst[None, :, :, None], later[None, :, :, None]  # [1, H, D, 1]
             beats = (values > w) | ((values == w) & (view.order_of[:, None, None, :] < lt))
             beats &= counted[:, None]
@@ -247,11 +247,11 @@ class TopExamples(ExampleStore):
             heads = torch.arange(H, device=dev).repeat(D)
             at = torch.arange(D, device=dev).repeat_interleave(H)
             rows = det[at] * H + heads
-            kept = _worst(floats, ints, rows, values.dtype)
+            kept = worst_kept(floats, ints, rows, values.dtype)
         v, eligible = self._eligible(values, counted, heads, at, *kept, view)
         # at most per_story of each of the B stories is already at most k: nothing more to cut
         capped = self.per_story is not None and self.per_story * B <= self.k
-        take = eligible if capped else _first_k(eligible, v, self.k)
+        take = eligible if capped else first_k(eligible, v, self.k)
         if dev.type == "cpu" and not bool(take.any()):  # nothing enters (skipped where it would sync)
             return
         self._pending.append(self._taken_rows(layer, rows, take, v, pattern, view, heads))
@@ -264,7 +264,7 @@ class TopExamples(ExampleStore):
         beats: torch.Tensor,
         values: torch.Tensor,
         pattern: torch.Tensor,
-        view: _BatchView,
+        view: BatchView,
     ) -> bool:
         """Keep the queries that can enter (``beats [B, H, D, Q]``: counted and beating their row's worst
         kept) with their rows of ``pattern``, for :meth:`flush` to select among with every other block's;
@@ -282,13 +282,13 @@ class TopExamples(ExampleStore):
         else:
             rowmaps = pattern.detach()[at // (H * D * Q), at // (D * Q) % H, at % Q]
         value = values.reshape(-1)[at]
-        self._offered.append(_Offered(layer, tuple(names), det, view, at, value, rowmaps))
+        self._offered.append(Offered(layer, tuple(names), det, view, at, value, rowmaps))
         return True
 
-    def _take_offered(self, group: list[_Offered]) -> list[_Taken]:
+    def _take_offered(self, group: list[Offered]) -> list[Taken]:
         """The queries each block of ``group`` takes into its top ``k`` rows, of those it offered
-        (:meth:`_offer`), selected for every block at once: as :meth:`_eligible`, :func:`_per_story`,
-        :func:`_first_k` and :func:`_taken` select among a block's values (the same queries)."""
+        (:meth:`_offer`), selected for every block at once: as :meth:`_eligible`, :func:`story_capped`,
+        :func:`first_k` and :func:`taken_rows` select among a block's values (the same queries)."""
         view, det = group[0].view, group[0].det
         B, Q = view.inside.shape
         H, D, rows_per_block = self.n_head, det.numel(), len(self.detectors) * self.n_head
@@ -304,18 +304,18 @@ class TopExamples(ExampleStore):
         chosen = (v.isfinite() & view.inside.view(-1)[flat]).nonzero()[:, 0]  # eligible (they beat the worst kept)
         if self.per_story is not None:  # each row's best per_story of each story: by value, then query
             gb = g[chosen] * B + bs[chosen]
-            order = _sorted_by(gb, -v[chosen], q[chosen])
-            chosen = chosen[order][_ranks(gb[order]) < self.per_story]
+            order = sorted_by(gb, -v[chosen], q[chosen])
+            chosen = chosen[order][ranks_of(gb[order]) < self.per_story]
         if self.per_story is None or self.per_story * B > self.k:  # each row's first k (else already at most k)
-            order = _sorted_by(g[chosen], -v[chosen], flat[chosen])
-            chosen = chosen[order][_ranks(g[chosen][order]) < self.k]
+            order = sorted_by(g[chosen], -v[chosen], flat[chosen])
+            chosen = chosen[order][ranks_of(g[chosen][order]) < self.k]
         chosen = chosen[(g[chosen] * (B * Q) + flat[chosen]).argsort()]  # by row, then (story, query)
         if chosen.numel() == 0:
             return []
         g, flat = g[chosen], flat[chosen]
         rows, row_of = torch.unique_consecutive(g, return_inverse=True)  # [U] rows, [N] each query's
         c = min(self.k, B * Q)
-        place = _ranks(g)  # [N]: its place in its row
+        place = ranks_of(g)  # [N]: its place in its row
         real = torch.zeros(rows.numel(), c, dtype=torch.bool)
         real[row_of, place] = True
         first_row = torch.searchsorted(rows, torch.arange(self.n_layer + 1) * rows_per_block).tolist()
@@ -331,7 +331,7 @@ class TopExamples(ExampleStore):
             spot = (row_of[here] - ra) * c + place[here]
             local = rows[ra:rb] - lay * rows_per_block
             taken.append(
-                _Taken(lay, local, real[ra:rb], spot, view, rowmaps[here], value[here], flat[here], qi[here], bi[here])
+                Taken(lay, local, real[ra:rb], spot, view, rowmaps[here], value[here], flat[here], qi[here], bi[here])
             )
         return taken
 
@@ -343,20 +343,20 @@ class TopExamples(ExampleStore):
         a flush is flushed at its second chunk, so its worst kept is always up to date). The queries
         blocks offered (:meth:`_offer`) are selected among first, for every block at once."""
         offered, self._offered = self._offered, []
-        for same in _alike_groups(offered):  # offered from the same chunk of rows of the same batch
+        for same in alike_groups(offered):  # offered from the same chunk of rows of the same batch
             self._pending += self._take_offered(same)
         pending, self._pending = self._pending, []
-        for group in _alike_groups(pending):  # taken from the same chunk of rows of the same batch
+        for group in alike_groups(pending):  # taken from the same chunk of rows of the same batch
             self._select_taken(group)
 
-    def _select_taken(self, group: list[_Taken]) -> None:
+    def _select_taken(self, group: list[Taken]) -> None:
         """:meth:`flush` for blocks whose taken queries share a batch view, key count and slot count."""
         view, c, dev = group[0].view, group[0].c, group[0].rows.device
         offsets = [0]
         for t in group:
             offsets.append(offsets[-1] + t.rows.shape[0])
         at = torch.cat([t.at + offsets[i] * c for i, t in enumerate(group)])  # [N]: flat slots of every block
-        rowmaps, value, flat, qi, bi = (torch.cat([getattr(t, f) for t in group]) for f in _Taken.READ)
+        rowmaps, value, flat, qi, bi = (torch.cat([getattr(t, f) for t in group]) for f in Taken.READ)
         got_f, got_i = self._windows(rowmaps, value, flat, qi, bi, view)
         R = offsets[-1]
         floats = torch.full((R * c, got_f.shape[-1]), -math.inf, dtype=torch.float64, device=dev)
@@ -366,7 +366,7 @@ class TopExamples(ExampleStore):
         slots = [self._block_slots(t.layer, dev) for t in group]
         row_f = torch.cat([f[t.rows] for t, (f, _) in zip(group, slots)])
         row_i = torch.cat([i[t.rows] for t, (_, i) in zip(group, slots)])
-        kept_f, kept_i = _select(
+        kept_f, kept_i = select_top(
             torch.cat([row_f, floats.view(R, c, -1)], 1), torch.cat([row_i, ints.view(R, c, -1)], 1),
             self.k, self.per_story,
         )  # fmt: skip
@@ -406,12 +406,12 @@ class TopExamples(ExampleStore):
         at: torch.Tensor,
         worst: torch.Tensor,
         later: torch.Tensor,
-        view: _BatchView,
+        view: BatchView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The selected rows' values ``[r, B * Q]`` (row ``i``: head ``heads[i]`` of offered detector
         ``at[i]``, of ``values [B, H, D, Q]``; stories in story order, so a flat index ``b * Q + q``
         runs in (story, query) order) and which of them may enter its top ``k``: a row that keeps k
-        examples takes only queries that beat its worst one (``worst``, ``later``: :func:`_worst` of
+        examples takes only queries that beat its worst one (``worst``, ``later``: :func:`worst_kept` of
         the rows; an empty slot: any)."""
         B, H, D, Q = values.shape
         r = heads.shape[0]
@@ -425,7 +425,7 @@ class TopExamples(ExampleStore):
         earlier = view.flat_order < later[:, None]  # [r, B * Q]: before the worst kept in (story, query) order
         eligible = c & v.isfinite() & ((v > wv) | ((v == wv) & earlier))
         if self.per_story is not None and self.per_story < Q:
-            eligible = _per_story(eligible, v, B, self.per_story)
+            eligible = story_capped(eligible, v, B, self.per_story)
         return v, eligible
 
     def _taken_rows(
@@ -435,13 +435,13 @@ class TopExamples(ExampleStore):
         take: torch.Tensor,
         v: torch.Tensor,
         pattern: torch.Tensor,
-        view: _BatchView,
+        view: BatchView,
         heads: torch.Tensor,
-    ) -> _Taken:
+    ) -> Taken:
         """The taken queries of block ``layer`` (``take [R, B * Q]``, at most k a row; ``rows [R]`` the
         slots' rows, ``heads [R]`` each row's head) with what their slots need of the map, read now:
         each query's row of ``pattern [B, H, Q, K]`` (its most-attended key and the weights around)."""
-        fi, real = _taken(take, self.k)  # [R, c]
+        fi, real = taken_rows(take, self.k)  # [R, c]
         R, c = fi.shape
         dev = fi.device
         B, H, Q, K = pattern.shape
@@ -456,7 +456,7 @@ class TopExamples(ExampleStore):
         else:
             rowmaps = pattern.detach()[bi, hi, qi]
         value = v[row, flat].to(torch.float64)
-        return _Taken(layer, rows, real, at, view, rowmaps.to(dev), value, flat, qi, bi)
+        return Taken(layer, rows, real, at, view, rowmaps.to(dev), value, flat, qi, bi)
 
     def _windows(
         self,
@@ -465,7 +465,7 @@ class TopExamples(ExampleStore):
         flat: torch.Tensor,
         qi: torch.Tensor,
         bi: torch.Tensor,
-        view: _BatchView,
+        view: BatchView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's floats ``[N, F]`` and ints ``[N, I]`` for each query taken (its row of the map
         ``rowmaps [N, K]``, its value, flat index ``b * Q + q`` in story order, row in the chunk and
@@ -476,9 +476,13 @@ class TopExamples(ExampleStore):
         key = torch.where(rowmaps == rowmaps.amax(-1, keepdim=True), keys, K).amin(-1).clamp(max=K - 1)  # [N]
         query = qi + view.start  # the query's position
         near = torch.cat(
-            [_near(rowmaps, query, self.context, self.context + 1), _near(rowmaps, key, KEY_BEFORE, KEY_WIDTH)], -1
+            [
+                window_weights(rowmaps, query, self.context, self.context + 1),
+                window_weights(rowmaps, key, KEY_BEFORE, KEY_WIDTH),
+            ],
+            -1,
         )
-        floats = torch.cat([value[:, None], rowmaps.gather(-1, key[:, None]).to(torch.float64), _rounded_now(near)], -1)
+        floats = torch.cat([value[:, None], rowmaps.gather(-1, key[:, None]).to(torch.float64), rounded_now(near)], -1)
         ids, T = view.batch.ids.to(dev), view.batch.ids.shape[1]
         length = view.batch.lengths.to(dev)[bi][:, None]  # [N, 1]
 
@@ -486,7 +490,7 @@ class TopExamples(ExampleStore):
             pos = first[:, None] + torch.arange(width, device=dev)
             return torch.where((pos >= 0) & (pos < length), ids[bi[:, None], pos.clamp(0, T - 1)], -1)
 
-        raw = torch.full_like(key, int(rowmaps.dtype not in _NARROW))
+        raw = torch.full_like(key, int(rowmaps.dtype not in NARROW))
         heads = torch.stack([view.story_of[0, flat], query, key, raw], -1)  # [N, 4]
         tokens = [ids_at(query - self.context, self.context + QUERY_AFTER), ids_at(key - KEY_BEFORE, KEY_WIDTH)]
         return floats, torch.cat([heads, *tokens], -1)
@@ -545,7 +549,7 @@ class TopExamples(ExampleStore):
                     key_tokens = tuple(t for t in i[4 + C + QUERY_AFTER :] if t >= 0)
                     weights, key_weights = (
                         f[2 : 3 + C][: query_at + 1],
-                        f[3 + C :][: _key_seen(query, key, key_at, key_tokens)],
+                        f[3 + C :][: key_seen(query, key, key_at, key_tokens)],
                     )
                     if raw:
                         weights = [round(w, WEIGHT_DECIMALS) for w in weights]
@@ -574,8 +578,8 @@ class TopExamples(ExampleStore):
     @classmethod
     def from_state(cls, state: dict) -> TopExamples:
         """A new instance holding ``state`` (its sizes, detectors, k and context read from it)."""
-        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
-            raise ValueError(_not_a_state(state))
+        if not isinstance(state, dict) or set(state) != STATE_KEYS:
+            raise ValueError(not_a_state(state))
         try:
             n_layer, n_head = state["shape"]
             made = cls(n_layer, n_head, state["detectors"], state["k"], state["context"], state["per_story"])

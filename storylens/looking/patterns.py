@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from storylens.engine.masks import PREV_SPAN, _earlier_max, _key_norms
+from storylens.engine.masks import PREV_SPAN, norms_for_keys, row_earlier_max
 
 
 def diagonal(pattern: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
@@ -43,13 +43,13 @@ def prev_is_argmax(pattern: torch.Tensor, start: int = 0, earlier: torch.Tensor 
     weight the softmax gives is above 0). To take the maximum over keys 0 .. q-2 without a copy
     of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
     ``pattern`` leaves this function bit for bit as it came in. ``start``: the first query of a
-    chunk of rows (see :func:`diagonal`). ``earlier``: :func:`_earlier_max` of ``pattern``, where
+    chunk of rows (see :func:`diagonal`). ``earlier``: :func:`row_earlier_max` of ``pattern``, where
     already taken (:meth:`Masks.earlier_max`).
     """
     n, lead = pattern.shape[-2], max(0, 1 - start)  # lead: query 0 has no previous key
     prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)  # views: [..., n - lead]
     own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)
-    earlier = _earlier_max(pattern, start) if earlier is None else earlier  # [..., query]: keys 0 .. q-2
+    earlier = row_earlier_max(pattern, start) if earlier is None else earlier  # [..., query]: keys 0 .. q-2
     wins = (prev >= own[..., lead:n]) & (prev > earlier[..., lead:])
     return F.pad(wins.to(pattern.dtype), (lead, 0))[..., :n]
 
@@ -62,7 +62,7 @@ def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tens
 def scaled(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """The norm-scaled map ``pattern * norms[key]`` ``[B, H, q, k]`` (what :attr:`Detector.scaled`
     computes on without forming it; :func:`storylens.looking.faithful.norm_scaled`'s products)."""
-    return pattern * _key_norms(pattern, norms)[:, :, None, :]
+    return pattern * norms_for_keys(pattern, norms)[:, :, None, :]
 
 
 def key_diagonal(norms: torch.Tensor, k: int, start: int, n: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def key_diagonal(norms: torch.Tensor, k: int, start: int, n: int) -> torch.Tenso
 def scaled_diagonal(pattern: torch.Tensor, norms: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
     """:func:`diagonal` of the scaled map (:func:`scaled`), bit for bit, reading ``n`` entries."""
     n = pattern.shape[-2]
-    return diagonal(pattern, k, start) * key_diagonal(_key_norms(pattern, norms), k, start, n)
+    return diagonal(pattern, k, start) * key_diagonal(norms_for_keys(pattern, norms), k, start, n)
 
 
 def scaled_prev_span(pattern: torch.Tensor, norms: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> torch.Tensor:
@@ -96,14 +96,14 @@ def scaled_prev_is_argmax(
     in full. The same decision, bit for bit, as on the formed map. ``earlier``: as
     :func:`prev_is_argmax`'s (the raw map's, shared)."""
     n = pattern.shape[-2]
-    w = _key_norms(pattern, norms)  # [B, H, keys]
-    earlier = _earlier_max(pattern, start) if earlier is None else earlier  # [..., n]: raw, keys 0 .. q-2
+    w = norms_for_keys(pattern, norms)  # [B, H, keys]
+    earlier = row_earlier_max(pattern, start) if earlier is None else earlier  # [..., n]: raw, keys 0 .. q-2
     prev = diagonal(pattern, 1, start) * key_diagonal(w, 1, start, n)  # [..., n]: s_{q-1}
     own = pattern.diagonal(offset=start, dim1=-2, dim2=-1)[..., :n] * w[..., start : start + n]  # s_q
-    return _scaled_wins(pattern, w, start, earlier, prev, own)
+    return scaled_wins(pattern, w, start, earlier, prev, own)
 
 
-def _scaled_wins(
+def scaled_wins(
     pattern: torch.Tensor,
     w: torch.Tensor,
     start: int,
@@ -166,7 +166,7 @@ def pairs_mass(
     flat = torch.where(row < Q, row * K + keys, 0)  # [B, P] into each story's [q * k]
     picked = pattern.reshape(B, H, Q * K).gather(-1, flat[:, None].expand(B, H, flat.shape[1]))  # [B, H, P]
     if norms is not None:  # on the scaled map (:func:`scaled`), bit for bit: each pair's weight times its key's norm
-        picked = picked * _key_norms(pattern, norms).gather(-1, keys[:, None].expand(B, H, keys.shape[1]))
+        picked = picked * norms_for_keys(pattern, norms).gather(-1, keys[:, None].expand(B, H, keys.shape[1]))
     out = torch.zeros(B, H, Q + 1, dtype=pattern.dtype, device=pattern.device)
     return out.scatter_add_(-1, row[:, None].expand(B, H, row.shape[1]), picked)[..., :Q]
 

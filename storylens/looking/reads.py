@@ -9,8 +9,8 @@ from functools import cached_property
 
 import torch
 
-from storylens.engine.masks import PREV_SPAN, READ_KEYS, Masks, _key_norms
-from storylens.looking.patterns import _scaled_wins, span_sum
+from storylens.engine.masks import PREV_SPAN, READ_KEYS, Masks, norms_for_keys
+from storylens.looking.patterns import scaled_wins, span_sum
 
 
 class Reads:
@@ -40,7 +40,7 @@ class Reads:
         where its bounds leave a row unsure)."""
         B, H, n, _ = self.pattern.shape
         start = self.masks.start
-        w = _key_norms(self.pattern, norms)
+        w = norms_for_keys(self.pattern, norms)
         key = self.masks.read_index()[1]
         # the scaled reads, bit for bit (the same products): keys q, q - 1, .., q - PREV_SPAN, then 0
         scaled = (self._entries.view(B, H, -1) * w.gather(-1, key.expand(B, H, key.shape[0]))).view(B, H, n, -1)
@@ -48,7 +48,7 @@ class Reads:
         # q < 2 key 0 is q - 1 or q itself, but no row there is unsure (the upper bound is 0: prev > 0 wins)
         known = scaled[..., 2:].amax(-1)
         prev, own = scaled[..., 1], scaled[..., 0]
-        wins = _scaled_wins(self.pattern, w, start, self.masks.earlier_max(self.pattern), prev, own, known)
+        wins = scaled_wins(self.pattern, w, start, self.masks.earlier_max(self.pattern), prev, own, known)
         return HeldReads(self._entries, self._picked, self.pattern.shape[-1], norms, wins)
 
     def scaled(self, norms: torch.Tensor, masks: Masks | None = None) -> Reads:
@@ -59,7 +59,7 @@ class Reads:
     @cached_property
     def _w(self) -> torch.Tensor:  # [B, H, keys]: the key norms in the map's dtype
         assert self.norms is not None
-        return _key_norms(self.pattern, self.norms)
+        return norms_for_keys(self.pattern, self.norms)
 
     @cached_property
     def _entries(self) -> torch.Tensor:
@@ -100,7 +100,7 @@ class Reads:
         earlier = self.masks.earlier_max(self.pattern)
         prev, own = self.diagonal(1), self.diagonal(0)
         if self._raw is not None:
-            return _scaled_wins(self.pattern, self._w, self.masks.start, earlier, prev, own)
+            return scaled_wins(self.pattern, self._w, self.masks.start, earlier, prev, own)
         valid = self.masks.read_index()[2][:, 1]  # [n]: query q >= 1
         return ((prev >= own) & (prev > earlier) & valid).to(self.pattern.dtype)
 
