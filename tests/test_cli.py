@@ -210,3 +210,28 @@ def test_record_and_html_go_together(capsys, tmp_path):
     assert main(["generate", "Once", "--record"]) == 2
     assert capsys.readouterr().err == "storylens: error: --record: give --html FILE to write the replay page\n"
     assert not (tmp_path / "x.html").exists()
+
+
+def test_a_new_command_is_one_file(tmp_path, monkeypatch):
+    """The entry point finds its commands: a module that defines COMMAND, POSITION and add_parser is one,
+    in POSITION order, with no list to edit; a helper module is not; two commands at one POSITION, or a
+    command without its COMMAND, are refused."""
+    from storylens.cli import COMMAND_ORDER, COMMANDS, discover
+
+    pkg = tmp_path / "probe_cli"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    command = "COMMAND = {name!r}\nPOSITION = {pos}\n\ndef add_parser(sub):\n    sub.add_parser(COMMAND)\n"
+    (pkg / "later.py").write_text(command.format(name="later", pos=20))
+    (pkg / "first.py").write_text(command.format(name="first", pos=10))
+    (pkg / "helpers.py").write_text("SHARED = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert [m.COMMAND for m in discover([str(pkg)], "probe_cli")] == ["first", "later"]
+    (pkg / "clash.py").write_text(command.format(name="clash", pos=10))
+    with pytest.raises(ValueError, match="two commands share a POSITION"):
+        discover([str(pkg)], "probe_cli")
+    (pkg / "clash.py").unlink()
+    (pkg / "nameless.py").write_text("POSITION = 30\n\ndef add_parser(sub):\n    pass\n")
+    with pytest.raises(TypeError, match="defines COMMAND"):
+        discover([str(pkg)], "probe_cli")
+    assert COMMAND_ORDER == tuple(m.COMMAND for m in COMMANDS) and len(COMMANDS) == 11

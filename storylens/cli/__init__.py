@@ -24,6 +24,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 
 from storylens import __version__
@@ -37,13 +38,14 @@ DESCRIPTION = (
 )
 
 
-def _discover() -> tuple[ModuleType, ...]:
-    """The command modules of this package, in ``POSITION`` order (see the package's docstring)."""
+def discover(path: Sequence[str], package: str) -> tuple[ModuleType, ...]:
+    """The command modules of the package ``package`` (its folders ``path``), in ``POSITION`` order (see
+    this package's docstring)."""
     commands = []
-    for info in pkgutil.iter_modules(__path__):
+    for info in pkgutil.iter_modules(path):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{package}.{info.name}")
         if not callable(getattr(module, "add_parser", None)):
             continue  # a helper module: options
         name, position = getattr(module, "COMMAND", None), getattr(module, "POSITION", None)
@@ -53,11 +55,11 @@ def _discover() -> tuple[ModuleType, ...]:
     commands.sort(key=lambda m: m.POSITION)
     positions = [m.POSITION for m in commands]
     if len(set(positions)) != len(positions):
-        raise ValueError(f"storylens.cli: two commands share a POSITION: {[(m.COMMAND, m.POSITION) for m in commands]}")
+        raise ValueError(f"{package}: two commands share a POSITION: {[(m.COMMAND, m.POSITION) for m in commands]}")
     return tuple(commands)
 
 
-COMMANDS = _discover()
+COMMANDS = discover(__path__, __name__)
 COMMAND_ORDER = tuple(m.COMMAND for m in COMMANDS)
 
 
