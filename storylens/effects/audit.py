@@ -60,7 +60,7 @@ class Effect(Plain):
     se: float
 
 
-def _story_losses(lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def story_losses(lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``[B]`` float64: each story's summed next-token loss over its predicted tokens."""
     logits = lm.forward(ids)
     assert logits is not None
@@ -105,12 +105,12 @@ def exact_effects(
         for idx in length_batches([len(s) for s in stories_ids], batch_size, BATCH_TOKENS):
             ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, lm.device)
             tokens = valid[:, 1:].sum(-1).to(torch.float64).cpu()
-            clean = _story_losses(lm, ids, valid)
+            clean = story_losses(lm, ids, valid)
             for h in heads:
                 for m in modes:
                     value = None if m == "zero" else means[h.layer, h.head]  # type: ignore[index]
                     with lm.hooks([(f"blocks.{h.layer}.attn.hook_z", _replacer(h.head, value))]):
-                        accs[h, m].add(_story_losses(lm, ids, valid) - clean, tokens)
+                        accs[h, m].add(story_losses(lm, ids, valid) - clean, tokens)
             if on_batch is not None:
                 on_batch(len(idx))
     out = {}

@@ -3,6 +3,7 @@ pre-hook on the output projection's input that replaces one head's slice after t
 transformers' own modules (GPT-2, Llama with grouped key/value heads) and the native model, float64."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
-from storylens.effects.audit import Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
+from storylens.effects.ablation import head_output_means
+from storylens.effects.audit import MODES, Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
+from storylens.effects.exact import ExactAccumulator, exact_head_effects
 from storylens.lm import NativeLM, load_lm
 from storylens.lm.transformers_lm import _attention_of, _decoder_layers, _output_projection
 
@@ -151,3 +154,65 @@ def test_an_audit_of_estimates_equal_to_the_exact_effects_agrees(lm, ids):
     assert {h for h, _ in b.disagree} == {r.head for r in b.rows if abs(r.exact_mean.nats) > 2 * r.exact_mean.se} | {
         r.head for r in b.rows if abs(r.exact_zero.nats) > 2 * r.exact_zero.se
     }
+
+
+# ---------------------------------------------------------------- every head at once (storylens.effects.exact)
+
+
+def test_every_head_at_once_equals_one_head_at_a_time(lm, ids):
+    """exact_head_effects (blocks before the head's not rerun, a block's heads as copies of the batch)
+    gives each head's effect and error as exact_effects does, head by head on whole forward passes, and
+    as the edit before the output projection written here does: the same float64 operations, batched
+    otherwise; sums of a few hundred token losses of order 10 round far under 1e-9."""
+    heads = [Head(layer, h) for layer in range(lm.n_layer) for h in range(lm.n_head)]
+    means = torch.randn(lm.n_layer, lm.n_head, lm.head_output_weights(0).shape[1], dtype=torch.float64)
+    one = exact_effects(lm, ids, heads, means=means, batch_size=4)
+    for budget in (0, 1 << 30):  # one copy at a time; every head of a block together
+        cols = exact_head_effects(lm, ids, means=means, batch_size=4, budget=budget).columns()
+        for h in heads:
+            for mode in MODES:
+                e = one[h, mode]
+                assert abs(cols[f"exact_{mode}"][h.layer, h.head] - e.nats) <= 1e-9, (h.label, mode, budget)
+                assert abs(cols[f"exact_{mode}_se"][h.layer, h.head] - e.se) <= 1e-9, (h.label, mode, budget)
+    per = _by_hand(lm, ids, heads[-1], None)
+    assert abs(cols["exact_zero"][-1, -1] - sum(c for c, _ in per) / sum(t for _, t in per)) <= 1e-9
+
+
+def test_every_head_at_once_reruns_only_the_blocks_from_the_heads_own(lm, ids):
+    """Block j runs once unablated and, per mode, once per group of heads of every block up to j: the
+    blocks before a head's are never rerun."""
+    blocks = lm.blocks()
+    calls = [0] * len(blocks)
+
+    def counted(j, forward):
+        def run(*args, **kwargs):
+            calls[j] += 1
+            return forward(*args, **kwargs)
+
+        return run
+
+    for j, b in enumerate(blocks):  # an instance attribute, as skip_blocks sets and restores its own
+        b.forward = counted(j, b.forward)
+    try:
+        exact_head_effects(lm, ids[:2], ("zero",), batch_size=2, budget=0)  # one head a pass, one batch
+    finally:
+        for b in blocks:
+            del b.forward
+    assert calls == [1 + lm.n_head * (j + 1) for j in range(lm.n_layer)]
+
+
+def test_every_head_at_once_merges_and_restores(lm, ids):
+    """Two halves merged equal the whole; a state through JSON restores the same columns."""
+    means = head_output_means(lm, ids, include_marker=False)
+    whole = exact_head_effects(lm, ids, means=means, batch_size=4)
+    half = exact_head_effects(lm, ids[:3], means=means, batch_size=4)
+    half.merge(exact_head_effects(lm, ids[3:], means=means, batch_size=4))
+    restored = ExactAccumulator.from_state(json.loads(json.dumps(whole.state())))
+    assert restored.stories == whole.stories == len(ids)
+    for name, col in whole.columns().items():
+        assert torch.allclose(half.columns()[name], col, rtol=0, atol=1e-12), name  # sums in another order
+        assert torch.equal(restored.columns()[name], col), name
+    with pytest.raises(ValueError, match="exact state"):
+        ExactAccumulator.from_state({"shape": [1, 1]})
+    with pytest.raises(StorylensError, match="modes resample"):
+        ExactAccumulator(2, 2, ("resample",))
