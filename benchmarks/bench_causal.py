@@ -11,7 +11,7 @@ wide). On the first ``--stories`` quiz stories, batched as the recording batches
 (``--batch-size`` stories a batch, by default ``storylens score``'s):
 
 * ``bare``: the model's own forward of every batch (fused attention, logits), in inference mode;
-* ``atp``: :func:`storylens.effects.attribution.attribution` (one fused forward and one backward per
+* ``atp``: :func:`storylens.effects.audit.attribution` (one fused forward and one backward per
   batch, every head's AtP mean/zero and DLA sums), encoding included, the gradient pass keeping at
   most ``--graph-mb`` MiB of the first blocks' graphs (``storylens score --graph-memory``).
 

@@ -1,6 +1,6 @@
 """Every head's exact effect: what one head costs against one forward pass, side by side.
 
-    python benchmarks/bench_exact.py --json benchmarks/exact.json [--stories 40] [--llama-stories 8] [--rounds 2]
+    python benchmarks/bench_exact.py --json benchmarks/exact.json [--stories 40] [--llama-stories 4] [--rounds 2]
 
 On the shipped Tiny Storyteller (its quiz's first ``--stories`` stories) and a seeded random Llama of the
 30 x 9-head shape (``bench_record.build``; its first ``--llama-stories``), float32, the same length-packed

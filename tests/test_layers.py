@@ -160,3 +160,35 @@ def test_the_docs_tree_names_every_module():
         if p.name not in ("__init__.py", "__main__.py")
     }
     assert _docs_tree() == modules
+
+
+def test_an_old_path_is_the_code_itself(monkeypatch):
+    """What a test or a user sets on an old path reaches the code that reads it, split module or not, and
+    importing an old path leaves the new module's own spec (so reload and resources still find it)."""
+    import storylens.effects.cost as cost
+    import storylens.looking.sinks as sinks
+
+    for old in ("storylens.analysis.truth", "storylens.analysis.sinks"):  # imported afresh
+        sys.modules.pop(old, None)
+        vars(importlib.import_module("storylens.analysis")).pop(old.rsplit(".", 1)[1], None)
+    with pytest.warns(DeprecationWarning):
+        old_truth = importlib.import_module("storylens.analysis.truth")
+        importlib.import_module("storylens.analysis.sinks")
+    monkeypatch.setattr(old_truth, "ABLATION_LIMIT_FLOPS", 5.0)
+    assert cost.ABLATION_LIMIT_FLOPS == 5.0
+    assert sinks.__spec__.name == "storylens.looking.sinks" and sinks.__spec__.origin == sinks.__file__
+    assert "truth_table" in dir(old_truth) and old_truth.check_ablation_budget is cost.check_ablation_budget
+
+
+def test_a_name_that_left_a_module_still_imports_from_it():
+    from storylens.viz.name_head import name_head_figure
+    from storylens.viz.score_figures import head_heatmap_figure
+
+    with pytest.warns(DeprecationWarning, match="storylens.viz.figures.name_head_figure has moved"):
+        from storylens.viz.figures import name_head_figure as old
+    assert old is name_head_figure
+    with pytest.warns(DeprecationWarning, match="head_heatmap_figure has moved"):
+        from storylens.viz.figures import head_heatmap_figure as old_heatmap
+    assert old_heatmap is head_heatmap_figure
+    with pytest.raises(ImportError):
+        from storylens.viz.figures import no_such_figure  # noqa: F401

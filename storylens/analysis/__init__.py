@@ -64,4 +64,4 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    return moved_attribute(__name__, name)  # an old submodule (storylens.table.scores, ...), for one release
+    return moved_attribute(__name__, name)  # an old submodule (storylens.analysis.scores, ...), for one release

@@ -1,7 +1,8 @@
 """Old import paths, kept for one release: the modules that moved when the package was regrouped into its
-wings (``storylens.table.scores`` is now :mod:`storylens.table.scores`, and so on) still import from
+wings (``storylens.analysis.scores`` is now :mod:`storylens.table.scores`, and so on) still import from
 their old names, with a :class:`DeprecationWarning` that names the new home. A module split in two or more
-is read back as one module holding the names of its parts. Removed in the release after this one."""
+is read back as one module that reads and sets each name in the part that holds it (so a test's monkeypatch
+on the old path still reaches the code). Removed in the release after this one."""
 
 from __future__ import annotations
 
@@ -55,13 +56,25 @@ MOVED: dict[str, tuple[str, ...]] = {
 }
 
 
+# names that left a module which is still there: module -> {name: its new module}
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "storylens.viz.figures": {
+        "name_head_figure": "storylens.viz.name_head",
+        "name_attention_profile": "storylens.viz.name_head",
+        "name_even_share": "storylens.viz.name_head",
+        "head_heatmap_figure": "storylens.viz.score_figures",
+        "name_mass_bar_figure": "storylens.viz.score_figures",
+    },
+}
+
+
 def _caller_level() -> int:
-    """The stack level of the code that asked for the import: this module's frames counted, importlib's
-    not (``warnings.warn`` skips those itself)."""
+    """The stack level of the code that asked for the import or the name: this module's frames and a
+    module's ``__getattr__`` counted, importlib's not (``warnings.warn`` skips those itself)."""
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and _skipped(frame.f_code.co_filename):
-        level += frame.f_code.co_filename == __file__
+    while frame is not None and (_skipped(frame.f_code.co_filename) or frame.f_code.co_name == "__getattr__"):
+        level += frame.f_code.co_filename == __file__ or frame.f_code.co_name == "__getattr__"
         frame = frame.f_back
     return level
 
@@ -84,17 +97,42 @@ def warn_moved(old: str, new: Sequence[str]) -> None:
     )
 
 
-def merged(name: str, parts: Sequence[str]) -> types.ModuleType:
-    """One module holding every public and private name of ``parts`` (the first part's where names clash)."""
-    module = types.ModuleType(name, f"Moved: {', '.join(parts)}.")
-    for part in reversed(parts):
-        source = importlib.import_module(part)
-        module.__dict__.update({k: v for k, v in vars(source).items() if not (k.startswith("__") and k.endswith("__"))})
-    return module
+class Merged(types.ModuleType):
+    """An old module split in ``parts``: each name read from, and set in, the first part that holds it."""
+
+    def __init__(self, name: str, parts: Sequence[str]):
+        super().__init__(name, f"Moved: {', '.join(parts)}.")
+        object.__setattr__(self, "_parts", tuple(importlib.import_module(p) for p in parts))
+
+    def _holder(self, name: str) -> types.ModuleType | None:
+        return next((p for p in self._parts if name in vars(p)), None)
+
+    def __getattr__(self, name: str):
+        holder = self._holder(name)
+        if holder is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return getattr(holder, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        holder = None if name.startswith("__") else self._holder(name)
+        setattr(holder if holder is not None else super(), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        holder = self._holder(name)
+        if holder is not None:
+            delattr(holder, name)
+        else:
+            super().__delattr__(name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({n for p in self._parts for n in vars(p) if not n.startswith("__")})
 
 
 class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an old module path of :data:`MOVED` and hands its new module (or the merged parts)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, tuple] = {}
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in MOVED:
@@ -104,10 +142,15 @@ class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         parts = MOVED[spec.name]
         warn_moved(spec.name, parts)
-        return importlib.import_module(parts[0]) if len(parts) == 1 else merged(spec.name, parts)
+        if len(parts) > 1:
+            return Merged(spec.name, parts)
+        module = importlib.import_module(parts[0])
+        self._specs[module.__name__] = (module.__spec__, module.__loader__)  # importlib sets the old path's
+        return module
 
     def exec_module(self, module) -> None:
-        return None
+        if module.__name__ in self._specs:  # the new module itself: its own spec and loader back
+            module.__spec__, module.__loader__ = self._specs.pop(module.__name__)
 
 
 def install() -> None:
@@ -121,3 +164,13 @@ def moved_attribute(package: str, name: str):
     if f"{package}.{name}" not in MOVED:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     return importlib.import_module(f"{package}.{name}")
+
+
+def moved_name(module: str, name: str):
+    """For a module's ``__getattr__``: a name of :data:`MOVED_NAMES` that left ``module``, from its new
+    module (with the warning)."""
+    new = MOVED_NAMES.get(module, {}).get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warn_moved(f"{module}.{name}", [f"{new}.{name}"])
+    return getattr(importlib.import_module(new), name)

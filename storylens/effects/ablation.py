@@ -12,7 +12,7 @@ re-implemented, so it works on storylens's GPT and on any transformers causal LM
 * :func:`ablation_loss_table` - next-token loss where the next token is the first
   token of a mention of the main character's name ("name positions") and at every
   other position, without ablation and with each head (and groups of heads) off.
-* :func:`name_ablation_table` - the same over story texts, with the main character
+* :func:`~storylens.table.name_ablation.name_ablation_table` (in :mod:`storylens.table`: it picks heads from the head table) - the same over story texts, with the main character
   found by :mod:`storylens.data.names` and the top name-mass heads as the group.
 * :func:`generation_divergence` - the same seed, with and without heads: where do
   the generated stories part?

@@ -12,7 +12,7 @@ from storylens.core.errors import UsageError
 from storylens.core.heads import Head
 from storylens.lm import AttentionLM
 
-# The ablations' budget when no story count is given (:func:`truth_budget_stories`): switching heads
+# The ablations' budget when no story count is given (:func:`storylens.table.truth.truth_budget_stories`): switching heads
 # off costs at most a fifth of the scoring pass's work, or 1 TFLOP (10^12 floating-point operations,
 # seconds on a laptop's CPU) where that is more. An ablated story costs two forward passes (the heads'
 # mean outputs, the unablated losses) plus, per head and mode, the blocks from the head's own on, with

@@ -19,6 +19,7 @@ The mean is each head's mean ``z`` over every position after the opening token o
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -37,13 +38,18 @@ from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 COPY_BYTES = 256 << 20  # what the copies of a batch run together may take (their hidden states, one layer)
 
 
-def copies_at_once(lm: AttentionLM, tokens: int, n: int, budget: int = COPY_BYTES) -> int:
-    """How many of ``n`` heads of one block run together on a batch of ``tokens`` padded tokens: their
-    copies' hidden states (width ``d_model``, the model's dtype) fit ``budget`` bytes; at least one."""
-    width = int(lm.head_output_weights(0).shape[0])
-    # a block's working set per token: about 8 hidden states (the MLP's 4 wide, queries, keys, values, output)
-    per_copy = tokens * width * torch.empty((), dtype=lm.dtype).element_size() * 8
-    return max(1, min(n, budget // max(per_copy, 1)))
+def copies_at_once(lm: AttentionLM, tokens: int, width: int, n: int, budget: int = COPY_BYTES) -> int:
+    """How many of ``n`` heads of one block run together on a batch of ``tokens`` padded tokens: what their
+    copies hold at once fits ``budget`` bytes, at least one. Per token of a copy: a block's working set,
+    about 8 hidden states ``width`` wide (the MLP's 4, queries, keys, values, output) in the model's dtype,
+    and the loss's logits, their float32 copy and log-softmax (3 x the vocabulary, 4 bytes each)."""
+    per_token = 8 * width * torch.empty((), dtype=lm.dtype).element_size() + 3 * lm.vocab_size * 4
+    return max(1, min(n, budget // max(tokens * per_token, 1)))
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    """The hidden states a block returned (a tensor, or the first of a tuple)."""
+    return output if isinstance(output, torch.Tensor) else next(o for o in output if isinstance(o, torch.Tensor))
 
 
 def _repeat(output: Any, k: int, batch: int) -> Any:
@@ -81,15 +87,16 @@ def exact_batch(
     """One padded batch: per mode, ``[batch, layer, head]`` float64, each story's summed next-token loss
     with the head switched off minus its unablated one. ``means``: ``[layer, head, head_size]``."""
     B, L, H = ids.shape[0], lm.n_layer, lm.n_head
-    with lm.keep_block_outputs(range(L - 1)) as kept:
+    with lm.keep_block_outputs(range(L)) as kept:
         clean = story_losses(lm, ids, valid)  # [B]
     out = {m: torch.zeros(B, L, H, dtype=torch.float64) for m in modes}
-    k = copies_at_once(lm, ids.numel(), H, budget)
+    # no blocks known (blocks() is None): every pass whole, one copy at a time
+    k = copies_at_once(lm, ids.numel(), _hidden(kept[0]).shape[-1], H, budget) if kept else 1
     for layer in range(L):
         for first in range(0, H, k):
             heads = list(range(first, min(first + k, H)))
             many_ids, many_valid = ids.repeat(len(heads), 1), valid.repeat(len(heads), 1)
-            start = _repeat(kept[layer - 1], len(heads), B) if layer > 0 else None
+            start = _repeat(kept[layer - 1], len(heads), B) if layer - 1 in kept else None  # layer 0: whole
             for m in modes:
                 values = None if m == "zero" else means[layer]  # type: ignore[index]
                 edit = [(f"blocks.{layer}.attn.hook_z", _switch_off(heads, B, values))]
@@ -99,7 +106,7 @@ def exact_batch(
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class ExactAccumulator:
     """Every head's exact effect per mode, streamed story by story: mergeable in any order, a state as
     plain data, :meth:`columns` ``exact_<mode>`` and ``exact_<mode>_se`` as ``[layer, head]`` grids."""
@@ -107,6 +114,7 @@ class ExactAccumulator:
     n_layer: int
     n_head: int
     modes: tuple[str, ...] = MODES
+    means_key: str | None = None  # what mean ablation replaced outputs by (a digest): merged only alike
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -122,12 +130,14 @@ class ExactAccumulator:
     def merge(self, other: ExactAccumulator) -> ExactAccumulator:
         if (other.n_layer, other.n_head, other.modes) != (self.n_layer, self.n_head, self.modes):
             raise ValueError("merge: other heads or modes")
+        if other.means_key != self.means_key:
+            raise ValueError("merge: the two ablated to other means (each run's mean must be the same)")
         for m in self.modes:
             self.sums[m].merge(other.sums[m])
         return self
 
     def state(self) -> dict:
-        return {"shape": [self.n_layer, self.n_head], "modes": list(self.modes)} | {
+        return {"shape": [self.n_layer, self.n_head], "modes": list(self.modes), "means_key": self.means_key} | {
             m: self.sums[m].state() for m in self.modes
         }
 
@@ -135,7 +145,7 @@ class ExactAccumulator:
     def from_state(cls, state: dict) -> ExactAccumulator:
         try:
             n_layer, n_head = state["shape"]
-            made = cls(n_layer, n_head, tuple(state["modes"]))
+            made = cls(n_layer, n_head, tuple(state["modes"]), state["means_key"])
             made.sums = {m: RatioAccumulator.from_state(state[m], (made.n_layer, made.n_head)) for m in made.modes}
         except (KeyError, TypeError, ValueError, StorylensError) as e:
             raise ValueError(f"exact state: {e}") from None
@@ -151,6 +161,11 @@ class ExactAccumulator:
             nats, se = self.sums[m].result()
             cols[f"exact_{m}"], cols[f"exact_{m}_se"] = nats, se
         return cols
+
+
+def means_digest(means: torch.Tensor) -> str:
+    """A short digest of the means mean ablation replaces outputs by (float64 bytes)."""
+    return hashlib.sha256(means.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def exact_head_effects(
@@ -170,8 +185,10 @@ def exact_head_effects(
     acc = ExactAccumulator(lm.n_layer, lm.n_head, tuple(modes))
     if not stories_ids or any(len(s) < 2 for s in stories_ids):
         raise StorylensError("stories: each needs at least two tokens (one predicted)")
-    if "mean" in acc.modes and means is None:
-        means = head_output_means(lm, stories_ids, batch_size=batch_size, include_marker=False)
+    if "mean" in acc.modes:
+        if means is None:
+            means = head_output_means(lm, stories_ids, batch_size=batch_size, include_marker=False)
+        acc.means_key = means_digest(means)
     with eval_mode(lm.module):
         for idx in length_batches([len(s) for s in stories_ids], batch_size, BATCH_TOKENS):
             ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, lm.device)

@@ -208,7 +208,7 @@ class Masks:
 
     def earlier_max(self, pattern: torch.Tensor) -> torch.Tensor:
         """``[B, H, q]``: each row's largest weight on keys other than ``q - 1`` and ``q``
-        (:func:`prev_is_argmax`), taken once per map: the raw and the norm-weighted previous-token
+        (:func:`~storylens.looking.patterns.prev_is_argmax`), taken once per map: the raw and the norm-weighted previous-token
         argmax read it (views made by :meth:`with_mass` share it; the map is held weakly)."""
         held = self._earlier
         if not held or held[0][0]() is not pattern:
@@ -258,7 +258,7 @@ class Masks:
         return self._pairs[name]
 
     def read_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where :class:`Reads` reads these rows' map ``[B, H, n, keys]`` seen flat: ``[n * READ_KEYS]``
+        """Where :class:`~storylens.looking.reads.Reads` reads these rows' map ``[B, H, n, keys]`` seen flat: ``[n * READ_KEYS]``
         flat indices (row ``r`` at keys ``q - k`` for ``k = 0 .. PREV_SPAN``, then 0, ``q = start + r``),
         ``[n * READ_KEYS]`` the keys themselves and ``[n, READ_KEYS]`` which exist (``q - k >= 0``); made
         once per batch and rows."""
@@ -276,7 +276,7 @@ class Masks:
 
     def read_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Both key sets' pairs in these rows (:meth:`key_pairs`, duplicate-token then induction), as
-        :class:`Reads` gathers and sums them: ``[B, 1, P]`` each pair's slot in a per-row ``[2 * (n + 1)]``
+        :class:`~storylens.looking.reads.Reads` gathers and sums them: ``[B, 1, P]`` each pair's slot in a per-row ``[2 * (n + 1)]``
         sum (duplicate-token's at ``row``, induction's at ``n + 1 + row``, a missing pair at ``n`` past
         its set's rows), its flat index into the ``[n * keys]`` rows and its key; made once per batch and rows."""
         key = f"read pairs:{self.start}:{self.stop}:{self.keys}"
@@ -366,9 +366,9 @@ def columns_mass(
 ) -> torch.Tensor:
     """``[B, H, q, n]``: attention on each of ``n`` key sets shared by every query of a story,
     given as ``index [B, m]`` key positions and ``weight [B, m, n]``; equal to
-    :func:`key_columns_mass` with those columns, reading ``m`` keys per row instead of all. Keys
+    :func:`~storylens.looking.patterns.key_columns_mass` with those columns, reading ``m`` keys per row instead of all. Keys
     past the pattern's last (a chunk of rows sees only the keys before it) weigh nothing.
-    ``norms [B, H, keys]``: the same on the scaled map ``pattern * norms[key]`` (:func:`scaled`),
+    ``norms [B, H, keys]``: the same on the scaled map ``pattern * norms[key]`` (:func:`~storylens.looking.patterns.scaled`),
     bit for bit, without forming it."""
     B, H, Q, K = pattern.shape
     weight = weight * (index < K)[..., None].to(weight.dtype)
@@ -380,7 +380,7 @@ def columns_mass(
 
 
 def norms_for_keys(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """``norms [B, H, keys]`` cut to ``pattern``'s keys, in its dtype: the factor :func:`scaled` applies."""
+    """``norms [B, H, keys]`` cut to ``pattern``'s keys, in its dtype: the factor :func:`~storylens.looking.patterns.scaled` applies."""
     return norms[..., : pattern.shape[-1]].to(pattern.dtype)
 
 

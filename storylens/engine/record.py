@@ -28,7 +28,7 @@ chunk: read them, and copy what you keep. The named key columns the measures ask
 over as one chunk from ``hook_pattern``, and ``chunk.columns`` is empty: a measure forms what it
 needs from ``chunk.probs``.
 
-``key_norms`` (:mod:`storylens.looking.faithful`): ``|f_j|`` for every key (each value vector
+``key_norms`` (:mod:`storylens.engine.images`): ``|f_j|`` for every key (each value vector
 through its head's slice of the output projection, from ``hook_v``); ``outputs``: the size of what
 each head writes at each of the chunk's queries ``|sum_j alpha_ij f_j|`` (from the head outputs the
 streamed kernel forms with the chunk, or from ``hook_z``), and ``output_vectors`` the vectors
@@ -226,7 +226,7 @@ class _Pass:
 
     def __init__(self, lm: AttentionLM, measures: Sequence[Measure], chosen: Plan):
         self.lm, self.measures, self.plan = lm, measures, chosen
-        self.factors: list[torch.Tensor] = []  # per block, the output weights' factor (storylens.looking.faithful)
+        self.factors: list[torch.Tensor] = []  # per block, the output weights' factor (storylens.engine.images)
         if chosen.key_norms or chosen.outputs:
             with torch.inference_mode():
                 self.factors = [ov_factor(lm.head_output_weights(i).detach()) for i in range(lm.n_layer)]

@@ -30,4 +30,4 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    return moved_attribute(__name__, name)  # storylens.lm.loader, for one release
+    return moved_attribute(__name__, name)  # storylens.lm.interface, for one release

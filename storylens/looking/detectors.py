@@ -1,4 +1,6 @@
-"""Head detectors: pure functions of one block's attention ``[batch, head, query, key]``.
+"""Head detectors: what each looks for in one block's attention ``[batch, head, query, key]`` (their
+arithmetic: :mod:`storylens.looking.patterns` and :mod:`storylens.looking.reads`), and the head table's
+columns they own.
 
 A detector gives, for every query, a number ``[batch, head, query]`` (how much of the query's
 attention goes where the detector looks), and says which queries count ``[batch, query]``. A

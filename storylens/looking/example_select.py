@@ -43,8 +43,8 @@ class BatchView:
 
 @dataclass(frozen=True)
 class Taken:
-    """One block's queries taken into its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting for
-    :meth:`TopExamples.flush`: the slots' rows ``rows [R]``, which of the ``c`` places per row are real
+    """One block's queries taken into its top ``k`` rows (:meth:`~storylens.looking.examples.TopExamples.add_stacked`), waiting for
+    :meth:`~storylens.looking.examples.TopExamples.flush`: the slots' rows ``rows [R]``, which of the ``c`` places per row are real
     ``[R, c]`` and their flat indices ``at [N]``, and per taken query its row of the map ``[N, K]`` (read
     when the block was fed), value (float64), flat index in story order, row in the chunk and in the batch."""
 
@@ -74,8 +74,8 @@ class Taken:
 
 @dataclass(frozen=True)
 class Offered:
-    """One block's queries that can enter its top ``k`` rows (:meth:`TopExamples.add_stacked`), waiting
-    for :meth:`TopExamples.flush` to select among them with every other block's: ``at [n]`` their flat
+    """One block's queries that can enter its top ``k`` rows (:meth:`~storylens.looking.examples.TopExamples.add_stacked`), waiting
+    for :meth:`~storylens.looking.examples.TopExamples.flush` to select among them with every other block's: ``at [n]`` their flat
     indices in the block's values ``[B, H, D, Q]`` (detector ``det[d]``), ``value [n]`` and each one's
     row of the map ``rowmaps [n, K]``, read when the block was fed."""
 
@@ -209,7 +209,7 @@ def taken_rows(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def select_top(
     floats: torch.Tensor, ints: torch.Tensor, k: int, per_story: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top ``k`` slots of ``floats [R, M, F]`` / ``ints [R, M, I]`` (M >= k) as :func:`best_examples`
+    """Each row's top ``k`` slots of ``floats [R, M, F]`` / ``ints [R, M, I]`` (M >= k) as :func:`~storylens.looking.example_store.best_examples`
     picks them among the Examples they stand for: sorted by value descending, story, query, then
     slot (stable: what was kept before what is offered); a ``(story, query)`` seen before skipped;
     a story's slots past ``per_story`` skipped; the first ``k`` left, best first, then empty slots."""

@@ -23,13 +23,13 @@ the earliest stories and positions win, never whatever ``torch.topk`` happens to
 per head and detector: the top ``k`` of the queries left after each story's best ``per_story``
 (same order). It is mergeable too: a query in the capped top ``k`` of a union is in the capped top
 ``k`` of its own part, since the part's better queries are fewer story by story.
-``storylens score`` and ``report`` keep :data:`PER_STORY` per story, so a head's examples come from
+``storylens score`` and ``report`` keep :data:`~storylens.looking.example_store.PER_STORY` per story, so a head's examples come from
 at least ``k / PER_STORY`` stories wherever it fires in that many.
 
 **Lazily made.** While blocks are fed, each block's kept queries are tensors ("slots": the value,
 story, query, key, weights and token ids), and the top ``k`` of the kept and the newly offered is
 chosen by tensor ops in the order above (ties, ``(story, query)`` once, ``per_story`` as
-:func:`best_examples` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
+:func:`~storylens.looking.example_store.best_examples` decides); the :class:`Example` objects are made once, when read (:meth:`~TopExamples.entries`,
 :meth:`~TopExamples.state`, :meth:`~TopExamples.merge`, :meth:`~TopExamples.as_json`, pickling), not
 for every block of every batch. A block's newly taken queries wait (their rows of the map read when
 it is fed) and enter its slots at :meth:`~TopExamples.flush`, once per batch for every block (the

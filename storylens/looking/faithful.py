@@ -1,6 +1,7 @@
 """What a head moves, not only where it looks: norm-weighted attention (Kobayashi et al. 2020,
-"Attention is not only a weight"), each head's output size, and how far raw attention and the two
-agree. Pure functions of one block's tensors; :class:`~storylens.table.accumulator.HeadScoreAccumulator`
+"Attention is not only a weight") and each head's share of its block's output. Pure functions of one
+block's tensors (what each key's value writes, and its size: :mod:`storylens.engine.images`; how far raw
+attention and the two agree: :mod:`storylens.engine.ranks`); :class:`~storylens.table.accumulator.HeadScoreAccumulator`
 streams them in the same recording pass as the raw scores.
 
 For head ``h`` of a block, query ``i`` and key ``j``: ``alpha_ij`` is the attention probability and

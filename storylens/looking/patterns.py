@@ -29,7 +29,7 @@ def prev_span(pattern: torch.Tensor, span: int = PREV_SPAN, start: int = 0) -> t
 
 def span_sum(diagonal_at: Callable[[int], torch.Tensor], span: int = PREV_SPAN) -> torch.Tensor:
     """``diagonal_at(1) + diagonal_at(2) + .. + diagonal_at(span)``, in that order: the one sum every
-    form of :func:`prev_span` takes (raw, scaled, from :class:`Reads`), so all give the same bits."""
+    form of :func:`prev_span` takes (raw, scaled, from :class:`~storylens.looking.reads.Reads`), so all give the same bits."""
     return sum((diagonal_at(k) for k in range(2, span + 1)), diagonal_at(1))
 
 
@@ -44,7 +44,7 @@ def prev_is_argmax(pattern: torch.Tensor, start: int = 0, earlier: torch.Tensor 
     of the map, the two newest diagonals are set to 0 for the ``amax`` and written back after:
     ``pattern`` leaves this function bit for bit as it came in. ``start``: the first query of a
     chunk of rows (see :func:`diagonal`). ``earlier``: :func:`row_earlier_max` of ``pattern``, where
-    already taken (:meth:`Masks.earlier_max`).
+    already taken (:meth:`~storylens.engine.masks.Masks.earlier_max`).
     """
     n, lead = pattern.shape[-2], max(0, 1 - start)  # lead: query 0 has no previous key
     prev = pattern.diagonal(offset=start - 1, dim1=-2, dim2=-1)  # views: [..., n - lead]
@@ -60,7 +60,7 @@ def key_columns_mass(pattern: torch.Tensor, columns: torch.Tensor) -> torch.Tens
 
 
 def scaled(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """The norm-scaled map ``pattern * norms[key]`` ``[B, H, q, k]`` (what :attr:`Detector.scaled`
+    """The norm-scaled map ``pattern * norms[key]`` ``[B, H, q, k]`` (what :attr:`~storylens.looking.detectors.Detector.scaled`
     computes on without forming it; :func:`storylens.looking.faithful.norm_scaled`'s products)."""
     return pattern * norms_for_keys(pattern, norms)[:, :, None, :]
 
@@ -156,7 +156,7 @@ def pairs_mass(
     start: int = 0,
     norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention on a key set given as pairs (:meth:`Masks.key_pairs`: ``queries``, ``keys``
+    """Attention on a key set given as pairs (:meth:`~storylens.engine.masks.Masks.key_pairs`: ``queries``, ``keys``
     ``[B, P]``, a query past the chunk's rows marking no pair), for a chunk of rows whose first
     query is ``start``: ``[B, H, q]``, equal to :func:`keys_mass` on the same key set. One
     gather of the pairs' weights from the map seen flat (a query's few keys, not every query padded

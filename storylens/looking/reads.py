@@ -15,13 +15,13 @@ from storylens.looking.patterns import scaled_wins, span_sum
 
 class Reads:
     """What the built-in detectors read of one chunk of a block's map ``pattern [B, H, n, keys]``
-    (:attr:`Detector.read`), taken once for all of them: each row's weights on its newest keys
+    (:attr:`~storylens.looking.detectors.Detector.read`), taken once for all of them: each row's weights on its newest keys
     ``q .. q - PREV_SPAN`` and on key 0 in one gather, every duplicate-token and induction pair's weight
-    (:meth:`Masks.key_pairs`) in another, summed per query in one scatter. :meth:`scaled` gives the same
-    reads of the norm-scaled map (:func:`scaled`): each read weight times its key's norm, the map not
+    (:meth:`~storylens.engine.masks.Masks.key_pairs`) in another, summed per query in one scatter. :meth:`scaled` gives the same
+    reads of the norm-scaled map (:func:`~storylens.looking.patterns.scaled`): each read weight times its key's norm, the map not
     formed. Each value equals the detector's ``values`` (``scaled``) bit for bit: the same entries, the
     same products, the same sums in the same order (a key before position 0 reads 0, as
-    :func:`diagonal` pads)."""
+    :func:`~storylens.looking.patterns.diagonal` pads)."""
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class Reads:
 
     def scaled(self, norms: torch.Tensor, masks: Masks | None = None) -> Reads:
         """The same reads of ``pattern * norms[key]`` (``norms [B, H, keys]``), from these; ``masks``:
-        views of the same rows with the scaled name and marker masses formed (:meth:`Masks.with_mass`)."""
+        views of the same rows with the scaled name and marker masses formed (:meth:`~storylens.engine.masks.Masks.with_mass`)."""
         return Reads(self.pattern, self.masks if masks is None else masks, norms, self)
 
     @cached_property
@@ -75,7 +75,7 @@ class Reads:
         return torch.where(valid, got.view(B, H, n, READ_KEYS), torch.zeros((), dtype=got.dtype))
 
     def diagonal(self, k: int) -> torch.Tensor:
-        """:func:`diagonal` ``k`` (0 .. PREV_SPAN) of the map, ``[B, H, n]``."""
+        """:func:`~storylens.looking.patterns.diagonal` ``k`` (0 .. PREV_SPAN) of the map, ``[B, H, n]``."""
         return self._entries[..., k]
 
     def first(self) -> torch.Tensor:
@@ -87,14 +87,14 @@ class Reads:
         return span_sum(self.diagonal, span)
 
     def column_mass(self) -> torch.Tensor:
-        """:meth:`Masks.column_mass` (or its scaled twin), ``[B, H, n, 2]``: name and marker."""
+        """:meth:`~storylens.engine.masks.Masks.column_mass` (or its scaled twin), ``[B, H, n, 2]``: name and marker."""
         if self._raw is None:
             return self.masks.column_mass(self.pattern)
         assert self.norms is not None
         return self.masks.scaled_column_mass(self.pattern, self.norms)
 
     def prev_is_argmax(self) -> torch.Tensor:
-        """:func:`prev_is_argmax` (or :func:`scaled_prev_is_argmax`) from the read diagonals."""
+        """:func:`~storylens.looking.patterns.prev_is_argmax` (or :func:`~storylens.looking.patterns.scaled_prev_is_argmax`) from the read diagonals."""
         if self._raw is not None and self._raw._held is not None:  # decided when the map was fed
             return self._raw._held.wins
         earlier = self.masks.earlier_max(self.pattern)
@@ -106,7 +106,7 @@ class Reads:
 
     @cached_property
     def _picked(self) -> torch.Tensor:
-        """``[B, H, P]``: the weight of every pair of both key sets (:meth:`Masks.read_pairs`)."""
+        """``[B, H, P]``: the weight of every pair of both key sets (:meth:`~storylens.engine.masks.Masks.read_pairs`)."""
         if self._held is not None:
             return self._held.picked
         rows, flat, keys = self.masks.read_pairs()
@@ -155,7 +155,7 @@ class HeldReads:
 
     def scaled(self, masks: Masks) -> Reads:
         """The scaled reads (:meth:`Reads.scaled`) of these rows, ``masks`` theirs with the scaled name
-        and marker masses formed (:meth:`Masks.with_mass`). The map they stand for is gone: their
+        and marker masses formed (:meth:`~storylens.engine.masks.Masks.with_mass`). The map they stand for is gone: their
         ``pattern`` is a stand-in of its shape, dtype and device, holding no entries."""
         B, H, n, _ = self.entries.shape
         standin = torch.zeros((), dtype=self.entries.dtype, device=self.entries.device).expand(B, H, n, self.keys)

@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
 from storylens.core.heads import head_label
+from storylens.core.moved import moved_name
 from storylens.viz.tokens import tick_label, to_numpy_attention
 
 MASK_COLOR = "#262626"  # the causal mask's (always-zero) upper triangle
@@ -370,3 +371,7 @@ def save_figure(fig: Figure, stem: str | os.PathLike, *, dpi: int = DEFAULT_DPI)
 def figure_data_uri(fig: Figure, *, dpi: int = DEFAULT_DPI) -> str:
     """``data:image/png;base64,...`` for an ``<img src=...>`` in a self-contained HTML page."""
     return "data:image/png;base64," + base64.b64encode(figure_png_bytes(fig, dpi=dpi)).decode("ascii")
+
+
+def __getattr__(name: str):
+    return moved_name(__name__, name)  # the name head's and the score figures, moved out, for one release

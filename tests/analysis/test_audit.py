@@ -15,7 +15,7 @@ from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import MODES, Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
-from storylens.effects.exact import ExactAccumulator, exact_head_effects
+from storylens.effects.exact import ExactAccumulator, copies_at_once, exact_head_effects
 from storylens.lm import NativeLM, load_lm
 from storylens.lm.transformers_lm import _attention_of, _decoder_layers, _output_projection
 
@@ -167,7 +167,9 @@ def test_every_head_at_once_equals_one_head_at_a_time(lm, ids):
     heads = [Head(layer, h) for layer in range(lm.n_layer) for h in range(lm.n_head)]
     means = torch.randn(lm.n_layer, lm.n_head, lm.head_output_weights(0).shape[1], dtype=torch.float64)
     one = exact_effects(lm, ids, heads, means=means, batch_size=4)
-    for budget in (0, 1 << 30):  # one copy at a time; every head of a block together
+    per_token = 8 * lm.head_output_weights(0).shape[-1] * 8 + 3 * lm.vocab_size * 4  # copies_at_once's, float64
+    three = 3 * 4 * max(map(len, ids)) * per_token  # the first batch (4 longest): 3 heads, then 1
+    for budget in (0, three, 1 << 40):  # one copy at a time; groups of 3 and 1; a block's heads together
         cols = exact_head_effects(lm, ids, means=means, batch_size=4, budget=budget).columns()
         for h in heads:
             for mode in MODES:
@@ -176,6 +178,26 @@ def test_every_head_at_once_equals_one_head_at_a_time(lm, ids):
                 assert abs(cols[f"exact_{mode}_se"][h.layer, h.head] - e.se) <= 1e-9, (h.label, mode, budget)
     per = _by_hand(lm, ids, heads[-1], None)
     assert abs(cols["exact_zero"][-1, -1] - sum(c for c, _ in per) / sum(t for _, t in per)) <= 1e-9
+
+
+def test_copies_at_once_fit_the_budget(lm):
+    """A copy's bytes per token: 8 hidden states in the model's dtype and 3 float32 vocabulary rows."""
+    width = lm.head_output_weights(0).shape[-1]
+    per_token = 8 * width * 8 + 3 * lm.vocab_size * 4  # float64 model
+    assert copies_at_once(lm, 100, width, lm.n_head, budget=2 * 100 * per_token) == 2
+    assert copies_at_once(lm, 100, width, lm.n_head, budget=2 * 100 * per_token - 1) == 1
+    assert copies_at_once(lm, 100, width, lm.n_head, budget=0) == 1
+    assert copies_at_once(lm, 100, width, lm.n_head, budget=1 << 40) == lm.n_head
+
+
+def test_every_head_at_once_ablates_to_the_stories_own_mean_by_default(lm, ids):
+    heads = [Head(0, 0), Head(lm.n_layer - 1, 1)]
+    one = exact_effects(lm, ids, heads, ("mean",), batch_size=4)
+    acc = exact_head_effects(lm, ids, ("mean",), batch_size=4)
+    for h in heads:
+        assert abs(acc.columns()["exact_mean"][h.layer, h.head] - one[h, "mean"].nats) <= 1e-9
+    with pytest.raises(ValueError, match="other means"):
+        acc.merge(exact_head_effects(lm, ids[:2], ("mean",), batch_size=4))  # another mean
 
 
 def test_every_head_at_once_reruns_only_the_blocks_from_the_heads_own(lm, ids):
