@@ -162,7 +162,7 @@ def test_the_docs_tree_names_every_module():
     assert _docs_tree() == modules
 
 
-def test_an_old_path_is_the_code_itself(monkeypatch):
+def test_an_old_path_is_the_code_itself():
     """What a test or a user sets on an old path reaches the code that reads it, split module or not, and
     importing an old path leaves the new module's own spec (so reload and resources still find it)."""
     import storylens.effects.cost as cost
@@ -174,8 +174,11 @@ def test_an_old_path_is_the_code_itself(monkeypatch):
     with pytest.warns(DeprecationWarning):
         old_truth = importlib.import_module("storylens.analysis.truth")
         importlib.import_module("storylens.analysis.sinks")
-    monkeypatch.setattr(old_truth, "ABLATION_LIMIT_FLOPS", 5.0)
-    assert cost.ABLATION_LIMIT_FLOPS == 5.0
+    limit = cost.ABLATION_LIMIT_FLOPS
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(old_truth, "ABLATION_LIMIT_FLOPS", 5.0)
+        assert cost.ABLATION_LIMIT_FLOPS == 5.0 == old_truth.ABLATION_LIMIT_FLOPS
+    assert cost.ABLATION_LIMIT_FLOPS == limit == old_truth.ABLATION_LIMIT_FLOPS  # put back, not deleted
     assert sinks.__spec__.name == "storylens.looking.sinks" and sinks.__spec__.origin == sinks.__file__
     assert "truth_table" in dir(old_truth) and old_truth.check_ablation_budget is cost.check_ablation_budget
 

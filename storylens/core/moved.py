@@ -98,34 +98,38 @@ def warn_moved(old: str, new: Sequence[str]) -> None:
 
 
 class Merged(types.ModuleType):
-    """An old module split in ``parts``: each name read from, and set in, the first part that holds it."""
+    """An old module split in ``parts``: each name read from, and set in, the first part that holds it. Its
+    own namespace holds a copy of every name too (tools such as pytest's monkeypatch read it to restore a
+    name), kept in step when a name is set or deleted through it."""
 
     def __init__(self, name: str, parts: Sequence[str]):
         super().__init__(name, f"Moved: {', '.join(parts)}.")
-        object.__setattr__(self, "_parts", tuple(importlib.import_module(p) for p in parts))
+        modules = tuple(importlib.import_module(p) for p in parts)
+        for part in reversed(modules):
+            vars(self).update({k: v for k, v in vars(part).items() if not k.startswith("__")})
+        vars(self)["_parts"] = modules
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("__"):
+            for part in types.ModuleType.__getattribute__(self, "__dict__").get("_parts", ()):
+                if name in vars(part):
+                    return vars(part)[name]
+        return super().__getattribute__(name)
 
     def _holder(self, name: str) -> types.ModuleType | None:
-        return next((p for p in self._parts if name in vars(p)), None)
-
-    def __getattr__(self, name: str):
-        holder = self._holder(name)
-        if holder is None or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        return getattr(holder, name)
+        return next((p for p in vars(self)["_parts"] if name in vars(p)), None)
 
     def __setattr__(self, name: str, value) -> None:
         holder = None if name.startswith("__") else self._holder(name)
-        setattr(holder if holder is not None else super(), name, value)
+        if holder is not None:
+            setattr(holder, name, value)
+        super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
         holder = self._holder(name)
         if holder is not None:
             delattr(holder, name)
-        else:
-            super().__delattr__(name)
-
-    def __dir__(self) -> list[str]:
-        return sorted({n for p in self._parts for n in vars(p) if not n.startswith("__")})
+        super().__delattr__(name)
 
 
 class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
