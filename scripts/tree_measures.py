@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -30,20 +29,15 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import import_graph  # noqa: E402  (beside this script: the import graph read from the source)
+
 MAX_FILE = 600
 MAX_SHARE = 0.25
 MAX_FUNCTION = 60
 # The optional dependencies (pyproject's extras hf, pandas, ray; pyarrow comes with datasets and
 # ray[data]): imported inside the functions that need them, so a core install runs without them.
 OPTIONAL = frozenset({"transformers", "datasets", "pyarrow", "ray", "pandas"})
-
-
-def _import_graph():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["import_graph"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -134,9 +128,8 @@ def measure(root: Path) -> Measures:
         m.inner += _inner_imports(rel, tree)
     top = "storylens/"
     m.big_folders = [f"{f} ({n / m.total:.0%})" for f, n in m.folders.items() if f != top and n > MAX_SHARE * m.total]
-    graph = _import_graph()
-    edges = graph.imports(package)
-    m.cycles = graph.cycles(edges)
+    edges = import_graph.imports(package)
+    m.cycles = import_graph.cycles(edges)
     m.upward = _upward(edges, _layers(root / "pyproject.toml"))
     return m
 
