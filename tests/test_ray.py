@@ -31,7 +31,7 @@ def local_ray():
     ray.shutdown()
 
 
-def single(model, stories, start=0, causal=False):
+def single(model, stories, start=0, causal=False, exact=None):
     """One process with one torch thread, as each actor runs: the same kernels, so every chunk's float32
     maps are the same bits and only the order of the float64 sums differs (well inside 1e-9)."""
     import torch
@@ -39,7 +39,7 @@ def single(model, stories, start=0, causal=False):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal)
+        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal, exact=exact)
         stats = record(
             NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False, start=start
         )
@@ -49,7 +49,7 @@ def single(model, stories, start=0, causal=False):
 
 
 def on_ray(stories, workers, names=None, **kw):
-    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=kw.get("causal", False))
+    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=kw.get("causal", False), exact=kw.get("exact"))
     stats = score_with_ray(
         None,
         stories,
@@ -92,6 +92,23 @@ def test_the_causal_columns_on_ray_equal_one_process(local_ray, shipped_model, c
     assert stats == ref_stats
     assert_same(got, ref)
     assert ref.columns(True)["atp_mean"].abs().max() > 0  # computed, not zeros
+
+
+def test_the_exact_columns_on_ray_equal_one_process(local_ray, shipped_model, corpus_split):
+    """Every head's exact effect (--exact mean,zero,resample): each actor reruns its chunks' batches, the
+    donors drawn from the chunk by seed and story index, and the sums merge in story order."""
+    from storylens.effects.ablation import head_output_means
+    from storylens.effects.exact import EXACT_MODES, ExactPlan
+
+    stories = [" ".join(s.split()[:40]) for s in corpus_split.quiz[:16]]  # short: every head, three modes
+    lm = NativeLM(shipped_model)
+    means = head_output_means(lm, [lm.encode(s) for s in stories], include_marker=False)
+    plan = ExactPlan(EXACT_MODES, means, len(stories), seed=5)
+    ref, ref_stats = single(shipped_model, stories, exact=plan)
+    got, stats = on_ray(stories, 2, exact=plan)
+    assert stats == ref_stats
+    assert_same(got, ref)
+    assert got.exact.acc.counts() == dict.fromkeys(EXACT_MODES, 16)
 
 
 def test_a_stories_file_is_read_by_the_workers_from_where_a_run_resumes(

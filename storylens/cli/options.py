@@ -12,6 +12,8 @@ from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import NO_PROGRESS_HELP
 from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
+from storylens.effects.estimators import ESTIMATORS, IG_STEPS
+from storylens.effects.exact import EXACT_MODES
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.looking.detectors import pattern_detector
@@ -127,6 +129,54 @@ def add_examples(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help=f"keep the K queries where each head fires most, per detector, in examples.json (default {EXAMPLES}; "
         f"0: none; at most {EXAMPLES_BUDGET:,} examples in all, heads x detectors x K: about 1 KB each, refused past it)",
+    )
+
+
+def exact_modes(text: str) -> tuple[str, ...]:
+    """``--exact``'s value: modes separated by commas (``mean,zero``), each checked."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in EXACT_MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"modes among {', '.join(EXACT_MODES)}, separated by commas, each once")
+    return modes
+
+
+def add_exact(p: argparse.ArgumentParser) -> None:
+    """``--exact [MODES]`` and ``--exact-stories``: every head's exact effect, measured."""
+    p.add_argument(
+        "--exact",
+        type=exact_modes,
+        nargs="?",
+        const=("mean",),
+        default=(),
+        metavar="MODES",
+        help="every head's exact effect on the mean next-token loss, measured in the same pass with a standard "
+        "error: its output replaced by its corpus mean, zero or its output on another story "
+        f"({'|'.join(EXACT_MODES)}, several with commas; --exact alone: mean; see docs/exact.md); its cost is "
+        f"said before scoring, and past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP needs --exact-stories or {OVER_BUDGET_FLAG}",
+    )
+    p.add_argument(
+        "--exact-stories",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --exact: measure it on the first N stories only (default: every one)",
+    )
+    p.add_argument(
+        "--estimator",
+        choices=ESTIMATORS,
+        default=None,
+        help="with --exact: estimate every head's effect too, on every story, and audit the estimate against the "
+        "exact effect where both ran: atp (one backward pass), atp* (AtP with GradDrop: a backward pass per block "
+        "more), ig (integrated gradients, a block's heads together, --ig-steps points), quadratic (the slope half "
+        "way, each head alone); see docs/exact.md",
+    )
+    p.add_argument(
+        "--ig-steps",
+        type=int,
+        default=IG_STEPS,
+        metavar="M",
+        help=f"with --estimator ig: its steps (default {IG_STEPS})",
     )
 
 

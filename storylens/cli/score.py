@@ -7,6 +7,7 @@ import argparse
 
 from storylens.cli.options import (
     add_causal,
+    add_exact,
     add_examples,
     add_model,
     add_no_progress,
@@ -23,6 +24,7 @@ from storylens.corpus.score import ScoreOptions, score_corpus
 from storylens.data.sources import open_source
 from storylens.effects.audit import AUDIT_HEADS, audit_lines
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, TRUTH_BUDGET, TRUTH_FLOOR_FLOPS
+from storylens.effects.estimators import audit_lines as estimator_lines
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES
 from storylens.looking.detectors import BUILTIN_DETECTORS
 from storylens.table.truth import TRUTH_STORIES
@@ -75,6 +77,7 @@ def add_parser(sub) -> None:
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     add_examples(s)
     add_causal(s)
+    add_exact(s)
     _add_audit(s)
     add_no_progress(s)
     add_model(s)
@@ -103,7 +106,12 @@ def _add_audit(s: argparse.ArgumentParser) -> None:
         f"{TRUTH_BUDGET:.0%}% of the scoring pass or {TRUTH_FLOOR_FLOPS / 1e12:g} TFLOP); its cost is said before "
         f"scoring starts, and past {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP needs {OVER_BUDGET_FLAG}",
     )
-    s.add_argument("--seed", type=int, default=0, help="the audit's random heads: seed, 0 to 2^64 - 1 (default 0)")
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the audit's random heads and --exact resample's donors: seed, 0 to 2^64 - 1 (default 0)",
+    )
     add_over_budget(s)
 
 
@@ -129,6 +137,10 @@ def run(args) -> int:
         audit_stories=args.audit_stories,
         seed=args.seed,
         over_budget=args.over_budget,
+        exact=args.exact,
+        exact_stories=args.exact_stories,
+        estimator=args.estimator,
+        ig_steps=args.ig_steps,
     )
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus
@@ -150,6 +162,12 @@ def run(args) -> int:
         f"written to {scored.out} (scoring {s.timings_s['scoring']:.1f} s, first pass {s.timings_s['first_pass']:.1f} s, "
         f"engine {s.engine.name})"
     )
+    if s.exact is not None:
+        print(
+            f"exact effects ({', '.join(f'{m}: {n:,} stories' for m, n in s.exact.stories.items())}): heads.csv's exact_*"
+        )
+    if s.estimators:
+        print("\n".join(estimator_lines(s.estimators)))
     if s.audit is not None:
         print("\n".join(audit_lines(s.audit)))
     elif options.audit:

@@ -70,7 +70,7 @@ class ChunkScorer:
 
     def __init__(
         self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False,
-        graph_bytes: int = GRAPH_BYTES,
+        graph_bytes: int = GRAPH_BYTES, exact=None,
     ):  # fmt: skip
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
         self.lm = load_lm(model_source)
@@ -80,6 +80,7 @@ class ChunkScorer:
         self.examples = examples
         self.causal = causal  # AtP and DLA too (storylens.effects.attribution)
         self.graph_bytes = graph_bytes  # the gradient pass's kept graphs at most
+        self.exact = exact  # every head's exact effect too (storylens.effects.exact.ExactPlan)
 
     def __call__(self, batch: dict) -> dict:
         try:
@@ -94,7 +95,7 @@ class ChunkScorer:
             texts = [str(t) for t in texts]
             acc = HeadScoreAccumulator(
                 self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, causal=self.causal,
-                graph_bytes=self.graph_bytes,
+                graph_bytes=self.graph_bytes, exact=self.exact,
             )  # fmt: skip
             stats = record(
                 self.lm,
@@ -339,10 +340,7 @@ class _InOrder:
         merged = False
         while self.next in self.waiting:
             row = self.waiting.pop(self.next)
-            acc = self.acc
-            causal = acc.causal is not None
-            part = HeadScoreAccumulator(acc.n_layer, acc.n_head, acc.detectors, examples=self.examples, causal=causal)
-            acc.merge(part.load_state(json.loads(row["state"])))
+            self.acc.merge(self.acc.like().load_state(json.loads(row["state"])))
             self.stats = self.stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
             self.next += int(row["n"])
             merged = True
@@ -365,6 +363,7 @@ def score_with_ray(
     examples: int = 0,
     causal: bool = False,
     graph_bytes: int = GRAPH_BYTES,
+    exact=None,
     details: dict | None = None,
     start: int = 0,
     on_progress=None,
@@ -393,6 +392,7 @@ def score_with_ray(
             examples=examples,
             causal=causal,
             graph_bytes=graph_bytes,
+            exact=exact,
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)

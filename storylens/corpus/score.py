@@ -41,8 +41,11 @@ from storylens.corpus.ray_engine import score_with_ray
 from storylens.corpus.summary import NAME_DEFINITION, EngineInfo, NamesInfo, ScoreSummary, TopHead
 from storylens.data.names import NameVocabulary
 from storylens.data.sources import StorySource
+from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
-from storylens.effects.cost import check_ablation_budget
+from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, block_flops, check_ablation_budget
+from storylens.effects.estimators import ESTIMATORS, IG_STEPS, EstimatorAudit, audits_of, estimate_cost
+from storylens.effects.exact import EXACT_MODES, MEAN_STORIES, ExactPlan, exact_cost, exact_info, fitting_stories
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Counter, RecordStats, record
@@ -135,7 +138,11 @@ class ScoreOptions:
     (with ``causal``) audits AtP by exact ablation after the scoring, the K heads of largest |AtP| and K
     drawn at random (``seed``) on ``audit_stories`` first stories (None: as many as the ablation budget
     allows, :func:`~storylens.effects.audit.audit_budget_stories`), refused past
-    :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` unless ``over_budget``."""
+    :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` unless ``over_budget``; ``exact``: modes of
+    :data:`~storylens.effects.exact.EXACT_MODES` in which every head's exact effect is measured in the same pass
+    (:mod:`storylens.effects.exact`), on the first ``exact_stories`` stories (None: all), refused past the same
+    budget unless ``over_budget``; mean ablation's means over the first
+    :data:`~storylens.effects.exact.MEAN_STORIES` stories; resample's donors drawn with ``seed``."""
 
     batch_size: int = BATCH_STORIES
     chunk_stories: int = CHUNK_STORIES
@@ -154,9 +161,29 @@ class ScoreOptions:
     audit_stories: int | None = None
     seed: int = 0
     over_budget: bool = False
+    exact: tuple[str, ...] = ()
+    exact_stories: int | None = None
+    estimator: str | None = None
+    ig_steps: int = IG_STEPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
+        object.__setattr__(self, "exact", tuple(self.exact))
+        bad = [m for m in self.exact if m not in EXACT_MODES]
+        if bad or len(set(self.exact)) != len(self.exact):
+            raise UsageError(f"--exact: modes among {', '.join(EXACT_MODES)}, each once (got {','.join(self.exact)})")
+        n = self.exact_stories
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or not self.exact):
+            raise UsageError(f"--exact-stories: a whole number, 1 or more, with --exact (got {n!r})")
+        if self.estimator is not None and self.estimator not in ESTIMATORS:
+            raise UsageError(f"--estimator: one of {', '.join(ESTIMATORS)} (got {self.estimator!r})")
+        if self.estimator is not None and not self.exact:
+            raise UsageError(
+                "--estimator: an estimate is shown beside its audit against the exact effect: pass --exact too "
+                "(with --exact-stories N to measure that on the first N stories only)"
+            )
+        if isinstance(self.ig_steps, bool) or not isinstance(self.ig_steps, int) or self.ig_steps < 1:
+            raise UsageError(f"--ig-steps: a whole number, 1 or more (got {self.ig_steps!r})")
         check_examples(self.examples)
         if isinstance(self.audit, bool) or not isinstance(self.audit, int) or self.audit < 0:
             raise UsageError(f"--audit: a whole number of heads, 0 or more (got {self.audit!r})")
@@ -238,17 +265,11 @@ def _score_into(
     vocab, n_total = first_pass(source, progress=opts.progress)
     names = vocab.names()
     t_names = time.perf_counter() - t0
-    settings = {
-        "batch_size": opts.batch_size,
-        "chunk_stories": opts.chunk_stories,
-        "detectors": [d.name for d in opts.detectors],
-        "examples": opts.examples,
-        **({"causal": True} if opts.causal else {}),  # a run without it keeps its fingerprint
-    }
-    fingerprint = _fingerprint(lm, source, names, settings)
+    exact = _exact_plan(lm, source, names, n_total, opts) if opts.exact else None  # its cost said before scoring
+    fingerprint = _fingerprint(lm, source, names, _settings(opts, exact))
     acc = HeadScoreAccumulator(
         lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal,
-        graph_bytes=opts.graph_memory << 20,
+        graph_bytes=opts.graph_memory << 20, exact=exact, estimator=opts.estimator, ig_steps=opts.ig_steps,
     )  # fmt: skip
     audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
     done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
@@ -277,6 +298,8 @@ def _score_into(
         detectors=[d.name for d in opts.detectors],
         top={d.name: _top(scores, d.name) for d in opts.detectors},
         audit=audit,
+        exact=None if exact is None or acc.exact is None else exact_info(exact, acc.exact.acc),
+        estimators=_estimator_audits(acc, opts),
     )
     if audit is not None:
         write_audit_csv(audit, tmp / "audit.csv")
@@ -288,6 +311,26 @@ def _score_into(
     title = f"storylens explorer: {summary.model.display_name}"
     write_explorer_for(tmp, title=title, meta=summary.explorer_meta(opts.examples))
     return summary, scores
+
+
+def _settings(opts: ScoreOptions, exact: ExactPlan | None) -> dict:
+    """What a checkpoint's fingerprint holds of the options (a resumed run must score alike)."""
+    return {
+        "batch_size": opts.batch_size,
+        "chunk_stories": opts.chunk_stories,
+        "detectors": [d.name for d in opts.detectors],
+        "examples": opts.examples,
+        **({"causal": True} if opts.causal else {}),  # a run without these keeps its fingerprint
+        **({"exact": exact.settings()} if exact is not None else {}),
+        **({"estimator": opts.estimator, "ig_steps": opts.ig_steps} if opts.estimator else {}),
+    }
+
+
+def _estimator_audits(acc: HeadScoreAccumulator, opts: ScoreOptions) -> list[EstimatorAudit] | None:
+    """The estimator's audit against the exact effect on the stories both measured (--estimator)."""
+    if acc.estimate is None or acc.exact is None:
+        return None
+    return audits_of(acc.exact.acc.columns(), acc.estimate.audited, acc.exact.acc.stories, seed=opts.seed)
 
 
 def _audit_plan(
@@ -310,6 +353,41 @@ def _audit_plan(
     what = f"score --audit {opts.audit}: the first {len(chosen)} stories, {how}"
     check_ablation_budget(audit_cost(lm, lengths[:n], heads), what, over=opts.over_budget)
     return chosen
+
+
+def _exact_plan(
+    lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions
+) -> ExactPlan:
+    """``--exact``'s plan: its cost over the stories it will cover (their length estimated from the first
+    :data:`~storylens.effects.exact.MEAN_STORIES`), said on stderr before the scoring and past the ablation
+    budget refused unless ``over_budget`` (naming the ``--exact-stories`` that fits); then, for mean
+    ablation, every head's mean output over those first stories (a pass of its own)."""
+    texts = list(islice(iter(source), min(MEAN_STORIES, n_total)))
+    first = encode_stories(lm, texts, names)
+    lengths = [len(e.ids) for e in first]
+    mean_length = sum(lengths) / len(lengths)
+    covered = min(n_total, opts.exact_stories or n_total)
+    means_tokens = sum(lengths) if "mean" in opts.exact else 0
+    cost = exact_cost(lm, covered * mean_length, opts.exact, means_tokens)
+    what = f"score --exact {','.join(opts.exact)}: every head on the first {covered:,} stories"
+    more = 0.0  # an estimator's, on every story
+    if opts.estimator is not None:
+        more = estimate_cost(lm, n_total * mean_length, opts.estimator, opts.exact, opts.ig_steps)
+        cost = replace(cost, flops=cost.flops + more, passes=cost.passes + more / max(cost.scoring, 1.0))
+        what += f", and --estimator {opts.estimator} on all {n_total:,}"
+    if cost.flops > ABLATION_LIMIT_FLOPS and not opts.over_budget:
+        left = ABLATION_LIMIT_FLOPS - more - means_tokens * lm.n_layer * block_flops(lm)
+        fits = fitting_stories(lm, mean_length, opts.exact, left) if left > 0 else 0
+        raise UsageError(
+            f"{what}: {cost.describe()}, past the budget of {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP; "
+            + (f"pass --exact-stories {fits:,} (fits it) or " if fits else "pass ")
+            + f"{OVER_BUDGET_FLAG} to run it anyway"
+        )
+    check_ablation_budget(cost, what, over=True)  # said on stderr
+    means = None
+    if "mean" in opts.exact:
+        means = head_output_means(lm, [e.ids for e in first], batch_size=opts.batch_size, include_marker=False)
+    return ExactPlan(opts.exact, means, len(first) if means is not None else 0, opts.exact_stories, opts.seed)
 
 
 def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions, timings: dict) -> Audit | None:
@@ -380,6 +458,7 @@ def _second_pass(
             examples=opts.examples,
             causal=opts.causal,
             graph_bytes=opts.graph_memory << 20,
+            exact=acc.exact.plan if acc.exact is not None else None,
             start=done.n_stories,
             on_progress=on_chunk,
         )

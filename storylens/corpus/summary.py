@@ -17,6 +17,8 @@ from pathlib import Path
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
 from storylens.effects.audit import Audit
+from storylens.effects.estimators import EstimatorAudit
+from storylens.effects.exact import ExactInfo
 from storylens.table.run_info import ModelInfo, StoriesInfo
 
 NAME_DEFINITION = "a capitalised word whose lower-case form appears nowhere in the stories scored"
@@ -55,13 +57,16 @@ class ScoreSummary(Plain):
     detectors: list[str]
     top: dict[str, TopHead | None]  # per detector, its highest head (None: no head has a value)
     audit: Audit | None = None  # AtP against exact ablation (--causal --audit K; no key when not run)
+    exact: ExactInfo | None = None  # what the exact columns rest on (--exact; no key when not run)
+    estimators: list[EstimatorAudit] | None = None  # each estimate's audit against the exact effect (--estimator)
 
     def to_dict(self) -> dict:
         """``summary.json``: ``schema_version`` (:mod:`storylens.core.schema`), then the fields (no
         ``audit`` key when none was run)."""
         d = super().to_dict()
-        if d["audit"] is None:
-            del d["audit"]
+        for key in ("audit", "exact", "estimators"):
+            if d[key] is None:
+                del d[key]
         return versioned(d)
 
     def to_json(self) -> str:

@@ -139,6 +139,9 @@ def _frozen(module: nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+frozen_weights = _frozen  # for the effects' estimators, which differentiate through the model too
+
+
 class _Taps:
     """``hook_z`` in every block: where grad mode is on, ``z + delta`` with ``delta`` a zero leaf, so
     ``dL/ddelta = dL/dz``; ``z`` and ``delta`` kept per block until taken."""

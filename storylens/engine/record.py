@@ -46,6 +46,11 @@ hands a block's head outputs ``z`` and ``dL/dz``, the final norm's scale and the
 ``plan().gradients`` says so; where no measure reads attention (``Needs(attention=False)``) the
 recording forward is skipped.
 
+**Reruns.** A measure whose ``needs.reruns`` is set (:class:`RerunMeasure`, e.g.
+:class:`storylens.effects.exact.ExactMeasure`, every head's exact ablation) gets, per batch and after
+the gradient pass, ``rerun(lm, batch, chunk)``: it runs its own passes over the batch with no recording
+hook on (``chunk``: the encoded stories the batch was cut from, for a measure that draws from them).
+
 So ``storylens report --beyond`` records the quiz once and feeds the head scores, the position
 control and the pronoun measure from the same patterns (the latter two take whole maps).
 """
@@ -107,6 +112,8 @@ class Needs:
     attention: bool = True  # it reads attention (False: no recording forward is run for it)
     # with gradients: what the first blocks' graphs may hold to skip their reruns (gradients.gradient_pass)
     graph_bytes: int = GRAPH_BYTES
+    # passes of its own over each batch (e.g. ablations), to rerun(lm, batch, chunk), with no recording hook
+    reruns: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,32 @@ class GradientMeasure(Measure, Protocol):
     def gradients(self, grads: Any) -> None: ...
 
 
+class RerunMeasure(Measure, Protocol):
+    """A measure whose ``needs.reruns`` is set: after the batch's recording forward and gradient pass
+    it gets ``rerun(lm, batch, chunk)`` once, to run passes of its own over the batch (no recording
+    hook is on), ``chunk`` the encoded stories the batch was cut from (in order)."""
+
+    def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None: ...
+
+
+class Rerun:
+    """A :class:`RerunMeasure` that reads no attention: its work is all in ``rerun`` (define it)."""
+
+    needs = Needs(attention=False, reruns=True)
+
+    def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None:
+        raise NotImplementedError
+
+    def begin(self, batch: StoryBatch) -> None:
+        pass
+
+    def feed(self, chunk: Chunk) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
 class Counter:
     """A measure that reads no attention: ``update(stories)`` after every batch (how a progress
     line, :class:`~storylens.core.progress.ProgressLines`, counts a recording)."""
@@ -183,6 +216,12 @@ class Plan:
     gradients: bool = False  # one fused forward+backward per batch too (storylens.effects.attribution.gradients)
     attention: bool = True  # the recording forward runs (some measure reads attention)
     graph_bytes: int = GRAPH_BYTES  # the gradient pass's kept graphs at most (the least any measure allows)
+    reruns: bool = False  # some measure runs passes of its own over each batch (RerunMeasure)
+
+    @property
+    def per_batch(self) -> bool:
+        """The recording's hooks live for each batch's recording forward only (other passes follow it)."""
+        return self.gradients or self.reruns
 
 
 def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
@@ -205,7 +244,10 @@ def plan(lm: AttentionLM, measures: Sequence[Measure]) -> Plan:
     key, out = any(n.key_norms for n in needs) and readable, any(n.outputs for n in needs) and readable
     grads, attention = any(n.gradients for n in needs), any(n.attention for n in needs)
     graph = min([n.graph_bytes for n in needs if n.gradients], default=GRAPH_BYTES)
-    return Plan(streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms, grads, attention, graph)
+    reruns = any(n.reruns for n in needs)
+    return Plan(
+        streamed, why, tuple(columns.values()) if streamed else (), key, out, no_norms, grads, attention, graph, reruns
+    )
 
 
 @dataclass(frozen=True)
@@ -251,14 +293,14 @@ class _Pass:
             stack.enter_context(lm.streaming(self))
         return stack
 
-    def run(self, batch: StoryBatch) -> None:
+    def run(self, batch: StoryBatch, chunk: Sequence[EncodedStory] = ()) -> None:
         self.masks, self.norms, self.waiting = Masks(batch, self.lm.dtype), {}, {}
         for m in self.measures:
             m.begin(batch)
-        if self.plan.attention or not self.plan.gradients:
-            # with a gradient pass, the hooks and streaming live for this forward only: the gradient
-            # pass must run the fused attention, handing no rows to any measure
-            with self.context() if self.plan.gradients else contextlib.nullcontext():
+        if self.plan.attention or not self.plan.per_batch:
+            # with a gradient pass or reruns, the hooks and streaming live for this forward only: those
+            # passes run the model's own attention, handing no rows to any measure
+            with self.context() if self.plan.per_batch else contextlib.nullcontext():
                 self._forward(batch.ids)
         if self.plan.gradients:
             takers = [cast(GradientMeasure, m) for m in self.measures if m.needs.gradients]
@@ -268,6 +310,9 @@ class _Pass:
                     t.gradients(grads)
 
             gradient_pass(self.lm, batch, hand, self.plan.graph_bytes)
+        for m in self.measures:
+            if m.needs.reruns:
+                cast(RerunMeasure, m).rerun(self.lm, batch, chunk)
         for m in self.measures:
             m.end()
         self.masks = None
@@ -359,7 +404,7 @@ def _stop(_out: torch.Tensor, _hook: Hook) -> None:
 
 
 def _unless(per_batch: bool, context: Callable[[], ExitStack]) -> AbstractContextManager:
-    """The wiring's context around the whole run, unless it is entered per batch (a gradient pass)."""
+    """The wiring's context around the whole run, unless it is entered per batch (a gradient pass, reruns)."""
     return contextlib.nullcontext() if per_batch else context()
 
 
@@ -419,7 +464,7 @@ def record(
     with (
         eval_mode(lm.module),
         torch.inference_mode(),
-        _unless(chosen.gradients, wiring.context),
+        _unless(chosen.per_batch, wiring.context),
         bar,
     ):  # disable None: terminals only
         for chunk in iter_encoded(lm, stories, names, chunk_stories=chunk_stories, start=start):
@@ -427,7 +472,7 @@ def record(
             n_cut += sum(s.cut for s in chunk)
             n_main += sum(s.main is not None for s in chunk)
             for idx in length_batches([len(s.ids) for s in chunk], batch_size, batch_tokens):
-                wiring.run(batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit))
+                wiring.run(batch_of([chunk[i] for i in idx], lm.marker_id, lm.device, first_limit), chunk)
                 bar.update(len(idx))
             if on_chunk is not None:
                 on_chunk(RecordStats(n, n_cut, n_main))

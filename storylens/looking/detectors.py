@@ -392,6 +392,37 @@ DLA_SE = Column("dla_se", "Direct logit attribution: standard error", "dla's sta
 CAUSAL_COLUMNS = (ATP_MEAN, ATP_MEAN_SE, ATP_ZERO, ATP_ZERO_SE, DLA, DLA_SE)
 
 
+def _exact_columns() -> tuple[Column, ...]:
+    """What each head does to the loss, measured (storylens.effects.exact, ``--exact``): None where not run."""
+    replaced = {
+        "mean": "its corpus mean (over the first stories, summary.json's exact.mean_stories)",
+        "zero": "zero",
+        "resample": "its output on another story of the corpus drawn at random (summary.json's exact.seed)",
+    }
+    out: list[Column] = []
+    for mode, by in replaced.items():
+        out.append(
+            Column(
+                f"exact_{mode}",
+                f"Exact {mode} ablation: the change in mean next-token loss, in nats",
+                "measured: the change in the corpus's mean next-token loss (nats, pooled over predicted tokens) "
+                f"when the head's output is replaced at every position after the opening token by {by}",
+                frozenset((OVERVIEW,)),
+            )
+        )
+        out.append(
+            Column(
+                f"exact_{mode}_se",
+                f"Exact {mode} ablation: standard error",
+                f"exact_{mode}'s standard error over stories",
+            )
+        )
+    return tuple(out)
+
+
+EXACT_COLUMNS = _exact_columns()
+
+
 OLD_FLAG = "looks_without_moving"  # the flag before dormant (storylens 0.x runs): refused when read back
 
 
@@ -423,10 +454,12 @@ def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     scores (:func:`score_columns`), their norm-weighted twins, the induction test on random tokens
     (:mod:`storylens.looking.induction`), what each head writes, the sink and
     context columns (:mod:`storylens.looking.sinks`), the causal columns (:mod:`storylens.effects.attribution`),
-    the flag."""
+    the exact columns (:mod:`storylens.effects.exact`), the flag."""
     raw = score_columns(detectors)
     twins = (c.twin for c in raw if c.norm)
-    return (*raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, FLAG)
+    return (
+        *raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, *EXACT_COLUMNS, FLAG
+    )  # fmt: skip
 
 
 BUILTIN_COLUMNS = table_columns(BUILTIN_DETECTORS)

@@ -6,20 +6,21 @@ Definitions of the columns: :mod:`storylens.table.scores`; how a measure is fed:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from storylens.core.buffers import Workspace
 from storylens.core.errors import StorylensError
-from storylens.core.heads import Head
 from storylens.effects.attribution import CausalAccumulator
+from storylens.effects.estimators import IG_STEPS, EstimateMeasure
+from storylens.effects.exact import ExactMeasure, ExactPlan
 from storylens.engine.accumulate import MeanAccumulator
-from storylens.engine.encode import StoryBatch
+from storylens.engine.encode import EncodedStory, StoryBatch
 from storylens.engine.gradients import GRAPH_BYTES, Gradients
 from storylens.engine.masks import Masks
 from storylens.engine.record import Chunk, KeyColumn, Needs
+from storylens.lm import AttentionLM
 from storylens.looking.detectors import (
     BUILTIN_DETECTORS,
     FIRST_MASS,
@@ -38,6 +39,9 @@ from storylens.looking.faithful import norm_scaled, norm_weighted, row_divide, s
 from storylens.looking.patterns import masked_mean
 from storylens.looking.reads import HeldReads, Reads
 from storylens.looking.sinks import SinkAccumulator
+from storylens.table.effect_parts import PARTS, EffectParts
+from storylens.table.finite import Scores as Scores  # the old storylens.analysis.scores name
+from storylens.table.finite import refuse_non_finite
 
 # the norm-weighted reads a batch's chunks hold back to sum once for every block (HeadScoreAccumulator._sum_held),
 # at most (about a batch of quiz stories' 30 blocks; a long story's chunks are summed whenever they reach it)
@@ -56,7 +60,7 @@ _COUNT_FIELDS = (
 
 # the parts of HeadScoreAccumulator.state()
 _STATE_PARTS = frozenset(
-    {"shape", "detectors", "means", "first", "norm", "output", "sinks", "examples", "name_baseline", "causal"}
+    {"shape", "detectors", "means", "first", "norm", "output", "sinks", "examples", "name_baseline", *PARTS}
 )
 
 
@@ -79,39 +83,6 @@ def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor
     pos = torch.arange(names.shape[1], dtype=torch.float64)
     even = names.cumsum(-1) / (pos + 1)
     return masked_mean(even[:, None, :], name_queries.cpu())[:, 0]
-
-
-Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # detector: ([batch, layer, head] values, [batch] counted)
-
-
-def refuse_non_finite(
-    batch: StoryBatch,
-    raw: Scores,
-    norm: Scores,
-    output: tuple[torch.Tensor, torch.Tensor] | None,
-    dtype: torch.dtype,
-) -> None:
-    """Refuse a batch in which a head's score of a story that counts is NaN or infinite (its
-    attention, formed from overflowing queries or keys, or its value vectors are): one line naming
-    the earliest such head (the layers after it only inherit it), L{layer}H{head} from 1."""
-    found: list[tuple[int, int, int, str]] = []  # (layer, head, batch row, what)
-    kinds = [(raw, "{} score"), (norm, "norm-weighted {} score")]
-    named = [(what.format(k), v, keep) for scores, what in kinds for k, (v, keep) in scores.items()]
-    for what, values, keep in [*named, *([("output norm", *output)] if output is not None else [])]:
-        bad = ~torch.isfinite(values) & keep.to(values.device)[:, None, None]
-        if bool(bad.any()):
-            b, layer, head = min(bad.nonzero().tolist(), key=lambda i: (i[1], i[2], i[0]))
-            found.append((layer, head, b, what))
-    if not found:
-        return
-    layer, head, b, what = min(found, key=lambda f: f[:2])
-    stories = batch.stories
-    story = f" on story {stories[b].index + 1}" if b < len(stories) else ""
-    name = str(dtype).replace("torch.", "")
-    raise StorylensError(
-        f"{Head(layer, head).label}: its {what} is NaN or infinite{story} (its queries, keys or values overflow "
-        f"{name}); refused, nothing written"
-    )
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -176,7 +147,27 @@ class HeadScoreAccumulator:
     ``causal``: also every head's AtP and DLA (:class:`~storylens.effects.attribution.CausalAccumulator`,
     the ``atp_*`` and ``dla*`` columns, None without it), from one fused forward and backward per batch
     that :func:`~storylens.engine.record.record` runs beside the recording (``needs.gradients``),
-    ``graph_bytes`` its kept graphs at most (:func:`~storylens.engine.gradients.gradient_pass`)."""
+    ``graph_bytes`` its kept graphs at most (:func:`~storylens.engine.gradients.gradient_pass`).
+
+    ``exact``: also every head's exact effect (:class:`~storylens.effects.exact.ExactMeasure`, the
+    ``exact_*`` columns), from passes of its own over each batch after the recording (``needs.reruns``), and
+    ``estimator`` beside it (:mod:`storylens.effects.estimators`): :class:`~storylens.table.effect_parts.EffectParts`."""
+
+    @property
+    def causal(self) -> CausalAccumulator | None:
+        return self.effects.causal
+
+    @property
+    def exact(self) -> ExactMeasure | None:
+        return self.effects.exact
+
+    @property
+    def estimate(self) -> EstimateMeasure | None:
+        return self.effects.estimate
+
+    @property
+    def graph_bytes(self) -> int:
+        return self.effects.graph_bytes
 
     def __init__(
         self,
@@ -188,6 +179,9 @@ class HeadScoreAccumulator:
         examples: int = 0,
         causal: bool = False,
         graph_bytes: int = GRAPH_BYTES,
+        exact: ExactPlan | None = None,
+        estimator: str | None = None,
+        ig_steps: int = IG_STEPS,
     ):
         names = [d.name for d in detectors]
         if len(set(names)) != len(names):
@@ -213,10 +207,11 @@ class HeadScoreAccumulator:
             if faithful
             else Needs(MASS_COLUMNS, streams=streams)
         )
-        self.graph_bytes = graph_bytes
-        self.causal = CausalAccumulator(n_layer, n_head, graph_bytes) if causal else None  # AtP and DLA (--causal)
-        if causal:
-            self.needs = dataclasses.replace(self.needs, gradients=True, graph_bytes=graph_bytes)
+        # the effect columns: AtP and DLA (--causal), the exact effect (--exact), an estimator (--estimator)
+        self.effects = EffectParts(
+            n_layer, n_head, causal=causal, graph_bytes=graph_bytes, exact=exact, estimator=estimator, ig_steps=ig_steps
+        )
+        self.needs = self.effects.needs(self.needs)
         self._batch: StoryBatch | None = None
         self._masks: Masks | None = None  # the batch's, from its first chunk
         self._sums: list[dict[str, torch.Tensor]] = []
@@ -450,8 +445,19 @@ class HeadScoreAccumulator:
 
     def gradients(self, grads: Gradients) -> None:
         """The batch's gradient pass (asked for only with ``causal``): to the causal sums."""
-        if self.causal is not None:
-            self.causal.gradients(grads)
+        self.effects.gradients(grads)
+
+    def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None:
+        """The batch's exact ablations and estimates (asked for only with ``exact``)."""
+        self.effects.rerun(lm, batch, chunk)
+
+    def like(self) -> HeadScoreAccumulator:
+        """An empty accumulator of the same heads, detectors and columns (a worker's part to merge)."""
+        examples = 0 if self.examples is None else self.examples.k
+        return HeadScoreAccumulator(
+            self.n_layer, self.n_head, self.detectors, faithful=self.faithful, examples=examples,
+            **self.effects.settings(),
+        )  # fmt: skip
 
     def update(self, patterns: Sequence[torch.Tensor], batch: StoryBatch) -> dict[str, torch.Tensor]:
         """One batch of whole maps ``[batch, head, query, key]``, one per block (raw scores only)."""
@@ -468,10 +474,7 @@ class HeadScoreAccumulator:
             raise ValueError("merge: the accumulators score different heads or detectors")
         if other.faithful != self.faithful or (other.examples is None) != (self.examples is None):
             raise ValueError("merge: one accumulator has the norm-weighted scores or the examples and the other not")
-        if (other.causal is None) != (self.causal is None):
-            raise ValueError("merge: one accumulator has the causal columns and the other not")
-        if self.causal is not None and other.causal is not None:
-            self.causal.merge(other.causal)
+        self.effects.merge(other.effects)
         for k, acc in [*self.means.items(), *(("first/" + k, v) for k, v in self.first.items())]:
             theirs = other.means[k] if not k.startswith("first/") else other.first[k[6:]]
             acc.merge(theirs)
@@ -497,15 +500,15 @@ class HeadScoreAccumulator:
             "sinks": None if self.sinks is None else self.sinks.state(),
             "examples": None if self.examples is None else self.examples.state(),
             "name_baseline": self.name_baseline.state(),
-            "causal": None if self.causal is None else self.causal.state(),
+            **self.effects.state(),
         }
 
     def load_state(self, state: dict, max_stories: int | None = None) -> HeadScoreAccumulator:
         """Take the sums and counts of :meth:`state` (the same heads and detectors), every number
         checked (:meth:`MeanAccumulator.from_state`; counts at most ``max_stories``). A state
         that is not what :meth:`state` writes raises ValueError saying which part is wrong."""
-        if isinstance(state, dict):  # a state written before the causal columns has no "causal" part
-            state = {"causal": None, **state}
+        if isinstance(state, dict):  # a state written before the causal (exact) columns has no such part
+            state = dict.fromkeys(PARTS) | state
         if not isinstance(state, dict) or set(state) != _STATE_PARTS:
             raise ValueError("state: not an accumulator's state")
         if state["shape"] != [self.n_layer, self.n_head] or state["detectors"] != [d.name for d in self.detectors]:
@@ -543,13 +546,7 @@ class HeadScoreAccumulator:
                 self.sinks = SinkAccumulator(self.n_layer, self.n_head).load_state(state["sinks"], max_stories)
             except ValueError as e:
                 raise ValueError(f"state: sinks: {e}") from None
-        if (self.causal is None) != (state["causal"] is None):
-            raise ValueError("state: the causal columns kept in one of the state and this accumulator only")
-        if self.causal is not None:
-            try:
-                self.causal = CausalAccumulator(self.n_layer, self.n_head, self.graph_bytes).load_state(state["causal"])
-            except ValueError as e:
-                raise ValueError(f"state: causal: {e}") from None
+        self.effects.load_state(state, max_stories)
         self.examples = examples
         self.means, self.first, self.norm = loaded["means"], loaded["first"], loaded["norm"]
         self.name_baseline, self.output = baseline, output
@@ -576,6 +573,5 @@ class HeadScoreAccumulator:
         cols[OUTPUT_NORM.name], cols[OUTPUT_SHARE.name] = output, shares(output)
         if self.sinks is not None:
             cols.update(self.sinks.columns())
-        if self.causal is not None:
-            cols.update(self.causal.columns())
+        cols.update(self.effects.columns())
         return cols

@@ -2,55 +2,27 @@
 pre-hook on the output projection's input that replaces one head's slice after the opening token, on
 transformers' own modules (GPT-2, Llama with grouped key/value heads) and the native model, float64."""
 
-import copy
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
+
+from tiny_lms import loss_change, tiny_lm
 
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import MODES, Effect, _sign_disagrees, audit, choose_heads, exact_effects, sign_words
 from storylens.effects.exact import ExactAccumulator, copies_at_once, exact_head_effects
-from storylens.lm import NativeLM, load_lm
-from storylens.lm.transformers_lm import _attention_of, _decoder_layers, _output_projection
 
 STORIES = 6
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "native"])
 def lm(request, shipped_model, tmp_path_factory):
-    if request.param == "native":
-        return NativeLM(copy.deepcopy(shipped_model).double())
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=shipped_model.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
-    )
-    common = {"vocab_size": shipped_model.tokenizer.get_vocab_size(), "bos_token_id": tok.bos_token_id}
-    cfg = (
-        GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, **common)
-        if request.param == "gpt2"
-        else LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            **common,
-        )  # fmt: skip
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return load_lm(folder, dtype=torch.float64)
+    return tiny_lm(request.param, shipped_model, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -58,36 +30,10 @@ def ids(lm, corpus_split):
     return [lm.encode(" ".join(s.split()[:30])) for s in corpus_split.quiz[:STORIES]]
 
 
-def _projection(lm, layer):
-    if isinstance(lm, NativeLM):
-        return lm.module.transformer.h[layer].attn.c_proj, lm.module.config.head_size
-    proj = _output_projection(_attention_of(_decoder_layers(lm.module)[layer]))
-    return proj, lm.head_output_weights(layer).shape[1]
-
-
 def _by_hand(lm, ids, head: Head, value):
     """Per story: (the change in its summed loss, its predicted tokens), one story at a time, the head's
     slice of the output projection's input replaced after position 0 by a pre-hook written here."""
-    proj, d = _projection(lm, head.layer)
-    sl = slice(head.head * d, (head.head + 1) * d)
-
-    def pre(module, args):
-        x = args[0].clone()
-        x[:, 1:, sl] = 0.0 if value is None else value
-        return (x, *args[1:])
-
-    out = []
-    for story in ids:
-        x = torch.tensor([story])
-        with torch.no_grad():
-            clean = F.cross_entropy(lm.forward(x)[0, :-1], x[0, 1:], reduction="sum")
-            handle = proj.register_forward_pre_hook(pre)
-            try:
-                off = F.cross_entropy(lm.forward(x)[0, :-1], x[0, 1:], reduction="sum")
-            finally:
-                handle.remove()
-        out.append((float(off - clean), len(story) - 1))
-    return out
+    return [loss_change(lm, story, head.layer, head.head, value) for story in ids]
 
 
 def test_exact_effects_equal_the_edit_before_the_output_projection(lm, ids):
@@ -236,5 +182,7 @@ def test_every_head_at_once_merges_and_restores(lm, ids):
         assert torch.equal(restored.columns()[name], col), name
     with pytest.raises(ValueError, match="exact state"):
         ExactAccumulator.from_state({"shape": [1, 1]})
-    with pytest.raises(StorylensError, match="modes resample"):
-        ExactAccumulator(2, 2, ("resample",))
+    with pytest.raises(StorylensError, match="modes shuffle"):
+        ExactAccumulator(2, 2, ("shuffle",))
+    with pytest.raises(StorylensError, match="each one of"):
+        ExactAccumulator(2, 2, ("mean", "mean"))
