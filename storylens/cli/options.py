@@ -162,14 +162,28 @@ def add_exact(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --exact: measure it on the first N stories only (default: every one)",
     )
+    add_estimator(
+        p,
+        "with --exact: estimate every head's effect too, on every story, and audit the estimate against the "
+        "exact effect where both ran",
+    )
+    add_backups(
+        p,
+        "with --exact: after scoring, switch off the K heads of largest exact effect together and measure every "
+        "other head's effect again (the backup_gain columns: a head that stands in for them gains), and what the "
+        "model repairs (summary.json's backups); on the first stories --exact covered, at most 200",
+    )
+
+
+def add_estimator(p: argparse.ArgumentParser, what: str) -> None:
+    """``--estimator`` and ``--ig-steps`` (score, patch): ``what`` opens the help."""
     p.add_argument(
         "--estimator",
         choices=ESTIMATORS,
         default=None,
-        help="with --exact: estimate every head's effect too, on every story, and audit the estimate against the "
-        "exact effect where both ran: atp (one backward pass), atp* (AtP with GradDrop: a backward pass per block "
-        "more), ig (integrated gradients, a block's heads together, --ig-steps points), quadratic (the slope half "
-        "way, each head alone); see docs/exact.md",
+        help=f"{what}: atp (one backward pass), atp* (AtP with GradDrop: a backward pass per block more), ig "
+        "(integrated gradients, a block's heads together, --ig-steps points), quadratic (the slope half way, each "
+        "head alone); see docs/exact.md",
     )
     p.add_argument(
         "--ig-steps",
@@ -178,6 +192,11 @@ def add_exact(p: argparse.ArgumentParser) -> None:
         metavar="M",
         help=f"with --estimator ig: its steps (default {IG_STEPS})",
     )
+
+
+def add_backups(p: argparse.ArgumentParser, what: str) -> None:
+    """``--backups K`` (score, patch): ``what`` is its help."""
+    p.add_argument("--backups", type=int, default=0, metavar="K", help=what)
 
 
 def add_causal(p: argparse.ArgumentParser) -> None:

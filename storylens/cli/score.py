@@ -23,6 +23,7 @@ from storylens.corpus.ray_engine import check_address
 from storylens.corpus.score import ScoreOptions, score_corpus
 from storylens.data.sources import open_source
 from storylens.effects.audit import AUDIT_HEADS, audit_lines
+from storylens.effects.backups import backup_lines
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, TRUTH_BUDGET, TRUTH_FLOOR_FLOPS
 from storylens.effects.estimators import audit_lines as estimator_lines
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES
@@ -141,6 +142,7 @@ def run(args) -> int:
         exact_stories=args.exact_stories,
         estimator=args.estimator,
         ig_steps=args.ig_steps,
+        backups=args.backups,
     )
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus
@@ -150,26 +152,32 @@ def run(args) -> int:
         args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
     )
     scored = score_corpus(load(args), source, out, options)
+    print("\n".join(_lines(scored, options)))
+    return 0
+
+
+def _lines(scored, options: ScoreOptions) -> list[str]:
+    """What ``storylens score`` prints: the stories, each detector's top head, where the files went, and the
+    effects' figures where they were measured."""
     s, st = scored.summary, scored.summary.stories
-    print(
+    lines = [
         f"{st.stories:,} stories from {st.source}: {st.cut_to_window:,} cut to the window, "
         f"{st.with_main_character:,} with a main character ({st.name_scored:,} scored for names)"
-    )
-    for name, top in s.top.items():
-        if top is not None:
-            print(f"  {name:16} highest {top.head} {top.score:.3f}")
-    print(
+    ]
+    lines += [f"  {name:16} highest {top.head} {top.score:.3f}" for name, top in s.top.items() if top is not None]
+    lines.append(
         f"written to {scored.out} (scoring {s.timings_s['scoring']:.1f} s, first pass {s.timings_s['first_pass']:.1f} s, "
         f"engine {s.engine.name})"
     )
     if s.exact is not None:
-        print(
-            f"exact effects ({', '.join(f'{m}: {n:,} stories' for m, n in s.exact.stories.items())}): heads.csv's exact_*"
-        )
+        counted = ", ".join(f"{m}: {n:,} stories" for m, n in s.exact.stories.items())
+        lines.append(f"exact effects ({counted}): heads.csv's exact_*")
+    if s.backups is not None:
+        lines += backup_lines(s.backups)
     if s.estimators:
-        print("\n".join(estimator_lines(s.estimators)))
+        lines += estimator_lines(s.estimators)
     if s.audit is not None:
-        print("\n".join(audit_lines(s.audit)))
+        lines += audit_lines(s.audit)
     elif options.audit:
-        print("audit: not run (the model's heads could not be reached, or no story predicts a token)")
-    return 0
+        lines.append("audit: not run (the model's heads could not be reached, or no story predicts a token)")
+    return lines

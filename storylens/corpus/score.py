@@ -43,6 +43,7 @@ from storylens.data.names import NameVocabulary
 from storylens.data.sources import StorySource
 from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
+from storylens.effects.backups import BACKUP_STORIES, Backups, backup_effects, top_heads
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, block_flops, check_ablation_budget
 from storylens.effects.estimators import ESTIMATORS, IG_STEPS, EstimatorAudit, audits_of, estimate_cost
 from storylens.effects.exact import EXACT_MODES, MEAN_STORIES, ExactPlan, exact_cost, exact_info, fitting_stories
@@ -165,6 +166,7 @@ class ScoreOptions:
     exact_stories: int | None = None
     estimator: str | None = None
     ig_steps: int = IG_STEPS
+    backups: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
@@ -182,6 +184,10 @@ class ScoreOptions:
                 "--estimator: an estimate is shown beside its audit against the exact effect: pass --exact too "
                 "(with --exact-stories N to measure that on the first N stories only)"
             )
+        if isinstance(self.backups, bool) or not isinstance(self.backups, int) or self.backups < 0:
+            raise UsageError(f"--backups: a whole number of heads, 0 or more (got {self.backups!r})")
+        if self.backups and not self.exact:
+            raise UsageError("--backups: switches off the heads of largest exact effect: pass --exact too")
         if isinstance(self.ig_steps, bool) or not isinstance(self.ig_steps, int) or self.ig_steps < 1:
             raise UsageError(f"--ig-steps: a whole number, 1 or more (got {self.ig_steps!r})")
         check_examples(self.examples)
@@ -278,8 +284,9 @@ def _score_into(
     on_chunk = _checkpointer(ckpt, fingerprint, acc, done, n_total, opts)
     stats = done + _second_pass(lm, source, names, acc, done, n_total, opts, on_chunk, used)
     seconds = time.perf_counter() - t1
-    scores = score_table(acc, stats, None, lm.window, lm)  # the induction test: once, after every story
     timings = {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)}
+    backups, extra = _run_backups(lm, source, names, n_total, opts, acc, timings) if opts.backups else (None, None)
+    scores = score_table(acc, stats, None, lm.window, lm, extra)  # the induction test: once, after every story
     audit = _run_audit(lm, audited, opts, timings) if audited else None
     summary = ScoreSummary(
         model=model_info(lm),
@@ -300,6 +307,7 @@ def _score_into(
         audit=audit,
         exact=None if exact is None or acc.exact is None else exact_info(exact, acc.exact.acc),
         estimators=_estimator_audits(acc, opts),
+        backups=backups,
     )
     if audit is not None:
         write_audit_csv(audit, tmp / "audit.csv")
@@ -324,6 +332,27 @@ def _settings(opts: ScoreOptions, exact: ExactPlan | None) -> dict:
         **({"exact": exact.settings()} if exact is not None else {}),
         **({"estimator": opts.estimator, "ig_steps": opts.ig_steps} if opts.estimator else {}),
     }
+
+
+def _run_backups(
+    lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions,
+    acc: HeadScoreAccumulator, timings: dict,
+) -> tuple[Backups | None, dict | None]:  # fmt: skip
+    """``--backups K``, after the scoring: the K heads of largest exact effect (the first mode's) off
+    together, every other head measured again, on the first stories the exact effect covered (at most
+    :data:`~storylens.effects.backups.BACKUP_STORIES`): the summary's backups and the backup_gain columns."""
+    if acc.exact is None:
+        return None, None
+    t = time.perf_counter()
+    plan, mode = acc.exact.plan, acc.exact.plan.modes[0]
+    n = min(n_total, plan.stories or n_total, BACKUP_STORIES)
+    stories = [e.ids for e in encode_stories(lm, list(islice(iter(source), n)), names) if len(e.ids) >= 2]
+    removed = top_heads(acc.exact.acc.columns()[f"exact_{mode}"], opts.backups)
+    measure = backup_effects(
+        lm, stories, removed, (mode,), means=plan.means, seed=plan.seed, batch_size=opts.batch_size, budget=plan.budget
+    )
+    timings["backups"] = round(time.perf_counter() - t, 3)
+    return measure.result(mode), measure.columns(mode)
 
 
 def _estimator_audits(acc: HeadScoreAccumulator, opts: ScoreOptions) -> list[EstimatorAudit] | None:
@@ -370,11 +399,14 @@ def _exact_plan(
     means_tokens = sum(lengths) if "mean" in opts.exact else 0
     cost = exact_cost(lm, covered * mean_length, opts.exact, means_tokens)
     what = f"score --exact {','.join(opts.exact)}: every head on the first {covered:,} stories"
-    more = 0.0  # an estimator's, on every story
+    more = 0.0  # an estimator's, on every story, and the backups' two passes
     if opts.estimator is not None:
         more = estimate_cost(lm, n_total * mean_length, opts.estimator, opts.exact, opts.ig_steps)
-        cost = replace(cost, flops=cost.flops + more, passes=cost.passes + more / max(cost.scoring, 1.0))
-        what += f", and --estimator {opts.estimator} on all {n_total:,}"
+        what += f", --estimator {opts.estimator} on all {n_total:,}"
+    if opts.backups:
+        more += 2 * exact_cost(lm, min(covered, BACKUP_STORIES) * mean_length, opts.exact).flops
+        what += f", --backups {opts.backups} on the first {min(covered, BACKUP_STORIES):,}"
+    cost = replace(cost, flops=cost.flops + more, passes=cost.passes + more / max(cost.scoring, 1.0))
     if cost.flops > ABLATION_LIMIT_FLOPS and not opts.over_budget:
         left = ABLATION_LIMIT_FLOPS - more - means_tokens * lm.n_layer * block_flops(lm)
         fits = fitting_stories(lm, mean_length, opts.exact, left) if left > 0 else 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
 from storylens.effects.audit import Audit
+from storylens.effects.backups import Backups
 from storylens.effects.estimators import EstimatorAudit
 from storylens.effects.exact import ExactInfo
 from storylens.table.run_info import ModelInfo, StoriesInfo
@@ -59,12 +60,13 @@ class ScoreSummary(Plain):
     audit: Audit | None = None  # AtP against exact ablation (--causal --audit K; no key when not run)
     exact: ExactInfo | None = None  # what the exact columns rest on (--exact; no key when not run)
     estimators: list[EstimatorAudit] | None = None  # each estimate's audit against the exact effect (--estimator)
+    backups: Backups | None = None  # the heads that stand in once the strongest are off (--backups K)
 
     def to_dict(self) -> dict:
         """``summary.json``: ``schema_version`` (:mod:`storylens.core.schema`), then the fields (no
         ``audit`` key when none was run)."""
         d = super().to_dict()
-        for key in ("audit", "exact", "estimators"):
+        for key in ("audit", "exact", "estimators", "backups"):
             if d[key] is None:
                 del d[key]
         return versioned(d)

@@ -147,7 +147,7 @@ class AuditRow(Plain):
     atp_mean: Effect | None
     exact_mean: Effect
     atp_zero: Effect | None
-    exact_zero: Effect
+    exact_zero: Effect | None  # None: not measured (the report measures every head's mean ablation only)
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,8 @@ def choose_heads(estimates: dict[str, dict[Head, float]], k: int, seed: int) -> 
     return top, random.Random(seed).sample(rest, min(k, len(rest)))
 
 
-def _sign_disagrees(a: Effect | None, b: Effect) -> bool:
-    if a is None or not (a.se == a.se and b.se == b.se):
+def _sign_disagrees(a: Effect | None, b: Effect | None) -> bool:
+    if a is None or b is None or not (a.se == a.se and b.se == b.se):
         return False
     return abs(a.nats) > 2 * a.se and abs(b.nats) > 2 * b.se and (a.nats > 0) != (b.nats > 0)
 
@@ -209,16 +209,43 @@ def audit(
         for h in heads
     )
 
+    tokens = sum(len(s) - 1 for s in stories_ids)
+    return _audit_of(rows, len(stories_ids), tokens, seed)
+
+
+def _audit_of(rows: tuple[AuditRow, ...], n_stories: int, n_tokens: int, seed: int) -> Audit:
+    """The audit of ``rows``: rho per mode over the rows measured both ways, the sign disagreements."""
+
     def rho(mode: str) -> float | None:
         pairs = [(getattr(r, f"atp_{mode}"), getattr(r, f"exact_{mode}")) for r in rows]
-        pairs = [(a.nats, b.nats) for a, b in pairs if a is not None]
+        pairs = [(a.nats, b.nats) for a, b in pairs if a is not None and b is not None]
         return rank_correlation([a for a, _ in pairs], [b for _, b in pairs]) if len(pairs) > 2 else None
 
     disagree = tuple(
         (r.head, m) for r in rows for m in MODES if _sign_disagrees(getattr(r, f"atp_{m}"), getattr(r, f"exact_{m}"))
     )
-    tokens = sum(len(s) - 1 for s in stories_ids)
-    return Audit(rows, rho("mean"), rho("zero"), disagree, len(stories_ids), tokens, seed)
+    return Audit(rows, rho("mean"), rho("zero"), disagree, n_stories, n_tokens, 0 if seed is None else seed)
+
+
+def audit_every_head(cols: dict, heads: Sequence[Head], n_stories: int, n_tokens: int) -> Audit | None:
+    """AtP against the exact effect of every head, both from one scoring pass's columns (``atp_*`` and
+    ``exact_*`` with their ``_se``; a mode's exact column absent: not compared); ``why`` "every" on each row.
+    None where AtP or the mean-ablation exact effect is missing."""
+
+    def effect(name: str, h: Head) -> Effect | None:
+        col, se = cols.get(name), cols.get(name + "_se")
+        return None if col is None or se is None else Effect(float(col[h]), float(se[h]))
+
+    if cols.get("atp_mean") is None or cols.get("exact_mean") is None:
+        return None
+    rows = []
+    for h in heads:
+        exact = effect("exact_mean", h)
+        assert exact is not None
+        rows.append(
+            AuditRow(h.label, "every", effect("atp_mean", h), exact, effect("atp_zero", h), effect("exact_zero", h))
+        )
+    return _audit_of(tuple(rows), n_stories, n_tokens, 0)
 
 
 def effect_cell(e: Effect | None) -> str:

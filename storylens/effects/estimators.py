@@ -68,6 +68,19 @@ ESTIMATORS = ("atp", "atp*", "ig", "quadratic")
 IG_STEPS = 4  # ig's default steps (benchmarks/estimators.json: its audit changes little past it)
 
 Target = Callable[[int], Any]  # block -> what its heads' outputs move towards: 0.0, [head, d] or [batch, pos, head, d]
+# (logits of k copies of a batch, k) -> [k * batch] what is estimated (None: each story's summed next-token loss)
+Metric = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _measured(lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor, metric: Metric | None, copies: int = 1):
+    """``[copies * batch]``: ``metric`` (default: each story's summed next-token loss) on ``copies`` copies of
+    the batch, run as they are (with whatever edits are on)."""
+    ids = ids.repeat(copies, 1)
+    if metric is None:
+        return story_losses(lm, ids, valid.repeat(copies, 1))
+    logits = lm.forward(ids)
+    assert logits is not None
+    return metric(logits, copies)
 
 
 def _target(mode: str, means: torch.Tensor | None, donors: list[torch.Tensor] | None) -> Target:
@@ -99,8 +112,9 @@ def _mover(alpha: torch.Tensor, target: Any) -> HookFn:
 
 
 def slopes_at_zero(
-    lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor, target: Target, drop: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor, target: Target, drop: bool = False,
+    metric: Metric | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``f'(0)`` of every head, ``[batch, layer, head]`` float64 (AtP); with ``drop``, also ``[drop, batch,
     layer, head]``: the same with the gradient through block ``drop``'s contribution to the residual stream
     (its output minus its input) dropped: for a head of block ``l``, unchanged for ``drop < l``, zero for
@@ -111,7 +125,7 @@ def slopes_at_zero(
         alphas = [torch.zeros(B, H, device=ids.device, dtype=lm.dtype, requires_grad=True) for _ in range(L)]
         edits = [(f"blocks.{i}.attn.hook_z", _mover(alphas[i], target(i))) for i in range(L)]
         with lm.hooks(edits), lm.keep_block_outputs(range(L) if drop else ()) as kept:
-            total = story_losses(lm, ids, valid.clone()).sum()
+            total = _measured(lm, ids, valid.clone(), metric).sum()
         if not drop:
             (*g,) = torch.autograd.grad(total, alphas)
             return torch.stack(g, 1).to(torch.float64).cpu(), None
@@ -141,6 +155,7 @@ def path_slopes(
     target: Target,
     start: Any | None,
     budget: int = COPY_BYTES,
+    metric: Metric | None = None,
 ) -> torch.Tensor:
     """``[path, batch, head]`` float64: at each of ``paths`` (heads of block ``layer`` moved together, to
     ``a``), each head's ``df/da`` (read for the path's own heads). The paths run as copies of the batch, as
@@ -148,8 +163,7 @@ def path_slopes(
     run again; None: every block)."""
     B, H = ids.shape[0], lm.n_head
     width = _hidden(start).shape[-1] if start is not None else lm.head_output_weights(0).shape[0]
-    k = 3 * copies_at_once(lm, ids.numel(), width, 3 * len(paths), budget) // 3  # a backward holds ~3x a forward
-    k = max(1, k)
+    k = copies_at_once(lm, 3 * ids.numel(), width, len(paths), budget)  # a backward holds about 3x a forward
     with torch.inference_mode(False), frozen_weights(lm.module), torch.enable_grad():
         ids, valid = ids.clone(), valid.clone()
         out = torch.zeros(len(paths), B, H, dtype=torch.float64)
@@ -162,7 +176,7 @@ def path_slopes(
             edit = [(f"blocks.{layer}.attn.hook_z", _mover(alpha.view(len(part) * B, H), target(layer)))]
             begin = _repeat(start, len(part), B) if start is not None else None
             with lm.hooks(edit), lm.skip_blocks(layer, begin) if begin is not None else nullcontext():
-                total = story_losses(lm, ids.repeat(len(part), 1), valid.repeat(len(part), 1)).sum()
+                total = _measured(lm, ids, valid, metric, len(part)).sum()
             (g,) = torch.autograd.grad(total, alpha)
             out[first : first + len(part)] = g.to(torch.float64).cpu()
     return out
@@ -183,12 +197,14 @@ def estimate_batch(
     target: Target,
     steps: int = IG_STEPS,
     budget: int = COPY_BYTES,
+    metric: Metric | None = None,
 ) -> torch.Tensor:
     """``[batch, layer, head]`` float64: each story's ``estimator`` estimate of each head's change in its
-    summed loss (for ``atp*``: ``[drop, batch, layer, head]``, the sizes taken over the corpus)."""
+    summed loss, or in ``metric`` (for ``atp*``: ``[drop, batch, layer, head]``, the sizes taken over the
+    stories)."""
     L, H = lm.n_layer, lm.n_head
     if estimator in ("atp", "atp*"):
-        atp, dropped = slopes_at_zero(lm, ids, valid, target, drop=estimator == "atp*")
+        atp, dropped = slopes_at_zero(lm, ids, valid, target, drop=estimator == "atp*", metric=metric)
         return atp if dropped is None else dropped
     kept = _kept_outputs(lm, ids)
     out = torch.zeros(ids.shape[0], L, H, dtype=torch.float64)
@@ -197,10 +213,10 @@ def estimate_batch(
         if estimator == "ig":
             points = [(k + 0.5) / steps for k in range(steps)]
             out[:, layer] = path_slopes(
-                lm, ids, valid, layer, [(range(H), a) for a in points], target, start, budget
+                lm, ids, valid, layer, [(range(H), a) for a in points], target, start, budget, metric
             ).mean(0)
         elif estimator == "quadratic":
-            s = path_slopes(lm, ids, valid, layer, [([h], 0.5) for h in range(H)], target, start, budget)
+            s = path_slopes(lm, ids, valid, layer, [([h], 0.5) for h in range(H)], target, start, budget, metric)
             out[:, layer] = torch.stack([s[h, :, h] for h in range(H)], -1)
         else:
             raise StorylensError(f"--estimator: one of {', '.join(ESTIMATORS)} (got {estimator!r})")

@@ -25,6 +25,7 @@ In a recording pass (``score --exact``) :class:`ExactMeasure` does this per batc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -36,6 +37,7 @@ import torch
 
 from storylens.core.batching import BATCH_TOKENS, length_batches, pad_batch, valid_mask
 from storylens.core.errors import StorylensError
+from storylens.core.heads import Head
 from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
 from storylens.effects.ablation import head_output_means
@@ -73,21 +75,25 @@ def _repeat(output: Any, k: int, batch: int) -> Any:
     return output
 
 
-def _switch_off(heads: Sequence[int], batch: int, value: Callable[[int], Any]) -> Callable[[torch.Tensor, Hook], Any]:
-    """A ``hook_z`` edit for copies of a batch: copy ``i`` (rows ``i * batch ..``) has head ``heads[i]``
-    replaced after the opening token by ``value(heads[i])``: 0, a ``[d]`` mean, or ``[batch, pos - 1, d]``."""
+def _switch_off(groups: Sequence[Sequence[int]], batch: int, value: Callable[[int], Any]) -> Callable:
+    """A ``hook_z`` edit for copies of a batch: copy ``i`` (rows ``i * batch ..``) has the heads ``groups[i]``
+    replaced after the opening token by ``value(head)`` (0, a ``[d]`` mean, or ``[batch, pos - 1, d]``); one
+    group alone is applied to every copy."""
 
     def replace(z: torch.Tensor, hook: Hook) -> torch.Tensor:  # [copies * batch, pos, head, d]
         z = z.clone()
-        for i, h in enumerate(heads):
-            v = value(h)
-            z[i * batch : (i + 1) * batch, 1:, h] = v.to(device=z.device, dtype=z.dtype) if torch.is_tensor(v) else v
+        for i in range(z.shape[0] // batch):
+            for h in groups[i] if len(groups) > 1 else groups[0]:
+                v = value(h)
+                z[i * batch : (i + 1) * batch, 1:, h] = (
+                    v.to(device=z.device, dtype=z.dtype) if torch.is_tensor(v) else v
+                )
         return z
 
     return replace
 
 
-def _value(mode: str, layer: int, means: torch.Tensor | None, donors: list[torch.Tensor] | None) -> Callable:
+def _value(mode: str, layer: int, *, means: torch.Tensor | None, donors: list[torch.Tensor] | None) -> Callable:
     """What mode ``mode`` puts in a head's place at block ``layer``, per head (see :func:`_switch_off`)."""
     if mode == "zero":
         return lambda h: 0.0
@@ -128,26 +134,50 @@ def exact_batch(
     means: torch.Tensor | None,
     budget: int = COPY_BYTES,
     donors: list[torch.Tensor] | None = None,
+    base: Sequence[Head] = (),
 ) -> dict[str, torch.Tensor]:
     """One padded batch: per mode, ``[batch, layer, head]`` float64, each story's summed next-token loss
-    with the head switched off minus its unablated one. ``means``: ``[layer, head, head_size]`` (mode
-    ``"mean"``); ``donors``: per block ``[batch, pos, head, d]`` (mode ``"resample"``, :func:`donor_outputs`)."""
+    with the head switched off minus its loss without (``base``: heads switched off in every run, that
+    reference included: each head's effect with those already off; a head of ``base`` gets 0). ``means``:
+    ``[layer, head, head_size]`` (mode ``"mean"``); ``donors``: per block ``[batch, pos, head, d]`` (mode
+    ``"resample"``, :func:`donor_outputs`). With ``base``, also ``"<mode>:reference"``: ``[batch]``, each
+    story's loss with ``base`` off."""
     B, L, H = ids.shape[0], lm.n_layer, lm.n_head
-    with lm.keep_block_outputs(range(L)) as kept:
-        clean = story_losses(lm, ids, valid)  # [B]
-    out = {m: torch.zeros(B, L, H, dtype=torch.float64) for m in modes}
-    # no blocks known (blocks() is None): every pass whole, one copy at a time
-    k = copies_at_once(lm, ids.numel(), _hidden(kept[0]).shape[-1], H, budget) if kept else 1
-    for layer in range(L):
-        for first in range(0, H, k):
-            heads = list(range(first, min(first + k, H)))
-            many_ids, many_valid = ids.repeat(len(heads), 1), valid.repeat(len(heads), 1)
-            start = _repeat(kept[layer - 1], len(heads), B) if layer - 1 in kept else None  # layer 0: whole
-            for m in modes:
-                edit = [(f"blocks.{layer}.attn.hook_z", _switch_off(heads, B, _value(m, layer, means, donors)))]
-                with lm.hooks(edit), lm.skip_blocks(layer, start) if start is not None else nullcontext():
-                    losses = story_losses(lm, many_ids, many_valid).view(len(heads), B)
-                out[m][:, layer, first : first + len(heads)] = (losses - clean).T
+    off: dict[int, list[int]] = {}
+    for h in base:
+        off.setdefault(h.layer, []).append(h.head)
+    out: dict[str, torch.Tensor] = {}
+    reference: tuple[dict, torch.Tensor] | None = None
+    for m in modes:
+        value = functools.partial(_value, m, means=means, donors=donors)
+        if reference is None or off:  # the run every ablation is measured from (with base off: per mode)
+            hooks = [(f"blocks.{i}.attn.hook_z", _switch_off([hs], B, value(i))) for i, hs in off.items()]
+            with lm.keep_block_outputs(range(L)) as kept, lm.hooks(hooks):
+                ref = story_losses(lm, ids, valid)  # [B]
+            reference = (dict(kept), ref)
+        kept, ref = reference
+        # no blocks known (blocks() is None): every pass whole, one copy at a time
+        k = copies_at_once(lm, ids.numel(), _hidden(kept[0]).shape[-1], H, budget) if kept else 1
+        diffs = torch.zeros(B, L, H, dtype=torch.float64)
+        for layer in range(L):
+            for first in range(0, H, k):
+                heads = list(range(first, min(first + k, H)))
+                start = _repeat(kept[layer - 1], len(heads), B) if layer - 1 in kept else None  # layer 0: whole
+                here = [[h, *off.get(layer, [])] for h in heads]
+                edits = [
+                    (f"blocks.{layer}.attn.hook_z", _switch_off(here if len(here) > 1 else [here[0]], B, value(layer)))
+                ]
+                edits += [
+                    (f"blocks.{i}.attn.hook_z", _switch_off([hs], B, value(i))) for i, hs in off.items() if i != layer
+                ]
+                with lm.hooks(edits), lm.skip_blocks(layer, start) if start is not None else nullcontext():
+                    losses = story_losses(lm, ids.repeat(len(heads), 1), valid.repeat(len(heads), 1))
+                diffs[:, layer, first : first + len(heads)] = (losses.view(len(heads), B) - ref).T
+        for h in base:
+            diffs[:, h.layer, h.head] = 0.0
+        out[m] = diffs
+        if off:
+            out[f"{m}:reference"] = ref
     return out
 
 

@@ -156,6 +156,25 @@ class HeadEffect(Plain):
     exact: float | None
     exact_se: float | None
     gap_fraction: float | None
+    estimate: float | None = None  # --estimator's (storylens.effects.estimators), None without it
+    estimate_se: float | None = None
+    backup_gain: float | None = None  # --backups K: its effect with the K off, less alone (None: not measured)
+    backup_gain_se: float | None = None
+
+
+@dataclass(frozen=True)
+class PatchBackups(Plain):
+    """``patch --backups K``: the K heads of largest |exact| patched together; ``joint`` their effect on the
+    metric, ``separate`` their single effects summed, ``repair`` = separate - joint (mean over pairs, standard
+    error over pairs; storylens.effects.backups)."""
+
+    removed: tuple[str, ...]
+    joint: float
+    joint_se: float
+    separate: float
+    separate_se: float
+    repair: float
+    repair_se: float
 
 
 @dataclass(frozen=True)
@@ -173,6 +192,9 @@ class PatchResult(Plain):
     spearman: float | None  # atp vs exact over the heads patched exactly
     heads: tuple[HeadEffect, ...]
     per_pair: tuple[PairMetrics, ...]
+    estimator: str | None = None  # --estimator: which (None: none beside AtP)
+    estimate_spearman: float | None = None  # the estimator vs exact over the heads patched exactly
+    backups: PatchBackups | None = None  # --backups K: the K patched together, what the model repairs
 
     def to_pandas(self, what: str = "heads"):
         """A ``pandas.DataFrame``: ``"heads"``, one row per head with patch.csv's columns (``exact``,
@@ -333,11 +355,16 @@ def exact_heads(atp: torch.Tensor, exact: str | int | None, n_pairs: int) -> lis
 
 
 def patch_heads(
-    model: ModelLike, pairs: Sequence[Pair], *, exact: str | int | None = None, progress=None
+    model: ModelLike,
+    pairs: Sequence[Pair],
+    *,
+    exact: str | int | None = None,
+    progress=None,
 ) -> PatchResult:
     """Every head's noising effect on the pairs' metric: AtP for every head, exact for the heads
-    :func:`exact_heads` picks. ``pairs`` from :func:`encode_pairs`; ``progress(n)`` is told of each
-    batch of pairs done (twice: once for AtP, once for exact)."""
+    :func:`exact_heads` picks (an estimator beside them and the backups: :mod:`storylens.effects.patch_more`).
+    ``pairs`` from :func:`encode_pairs`;
+    ``progress(n)`` is told of each batch of pairs done (twice: once for AtP, once for exact)."""
     lm = wrap(model)
     if not pairs:
         raise StorylensError("pairs: nothing to run")
@@ -412,7 +439,20 @@ def _result(lm: AttentionLM, pairs, clean, corrupt, atp_mean, atp_se, chosen, ex
 
 # ---------------------------------------------------------------- files
 
-CSV_COLUMNS = ("head", "layer", "index", "atp", "atp_se", "exact", "exact_se", "gap_fraction")
+CSV_COLUMNS = (
+    "head",
+    "layer",
+    "index",
+    "atp",
+    "atp_se",
+    "exact",
+    "exact_se",
+    "gap_fraction",
+    "estimate",
+    "estimate_se",
+    "backup_gain",
+    "backup_gain_se",
+)
 
 
 def patch_csv(result: PatchResult) -> str:
@@ -462,7 +502,12 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
         f"clean   {result.clean_metric:+.3f} ± {result.clean_metric_se:.3f}",
         f"corrupt {result.corrupt_metric:+.3f} ± {result.corrupt_metric_se:.3f}   (gap {gap:+.3f})",
         f"exact patching on {result.exact_heads} of {len(result.heads)} heads"
-        + ("" if result.spearman is None else f"; Spearman rho (atp vs exact) {result.spearman:.3f}"),
+        + ("" if result.spearman is None else f"; Spearman rho (atp vs exact) {result.spearman:.3f}")
+        + (
+            ""
+            if result.estimator is None or result.estimate_spearman is None
+            else f"; ({result.estimator} vs exact) {result.estimate_spearman:.3f}"
+        ),
         "",
         f"{'head':8} {'exact':>18} {'atp':>18} {'of gap':>8}",
     ]
@@ -479,6 +524,16 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
         frac = "" if h.gap_fraction is None else f"{h.gap_fraction:+.2f}"
         frac = f"({frac})" if frac and ex.startswith("(") else frac  # the exact effect's sign unclaimed
         out.append(f"{h.head:8} {ex:>18} {effect(h.atp, h.atp_se):>18} {frac:>8}")
+    if result.backups is not None:
+        b = result.backups
+        gains = sorted((h for h in result.heads if h.backup_gain is not None), key=lambda h: -(h.backup_gain or 0.0))
+        out += [
+            "",
+            f"backups: {', '.join(b.removed)} patched together {effect(b.joint, b.joint_se)}, one at a time summed "
+            f"{effect(b.separate, b.separate_se)}, repaired {effect(b.repair, b.repair_se)}",
+            "  largest backup gains: "
+            + ", ".join(f"{h.head} {effect(h.backup_gain or 0.0, h.backup_gain_se or 0.0)}" for h in gains[:5]),
+        ]
     out += ["", "in brackets: within two standard errors of zero over the pairs, so no sign is claimed"]
     return out
 

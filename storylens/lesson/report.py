@@ -26,14 +26,17 @@ import torch
 
 from storylens.core.background import run_beside
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.heads import Head
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
 from storylens.corpus.score import EXAMPLES, check_examples, check_graph_memory, write_examples
 from storylens.data.leakage import LeakageReport
 from storylens.data.names import name_vocabulary
 from storylens.data.stories import QUIZ_FILE
-from storylens.effects.audit import Audit, audit_stories
+from storylens.effects.ablation import head_output_means
+from storylens.effects.audit import Audit, audit_every_head, audit_stories
 from storylens.effects.cost import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, check_ablation_budget, scoring_flops
+from storylens.effects.exact import ExactPlan
 from storylens.engine.encode import EncodedStory, encode_stories
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Counter
@@ -254,6 +257,11 @@ def _score(
     feeds ``measures``; an explicit ``--truth-stories`` then says its cost (refused past the budget)."""
     encoded = encode_stories(lm, quiz, name_vocabulary(quiz))
     lines = Counter(ProgressLines("scoring", len(encoded), enabled=opts.progress).update)  # counts batches
+    exact = None
+    if opts.causal and (opts.sections is None or "causal" in opts.sections):  # every head's exact effect, measured
+        ids = [e.ids for e in encoded if len(e.ids) >= 2]
+        means = head_output_means(lm, ids, batch_size=opts.batch_size, include_marker=False) if ids else None
+        exact = ExactPlan(("mean",), means, len(ids)) if means is not None else None
     scores = score_heads(
         lm,
         encoded,
@@ -265,6 +273,7 @@ def _score(
         examples=opts.examples,
         causal=opts.causal,
         graph_bytes=opts.graph_memory << 20,
+        exact=exact,
     )
     if scores.n_name_scored == 0:
         raise StorylensError(
@@ -355,14 +364,28 @@ def _faithfulness(
 def _audit(
     lm: AttentionLM, scores: HeadScores, encoded: list[EncodedStory], opts: ReportOptions, timings: dict
 ) -> Audit | None:
-    """AtP against exact ablation (:func:`storylens.effects.audit.audit`) on the stories the ablations'
-    budget allows (as the faithfulness table's), AtP recomputed on those same stories so that both
-    replace a head's output by the same mean; None when the budget allows none."""
+    """AtP against the exact effect of every head over every quiz story, both from the scoring pass
+    (:func:`storylens.effects.audit.audit_every_head`); where the exact effect was not measured, the audit
+    of chosen heads on the stories the ablations' budget allows (:func:`storylens.effects.audit.audit`)."""
+    every = _every_head_audit(lm, scores, encoded)
+    if every is not None:
+        return every
     n = opts.truth_stories
     if n is None:
         n = truth_budget_stories(lm, scores, [len(e.ids) for e in encoded])
     with _timer(timings, "audit"):
         return audit_stories(lm, encoded[:n], batch_size=opts.batch_size, progress=opts.progress)
+
+
+def _every_head_audit(lm: AttentionLM, scores: HeadScores, encoded: list[EncodedStory]) -> Audit | None:
+    names = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "exact_mean", "exact_mean_se")
+    cols: dict[str, torch.Tensor | None] = {}
+    for name in names:
+        values = scores.column(name) if scores.heads and name in scores.heads[0].scores else [None]
+        cols[name] = None if any(v is None for v in values) else torch.tensor(values).view(lm.n_layer, lm.n_head)
+    heads = list(Head.every(lm.n_layer, lm.n_head))
+    measured = [e for e in encoded if len(e.ids) >= 2]
+    return audit_every_head(cols, heads, len(measured), sum(len(e.ids) - 1 for e in measured))
 
 
 def _truth_with_atp(truth: Truth, scores: HeadScores, audit: Audit | None) -> Truth:

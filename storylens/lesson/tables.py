@@ -339,4 +339,6 @@ def audit_rows(a: Audit | None) -> list[list[str]]:
     def cell(e: Effect | None) -> str:
         return "" if e is None else sign_words(e)
 
+    if a.rows and a.rows[0].why == "every":  # every head measured (mean ablation), in the scoring pass
+        return [[r.head, cell(r.exact_mean), cell(r.atp_mean), cell(r.atp_zero)] for r in a.rows]
     return [[r.head, r.why, cell(r.atp_mean), cell(r.exact_mean), cell(r.atp_zero), cell(r.exact_zero)] for r in a.rows]

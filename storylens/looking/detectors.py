@@ -423,6 +423,19 @@ def _exact_columns() -> tuple[Column, ...]:
 EXACT_COLUMNS = _exact_columns()
 
 
+BACKUP_GAIN = Column(
+    "backup_gain",
+    "Backup gain: its exact effect with the strongest heads off, less its effect alone",
+    "measured (storylens.effects.backups, --backups K): the head's exact effect on the mean next-token loss once "
+    "the K heads of largest exact effect are off, minus its exact effect with them on; positive: it stands in "
+    "for them (summary.json's backups names them)",
+    frozenset((OVERVIEW,)),
+)
+
+
+BACKUP_GAIN_SE = Column("backup_gain_se", "Backup gain: standard error", "backup_gain's standard error over stories")
+
+
 OLD_FLAG = "looks_without_moving"  # the flag before dormant (storylens 0.x runs): refused when read back
 
 
@@ -433,7 +446,8 @@ FLAG = Column(
     "dormant",
     "Dormant: switching the head to its mean moves nothing",
     f"its story-dependent output is under {DORMANT_SHARE} of an even share of its block's (context_norm^2 against "
-    f"the block's mean) and, where AtP was computed, |atp_mean| + 2 se is under {DORMANT_NATS} nats",
+    f"the block's mean) and, where the mean-ablation effect was measured (exact_mean) or else estimated (atp_mean), "
+    f"|effect| + 2 se is under {DORMANT_NATS} nats",
 )
 
 
@@ -458,7 +472,8 @@ def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     raw = score_columns(detectors)
     twins = (c.twin for c in raw if c.norm)
     return (
-        *raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, *EXACT_COLUMNS, FLAG
+        *raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, *EXACT_COLUMNS,
+        BACKUP_GAIN, BACKUP_GAIN_SE, FLAG,
     )  # fmt: skip
 
 

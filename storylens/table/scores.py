@@ -61,6 +61,7 @@ from storylens.core.errors import StorylensError
 from storylens.core.frames import to_frame
 from storylens.core.heads import Head
 from storylens.core.schema import check_version, versioned
+from storylens.effects.exact import ExactPlan
 from storylens.engine.encode import CHUNK_STORIES, EncodedStory
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Measure, record
@@ -335,13 +336,17 @@ def _read_row(row: dict) -> HeadScore:
 
 
 def build_table(
-    acc: HeadScoreAccumulator, with_first: bool, induction: torch.Tensor | None = None
+    acc: HeadScoreAccumulator,
+    with_first: bool,
+    induction: torch.Tensor | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[HeadScore, ...]:
     """One :class:`HeadScore` per head, block-major: every column of ``acc``'s detectors
     (:func:`~storylens.looking.detectors.table_columns`; None where not computed), ``induction``
     (``[layer, head]``, :func:`~storylens.looking.induction.induction_random`) and the flag."""
     cols = acc.columns(with_first)
     cols[INDUCTION_RANDOM.name] = induction
+    cols.update(extra or {})  # columns measured after the pass (backup_gain)
     names = [c.name for c in table_columns(acc.detectors) if c != FLAG]
     flags = head_flags(cols)
     rows = []
@@ -355,16 +360,23 @@ def build_table(
 
 def head_flags(cols: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
     """``[layer, head]``: the :func:`~storylens.looking.sinks.dormant` flag from a run's columns, with the
-    estimated mean-ablation effect where the causal columns are there (None: no context norms)."""
+    mean-ablation effect where it was measured (--exact) or estimated (the causal columns; None: no context norms)."""
     norm = cols.get(CONTEXT_NORM.name)
     if norm is None:
         return None
-    mean, se = cols.get("atp_mean"), cols.get("atp_mean_se")
+    mean, se = cols.get("exact_mean"), cols.get("exact_mean_se")  # measured where it ran, else AtP's estimate
+    if mean is None or se is None:
+        mean, se = cols.get("atp_mean"), cols.get("atp_mean_se")
     return dormant(norm, None if mean is None or se is None else (mean, se))
 
 
 def score_table(
-    acc: HeadScoreAccumulator, stats, max_stories_prev: int | None, window: int, lm: AttentionLM | None = None
+    acc: HeadScoreAccumulator,
+    stats,
+    max_stories_prev: int | None,
+    window: int,
+    lm: AttentionLM | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> HeadScores:
     """The :class:`HeadScores` of a finished accumulator and the run's counts; with ``lm``, the induction
     test on random tokens measured on it (the model's alone: the same however the stories were scored)."""
@@ -372,7 +384,7 @@ def score_table(
     first = acc.first.get(PREV_TOKEN.name)
     mass = acc.means.get(NAME_MASS.name)
     return HeadScores(
-        heads=build_table(acc, with_first, None if lm is None else induction_random(lm)),
+        heads=build_table(acc, with_first, None if lm is None else induction_random(lm), extra),
         n_stories=stats.n_stories,
         n_cut=stats.n_cut,
         n_main_character=stats.n_main_character,
@@ -401,6 +413,7 @@ def score_heads(
     faithful: bool = True,
     causal: bool = False,
     graph_bytes: int = GRAPH_BYTES,
+    exact: ExactPlan | None = None,
 ) -> HeadScores:
     """Score every head of ``model`` over ``stories`` (e.g. the 200 quiz stories) with every detector.
 
@@ -414,7 +427,9 @@ def score_heads(
     (see :mod:`storylens.engine.record`); ``faithful=False`` leaves out the norm-weighted columns and
     output norms (:mod:`storylens.looking.faithful`); ``causal=True`` adds every head's AtP and DLA
     (:mod:`storylens.effects.attribution`: one fused forward and backward per batch more, holding at most
-    ``graph_bytes`` of kept graphs: :func:`~storylens.engine.gradients.gradient_pass`). Stories are encoded ``chunk_stories`` at a time, each
+    ``graph_bytes`` of kept graphs: :func:`~storylens.engine.gradients.gradient_pass`); ``exact`` adds every
+    head's exact effect (:mod:`storylens.effects.exact`: each batch rerun with each head switched off per the
+    plan). Stories are encoded ``chunk_stories`` at a time, each
     chunk's stories go through the model longest first, ``batch_size`` at a time, padded at the
     end (causal attention: padding never changes an earlier position), and each block's map is
     scored as soon as it exists: memory does not grow with the number of stories.
@@ -424,8 +439,9 @@ def score_heads(
         raise StorylensError(f"max_stories_prev: must be at least 1, got {max_stories_prev}")
     lm = wrap(model, tokenizer)
     acc = HeadScoreAccumulator(
-        lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful, causal=causal, graph_bytes=graph_bytes
-    )
+        lm.n_layer, lm.n_head, detectors, examples=examples, faithful=faithful, causal=causal, graph_bytes=graph_bytes,
+        exact=exact,
+    )  # fmt: skip
     stats = record(
         lm,
         stories,

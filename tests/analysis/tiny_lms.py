@@ -90,3 +90,25 @@ def loss_change(lm, story, layer, head, value):
         finally:
             handle.remove()
     return float(off - clean), len(story) - 1
+
+
+def loss_off(lm, story, heads):
+    """``story``'s summed next-token loss with ``heads`` (``(layer, head)`` pairs) zeroed after position 0 at
+    their output projection's input, by pre-hooks written here (none: the plain loss)."""
+    handles = []
+    for layer, head in heads:
+        proj, d = projection(lm, layer)
+
+        def pre(module, args, sl=slice(head * d, (head + 1) * d)):
+            x = args[0].clone()
+            x[:, 1:, sl] = 0.0
+            return (x, *args[1:])
+
+        handles.append(proj.register_forward_pre_hook(pre))
+    x = torch.tensor([story])
+    try:
+        with torch.no_grad():
+            return float(F.cross_entropy(lm.forward(x)[0, :-1], x[0, 1:], reduction="sum"))
+    finally:
+        for h in handles:
+            h.remove()
