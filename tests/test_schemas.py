@@ -143,7 +143,12 @@ def test_a_patch_run_validates_and_reads_back(patch_run):
     doc = json.loads((patch_run / "patch.json").read_text())
     assert doc["schema_version"] == SCHEMA_VERSION and list(doc)[0] == "schema_version"
     validate(doc, schema("patch"))
-    assert schema("patch")["required"] == ["schema_version", *(f.name for f in fields(PatchResult))]
+    optional = {"estimator", "estimate_spearman", "backups"}  # --estimator, --backups: a run before them lacks them
+    assert schema("patch")["required"] == [
+        "schema_version",
+        *(f.name for f in fields(PatchResult) if f.name not in optional),
+    ]
+    assert set(schema("patch")["properties"]) == {"schema_version", *(f.name for f in fields(PatchResult))}
     result = load_patch(patch_run)
     assert isinstance(result, PatchResult) and result.pairs == PAIRS
     assert {"schema_version": SCHEMA_VERSION, **result.to_dict()} == doc  # every field, every float

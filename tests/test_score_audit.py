@@ -144,9 +144,11 @@ def test_the_default_stories_are_what_the_budget_allows(folder):
 
 
 def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(folder, stories, tmp_path):
-    """report --causal: the faithfulness table's rows carry AtP (mean ablation) over every quiz story
-    and the audit's exact effect where it ablated the head, each as effect_text writes it (no sign within
-    two errors), in place of the ablations' error-less loss changes; the summary validates."""
+    """report --causal: every head's exact mean-ablation effect is measured over every quiz story in the
+    scoring pass (whatever --truth-stories says of the faithfulness table's own ablations), and AtP is
+    audited against it over every head; the faithfulness table's rows carry AtP and the exact effect, each
+    as effect_text writes it (no sign within two errors), in place of the ablations' error-less loss
+    changes; the summary validates."""
     import html
     import re
 
@@ -162,8 +164,15 @@ def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(f
     jsonschema.Draft202012Validator(schema("summary-report")).validate(summary)
     t, a = summary["faithfulness"], summary["audit"]
     c = t["causal"]
-    assert c["atp_stories"] == summary["quiz"]["stories"] == N and c["exact_stories"] == a["n_stories"] == 2
+    assert c["atp_stories"] == summary["quiz"]["stories"] == N and c["exact_stories"] == a["n_stories"] == N
+    heads = json.loads((out / "heads.json").read_text())["heads"]
+    assert len(a["rows"]) == len(heads) and {r["why"] for r in a["rows"]} == {"every"}
     audited = {r["head"]: r["exact_mean"] for r in a["rows"]}
+    for h in heads:  # the audit reads the table's own exact column (heads.json keeps it to float32's digits)
+        got = audited[h["label"]]
+        assert got["nats"] == pytest.approx(h["exact_mean"], rel=1e-6) and got["se"] == pytest.approx(
+            h["exact_mean_se"], rel=1e-6
+        )
     page = (out / "report.html").read_text()
     section = page[page.index('id="truth"') : page.index('id="audit"')]
     assert "AtP, mean ablation (nats)" in section and "loss +, zero" not in section
@@ -174,5 +183,5 @@ def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(f
         assert row[1] == e["head"] and row[5] == effect_text(e["atp"], e["atp_se"])
         exact = audited.get(e["head"])
         assert row[6] == ("" if exact is None else effect_text(exact["nats"], exact["se"]))
-        assert (e["exact"] is None) == (exact is None)
+        assert e["exact"] is not None and exact is not None
     assert not any("switching it off changes the loss" in s for s in t["sentences"])

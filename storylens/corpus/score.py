@@ -46,7 +46,7 @@ from storylens.effects.audit import AUDIT_CSV, Audit, audit_budget_stories, audi
 from storylens.effects.backups import BACKUP_STORIES, Backups, backup_effects, top_heads
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, block_flops, check_ablation_budget
 from storylens.effects.estimators import ESTIMATORS, IG_STEPS, EstimatorAudit, audits_of, estimate_cost
-from storylens.effects.exact import EXACT_MODES, MEAN_STORIES, ExactPlan, exact_cost, exact_info, fitting_stories
+from storylens.effects.exact import EXACT_MODES, LENGTH_STORIES, ExactPlan, exact_cost, exact_info, fitting_stories
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Counter, RecordStats, record
@@ -142,8 +142,8 @@ class ScoreOptions:
     :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` unless ``over_budget``; ``exact``: modes of
     :data:`~storylens.effects.exact.EXACT_MODES` in which every head's exact effect is measured in the same pass
     (:mod:`storylens.effects.exact`), on the first ``exact_stories`` stories (None: all), refused past the same
-    budget unless ``over_budget``; mean ablation's means over the first
-    :data:`~storylens.effects.exact.MEAN_STORIES` stories; resample's donors drawn with ``seed``."""
+    budget unless ``over_budget``; mean ablation's means over the same stories (a pass of their own before the
+    scoring); resample's donors drawn with ``seed``."""
 
     batch_size: int = BATCH_STORIES
     chunk_stories: int = CHUNK_STORIES
@@ -388,15 +388,15 @@ def _exact_plan(
     lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions
 ) -> ExactPlan:
     """``--exact``'s plan: its cost over the stories it will cover (their length estimated from the first
-    :data:`~storylens.effects.exact.MEAN_STORIES`), said on stderr before the scoring and past the ablation
+    :data:`~storylens.effects.exact.LENGTH_STORIES`), said on stderr before the scoring and past the ablation
     budget refused unless ``over_budget`` (naming the ``--exact-stories`` that fits); then, for mean
-    ablation, every head's mean output over those first stories (a pass of its own)."""
-    texts = list(islice(iter(source), min(MEAN_STORIES, n_total)))
-    first = encode_stories(lm, texts, names)
+    ablation, every head's mean output over every story it covers (a pass of its own, streamed: the mean
+    is that of the stories measured, not a sample's; see :func:`corpus_means`)."""
+    first = encode_stories(lm, list(islice(iter(source), min(LENGTH_STORIES, n_total))), names)
     lengths = [len(e.ids) for e in first]
     mean_length = sum(lengths) / len(lengths)
     covered = min(n_total, opts.exact_stories or n_total)
-    means_tokens = sum(lengths) if "mean" in opts.exact else 0
+    means_tokens = covered * mean_length if "mean" in opts.exact else 0
     cost = exact_cost(lm, covered * mean_length, opts.exact, means_tokens)
     what = f"score --exact {','.join(opts.exact)}: every head on the first {covered:,} stories"
     more = 0.0  # an estimator's, on every story, and the backups' two passes
@@ -416,10 +416,32 @@ def _exact_plan(
             + f"{OVER_BUDGET_FLAG} to run it anyway"
         )
     check_ablation_budget(cost, what, over=True)  # said on stderr
-    means = None
-    if "mean" in opts.exact:
-        means = head_output_means(lm, [e.ids for e in first], batch_size=opts.batch_size, include_marker=False)
-    return ExactPlan(opts.exact, means, len(first) if means is not None else 0, opts.exact_stories, opts.seed)
+    means = corpus_means(lm, source, names, covered, opts) if "mean" in opts.exact else None
+    return ExactPlan(opts.exact, means, covered if means is not None else 0, opts.exact_stories, opts.seed)
+
+
+def corpus_means(
+    lm: AttentionLM, source: StorySource, names: frozenset[str], n: int, opts: ScoreOptions
+) -> torch.Tensor:
+    """Every head's mean output ``[layer, head, d]`` over every position after the opening token of the source's
+    first ``n`` stories, streamed a chunk at a time (:func:`~storylens.effects.ablation.head_output_means` per
+    chunk, weighted by its positions, summed in float64)."""
+    total: torch.Tensor | None = None
+    count = 0
+    stories = islice(iter(source), n)
+    lines = ProgressLines("exact: the heads' means", n, enabled=opts.progress)
+    while chunk := list(islice(stories, opts.chunk_stories)):
+        ids = [e.ids for e in encode_stories(lm, chunk, names) if len(e.ids) >= 2]
+        lines.update(len(chunk))
+        if not ids:
+            continue
+        positions = sum(len(s) - 1 for s in ids)
+        part = head_output_means(lm, ids, batch_size=opts.batch_size, include_marker=False).to(torch.float64)
+        total = part * positions if total is None else total + part * positions
+        count += positions
+    if total is None:
+        raise StorylensError("--exact mean: no story of two tokens or more to take the heads' means over")
+    return (total / count).to(torch.float32 if lm.dtype != torch.float64 else torch.float64)
 
 
 def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions, timings: dict) -> Audit | None:

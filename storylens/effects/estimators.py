@@ -127,23 +127,30 @@ def slopes_at_zero(
         with lm.hooks(edits), lm.keep_block_outputs(range(L) if drop else ()) as kept:
             total = _measured(lm, ids, valid.clone(), metric).sum()
         if not drop:
-            (*g,) = torch.autograd.grad(total, alphas)
+            g = _or_zeros(torch.autograd.grad(total, alphas, allow_unused=True), alphas)
             return torch.stack(g, 1).to(torch.float64).cpu(), None
         if len(kept) != L:
             raise StorylensError(f"atp*: {lm.name}'s blocks cannot be reached (GradDrop needs each block's output)")
         hs = [_hidden(kept[i]) for i in range(L)]
-        grads = torch.autograd.grad(total, alphas + hs, retain_graph=True)
-        g, G = list(grads[:L]), grads[L:]
+        grads = _or_zeros(torch.autograd.grad(total, alphas + hs, retain_graph=True, allow_unused=True), alphas + hs)
+        g, G = grads[:L], grads[L:]
         atp = torch.stack(g, 1)  # [B, L, H]
         dropped = atp.unsqueeze(0).repeat(L, 1, 1, 1)  # [drop, B, L, H]
         for j in range(L):
-            dropped[j, :, j] = 0.0
+            if L > 1:  # one block: nothing to drop (AtP* is AtP's size)
+                dropped[j, :, j] = 0.0
             if j == 0:
                 continue
-            through = torch.autograd.grad(hs[j] - hs[j - 1], alphas[:j], grad_outputs=G[j], retain_graph=True)
-            for i, v in enumerate(through):
+            contribution = hs[j] - hs[j - 1]  # what block j adds to the residual stream
+            through = torch.autograd.grad(contribution, alphas[:j], G[j], retain_graph=True, allow_unused=True)
+            for i, v in enumerate(_or_zeros(through, alphas[:j])):
                 dropped[j, :, i] = g[i] - v
     return atp.detach().to(torch.float64).cpu(), dropped.detach().to(torch.float64).cpu()
+
+
+def _or_zeros(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients with zeros where the loss does not depend on the tensor (a head whose output nothing reads)."""
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, like, strict=True)]
 
 
 def path_slopes(
@@ -258,7 +265,7 @@ class EstimateAccumulator:
         for m in self.modes:
             r, se = self.sums[m].result()
             if self.estimator == "atp*":
-                r, se = r.abs().sum(0) / max(self.n_layer - 1, 1), se.sum(0) / max(self.n_layer - 1, 1)
+                r, se = graddrop_sizes(r, se)
             cols[f"{column_stem(self.estimator)}_{m}"], cols[f"{column_stem(self.estimator)}_{m}_se"] = r, se
         return cols
 
@@ -280,6 +287,16 @@ class EstimateAccumulator:
         except (KeyError, TypeError, ValueError, StorylensError) as e:
             raise ValueError(f"estimate state: {e}") from None
         return made
+
+
+def graddrop_sizes(r: torch.Tensor, se: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AtP*'s estimate from the per-dropped-block estimates ``r`` ``[drop, layer, head]`` and their errors:
+    ``sum_j |r_j| / (L - 1)`` (one of the L terms, the head's own block dropped, is zero), the error bounded by
+    ``sum_j se_j / (L - 1)``; a model of one block has nothing to drop: ``|AtP|``."""
+    L = r.shape[0]
+    if L == 1:
+        return r[0].abs(), se[0]  # the only term is the head's own block: AtP itself, unsigned
+    return r.abs().sum(0) / (L - 1), se.sum(0) / (L - 1)
 
 
 def column_stem(estimator: str) -> str:
@@ -395,11 +412,13 @@ def audit_estimate(
 ) -> EstimatorAudit:
     """``estimate`` against ``exact`` over the heads both hold: rho, the sign disagreements, and the false
     negatives outside the estimate's top ``top`` by size (``draws`` of them drawn at random, seeded; None:
-    every one)."""
+    every one). ``atp*``'s estimate is a size (no sign): its rho is against ``|exact|``, and no sign is compared."""
     heads = sorted(h for h in estimate if h in exact)
-    rho = rank_correlation([estimate[h].nats for h in heads], [exact[h].nats for h in heads])
+    signed = estimator != "atp*"
+    target = [exact[h].nats if signed else abs(exact[h].nats) for h in heads]
+    rho = rank_correlation([estimate[h].nats for h in heads], target)
     disagree = tuple(
-        Disagreement(h.label, estimate[h], exact[h]) for h in heads if _sign_disagrees(estimate[h], exact[h])
+        Disagreement(h.label, estimate[h], exact[h]) for h in heads if signed and _sign_disagrees(estimate[h], exact[h])
     )
     return EstimatorAudit(
         estimator, mode, rho, len(heads), disagree, _missed(estimate, exact, top, draws, seed), n_stories

@@ -333,7 +333,7 @@ class ExactMeasure(Rerun):
         self.acc.add(diffs, (lengths - 1).to(torch.float64), keep)
 
 
-MEAN_STORIES = 500  # score --exact: mean ablation's means come from the corpus's first this many stories
+LENGTH_STORIES = 500  # score --exact: its cost is estimated from the length of the corpus's first this many stories
 
 
 def exact_cost(lm: AttentionLM, tokens: float, modes: Sequence[str], mean_tokens: float = 0.0) -> AblationCost:

@@ -13,7 +13,7 @@ import torch
 from storylens.core.errors import UsageError
 from storylens.core.heads import Head
 from storylens.core.modes import eval_mode
-from storylens.effects.estimators import ESTIMATORS, IG_STEPS, estimate_batch
+from storylens.effects.estimators import ESTIMATORS, IG_STEPS, estimate_batch, graddrop_sizes
 from storylens.effects.patching import (
     Pair,
     PatchBackups,
@@ -80,8 +80,7 @@ def _summed(result: PatchResult, estimator: str, per_pair: torch.Tensor) -> Patc
     the per-block sizes, its error bounded by the mean of their errors) and its rho against exact."""
     mean, se = mean_se(per_pair.transpose(0, 1) if estimator == "atp*" else per_pair)  # over pairs
     if estimator == "atp*":
-        drops = max(per_pair.shape[0] - 1, 1)
-        mean, se = mean.abs().sum(0) / drops, se.sum(0) / drops
+        mean, se = graddrop_sizes(mean, se)
     heads = tuple(
         replace(h, estimate=float(mean[h.layer, h.index]), estimate_se=float(se[h.layer, h.index]))
         for h in result.heads

@@ -20,7 +20,7 @@ from storylens.effects.exact import ExactAccumulator, copies_at_once, exact_head
 STORIES = 6
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "native"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neo", "llama", "native"])
 def lm(request, shipped_model, tmp_path_factory):
     return tiny_lm(request.param, shipped_model, tmp_path_factory.mktemp(request.param))
 

@@ -104,6 +104,7 @@ def test_a_known_backup_ranks_first(shipped_model, tmp_path):
     assert both.repair.nats < 0
 
 
+@pytest.mark.slow  # every head patched alone and with the two strongest, on the 20 pairs
 def test_patch_backups_remove_the_strongest_and_sum_their_exact_effects(shipped_model):
     """patch --backups K on the example pairs: the K heads of largest |exact| are those patch_heads ranks so,
     what they do one at a time summed equals their exact patching effects summed (two routes to the same float32

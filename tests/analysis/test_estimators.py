@@ -3,6 +3,8 @@ Llama with grouped key/value heads and the native model: AtP from the head's sca
 AtP; GradDrop's vector-Jacobian products equal dropping each block's gradient with a hook; integrated gradients
 with one head on its path converge to the exact effect at the midpoint rule's rate; the audit's arithmetic."""
 
+import functools
+
 import pytest
 import torch
 
@@ -142,5 +144,74 @@ def test_the_audit_names_disagreements_and_what_the_top_misses():
     assert [d.head for d in a.disagree] == ["L1H6"]  # opposite signs beyond both errors
     assert a.missed is not None and a.missed.largest_missed in ("L1H3", "L1H6") and a.missed.past_it_seen == 0
     assert a.missed.could_hide == 0 and a.missed.drawn == 4
+    sizes = {h: Effect(abs(e.nats), e.se) for h, e in est.items()}
+    star = audit_estimate("atp*", "mean", sizes, exact, 10, top=2)  # a size: against |exact|, no sign compared
+    unsigned = {h: Effect(abs(e.nats), e.se) for h, e in exact.items()}
+    assert star.disagree == () and star.rho == audit_estimate("atp", "mean", sizes, unsigned, 10).rho
     sampled = audit_estimate("atp", "mean", est, exact, 10, top=2, draws=2, seed=1)
     assert sampled.missed is not None and sampled.missed.drawn == 2 and sampled.missed.could_hide <= 4
+
+
+def test_atp_star_is_the_size_of_atp_where_no_later_block_reads_the_heads(lm, ids):
+    """GradDrop drops each block's path in turn; where no later block reads a head (here: every block after the
+    first made to add nothing, so the loss reads the first block's heads only through the residual stream),
+    every dropped estimate is AtP or zero and AtP* is |AtP|; for the last block's heads this holds in any model.
+    The same float64 numbers added in another order: 1e-9."""
+    star = estimate_head_effects(lm, ids, "atp*", ("zero",), batch_size=4).columns()["atpstar_zero"]
+    atp = estimate_head_effects(lm, ids, "atp", ("zero",), batch_size=4).columns()["atp_zero"]
+    assert (star[-1] - atp[-1].abs()).abs().max().item() <= 1e-9
+    later = lm.blocks()[1:]
+    for block in later:  # every block after the first adds nothing: the first block's heads reach the loss directly
+        block.forward = functools.partial(_passed_through, block.forward)
+    try:
+        star = estimate_head_effects(lm, ids, "atp*", ("zero",), batch_size=4).columns()["atpstar_zero"]
+        atp = estimate_head_effects(lm, ids, "atp", ("zero",), batch_size=4).columns()["atp_zero"]
+    finally:
+        for block in later:
+            del block.forward
+    assert (star[0] - atp[0].abs()).abs().max().item() <= 1e-9
+    assert atp[0].abs().max() > 0  # not vacuous: the first block's heads still move the loss
+
+
+def _passed_through(forward, *args, **kwargs):
+    """A block's output with its contribution removed: its input passed on, in the shape it returns."""
+    out = forward(*args, **kwargs)
+    x = args[0] if args else kwargs["hidden_states"]
+    return x if torch.is_tensor(out) else (x, *out[1:])
+
+
+def test_on_one_block_whose_only_nonlinearity_is_the_softmax_every_estimate_is_exact(shipped_model, tmp_path):
+    """A one-block GPT-2 without layer norms or MLP, its metric the pairs' logit difference: the metric is linear
+    in every head's output, the patched head's own softmax is the only nonlinearity, and a head's output is
+    patched after it to the corrupt run's value, computed exactly. So AtP, AtP* (its size: one block, nothing to
+    drop), IG and the quadratic estimate all equal exact patching (float64, sums of a few terms: 1e-9)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+
+    from storylens.effects.patch_more import patch_more
+    from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, read_pairs
+    from storylens.lm import load_lm
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=shipped_model.tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    marker = tok.bos_token_id
+    cfg = GPT2Config(
+        n_layer=1, n_head=4, n_embd=32, n_positions=128, vocab_size=shipped_model.tokenizer.get_vocab_size(),
+        bos_token_id=marker, eos_token_id=marker, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    lm = load_lm(tmp_path, dtype=torch.float64)
+    t = lm.module.transformer
+    block = t.h[0]
+    block.ln_1, block.ln_2, t.ln_f = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()
+    with torch.no_grad():
+        for p in block.mlp.parameters():
+            p.zero_()
+    pairs = encode_pairs(lm, read_pairs(EXAMPLE_PAIRS)[:6], EXAMPLE_PAIRS.name)
+    for estimator in ("atp", "atp*", "ig", "quadratic"):
+        r = patch_more(lm, pairs, exact="all", estimator=estimator, ig_steps=1)
+        for h in r.heads:
+            want = abs(h.exact) if estimator == "atp*" else h.exact
+            assert abs(h.estimate - want) <= 1e-9 and abs(h.atp - h.exact) <= 1e-9, (estimator, h.head)

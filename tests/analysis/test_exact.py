@@ -108,6 +108,7 @@ def test_the_recording_pass_measures_what_the_list_function_does(native, quiz):
     assert ref.columns()["exact_mean"].abs().min() > 0  # measured, not left at zero
 
 
+@pytest.mark.slow  # every head of the shipped model rerun over stories, a run of score too
 def test_a_resumed_run_equals_one_run(native, quiz):
     """Two chunks: the first's state through JSON (a checkpoint), merged with the second, equals one run (the
     exact columns and an estimator's beside them); a state ablated to other means is refused."""
@@ -138,6 +139,7 @@ def test_the_stories_past_exact_stories_are_not_ablated(native, quiz):
         ExactPlan(("mean",))
 
 
+@pytest.mark.slow  # every head of the shipped model rerun over stories, a run of score too
 def test_the_cost_is_said_and_past_the_budget_refused(native, corpus_split, tmp_path, monkeypatch):
     """Counted as the other ablations are: per mode every head reruns the blocks from its own; past the budget
     the refusal names how many stories would fit."""
