@@ -339,6 +339,7 @@ def test_dot_targets_are_refused(capsys, target):
 # ---------------------------------------------------------------- --examples within a stated budget
 
 
+@pytest.mark.slow  # its last run keeps the most examples the budget allows, 24 heads x 9 detectors x 2,314 (~70 s)
 def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp_path, corpus_split):
     """--examples K keeps heads x detectors x K examples: at most EXAMPLES_BUDGET in all (the
     shipped model: 24 heads x every built-in detector), refused past it before a story is scored."""

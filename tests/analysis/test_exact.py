@@ -96,6 +96,7 @@ def _recorded(lm, texts, names, plan, chunk, start=0, estimator=None):
     return acc
 
 
+@pytest.mark.slow  # every head of the shipped model rerun in three modes, twice over
 def test_the_recording_pass_measures_what_the_list_function_does(native, quiz):
     """score's pass (the head table's accumulator, its exact part rerunning each batch after the recording)
     and exact_head_effects on the same encoded stories: the same batches, the same operations."""
