@@ -16,13 +16,16 @@ from scripts.readme_tables import update
 
 
 def body(a: dict) -> str:
-    def cell(e: dict) -> str:
-        return f"{e['nats']:+.4f} ± {e['se']:.4f}"
+    def cell(e: dict | None) -> str:
+        return "" if e is None else f"{e['nats']:+.4f} ± {e['se']:.4f}"
 
+    every = bool(a["rows"]) and a["rows"][0]["why"] == "every"  # every head measured (mean ablation) in the pass
     rows = [
-        f"| {r['head']} | {r['why']} | {cell(r['atp_mean'])} | {cell(r['exact_mean'])} | {cell(r['atp_zero'])} | "
+        f"| {r['head']} | {cell(r['exact_mean'])} | {cell(r['atp_mean'])} | {cell(r['atp_zero'])} |"
+        if every
+        else f"| {r['head']} | {r['why']} | {cell(r['atp_mean'])} | {cell(r['exact_mean'])} | {cell(r['atp_zero'])} | "
         f"{cell(r['exact_zero'])} |"
-        for r in a["rows"]
+        for r in sorted(a["rows"], key=lambda r: -r["exact_mean"]["nats"] if every else 0)
     ]
     rho = " and ".join(
         f"{m} ablation {a[f'rho_{m}']:+.2f}" if a[f"rho_{m}"] is not None else f"{m} ablation n/a"
@@ -33,8 +36,14 @@ def body(a: dict) -> str:
         [
             f"On {a['n_stories']} quiz stories ({a['n_tokens']:,} predicted tokens), nats per predicted token:",
             "",
-            "| head | chosen | AtP, mean | exact, mean | AtP, zero | exact, zero |",
-            "|---|---|---|---|---|---|",
+            *(
+                ["| head | exact, mean | AtP, mean | AtP, zero |", "|---|---|---|---|"]
+                if every
+                else [
+                    "| head | chosen | AtP, mean | exact, mean | AtP, zero | exact, zero |",
+                    "|---|---|---|---|---|---|",
+                ]
+            ),
             *rows,
             "",
             f"Spearman's rho, AtP against exact: {rho}. Sign disagreements beyond both errors: {disagree}.",
