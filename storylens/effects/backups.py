@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from storylens.core.batching import valid_mask
 from storylens.core.heads import Head
 from storylens.core.plain import Plain
 from storylens.effects.audit import Effect, story_losses
@@ -75,7 +76,7 @@ class BackupMeasure(Rerun):
         plan = self.plan
         lengths = batch.lengths.cpu()
         ids = batch.ids
-        valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).to(ids.device)
+        valid = valid_mask(lengths, ids.shape[1]).to(ids.device)
         donors, keep = None, None
         if "resample" in plan.modes:
             donors, keep = resample_donors(lm, ids, batch.stories, chunk, plan.seed)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from storylens.core.batching import valid_mask
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.core.plain import Plain
@@ -318,7 +319,7 @@ class EstimateMeasure(Rerun):
     def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None:
         plan = self.plan
         lengths = batch.lengths.cpu()
-        ids, valid = batch.ids, torch.arange(batch.ids.shape[1])[None, :] < lengths[:, None]
+        ids, valid = batch.ids, valid_mask(lengths, batch.ids.shape[1])
         valid = valid.to(ids.device)
         donors, keep = None, None
         if "resample" in plan.modes:
