@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from storylens.corpus.score import BATCH_STORIES
+from storylens.engine.encode import BATCH_STORIES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINYSTORIES_TRAIN = 2_119_719  # stories in TinyStories-train.txt (the lesson's corpus)

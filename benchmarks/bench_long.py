@@ -85,7 +85,7 @@ def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
     import torch
 
     from storylens.analysis import score_heads
-    from storylens.corpus.score import EXAMPLES
+    from storylens.corpus.options import EXAMPLES
     from storylens.engine.encode import BATCH_STORIES
     from storylens.lm import load_lm
 

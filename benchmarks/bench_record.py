@@ -35,7 +35,7 @@ first side rotating): ``bare``; ``record``'s step for the batch (its wiring made
 ``record`` makes it once a run, and counted in the side's time) into a measure that asks for the maps alone and does nothing (the attention kernel forming every map);
 one that asks for what score's measures read besides (the key columns summed in the kernel, value and
 head-output norms) and does nothing; score's measures fed (every detector, the norm-weighted and sink
-columns); and those with the top examples, ``storylens.corpus.score.EXAMPLES`` per head and detector
+columns); and those with the top examples, ``storylens.corpus.options.EXAMPLES`` per head and detector
 (``BREAKDOWN``); then the induction test on random tokens and the table, timed. ``score`` is the last
 side's time plus the timed steps. The figure is the median of the rounds' ratios. As the check, each round then times whole ``score_heads`` runs (as ``storylens score``
 calls it) against the bare forward over every batch, alternating which goes first (``whole_ratios``):
@@ -218,7 +218,7 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     from storylens.analysis import score_heads
     from storylens.core.batching import BATCH_TOKENS, length_batches
     from storylens.core.modes import eval_mode
-    from storylens.corpus.score import EXAMPLES
+    from storylens.corpus.options import EXAMPLES
     from storylens.data.names import name_vocabulary
     from storylens.data.stories import load_split
     from storylens.engine.encode import BATCH_STORIES, batch_of, encode_stories

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_record import build  # noqa: E402
 
 from storylens.analysis import score_heads  # noqa: E402
-from storylens.corpus.score import EXAMPLES  # noqa: E402
+from storylens.corpus.options import EXAMPLES  # noqa: E402
 from storylens.data.stories import load_split  # noqa: E402
 from storylens.engine.encode import BATCH_STORIES  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402

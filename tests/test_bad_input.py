@@ -343,7 +343,7 @@ def test_dot_targets_are_refused(capsys, target):
 def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp_path, corpus_split):
     """--examples K keeps heads x detectors x K examples: at most EXAMPLES_BUDGET in all (the
     shipped model: 24 heads x every built-in detector), refused past it before a story is scored."""
-    from storylens.corpus.score import EXAMPLES_BUDGET
+    from storylens.corpus.options import EXAMPLES_BUDGET
     from storylens.looking.detectors import BUILTIN_DETECTORS
 
     d = len(BUILTIN_DETECTORS)

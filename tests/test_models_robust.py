@@ -413,6 +413,7 @@ def test_load_lm_takes_device_and_dtype(folders, native):
         load_lm(None, dtype="int8")
 
 
+@pytest.mark.slow  # every command in float64; the float64 loading is checked in the fast tier
 def test_commands_run_in_float64(folders, corpus, tmp_path, capfd):
     """Analysis follows the model's dtype and device: perplexity and score in float64, storylens's own
     model and a transformers one."""

@@ -31,7 +31,7 @@ def local_ray():
     ray.shutdown()
 
 
-def single(model, stories, start=0, causal=False, exact=None):
+def single(model, stories, start=0, causal=False, exact=None, **effects):
     """One process with one torch thread, as each actor runs: the same kernels, so every chunk's float32
     maps are the same bits and only the order of the float64 sums differs (well inside 1e-9)."""
     import torch
@@ -39,7 +39,7 @@ def single(model, stories, start=0, causal=False, exact=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal, exact=exact)
+        acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal, exact=exact, **effects)
         stats = record(
             NativeLM(model), stories, [acc], batch_size=BATCH, chunk_stories=CHUNK, progress=False, start=start
         )
@@ -48,8 +48,8 @@ def single(model, stories, start=0, causal=False, exact=None):
     return acc, stats
 
 
-def on_ray(stories, workers, names=None, **kw):
-    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=kw.get("causal", False), exact=kw.get("exact"))
+def on_ray(stories, workers, names=None, causal=False, exact=None, effects=None, **kw):
+    acc = HeadScoreAccumulator(6, 4, examples=EXAMPLES, causal=causal, exact=exact, **(effects or {}))
     stats = score_with_ray(
         None,
         stories,
@@ -95,20 +95,25 @@ def test_the_causal_columns_on_ray_equal_one_process(local_ray, shipped_model, c
 
 
 def test_the_exact_columns_on_ray_equal_one_process(local_ray, shipped_model, corpus_split):
-    """Every head's exact effect (--exact mean,zero,resample): each actor reruns its chunks' batches, the
-    donors drawn from the chunk by seed and story index, and the sums merge in story order."""
+    """Every head's exact effect (--exact mean,zero,resample) and an estimator beside it (--estimator, its
+    audit's sums too): each actor reruns its chunks' batches, the donors drawn from the chunk by seed and story
+    index, and the sums merge in story order."""
     from storylens.effects.ablation import head_output_means
     from storylens.effects.exact import EXACT_MODES, ExactPlan
 
     stories = [" ".join(s.split()[:40]) for s in corpus_split.quiz[:16]]  # short: every head, three modes
     lm = NativeLM(shipped_model)
     means = head_output_means(lm, [lm.encode(s) for s in stories], include_marker=False)
-    plan = ExactPlan(EXACT_MODES, means, len(stories), seed=5)
-    ref, ref_stats = single(shipped_model, stories, exact=plan)
-    got, stats = on_ray(stories, 2, exact=plan)
+    plan = ExactPlan(EXACT_MODES, means, 16, stories=12, seed=5)  # the exact effect on the first 12
+    ref, ref_stats = single(shipped_model, stories, exact=plan, estimator="atp")
+    got, stats = on_ray(stories, 2, exact=plan, effects={"estimator": "atp"})
     assert stats == ref_stats
     assert_same(got, ref)
-    assert got.exact.acc.counts() == dict.fromkeys(EXACT_MODES, 16)
+    assert got.exact.acc.counts() == dict.fromkeys(EXACT_MODES, 12)
+    assert got.estimate.acc.counts() == dict.fromkeys(EXACT_MODES, 16)  # the estimate: every story
+    assert got.estimate.audited.counts() == dict.fromkeys(EXACT_MODES, 12)  # its audit: those exact covers
+    for name, col in ref.estimate.audited.columns().items():
+        assert (got.estimate.audited.columns()[name] - col).abs().max().item() <= 1e-9, name
 
 
 def test_a_stories_file_is_read_by_the_workers_from_where_a_run_resumes(

@@ -212,6 +212,7 @@ def test_the_page_escapes_a_hostile_model_name_and_quiz_name(tmp_path, shipped_m
     assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in page and "&lt;img src=x onerror=alert(2)&gt;.txt" in page
 
 
+@pytest.mark.slow  # a whole report; user detectors are one kind with the built-in ones in the fast tier (test_scores)
 def test_a_user_detector_from_a_file(tmp_path, capsys):
     """--detector FILE: a pattern over token ids becomes a column of the head table. Attention on
     the opening marker from every later query is exactly the lesson's marker score."""

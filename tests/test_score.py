@@ -85,7 +85,7 @@ def test_the_summary_is_typed_and_named_as_the_reports(files, tmp_path):
 def test_options_are_checked_once_when_built():
     """Bad settings are refused when the options are built, before any model or story."""
     from storylens.core.errors import UsageError
-    from storylens.corpus.score import ScoreOptions
+    from storylens.corpus.options import ScoreOptions
 
     for bad in ({"batch_size": 0}, {"engine": "spark"}, {"workers": 0}, {"examples": -1}, {"checkpoint_every": 0}):
         with pytest.raises(UsageError):

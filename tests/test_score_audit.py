@@ -185,3 +185,23 @@ def test_the_reports_truth_section_with_causal_gives_atp_and_exact_with_errors(f
         assert row[6] == ("" if exact is None else effect_text(exact["nats"], exact["se"]))
         assert e["exact"] is not None and exact is not None
     assert not any("switching it off changes the loss" in s for s in t["sentences"])
+
+
+@pytest.mark.slow  # two reports
+def test_the_reports_exact_effect_past_the_budget_falls_back_to_chosen_heads(
+    folder, stories, tmp_path, monkeypatch, capsys
+):
+    """report --causal measures every head's exact effect over the quiz only where that fits the ablation
+    budget: past it, it says so on stderr, measures none in the scoring pass, and audits AtP on chosen heads
+    on the stories the budget allows (the audit of score --causal --audit); --over-budget measures it anyway."""
+    monkeypatch.setattr("storylens.lesson.report.ABLATION_LIMIT_FLOPS", 1.0)
+    common = ["report", "--model", str(folder), "--dtype", "float64", "--quiz", str(stories), "--no-progress",
+              "--causal", "--sections", "causal"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "every head's exact effect over the" in err and "not measured; AtP is audited on chosen heads" in err
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert "every" not in {r["why"] for r in summary["audit"]["rows"]}
+    assert json.loads((tmp_path / "a" / "heads.json").read_text())["heads"][0]["exact_mean"] is None
+    assert main([*common, "--out", str(tmp_path / "b"), "--over-budget"]) == 0
+    assert {r["why"] for r in json.loads((tmp_path / "b" / "summary.json").read_text())["audit"]["rows"]} == {"every"}

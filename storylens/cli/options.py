@@ -10,7 +10,7 @@ from pathlib import Path
 
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.progress import NO_PROGRESS_HELP
-from storylens.corpus.score import EXAMPLES, EXAMPLES_BUDGET
+from storylens.corpus.options import EXAMPLES, EXAMPLES_BUDGET
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
 from storylens.effects.estimators import ESTIMATORS, IG_STEPS
 from storylens.effects.exact import EXACT_MODES
@@ -160,7 +160,8 @@ def add_exact(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="with --exact: measure it on the first N stories only (default: every one)",
+        help="with --exact: measure it on the first N stories only (default: every one); with --causal alone: "
+        "the exact effect's stories (default: as many as the budget allows)",
     )
     add_estimator(
         p,
@@ -199,14 +200,14 @@ def add_backups(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--backups", type=int, default=0, metavar="K", help=what)
 
 
-def add_causal(p: argparse.ArgumentParser) -> None:
-    """``--causal`` and ``--graph-memory``: every head's effect on the loss."""
+def add_causal(p: argparse.ArgumentParser, more: str = "") -> None:
+    """``--causal`` and ``--graph-memory``: every head's effect on the loss (``more``: what else it does here)."""
     p.add_argument(
         "--causal",
         action="store_true",
         help="also every head's effect on the loss: attribution patching (atp_mean, atp_zero) and direct logit "
         "attribution (dla), with standard errors; per batch, a backward pass and a second forward of every "
-        "block but those whose graphs --graph-memory keeps (see docs/causal.md)",
+        f"block but those whose graphs --graph-memory keeps{more} (see docs/causal.md)",
     )
     p.add_argument(
         "--graph-memory",

@@ -19,8 +19,10 @@ from storylens.cli.options import (
 )
 from storylens.core.errors import UsageError
 from storylens.core.publish import check_target_folder
+from storylens.corpus.exact_plan import BY_BUDGET
+from storylens.corpus.options import ScoreOptions
 from storylens.corpus.ray_engine import check_address
-from storylens.corpus.score import ScoreOptions, score_corpus
+from storylens.corpus.score import score_corpus
 from storylens.data.sources import open_source
 from storylens.effects.audit import AUDIT_HEADS, audit_lines
 from storylens.effects.backups import backup_lines
@@ -77,7 +79,11 @@ def add_parser(sub) -> None:
     s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     add_examples(s)
-    add_causal(s)
+    add_causal(
+        s,
+        "; and every head's exact effect in mean ablation on the first stories the budget allows, with AtP "
+        "audited against it there (summary.json's estimators; --exact: on every story)",
+    )
     add_exact(s)
     _add_audit(s)
     add_no_progress(s)
@@ -171,7 +177,14 @@ def _lines(scored, options: ScoreOptions) -> list[str]:
     )
     if s.exact is not None:
         counted = ", ".join(f"{m}: {n:,} stories" for m, n in s.exact.stories.items())
-        lines.append(f"exact effects ({counted}): heads.csv's exact_*")
+        how = (
+            ""
+            if s.exact.chosen == "asked"
+            else f"; --causal's default: the first stories, {BY_BUDGET}; --exact: every story"
+        )
+        lines.append(f"exact effects ({counted}{how}): heads.csv's exact_*")
+    elif options.causal:
+        lines.append("exact effects: not measured (no story fits the default budget), so the AtP columns are unaudited")
     if s.backups is not None:
         lines += backup_lines(s.backups)
     if s.estimators:

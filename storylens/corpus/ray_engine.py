@@ -47,7 +47,6 @@ from storylens.core.progress import ProgressLines
 from storylens.data.sources import StorySource, chunk_spans, chunked, read_chunk_run
 from storylens.engine import masks
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES
-from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import RecordStats, record
 from storylens.lm import load_lm
 from storylens.looking.detectors import BUILTIN_DETECTORS
@@ -68,19 +67,16 @@ GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second a
 class ChunkScorer:
     """A Ray Data actor: the model, loaded once; each call scores one chunk of stories."""
 
-    def __init__(
-        self, model_source, names, batch_size: int, detectors=None, examples: int = 0, causal: bool = False,
-        graph_bytes: int = GRAPH_BYTES, exact=None,
-    ):  # fmt: skip
+    def __init__(self, model_source, names, batch_size: int, detectors=None, examples: int = 0, effects=None):
         torch.set_num_threads(1)  # one thread per actor: the pool is the parallelism
         self.lm = load_lm(model_source)
         self.names = frozenset(names)
         self.batch_size = batch_size
         self.detectors = tuple(detectors) if detectors is not None else BUILTIN_DETECTORS
         self.examples = examples
-        self.causal = causal  # AtP and DLA too (storylens.effects.attribution)
-        self.graph_bytes = graph_bytes  # the gradient pass's kept graphs at most
-        self.exact = exact  # every head's exact effect too (storylens.effects.exact.ExactPlan)
+        # the effect columns, as the driver's accumulator has them (EffectParts.settings: AtP and DLA, the exact
+        # effect's plan, an estimator, the AtP audit)
+        self.effects = dict(effects or {})
 
     def __call__(self, batch: dict) -> dict:
         try:
@@ -94,9 +90,8 @@ class ChunkScorer:
         for start, texts in zip(batch["start"], batch["texts"]):
             texts = [str(t) for t in texts]
             acc = HeadScoreAccumulator(
-                self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, causal=self.causal,
-                graph_bytes=self.graph_bytes, exact=self.exact,
-            )  # fmt: skip
+                self.lm.n_layer, self.lm.n_head, self.detectors, examples=self.examples, **self.effects
+            )
             stats = record(
                 self.lm,
                 texts,
@@ -361,9 +356,6 @@ def score_with_ray(
     progress: bool = True,
     detectors=None,
     examples: int = 0,
-    causal: bool = False,
-    graph_bytes: int = GRAPH_BYTES,
-    exact=None,
     details: dict | None = None,
     start: int = 0,
     on_progress=None,
@@ -375,7 +367,8 @@ def score_with_ray(
     ``source``: a :class:`~storylens.data.sources.StorySource` (read on the workers) or a sequence of
     stories (sent by the driver). ``total``: how many stories ``source`` holds (counted if not given).
     ``on_progress(stats)`` is called whenever the stories merged so far grow (a run that checkpoints
-    saves there: what is merged is always the first stories, exactly)."""
+    saves there: what is merged is always the first stories, exactly). Each chunk's accumulator has
+    ``acc``'s effect columns (:meth:`~storylens.table.effect_parts.EffectParts.settings`)."""
     _check_sizes(workers, batch_size, chunk_stories)
     ray = _import_ray()
     with _quiet_ray():
@@ -390,9 +383,7 @@ def score_with_ray(
             batch_size=batch_size,
             detectors=detectors,
             examples=examples,
-            causal=causal,
-            graph_bytes=graph_bytes,
-            exact=exact,
+            effects=acc.effects.settings(),
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)

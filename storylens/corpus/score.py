@@ -34,24 +34,23 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from storylens.core.errors import StorylensError, UsageError
+from storylens.core.errors import StorylensError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder, write_text_atomic
+from storylens.corpus.exact_plan import exact_plan
+from storylens.corpus.options import ScoreOptions, check_examples
 from storylens.corpus.ray_engine import score_with_ray
 from storylens.corpus.summary import NAME_DEFINITION, EngineInfo, NamesInfo, ScoreSummary, TopHead
 from storylens.data.names import NameVocabulary
 from storylens.data.sources import StorySource
-from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import AUDIT_CSV, Audit, audit_budget_stories, audit_cost, audit_csv_rows, audit_stories
 from storylens.effects.backups import BACKUP_STORIES, Backups, backup_effects, top_heads
-from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, block_flops, check_ablation_budget
-from storylens.effects.estimators import ESTIMATORS, IG_STEPS, EstimatorAudit, audits_of, estimate_cost
-from storylens.effects.exact import EXACT_MODES, LENGTH_STORIES, ExactPlan, exact_cost, exact_info, fitting_stories
-from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES, EncodedStory, encode_stories
-from storylens.engine.gradients import GRAPH_BYTES
+from storylens.effects.cost import check_ablation_budget
+from storylens.effects.estimators import EstimatorAudit, audits_of
+from storylens.effects.exact import ExactPlan, exact_info
+from storylens.engine.encode import EncodedStory, encode_stories
 from storylens.engine.record import Counter, RecordStats, record
 from storylens.lm import AttentionLM
-from storylens.looking.detectors import BUILTIN_DETECTORS, Detector
 from storylens.table.accumulator import HeadScoreAccumulator
 from storylens.table.run_info import StoriesInfo, model_info
 from storylens.table.scores import HeadScores, score_table
@@ -60,34 +59,6 @@ from storylens.viz.explorer import write_explorer_for
 from storylens.viz.tokens import token_text
 
 CHECKPOINT_SUFFIX = ".checkpoint.json"
-
-
-EXAMPLES = 8  # queries kept per head and detector, where it fires most (examples.json)
-
-
-# examples kept in all (heads x detectors x K), each about 1 KB in memory and again in examples.json
-# and explore.html (0.74 KB held, 0.62 KB of JSON: the shipped model, K = 200): about 0.5 GB at most,
-# and room for the default K on a model of 80 x 64 heads (286,720)
-EXAMPLES_BUDGET = 500_000
-
-
-def check_graph_memory(mb) -> None:
-    """``--graph-memory MB``: a whole number of MiB, 0 or more (0: one block's activations at a time)."""
-    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
-        raise UsageError(f"--graph-memory: a whole number of MiB, 0 or more (got {mb!r})")
-
-
-def check_examples(k, heads: int | None = None, detectors: int | None = None) -> None:
-    """``k`` examples per head and detector: a whole number, 0 or more, and (given the model's
-    ``heads`` and the ``detectors``) within :data:`EXAMPLES_BUDGET` kept in all."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise UsageError(f"--examples: a whole number, 0 or more (got {k!r})")
-    if heads is not None and detectors is not None and k * heads * detectors > EXAMPLES_BUDGET:
-        raise UsageError(
-            f"--examples {k:,}: {heads:,} heads x {detectors} detectors x {k:,} = {k * heads * detectors:,} "
-            f"examples, past the budget of {EXAMPLES_BUDGET:,} kept in all (about 1 KB each in memory, and "
-            f"again in examples.json and explore.html); at most {EXAMPLES_BUDGET // (heads * detectors):,} here"
-        )
 
 
 def write_examples(examples, lm: AttentionLM, path: Path) -> Path:
@@ -122,89 +93,6 @@ def _fingerprint(lm: AttentionLM, source: StorySource, names: frozenset[str], se
         "names_sha256": digest,
         **settings,
     }
-
-
-@dataclass(frozen=True)
-class ScoreOptions:
-    """How ``storylens score`` runs, built once (by the command line, or from :func:`score_corpus`'s
-    keywords) and checked once, here, before the first story.
-
-    ``batch_size`` stories a batch, ``chunk_stories`` a chunk (the unit of a checkpoint and of a Ray
-    task); a checkpoint every ``checkpoint_every`` batches, gone on from with ``resume``; ``engine``
-    "local" or "ray" (``workers`` actors, on the cluster at ``address``, each loading ``model_source``:
-    a folder or hub id, None for the shipped model); ``detectors``: every detector scored;
-    ``examples``: the queries kept per head and detector where it fires most (0: none); ``causal``:
-    every head's AtP and DLA too (:mod:`storylens.effects.attribution`, ``--causal``), the gradient pass
-    holding at most ``graph_memory`` MiB of kept graphs (``--graph-memory``); ``audit``: K > 0
-    (with ``causal``) audits AtP by exact ablation after the scoring, the K heads of largest |AtP| and K
-    drawn at random (``seed``) on ``audit_stories`` first stories (None: as many as the ablation budget
-    allows, :func:`~storylens.effects.audit.audit_budget_stories`), refused past
-    :data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS` unless ``over_budget``; ``exact``: modes of
-    :data:`~storylens.effects.exact.EXACT_MODES` in which every head's exact effect is measured in the same pass
-    (:mod:`storylens.effects.exact`), on the first ``exact_stories`` stories (None: all), refused past the same
-    budget unless ``over_budget``; mean ablation's means over the same stories (a pass of their own before the
-    scoring); resample's donors drawn with ``seed``."""
-
-    batch_size: int = BATCH_STORIES
-    chunk_stories: int = CHUNK_STORIES
-    checkpoint_every: int = 50
-    resume: bool = False
-    engine: str = "local"
-    workers: int = 2
-    address: str | None = None
-    model_source: str | None = None
-    detectors: tuple[Detector, ...] = BUILTIN_DETECTORS
-    progress: bool = True
-    examples: int = EXAMPLES
-    causal: bool = False
-    graph_memory: int = GRAPH_BYTES >> 20
-    audit: int = 0
-    audit_stories: int | None = None
-    seed: int = 0
-    over_budget: bool = False
-    exact: tuple[str, ...] = ()
-    exact_stories: int | None = None
-    estimator: str | None = None
-    ig_steps: int = IG_STEPS
-    backups: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "detectors", tuple(self.detectors))
-        object.__setattr__(self, "exact", tuple(self.exact))
-        bad = [m for m in self.exact if m not in EXACT_MODES]
-        if bad or len(set(self.exact)) != len(self.exact):
-            raise UsageError(f"--exact: modes among {', '.join(EXACT_MODES)}, each once (got {','.join(self.exact)})")
-        n = self.exact_stories
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or not self.exact):
-            raise UsageError(f"--exact-stories: a whole number, 1 or more, with --exact (got {n!r})")
-        if self.estimator is not None and self.estimator not in ESTIMATORS:
-            raise UsageError(f"--estimator: one of {', '.join(ESTIMATORS)} (got {self.estimator!r})")
-        if self.estimator is not None and not self.exact:
-            raise UsageError(
-                "--estimator: an estimate is shown beside its audit against the exact effect: pass --exact too "
-                "(with --exact-stories N to measure that on the first N stories only)"
-            )
-        if isinstance(self.backups, bool) or not isinstance(self.backups, int) or self.backups < 0:
-            raise UsageError(f"--backups: a whole number of heads, 0 or more (got {self.backups!r})")
-        if self.backups and not self.exact:
-            raise UsageError("--backups: switches off the heads of largest exact effect: pass --exact too")
-        if isinstance(self.ig_steps, bool) or not isinstance(self.ig_steps, int) or self.ig_steps < 1:
-            raise UsageError(f"--ig-steps: a whole number, 1 or more (got {self.ig_steps!r})")
-        check_examples(self.examples)
-        if isinstance(self.audit, bool) or not isinstance(self.audit, int) or self.audit < 0:
-            raise UsageError(f"--audit: a whole number of heads, 0 or more (got {self.audit!r})")
-        check_graph_memory(self.graph_memory)
-        if self.audit and not self.causal:
-            raise UsageError("--audit: audits the causal columns; pass --causal too")
-        n = self.audit_stories
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or not self.audit):
-            raise UsageError(f"--audit-stories: a whole number, 1 or more, with --audit (got {n!r})")
-        if self.batch_size < 1 or self.chunk_stories < 1 or self.checkpoint_every < 1:
-            raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
-        if self.engine not in ("local", "ray"):
-            raise UsageError(f"--engine: local or ray (got {self.engine!r})")
-        if self.workers < 1:
-            raise UsageError(f"--workers: must be at least 1 (got {self.workers})")
 
 
 @dataclass
@@ -271,13 +159,14 @@ def _score_into(
     vocab, n_total = first_pass(source, progress=opts.progress)
     names = vocab.names()
     t_names = time.perf_counter() - t0
-    exact = _exact_plan(lm, source, names, n_total, opts) if opts.exact else None  # its cost said before scoring
+    audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
+    exact = exact_plan(lm, source, names, n_total, opts) if opts.exact_modes else None  # its cost said before scoring
     fingerprint = _fingerprint(lm, source, names, _settings(opts, exact))
     acc = HeadScoreAccumulator(
         lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal,
         graph_bytes=opts.graph_memory << 20, exact=exact, estimator=opts.estimator, ig_steps=opts.ig_steps,
+        audit_atp=opts.causal and exact is not None,
     )  # fmt: skip
-    audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
     done = _resumed(ckpt, fingerprint, acc, n_total, opts.resume)
     t1 = time.perf_counter()
     used: dict = {}  # what the engine really used (Ray caps --workers at the cluster's CPUs)
@@ -305,7 +194,7 @@ def _score_into(
         detectors=[d.name for d in opts.detectors],
         top={d.name: _top(scores, d.name) for d in opts.detectors},
         audit=audit,
-        exact=None if exact is None or acc.exact is None else exact_info(exact, acc.exact.acc),
+        exact=None if exact is None or acc.exact is None else exact_info(exact, acc.exact.acc, _chosen(opts)),
         estimators=_estimator_audits(acc, opts),
         backups=backups,
     )
@@ -356,10 +245,18 @@ def _run_backups(
 
 
 def _estimator_audits(acc: HeadScoreAccumulator, opts: ScoreOptions) -> list[EstimatorAudit] | None:
-    """The estimator's audit against the exact effect on the stories both measured (--estimator)."""
-    if acc.estimate is None or acc.exact is None:
+    """Each estimate's audit against the exact effect on the stories both measured (--estimator; AtP's with
+    --causal)."""
+    measures = acc.effects.audits
+    if not measures or acc.exact is None:
         return None
-    return audits_of(acc.exact.acc.columns(), acc.estimate.audited, acc.exact.acc.stories, seed=opts.seed)
+    exact = acc.exact.acc
+    return [a for m in measures for a in audits_of(exact.columns(), m.audited, exact.stories, seed=opts.seed)]
+
+
+def _chosen(opts: ScoreOptions) -> str:
+    """summary.json's ``exact.chosen``: the stories as asked (--exact, --exact-stories), or by --causal's budget."""
+    return "asked" if opts.exact or opts.exact_stories is not None else "budget"
 
 
 def _audit_plan(
@@ -382,66 +279,6 @@ def _audit_plan(
     what = f"score --audit {opts.audit}: the first {len(chosen)} stories, {how}"
     check_ablation_budget(audit_cost(lm, lengths[:n], heads), what, over=opts.over_budget)
     return chosen
-
-
-def _exact_plan(
-    lm: AttentionLM, source: StorySource, names: frozenset[str], n_total: int, opts: ScoreOptions
-) -> ExactPlan:
-    """``--exact``'s plan: its cost over the stories it will cover (their length estimated from the first
-    :data:`~storylens.effects.exact.LENGTH_STORIES`), said on stderr before the scoring and past the ablation
-    budget refused unless ``over_budget`` (naming the ``--exact-stories`` that fits); then, for mean
-    ablation, every head's mean output over every story it covers (a pass of its own, streamed: the mean
-    is that of the stories measured, not a sample's; see :func:`corpus_means`)."""
-    first = encode_stories(lm, list(islice(iter(source), min(LENGTH_STORIES, n_total))), names)
-    lengths = [len(e.ids) for e in first]
-    mean_length = sum(lengths) / len(lengths)
-    covered = min(n_total, opts.exact_stories or n_total)
-    means_tokens = covered * mean_length if "mean" in opts.exact else 0
-    cost = exact_cost(lm, covered * mean_length, opts.exact, means_tokens)
-    what = f"score --exact {','.join(opts.exact)}: every head on the first {covered:,} stories"
-    more = 0.0  # an estimator's, on every story, and the backups' two passes
-    if opts.estimator is not None:
-        more = estimate_cost(lm, n_total * mean_length, opts.estimator, opts.exact, opts.ig_steps)
-        what += f", --estimator {opts.estimator} on all {n_total:,}"
-    if opts.backups:
-        more += 2 * exact_cost(lm, min(covered, BACKUP_STORIES) * mean_length, opts.exact).flops
-        what += f", --backups {opts.backups} on the first {min(covered, BACKUP_STORIES):,}"
-    cost = replace(cost, flops=cost.flops + more, passes=cost.passes + more / max(cost.scoring, 1.0))
-    if cost.flops > ABLATION_LIMIT_FLOPS and not opts.over_budget:
-        left = ABLATION_LIMIT_FLOPS - more - means_tokens * lm.n_layer * block_flops(lm)
-        fits = fitting_stories(lm, mean_length, opts.exact, left) if left > 0 else 0
-        raise UsageError(
-            f"{what}: {cost.describe()}, past the budget of {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP; "
-            + (f"pass --exact-stories {fits:,} (fits it) or " if fits else "pass ")
-            + f"{OVER_BUDGET_FLAG} to run it anyway"
-        )
-    check_ablation_budget(cost, what, over=True)  # said on stderr
-    means = corpus_means(lm, source, names, covered, opts) if "mean" in opts.exact else None
-    return ExactPlan(opts.exact, means, covered if means is not None else 0, opts.exact_stories, opts.seed)
-
-
-def corpus_means(
-    lm: AttentionLM, source: StorySource, names: frozenset[str], n: int, opts: ScoreOptions
-) -> torch.Tensor:
-    """Every head's mean output ``[layer, head, d]`` over every position after the opening token of the source's
-    first ``n`` stories, streamed a chunk at a time (:func:`~storylens.effects.ablation.head_output_means` per
-    chunk, weighted by its positions, summed in float64)."""
-    total: torch.Tensor | None = None
-    count = 0
-    stories = islice(iter(source), n)
-    lines = ProgressLines("exact: the heads' means", n, enabled=opts.progress)
-    while chunk := list(islice(stories, opts.chunk_stories)):
-        ids = [e.ids for e in encode_stories(lm, chunk, names) if len(e.ids) >= 2]
-        lines.update(len(chunk))
-        if not ids:
-            continue
-        positions = sum(len(s) - 1 for s in ids)
-        part = head_output_means(lm, ids, batch_size=opts.batch_size, include_marker=False).to(torch.float64)
-        total = part * positions if total is None else total + part * positions
-        count += positions
-    if total is None:
-        raise StorylensError("--exact mean: no story of two tokens or more to take the heads' means over")
-    return (total / count).to(torch.float32 if lm.dtype != torch.float64 else torch.float64)
 
 
 def _run_audit(lm: AttentionLM, stories: list[EncodedStory], opts: ScoreOptions, timings: dict) -> Audit | None:
@@ -510,9 +347,6 @@ def _second_pass(
             progress=opts.progress,
             detectors=opts.detectors,
             examples=opts.examples,
-            causal=opts.causal,
-            graph_bytes=opts.graph_memory << 20,
-            exact=acc.exact.plan if acc.exact is not None else None,
             start=done.n_stories,
             on_progress=on_chunk,
         )

@@ -58,8 +58,10 @@ class ScoreSummary(Plain):
     detectors: list[str]
     top: dict[str, TopHead | None]  # per detector, its highest head (None: no head has a value)
     audit: Audit | None = None  # AtP against exact ablation (--causal --audit K; no key when not run)
-    exact: ExactInfo | None = None  # what the exact columns rest on (--exact; no key when not run)
-    estimators: list[EstimatorAudit] | None = None  # each estimate's audit against the exact effect (--estimator)
+    exact: ExactInfo | None = None  # what the exact columns rest on (--exact, --causal; no key when not run)
+    estimators: list[EstimatorAudit] | None = (
+        None  # each estimate's audit against the exact effect (--estimator, --causal)
+    )
     backups: Backups | None = None  # the heads that stand in once the strongest are off (--backups K)
 
     def to_dict(self) -> dict:

@@ -141,13 +141,15 @@ def backup_effects(
 def backup_lines(b: Backups, top: int = 5) -> list[str]:
     """The backups for a terminal: the joint effect against the separate ones, the largest gains."""
 
-    def e(x: Effect) -> str:
-        return f"{x.nats:+.4f} ± {x.se:.4f}"
+    def e(x: Effect) -> str:  # in brackets within two standard errors of zero: no sign claimed
+        text = f"{x.nats:+.4f} ± {x.se:.4f}"
+        return f"({text})" if abs(x.nats) <= 2 * x.se else text
 
     out = [
         f"backups ({b.mode} ablation, {b.n_stories} stories): {', '.join(b.removed)} off together {e(b.joint)} nats, "
         f"one at a time summed {e(b.separate)}; repaired {e(b.repair)}",
         "  largest backup gains (a head's effect with them off, less alone): "
         + ", ".join(f"{h} {e(g)}" for h, g in b.gains[:top]),
+        "  in brackets: within two standard errors of zero over the stories, so no sign is claimed",
     ]
     return out

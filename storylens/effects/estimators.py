@@ -309,15 +309,28 @@ class EstimateMeasure(Rerun):
     """An estimator as a measure of :func:`~storylens.engine.record.record` beside the exact one
     (:class:`~storylens.effects.exact.ExactMeasure`): the same ablations (``plan``: modes, means, donors),
     estimated per batch after the recording; :attr:`acc` over every story, :attr:`audited` over those the
-    exact effect measured (``plan.stories``), for the audit."""
+    exact effect measured (``plan.stories``), for the audit. ``audit_only``: the audit alone (``score --causal``
+    audits the AtP columns its gradient pass gives over every story): batches with no story the exact
+    effect measured are skipped and :attr:`acc` stays empty."""
 
-    def __init__(self, n_layer: int, n_head: int, estimator: str, plan: ExactPlan, steps: int = IG_STEPS):
-        self.plan, self.estimator, self.steps = plan, estimator, steps
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        estimator: str,
+        plan: ExactPlan,
+        steps: int = IG_STEPS,
+        audit_only: bool = False,
+    ):
+        self.plan, self.estimator, self.steps, self.audit_only = plan, estimator, steps, audit_only
         self.acc = EstimateAccumulator(n_layer, n_head, estimator, plan.modes)
         self.audited = EstimateAccumulator(n_layer, n_head, estimator, plan.modes)
 
     def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None:
         plan = self.plan
+        inside = torch.tensor([plan.stories is None or s.index < plan.stories for s in batch.stories])
+        if self.audit_only and not inside.any():
+            return
         lengths = batch.lengths.cpu()
         ids, valid = batch.ids, valid_mask(lengths, batch.ids.shape[1])
         valid = valid.to(ids.device)
@@ -330,8 +343,8 @@ class EstimateMeasure(Rerun):
             for m in plan.modes
         }
         tokens = (lengths - 1).to(torch.float64)
-        self.acc.add(per_mode, tokens, keep)
-        inside = torch.tensor([plan.stories is None or s.index < plan.stories for s in batch.stories])
+        if not self.audit_only:
+            self.acc.add(per_mode, tokens, keep)
         if inside.any():
             rows = inside.nonzero().flatten()
             self.audited.add(

@@ -360,17 +360,20 @@ def fitting_stories(lm: AttentionLM, mean_length: float, modes: Sequence[str], l
 class ExactInfo(Plain):
     """summary.json's ``exact``: what the exact columns rest on. ``stories`` per mode (resample's leaves
     out a story with no donor in its chunk); the means over ``mean_stories`` first stories (mean
-    ablation); ``limit`` the ``--exact-stories`` asked (None: every story); ``seed`` resample's donors."""
+    ablation); ``limit`` the first stories it covers (None: every story); ``seed`` resample's donors; ``chosen``
+    how the stories were chosen: ``"asked"`` (``--exact``, ``--exact-stories``) or ``"budget"`` (``score --causal``
+    alone: as many as the report's ablation budget allows)."""
 
     modes: list[str]
     stories: dict[str, int]
     mean_stories: int
     limit: int | None
     seed: int
+    chosen: str = "asked"
 
 
-def exact_info(plan: ExactPlan, acc: ExactAccumulator) -> ExactInfo:
-    return ExactInfo(list(plan.modes), acc.counts(), plan.mean_stories, plan.stories, plan.seed)
+def exact_info(plan: ExactPlan, acc: ExactAccumulator, chosen: str = "asked") -> ExactInfo:
+    return ExactInfo(list(plan.modes), acc.counts(), plan.mean_stories, plan.stories, plan.seed, chosen)
 
 
 def means_digest(means: torch.Tensor) -> str:

@@ -16,6 +16,7 @@ its :meth:`~storylens.lesson.summary.ReportSummary.to_dict`), the figures are dr
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,14 +30,22 @@ from storylens.core.errors import StorylensError, UsageError
 from storylens.core.heads import Head
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder
-from storylens.corpus.score import EXAMPLES, check_examples, check_graph_memory, write_examples
+from storylens.corpus.options import EXAMPLES, check_examples, check_graph_memory
+from storylens.corpus.score import write_examples
 from storylens.data.leakage import LeakageReport
 from storylens.data.names import name_vocabulary
 from storylens.data.stories import QUIZ_FILE
 from storylens.effects.ablation import head_output_means
 from storylens.effects.audit import Audit, audit_every_head, audit_stories
-from storylens.effects.cost import TRUTH_BUDGET, TRUTH_FLOOR_FLOPS, check_ablation_budget, scoring_flops
-from storylens.effects.exact import ExactPlan
+from storylens.effects.cost import (
+    ABLATION_LIMIT_FLOPS,
+    OVER_BUDGET_FLAG,
+    TRUTH_BUDGET,
+    TRUTH_FLOOR_FLOPS,
+    check_ablation_budget,
+    scoring_flops,
+)
+from storylens.effects.exact import ExactPlan, exact_cost
 from storylens.engine.encode import EncodedStory, encode_stories
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Counter
@@ -259,9 +268,7 @@ def _score(
     lines = Counter(ProgressLines("scoring", len(encoded), enabled=opts.progress).update)  # counts batches
     exact = None
     if opts.causal and (opts.sections is None or "causal" in opts.sections):  # every head's exact effect, measured
-        ids = [e.ids for e in encoded if len(e.ids) >= 2]
-        means = head_output_means(lm, ids, batch_size=opts.batch_size, include_marker=False) if ids else None
-        exact = ExactPlan(("mean",), means, len(ids)) if means is not None else None
+        exact = _exact_plan(lm, encoded, opts)
     scores = score_heads(
         lm,
         encoded,
@@ -285,6 +292,29 @@ def _score(
         cost = truth_cost(lm, scores, [len(e.ids) for e in encoded], opts.truth_stories)
         check_ablation_budget(cost, "report: --truth-stories", over=opts.over_budget)
     return encoded, scores
+
+
+def _exact_plan(lm: AttentionLM, encoded: list[EncodedStory], opts: ReportOptions) -> ExactPlan | None:
+    """``--causal``: every head's exact effect over every quiz story where that fits the ablation budget
+    (:data:`~storylens.effects.cost.ABLATION_LIMIT_FLOPS`, or past it with ``over_budget``), its cost said on
+    stderr; else None, said too (the audit is then of chosen heads on the stories the budget allows)."""
+    ids = [e.ids for e in encoded if len(e.ids) >= 2]
+    if not ids:
+        return None
+    tokens = sum(len(s) for s in ids)
+    cost = exact_cost(lm, tokens, ("mean",), tokens)
+    what = f"report --causal: every head's exact effect over the {len(ids):,} quiz stories"
+    if cost.flops > ABLATION_LIMIT_FLOPS and not opts.over_budget:
+        print(
+            f"storylens: {what}: {cost.describe()}, past the budget of {ABLATION_LIMIT_FLOPS / 1e12:g} TFLOP: not "
+            f"measured; AtP is audited on chosen heads instead ({OVER_BUDGET_FLAG}: measure it anyway)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    check_ablation_budget(cost, what, over=True)  # said on stderr
+    means = head_output_means(lm, ids, batch_size=opts.batch_size, include_marker=False)
+    return ExactPlan(("mean",), means, len(ids))
 
 
 @dataclass

@@ -4,7 +4,7 @@ printout and the README show from it (cells as text)."""
 from __future__ import annotations
 
 from storylens.data.leakage import LeakageReport
-from storylens.effects.audit import Audit, Effect, sign_words
+from storylens.effects.audit import Audit, Effect
 from storylens.effects.cost import effect_text
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import lesson_note
@@ -332,12 +332,18 @@ def lesson_table(s: ReportSummary) -> str:
 
 def audit_rows(a: Audit | None) -> list[list[str]]:
     """The audit's table: each audited head, why it was chosen, AtP beside the exact effect (mean and
-    zero ablation), each with its error and a sign only where the error allows one."""
+    zero ablation), each with its error in nats; in brackets where it is within two standard errors of zero
+    (no sign claimed), and no error where it rests on one story."""
     if a is None:
         return []
 
     def cell(e: Effect | None) -> str:
-        return "" if e is None else sign_words(e)
+        if e is None:
+            return ""
+        if not e.se == e.se:
+            return f"{e.nats:+.4f} (one story: no error)"
+        text = f"{e.nats:+.4f} ± {e.se:.4f}"
+        return f"({text})" if abs(e.nats) <= 2 * e.se else text
 
     if a.rows and a.rows[0].why == "every":  # every head measured (mean ablation), in the scoring pass
         return [[r.head, cell(r.exact_mean), cell(r.atp_mean), cell(r.atp_zero)] for r in a.rows]

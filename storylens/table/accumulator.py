@@ -151,7 +151,8 @@ class HeadScoreAccumulator:
 
     ``exact``: also every head's exact effect (:class:`~storylens.effects.exact.ExactMeasure`, the
     ``exact_*`` columns), from passes of its own over each batch after the recording (``needs.reruns``), and
-    ``estimator`` beside it (:mod:`storylens.effects.estimators`): :class:`~storylens.table.effect_parts.EffectParts`."""
+    ``estimator`` beside it (:mod:`storylens.effects.estimators`), ``audit_atp`` AtP again where the exact effect ran
+    (its audit): :class:`~storylens.table.effect_parts.EffectParts`."""
 
     @property
     def causal(self) -> CausalAccumulator | None:
@@ -182,6 +183,7 @@ class HeadScoreAccumulator:
         exact: ExactPlan | None = None,
         estimator: str | None = None,
         ig_steps: int = IG_STEPS,
+        audit_atp: bool = False,
     ):
         names = [d.name for d in detectors]
         if len(set(names)) != len(names):
@@ -209,8 +211,9 @@ class HeadScoreAccumulator:
         )
         # the effect columns: AtP and DLA (--causal), the exact effect (--exact), an estimator (--estimator)
         self.effects = EffectParts(
-            n_layer, n_head, causal=causal, graph_bytes=graph_bytes, exact=exact, estimator=estimator, ig_steps=ig_steps
-        )
+            n_layer, n_head, causal=causal, graph_bytes=graph_bytes, exact=exact, estimator=estimator,
+            ig_steps=ig_steps, audit_atp=audit_atp,
+        )  # fmt: skip
         self.needs = self.effects.needs(self.needs)
         self._batch: StoryBatch | None = None
         self._masks: Masks | None = None  # the batch's, from its first chunk

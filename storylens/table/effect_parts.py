@@ -19,13 +19,15 @@ from storylens.engine.gradients import GRAPH_BYTES, Gradients
 from storylens.engine.record import Needs
 from storylens.lm import AttentionLM
 
-PARTS = ("causal", "exact", "estimate")  # their keys in the accumulator's state
+PARTS = ("causal", "exact", "estimate", "atp_audit")  # their keys in the accumulator's state
 
 
 class EffectParts:
     """``causal``: AtP and DLA; ``exact``: the plan of every head's exact effect (None: not measured);
     ``estimator``: one of :data:`~storylens.effects.estimators.ESTIMATORS` estimated on the same ablations
-    (needs ``exact``: its audit is against it), ``ig_steps`` its steps where it is ``ig``."""
+    (needs ``exact``: its audit is against it), ``ig_steps`` its steps where it is ``ig``; ``audit_atp`` (with
+    ``causal`` and ``exact``): AtP measured again on the stories the exact effect covers, with its means, for the
+    audit of the AtP columns (:attr:`atp_audit`; the ``atp`` estimator's own audit where that is the estimator)."""
 
     def __init__(
         self,
@@ -37,9 +39,12 @@ class EffectParts:
         exact: ExactPlan | None = None,
         estimator: str | None = None,
         ig_steps: int = IG_STEPS,
+        audit_atp: bool = False,
     ):
         if estimator is not None and exact is None:
             raise ValueError("an estimator is measured beside the exact effect (its audit): pass exact too")
+        if audit_atp and (exact is None or not causal):
+            raise ValueError("the AtP columns' audit is against the exact effect: pass causal and exact too")
         self.n_layer, self.n_head, self.graph_bytes, self.ig_steps = n_layer, n_head, graph_bytes, ig_steps
         self.causal = CausalAccumulator(n_layer, n_head, graph_bytes) if causal else None
         self.exact = ExactMeasure(n_layer, n_head, exact) if exact is not None else None
@@ -48,6 +53,17 @@ class EffectParts:
             if estimator is not None and exact is not None
             else None
         )
+        self.atp_audit = (
+            EstimateMeasure(n_layer, n_head, "atp", exact, audit_only=True)
+            if audit_atp and exact is not None and estimator != "atp"
+            else None
+        )
+        self.audit_atp = audit_atp
+
+    @property
+    def audits(self) -> list[EstimateMeasure]:
+        """The estimates audited against the exact effect: the estimator's, then AtP's (``audit_atp``)."""
+        return [m for m in (self.estimate, self.atp_audit) if m is not None]
 
     def settings(self) -> dict:
         """What an empty twin is built from (:meth:`like`)."""
@@ -57,6 +73,7 @@ class EffectParts:
             "exact": None if self.exact is None else self.exact.plan,
             "estimator": None if self.estimate is None else self.estimate.estimator,
             "ig_steps": self.ig_steps,
+            "audit_atp": self.audit_atp,
         }
 
     def needs(self, needs: Needs) -> Needs:
@@ -74,8 +91,8 @@ class EffectParts:
     def rerun(self, lm: AttentionLM, batch: StoryBatch, chunk: Sequence[EncodedStory]) -> None:
         if self.exact is not None:
             self.exact.rerun(lm, batch, chunk)
-        if self.estimate is not None:
-            self.estimate.rerun(lm, batch, chunk)
+        for measure in self.audits:
+            measure.rerun(lm, batch, chunk)
 
     def merge(self, other: EffectParts) -> None:
         for name in PARTS:
@@ -88,6 +105,8 @@ class EffectParts:
         if self.estimate is not None and other.estimate is not None:
             self.estimate.acc.merge(other.estimate.acc)
             self.estimate.audited.merge(other.estimate.audited)
+        if self.atp_audit is not None and other.atp_audit is not None:
+            self.atp_audit.audited.merge(other.atp_audit.audited)
 
     def state(self) -> dict:
         est = self.estimate
@@ -95,6 +114,7 @@ class EffectParts:
             "causal": None if self.causal is None else self.causal.state(),
             "exact": None if self.exact is None else self.exact.acc.state(),
             "estimate": None if est is None else {"all": est.acc.state(), "audited": est.audited.state()},
+            "atp_audit": None if self.atp_audit is None else {"audited": self.atp_audit.audited.state()},
         }
 
     def load_state(self, state: dict, max_stories: int | None) -> None:
@@ -110,17 +130,10 @@ class EffectParts:
         if self.exact is not None:
             self.exact.acc = _exact_state(state["exact"], self.exact.acc, max_stories)
         if self.estimate is not None:
-            mine = self.estimate
-            try:
-                got = {k: EstimateAccumulator.from_state(state["estimate"][k]) for k in ("all", "audited")}
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"state: estimate: {e}") from None
-            for acc in got.values():
-                if (acc.estimator, acc.modes, acc.n_layer, acc.n_head) != (
-                    mine.estimator, mine.acc.modes, self.n_layer, self.n_head,
-                ):  # fmt: skip
-                    raise ValueError("state: estimate: another estimator, modes or heads than this accumulator's")
-            mine.acc, mine.audited = got["all"], got["audited"]
+            self.estimate.acc = _estimate_state(state["estimate"], "all", self.estimate)
+            self.estimate.audited = _estimate_state(state["estimate"], "audited", self.estimate)
+        if self.atp_audit is not None:
+            self.atp_audit.audited = _estimate_state(state["atp_audit"], "audited", self.atp_audit)
 
     def columns(self) -> dict[str, torch.Tensor | None]:
         cols: dict[str, torch.Tensor | None] = {}
@@ -142,3 +155,16 @@ def _exact_state(state: dict, mine: ExactAccumulator, max_stories: int | None) -
     if max_stories is not None and exact.stories > max_stories:
         raise ValueError(f"state: exact: {exact.stories} stories, more than {max_stories}")
     return exact
+
+
+def _estimate_state(state: object, key: str, mine: EstimateMeasure) -> EstimateAccumulator:
+    """``state[key]``, an estimate's accumulator, checked against ``mine``'s estimator, modes and heads."""
+    try:
+        got = EstimateAccumulator.from_state(state[key])  # type: ignore[index]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"state: estimate: {e}") from None
+    if (got.estimator, got.modes, got.n_layer, got.n_head) != (
+        mine.estimator, mine.acc.modes, mine.acc.n_layer, mine.acc.n_head,
+    ):  # fmt: skip
+        raise ValueError("state: estimate: another estimator, modes or heads than this accumulator's")
+    return got

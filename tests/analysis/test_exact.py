@@ -152,7 +152,7 @@ def test_the_cost_is_said_and_past_the_budget_refused(native, corpus_split, tmp_
     path = tmp_path / "s.txt"
     path.write_text("".join(f"{s}\n<|endoftext|>\n" for s in corpus_split.quiz[:6]))
     per_story = exact_cost(native, 180.0, ("mean",)).flops
-    monkeypatch.setattr("storylens.corpus.score.ABLATION_LIMIT_FLOPS", 2.5 * per_story)
+    monkeypatch.setattr("storylens.corpus.exact_plan.ABLATION_LIMIT_FLOPS", 2.5 * per_story)
     with pytest.raises(UsageError, match=r"pass --exact-stories \d+ \(fits it\) or --over-budget"):
         score_corpus(native, open_source(path), tmp_path / "out", exact=("mean",), progress=False, examples=0)
     run = score_corpus(native, open_source(path), tmp_path / "out", exact=("mean",), exact_stories=2, progress=False)
@@ -170,3 +170,62 @@ def test_the_cost_is_said_and_past_the_budget_refused(native, corpus_split, tmp_
     summary = json.loads((tmp_path / "est" / "summary.json").read_text())
     jsonschema.Draft202012Validator(schema("summary-score")).validate(summary)
     assert summary["estimators"][0]["estimator"] == "quadratic"
+
+
+def test_the_atp_audit_measures_the_atp_columns_where_the_exact_effect_ran(shipped_model, corpus_split, tmp_path):
+    """score --causal audits its AtP columns against the exact effect: AtP is measured again (the estimators'
+    slopes, storylens.effects.estimators) on the stories the exact effect covers, with its means. Where those are
+    every story, the two implementations measure one quantity: the gradient pass's sums (mu . G - A per story)
+    and the slope of the loss along z + a (mu - z) at a = 0, in float64 on sums of a few hundred terms of order
+    1, so equal far within 1e-9. Over the first 3 stories only, the audit counts 3."""
+    lm = tiny_lm("llama", shipped_model, tmp_path)
+    texts = [" ".join(s.split()[:40]) for s in corpus_split.quiz[:8]]
+    names = frozenset(name_vocabulary(texts))
+    encoded = encode_stories(lm, texts, names)
+    means = head_output_means(lm, [e.ids for e in encoded], include_marker=False)
+    for stories in (None, 3):
+        plan = ExactPlan(("mean",), means, len(encoded), stories=stories)
+        acc = HeadScoreAccumulator(lm.n_layer, lm.n_head, causal=True, exact=plan, audit_atp=True)
+        record(lm, texts, [acc], batch_size=4, chunk_stories=8, names=names, progress=False)
+        audit = acc.effects.atp_audit
+        assert audit is not None and audit.acc.counts() == {"mean": 0}  # the audit alone: no columns of its own
+        assert audit.audited.counts() == {"mean": stories or len(encoded)}
+        if stories is None:
+            got, ref = audit.audited.columns(), acc.causal.columns()
+            assert ref["atp_mean"].abs().max() > 1e-6  # measured, not zeros compared
+            for name in ("atp_mean", "atp_mean_se"):
+                assert (got[name] - ref[name]).abs().max().item() <= 1e-9, name
+        state = json.loads(json.dumps(acc.state()))
+        again = HeadScoreAccumulator(lm.n_layer, lm.n_head, causal=True, exact=plan, audit_atp=True).load_state(state)
+        assert again.effects.atp_audit.audited.state() == audit.audited.state()
+
+
+@pytest.mark.slow  # the shipped model scored three times over six stories, with its exact effect
+def test_causal_alone_measures_the_exact_effect_within_budget(native, corpus_split, tmp_path, monkeypatch, capsys):
+    """score --causal: every head's exact effect in mean ablation on the first stories the budget allows (here
+    every one of six) and AtP audited against it; --exact-stories N asks for N; where not one story fits the
+    budget it says so, and the AtP columns stand unaudited."""
+    from storylens.cli import main
+
+    path = tmp_path / "s.txt"
+    path.write_text("".join(f"{' '.join(s.split()[:60])}\n<|endoftext|>\n" for s in corpus_split.quiz[:6]))
+    run = score_corpus(native, open_source(path), tmp_path / "a", causal=True, progress=False, examples=0)
+    exact = run.summary.exact
+    assert exact is not None and (exact.chosen, exact.stories, exact.limit) == ("budget", {"mean": 6}, None)
+    (audit,) = run.summary.estimators
+    assert (audit.estimator, audit.mode, audit.n_stories, audit.heads) == ("atp", "mean", 6, 24)
+    assert all(h.scores["exact_mean"] is not None and h.scores["atp_mean"] is not None for h in run.scores.heads)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    jsonschema.Draft202012Validator(schema("summary-score")).validate(summary)
+    assert summary["exact"]["chosen"] == "budget"
+    two = score_corpus(native, open_source(path), tmp_path / "b", causal=True, exact_stories=2, progress=False)
+    assert two.summary.exact is not None and (two.summary.exact.chosen, two.summary.exact.stories) == (
+        "asked", {"mean": 2},
+    )  # fmt: skip
+    monkeypatch.setattr("storylens.corpus.exact_plan.TRUTH_FLOOR_FLOPS", 1.0)  # and 20% of the pass fits none
+    capsys.readouterr()
+    argv = ["score", "--stories", str(path), "--out", str(tmp_path / "c"), "--causal", "--no-progress"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "not one story fits the default budget" in err and "the AtP columns are unaudited" in out
+    assert "exact" not in json.loads((tmp_path / "c" / "summary.json").read_text())
