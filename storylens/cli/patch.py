@@ -10,7 +10,7 @@ from storylens.core.errors import UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import check_target_folder
 from storylens.effects.patch_more import patch_more
-from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, read_pairs, summary_lines, write_patch
+from storylens.effects.patching import PAIR_SETS, encode_pairs, read_pairs, summary_lines, write_patch
 
 COMMAND = "patch"
 POSITION = 50
@@ -22,9 +22,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--pairs",
-        default=None,
-        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line '
-        "(default: the example pairs shipped with storylens, names in the stories' style)",
+        default="names",
+        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line, or a task shipped with '
+        "storylens: names (the default: the main character's name, introduced once and needed again; the name "
+        "changed at its introduction in the corrupt story) or indirect-object (who gave what to whom)",
     )
     p.add_argument("--out", required=True, help="output folder: patch.csv, patch.json, patch.html")
     p.add_argument(
@@ -55,7 +56,7 @@ def run(args) -> int:
         exact = int(args.exact)
     out = out_path(args.out)
     check_target_folder(out)  # before the model: a bad --out costs nothing
-    source = Path(args.pairs) if args.pairs is not None else EXAMPLE_PAIRS
+    source = PAIR_SETS.get(args.pairs, Path(args.pairs))
     rows = read_pairs(source)  # bad lines refused before the model loads
     model = load(args)
     pairs = encode_pairs(model, rows, source.name)

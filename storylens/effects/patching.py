@@ -48,7 +48,10 @@ from storylens.viz.patch import patch_html
 KEYS = ("clean", "corrupt", "answer", "wrong")
 EXACT_BUDGET = 1000  # heads x pairs patched forward passes run by default; past it, the top K by |atp|
 BATCH_PAIRS = 32
+# the tasks shipped: the lesson's own behaviour, the main character's name (the default), and indirect objects
+NAME_PAIRS = Path(__file__).resolve().parent.parent / "data" / "name_pairs.jsonl"
 EXAMPLE_PAIRS = Path(__file__).resolve().parent.parent / "data" / "example_pairs.jsonl"
+PAIR_SETS = {"names": NAME_PAIRS, "indirect-object": EXAMPLE_PAIRS}  # --pairs's names for them
 
 
 # ---------------------------------------------------------------- pairs
@@ -494,10 +497,29 @@ def load_patch(folder: str | Path) -> PatchResult:
         raise StorylensError(f"{path}: not a storylens patch.json ({type(e).__name__}: {e})") from None
 
 
+def task_verdict(clean: float, se: float | None, pairs: int) -> str:
+    """Whether the model does the task, said before anything else: its clean metric (``logit(answer) -
+    logit(wrong)``, mean over ``pairs`` pairs, standard error ``se``) above zero beyond two standard errors."""
+    figure = f"its clean metric is {clean:+.3f}" + ("" if se is None or not se == se else f" ± {se:.3f}")
+    figure += f" over {pairs} pair{'s' if pairs != 1 else ''}"
+    if se is None or not se == se or pairs < 2:
+        return f"Whether the model does this task is not known: {figure}, with no error from one pair."
+    if clean > 2 * se:
+        return f"The model does this task: {figure}, above zero beyond two standard errors (it prefers the answer)."
+    if clean < -2 * se:
+        return (
+            f"The model does not do this task: {figure}, below zero beyond two standard errors (it prefers the "
+            "wrong token); what its heads do here explains a behaviour the model does not have."
+        )
+    return f"Whether the model does this task is unclear: {figure}, within two standard errors of zero."
+
+
 def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
-    """The clean and corrupt metrics, and the ``top`` heads of largest |effect| (exact where run)."""
+    """Whether the model does the task, the clean and corrupt metrics, and the ``top`` heads of largest
+    |effect| (exact where run)."""
     gap = result.corrupt_metric - result.clean_metric
     out = [
+        task_verdict(result.clean_metric, result.clean_metric_se, result.pairs),
         f"{result.pairs} pairs on {result.model}; metric: {result.metric}",
         f"clean   {result.clean_metric:+.3f} ± {result.clean_metric_se:.3f}",
         f"corrupt {result.corrupt_metric:+.3f} ± {result.corrupt_metric_se:.3f}   (gap {gap:+.3f})",
@@ -559,7 +581,10 @@ def pair_patterns(model: ModelLike, pairs: Sequence[Pair], limit: int = 4) -> li
 
 def write_patch(out: str | Path, result: PatchResult, model: ModelLike, pairs: Sequence[Pair]) -> Path:
     """``out/patch.csv``, ``patch.json`` and ``patch.html``, published together (nothing on an error)."""
-    page = patch_html(result.to_dict(), pair_patterns(model, pairs), title=f"storylens patch: {result.model}")
+    verdict = task_verdict(result.clean_metric, result.clean_metric_se, result.pairs)
+    page = patch_html(
+        result.to_dict(), pair_patterns(model, pairs), title=f"storylens patch: {result.model}", verdict=verdict
+    )
     with publish_folder(out, "patch") as tmp:
         (tmp / "patch.csv").write_text(patch_csv(result), encoding="utf-8")
         (tmp / "patch.json").write_text(patch_json(result), encoding="utf-8")

@@ -21,11 +21,13 @@ _ENV = jinja2.Environment(
 )
 
 
-def patch_html(result: Mapping, pairs: Sequence[Mapping], *, title: str) -> str:
-    """The page for a ``PatchResult`` as a dict (``result``) and :func:`pair_patterns`' pairs."""
+def patch_html(result: Mapping, pairs: Sequence[Mapping], *, title: str, verdict: str = "") -> str:
+    """The page for a ``PatchResult`` as a dict (``result``) and :func:`pair_patterns`' pairs; ``verdict``,
+    whether the model does the task, said first."""
     nonce = secrets.token_urlsafe(16)
     return _ENV.get_template("patch.html.j2").render(
         title=title,
+        verdict=verdict,
         nonce=nonce,
         data=_json_for_script({"result": dict(result), "pairs": list(pairs)}),
         export_js=_static("export.js"),
