@@ -1,0 +1,209 @@
+"""Edge attribution patching (EAP; Syed et al. 2023): every edge of the model's graph scored on a task of
+clean/corrupt pairs (:mod:`storylens.effects.patching`'s pairs and metric), by one clean forward and backward
+pass and one corrupt forward pass per batch.
+
+**The graph** (EAP-IG's, Hanna et al. 2024). Writers: the input (the residual stream entering block 0:
+token and position embeddings), every head (its output through its slice of the output projection,
+``z_h W_O^h``) and every MLP (``hook_mlp_out``). Receivers: every head's query input (one per query head),
+key and value inputs (one per key/value head: with grouped key/value heads an edge goes to the group its
+query heads share, nothing is ungrouped), every MLP's input and the logits. A receiver reads every writer
+before it: a head of block ``l`` the input and blocks ``0 .. l - 1``; the MLP of block ``l`` also block
+``l``'s heads; the logits everything. Biases are in no writer: they are the same in both runs.
+
+**The score** of edge ``u -> v``, per pair: ``sum_t (a_corrupt[u]_t - a_clean[u]_t) . g_v[t]``, where
+``g_v = dm / d x_v`` is the metric's gradient with respect to the receiver's own copy of the residual stream
+(the copy only ``v`` reads: through the block's normalisation, frozen at nothing, into its projection) on the
+clean run. It estimates, to first order, the change in the metric when only that edge carries the corrupt
+run's value (noising, as ``patch`` does). ``g_v`` comes from hooks: a zero leaf added to the residual stream
+where the receiver reads it (``hook_resid_pre`` for heads, ``hook_attn_out`` for the MLP that reads the sum
+after attention, the last ``hook_resid_post`` for the logits), the metric's gradient on the receiver's output
+(``hook_q``, ``hook_k``, ``hook_v``, ``hook_mlp_out``) taken back through that receiver alone to the leaf.
+The scores of every edge into a receiver sum to the receiver's input-level AtP, ``(x_corrupt - x_clean) .
+g_v``, since the residual stream is the sum of the writers and the biases (checked in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from storylens.core.errors import StorylensError
+from storylens.effects.patching import BATCH_PAIRS, Pair, _Batch, _batches, _metric, mean_se
+from storylens.lm import AttentionLM, Hook, ModelLike, wrap
+
+KINDS = ("q", "k", "v")  # a head's inputs
+
+
+@dataclass(frozen=True)
+class Graph:
+    """The writers and receivers of a model of ``n_layer`` blocks, ``n_head`` query heads, ``n_kv`` key/value
+    heads (labels as people read them: ``input``, ``L{block}H{head}``, ``M{block}``, counting from 1; a
+    key/value receiver of a grouped model ``L{block}KV{group}.k``). ``reads[v]``: the writers receiver ``v`` reads."""
+
+    n_layer: int
+    n_head: int
+    n_kv: int
+
+    @property
+    def writers(self) -> list[str]:
+        out = ["input"]
+        for layer in range(self.n_layer):
+            out += [f"L{layer + 1}H{h + 1}" for h in range(self.n_head)] + [f"M{layer + 1}"]
+        return out
+
+    def _kv_label(self, layer: int, g: int, kind: str) -> str:
+        if self.n_kv == self.n_head:
+            return f"L{layer + 1}H{g + 1}.{kind}"
+        return f"L{layer + 1}KV{g + 1}.{kind}"
+
+    def receivers_of(self, layer: int) -> list[str]:
+        """Block ``layer``'s receivers in order: the query inputs, the key and the value inputs, the MLP's."""
+        q = [f"L{layer + 1}H{h + 1}.q" for h in range(self.n_head)]
+        kv = [self._kv_label(layer, g, kind) for kind in ("k", "v") for g in range(self.n_kv)]
+        return q + kv + [f"M{layer + 1}"]
+
+    @property
+    def receivers(self) -> list[str]:
+        return [r for layer in range(self.n_layer) for r in self.receivers_of(layer)] + ["logits"]
+
+    def upstream(self, receiver: int) -> int:
+        """How many writers (a prefix of :attr:`writers`) receiver number ``receiver`` reads."""
+        per_block = 2 * self.n_kv + self.n_head + 1
+        layer, i = divmod(receiver, per_block)
+        if layer == self.n_layer:  # the logits
+            return len(self.writers)
+        mlp = i == per_block - 1
+        return 1 + layer * (self.n_head + 1) + (self.n_head if mlp else 0)
+
+    @property
+    def n_edges(self) -> int:
+        return sum(self.upstream(r) for r in range(len(self.receivers)))
+
+
+def graph_of(lm: AttentionLM) -> Graph:
+    return Graph(lm.n_layer, lm.n_head, lm.n_kv_head)
+
+
+@dataclass
+class EdgeScores:
+    """Every edge's EAP score: ``mean`` and ``se`` ``[writer, receiver]`` over the pairs (NaN where the
+    receiver does not read the writer), ``per_pair`` ``[pair, writer, receiver]``."""
+
+    graph: Graph
+    per_pair: torch.Tensor
+    mean: torch.Tensor
+    se: torch.Tensor
+
+    def edges(self) -> list[tuple[str, str, float, float]]:
+        """``(writer, receiver, mean, se)`` for every edge, in the graph's order."""
+        w, r = self.graph.writers, self.graph.receivers
+        return [
+            (w[u], r[v], float(self.mean[u, v]), float(self.se[u, v]))
+            for v in range(len(r))
+            for u in range(self.graph.upstream(v))
+        ]
+
+
+def _names(lm: AttentionLM) -> dict[str, list[str]]:
+    L = range(lm.n_layer)
+    return {
+        "pre": [f"blocks.{i}.hook_resid_pre" for i in L],
+        "attn": [f"blocks.{i}.hook_attn_out" for i in L],
+        "mlp": [f"blocks.{i}.hook_mlp_out" for i in L],
+        "z": [f"blocks.{i}.attn.hook_z" for i in L],
+        **{kind: [f"blocks.{i}.attn.hook_{kind}" for i in L] for kind in KINDS},
+        "post": [f"blocks.{lm.n_layer - 1}.hook_resid_post"],
+    }
+
+
+def _writers(lm: AttentionLM, seen: dict) -> torch.Tensor:
+    """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run."""
+    out = [seen["pre"][0]]
+    for layer in range(lm.n_layer):
+        w_o = lm.head_output_weights(layer).to(seen["z"][layer].dtype)  # [head, d_head, d_model]
+        out += list(torch.einsum("bphd,hdm->bphm", seen["z"][layer], w_o).unbind(2)) + [seen["mlp"][layer]]
+    return torch.stack(out, 2)
+
+
+def _run(lm: AttentionLM, ids: torch.Tensor, b: _Batch, grad: bool) -> tuple[torch.Tensor, dict]:
+    """One pass: the metric ``[batch]`` and every hook's tensor as the model used it (on the clean run with
+    ``grad``: a zero leaf added at each residual point, so that gradients reach it)."""
+    seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
+    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
+
+    def keeper(kind: str):
+        def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor:
+            layer = hook.layer if kind != "post" else 0
+            if grad and kind in leaves:
+                leaf = torch.zeros_like(x, requires_grad=True)
+                leaves[kind][layer] = leaf
+                x = x + leaf
+            elif grad:
+                x = x.clone()
+                x.retain_grad()
+            seen[kind][layer] = x
+            return x
+
+        return keep
+
+    hooks = [(n, keeper(kind)) for kind, names in _names(lm).items() for n in names]
+    with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks):
+        logits = lm.forward(ids)
+        assert logits is not None
+        metric = _metric(logits, b)
+        missing = [k for k, v in seen.items() if len(v) != len(_names(lm)[k])]
+        if missing:
+            raise StorylensError(f"{lm.name}: the hook points {', '.join(missing)} did not fire in every block")
+        if grad:
+            outputs = [t for k in (*KINDS, "mlp") for t in seen[k].values()] + list(leaves["post"].values())
+            metric.sum().backward(inputs=outputs, retain_graph=True)  # each receiver's own path: below
+    seen["leaves"] = leaves  # type: ignore[assignment]
+    return metric.detach(), seen
+
+
+def _receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
+    """``[batch, pos, receiver, d_model]``: block ``layer``'s receivers' gradients ``g_v`` (the module docstring)."""
+    leaves = seen["leaves"]
+    out = []
+    for kind in KINDS:
+        t = seen[kind][layer]  # [batch, pos, head or kv head, d_head], its .grad the metric's
+        for h in range(t.shape[2]):
+            g = torch.zeros_like(t)
+            g[:, :, h] = t.grad[:, :, h]
+            (x,) = torch.autograd.grad(t, leaves["pre"][layer], grad_outputs=g, retain_graph=True)
+            out.append(x)
+    mlp = seen["mlp"][layer]
+    (x,) = torch.autograd.grad(mlp, leaves["attn"][layer], grad_outputs=mlp.grad, retain_graph=True, allow_unused=True)
+    if x is None:  # a parallel block: the MLP reads the block's input
+        (x,) = torch.autograd.grad(mlp, leaves["pre"][layer], grad_outputs=mlp.grad, retain_graph=True)
+    out.append(x)
+    return torch.stack(out, 2)
+
+
+def eap_scores(model: ModelLike, pairs: list[Pair], *, batch_size: int = BATCH_PAIRS) -> EdgeScores:
+    """Every edge's EAP score on ``pairs`` (from :func:`~storylens.effects.patching.encode_pairs`): the mean
+    over pairs with its standard error (module docstring). Computed in float64 on the CPU from the model's
+    own dtype's activations and gradients."""
+    lm = wrap(model)
+    if not pairs:
+        raise StorylensError("eap: no pairs")
+    graph = graph_of(lm)
+    n_recv, n_writ = len(graph.receivers), len(graph.writers)
+    per_pair = []
+    for b in _batches(lm, pairs, batch_size):
+        _, corrupt = _run(lm, b.corrupt, b, grad=False)
+        _, clean = _run(lm, b.clean, b, grad=True)
+        delta = (_writers(lm, corrupt) - _writers(lm, clean)).detach().double()  # [batch, pos, writer, d_model]
+        grads = [_receiver_grads(lm, clean, layer).double() for layer in range(lm.n_layer)]
+        grads.append(clean["leaves"]["post"][0].grad.double()[:, :, None])  # the logits' receiver
+        g = torch.cat(grads, 2)  # [batch, pos, receiver, d_model]
+        scores = torch.einsum("bpwd,bprd->bwr", delta, g)
+        per_pair.append(scores.cpu())
+    s = torch.cat(per_pair)  # [pair, writer, receiver]
+    mask = torch.zeros(n_writ, n_recv, dtype=torch.bool)
+    for v in range(n_recv):
+        mask[: graph.upstream(v), v] = True
+    s = s.masked_fill(~mask, float("nan"))
+    mean, se = mean_se(s)
+    return EdgeScores(graph, s, mean, se)
