@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from storylens.effects.patching import EXAMPLE_PAIRS, _batches, encode_pairs, patch_heads, read_pairs
+from storylens.effects.patching import EXAMPLE_PAIRS, encode_pairs, pair_batches, patch_heads, read_pairs
 from storylens.lm import AttentionLM, load_lm, wrap
 
 
@@ -41,7 +41,7 @@ def measure(lm: AttentionLM, n_pairs: int, rounds: int) -> dict:
     rows = read_pairs(EXAMPLE_PAIRS)
     rows = (rows * (n_pairs // len(rows) + 1))[:n_pairs]
     pairs = encode_pairs(lm, rows)
-    batches = _batches(lm, pairs)
+    batches = pair_batches(lm, pairs)
 
     @torch.no_grad()
     def forward() -> None:

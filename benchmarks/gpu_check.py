@@ -40,7 +40,7 @@ from bench_record import build  # noqa: E402
 from storylens.analysis import score_heads  # noqa: E402
 from storylens.core.batching import BATCH_TOKENS, length_batches  # noqa: E402
 from storylens.data.names import name_vocabulary  # noqa: E402
-from storylens.effects.patching import _batches, encode_pairs, patch_heads, read_pairs  # noqa: E402
+from storylens.effects.patching import encode_pairs, pair_batches, patch_heads, read_pairs  # noqa: E402
 from storylens.engine.encode import batch_of, encode_stories  # noqa: E402
 from storylens.engine.ranks import rank_correlation  # noqa: E402
 from storylens.engine.record import record  # noqa: E402
@@ -161,7 +161,7 @@ def patch(device: str) -> dict:
     ):
         lm = load_lm(None, dtype=dtype, device=dev)
         pairs = encode_pairs(lm, rows)
-        batches = _batches(lm, pairs)  # the clean forwards patch_heads makes, timed alone
+        batches = pair_batches(lm, pairs)  # the clean forwards patch_heads makes, timed alone
 
         def forward(lm=lm, batches=batches) -> None:
             with torch.inference_mode():

@@ -14,7 +14,7 @@ is one new file (and its test), with no edit elsewhere; a command module imports
 
 ``storylens --help`` lists the commands as a newcomer meets them (``COMMAND_ORDER``): the
 lesson's report (10), watching the model write (20), then any corpus and any model (score 30,
-ablate 40, patch 50), the checks (60, 70), the data (80), training last (90, 100, 110). A new
+ablate 40, patch 50, circuit 55), the checks (60, 70), the data (80), training last (90, 100, 110). A new
 command takes a free number where it belongs among them.
 """
 

@@ -14,6 +14,7 @@ from storylens.corpus.options import EXAMPLES, EXAMPLES_BUDGET
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
 from storylens.effects.estimators import ESTIMATORS, IG_STEPS
 from storylens.effects.exact import EXACT_MODES
+from storylens.effects.patching import PAIR_SETS, read_pairs
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.lm import NativeLM, is_transformers_folder, load_lm, resolve_device, resolve_dtype
 from storylens.looking.detectors import pattern_detector
@@ -244,3 +245,20 @@ def load_detector(path: str):
         return pattern_detector(getattr(module, "NAME", file.stem), fn)
     except ValueError as e:
         raise StorylensError(f"--detector {path}: {e}") from None
+
+
+def add_pairs(p: argparse.ArgumentParser) -> None:
+    """``--pairs`` (patch, circuit): a pairs file or a task shipped with storylens."""
+    p.add_argument(
+        "--pairs",
+        default="names",
+        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line, or a task shipped with '
+        "storylens: names (the default: the main character's name, introduced once and needed again; the name "
+        "changed at its introduction in the corrupt story) or indirect-object (who gave what to whom)",
+    )
+
+
+def task_rows(args) -> tuple[Path, list[dict]]:
+    """``--pairs``'s file and its lines, each checked (a bad line refused before the model loads)."""
+    source = PAIR_SETS.get(args.pairs, Path(args.pairs))
+    return source, read_pairs(source)

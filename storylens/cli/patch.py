@@ -3,14 +3,21 @@ patching)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from storylens.cli.options import add_backups, add_estimator, add_model, add_no_progress, load, out_path
+from storylens.cli.options import (
+    add_backups,
+    add_estimator,
+    add_model,
+    add_no_progress,
+    add_pairs,
+    load,
+    out_path,
+    task_rows,
+)
 from storylens.core.errors import UsageError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import check_target_folder
 from storylens.effects.patch_more import patch_more
-from storylens.effects.patching import PAIR_SETS, encode_pairs, read_pairs, summary_lines, write_patch
+from storylens.effects.patching import encode_pairs, summary_lines, write_patch
 
 COMMAND = "patch"
 POSITION = 50
@@ -20,13 +27,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         COMMAND, help="every head's effect on a task of clean/corrupt pairs (attribution and exact patching)"
     )
-    p.add_argument(
-        "--pairs",
-        default="names",
-        help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line, or a task shipped with '
-        "storylens: names (the default: the main character's name, introduced once and needed again; the name "
-        "changed at its introduction in the corrupt story) or indirect-object (who gave what to whom)",
-    )
+    add_pairs(p)
     p.add_argument("--out", required=True, help="output folder: patch.csv, patch.json, patch.html")
     p.add_argument(
         "--exact",
@@ -56,8 +57,7 @@ def run(args) -> int:
         exact = int(args.exact)
     out = out_path(args.out)
     check_target_folder(out)  # before the model: a bad --out costs nothing
-    source = PAIR_SETS.get(args.pairs, Path(args.pairs))
-    rows = read_pairs(source)  # bad lines refused before the model loads
+    source, rows = task_rows(args)  # bad lines refused before the model loads
     model = load(args)
     pairs = encode_pairs(model, rows, source.name)
     lines = ProgressLines("patching", 2 * len(pairs), unit="pairs", enabled=not args.no_progress)

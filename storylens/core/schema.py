@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from importlib.resources import files
+from pathlib import Path
 
 from storylens.core.errors import StorylensError
 
 SCHEMA_KEY = "schema_version"
 SCHEMA_VERSION = 1
-SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch")
+SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch", "circuit")
 
 
 def versioned(doc: dict) -> dict:
@@ -62,4 +63,17 @@ def heads_schema(columns: Sequence[str]) -> dict:
         {"type": "object", "properties": {"name": {"const": c}}} for c in names
     ]
     doc["properties"]["columns"]["minItems"] = doc["properties"]["columns"]["maxItems"] = len(names)
+    return doc
+
+
+def read_versioned(path: Path, unreadable: str = "") -> dict:
+    """A JSON file of this storylens's schema version, or one StorylensError line naming it (``unreadable``: what
+    to add where the file cannot be read, e.g. ``"not a folder storylens patch wrote"``)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise StorylensError(f"{path}: cannot read ({e.strerror}{'; ' + unreadable if unreadable else ''})") from None
+    except ValueError as e:
+        raise StorylensError(f"{path}: not JSON ({e})") from None
+    check_version(doc, str(path))
     return doc

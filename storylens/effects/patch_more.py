@@ -16,13 +16,13 @@ from storylens.core.modes import eval_mode
 from storylens.effects.estimators import ESTIMATORS, IG_STEPS, estimate_batch, graddrop_sizes
 from storylens.effects.patching import (
     Pair,
+    PairBatch,
     PatchBackups,
     PatchResult,
-    _Batch,
-    _batches,
-    _metric,
     _run_keep,
     mean_se,
+    pair_batches,
+    pair_metric,
     patch_heads,
     spearman,
 )
@@ -52,14 +52,14 @@ def patch_more(
     return with_backups(lm, pairs, result, backups) if backups else result
 
 
-def _estimate(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor], estimator: str, steps: int):
+def _estimate(lm: AttentionLM, b: PairBatch, z_corrupt: Sequence[torch.Tensor], estimator: str, steps: int):
     """One batch's ``estimator`` estimates, ``[pair, layer, head]`` (atp*: ``[drop, pair, layer, head]``): the
     clean run's outputs moved towards the corrupt run's, the metric the pairs' logit difference."""
 
     def metric(logits: torch.Tensor, copies: int) -> torch.Tensor:
-        many = _Batch(b.clean.repeat(copies, 1), b.corrupt.repeat(copies, 1), b.last.repeat(copies),
+        many = PairBatch(b.clean.repeat(copies, 1), b.corrupt.repeat(copies, 1), b.last.repeat(copies),
                       b.answer.repeat(copies), b.wrong.repeat(copies))  # fmt: skip
-        return _metric(logits, many).double()
+        return pair_metric(logits, many).double()
 
     valid = torch.ones_like(b.clean, dtype=torch.bool)
     return estimate_batch(lm, b.clean, valid, estimator, lambda layer: z_corrupt[layer], steps, metric=metric)
@@ -69,7 +69,7 @@ def with_estimate(lm: AttentionLM, pairs: Sequence[Pair], result: PatchResult, e
     """``result`` with ``estimator``'s estimate of every head's patching effect beside AtP and exact."""
     per_pair = []
     with eval_mode(lm.module):
-        for b in _batches(lm, pairs):
+        for b in pair_batches(lm, pairs):
             _, z_corrupt, _ = _run_keep(lm, b.corrupt, b)
             per_pair.append(_estimate(lm, b, z_corrupt, estimator, steps))
     return _summed(result, estimator, torch.cat(per_pair, dim=-3).cpu())
@@ -92,7 +92,7 @@ def _summed(result: PatchResult, estimator: str, per_pair: torch.Tensor) -> Patc
 
 
 @torch.no_grad()
-def _patched(lm: AttentionLM, b: _Batch, heads: Sequence[Head], z_corrupt) -> torch.Tensor:
+def _patched(lm: AttentionLM, b: PairBatch, heads: Sequence[Head], z_corrupt) -> torch.Tensor:
     """``[batch]``: the clean run's metric with ``heads``' outputs taken from the corrupt run."""
     by_layer: dict[int, list[int]] = {}
     for h in heads:
@@ -107,7 +107,7 @@ def _patched(lm: AttentionLM, b: _Batch, heads: Sequence[Head], z_corrupt) -> to
     with lm.hooks([(f"blocks.{layer}.attn.hook_z", patch) for layer in by_layer]):
         logits = lm.forward(b.clean)
     assert logits is not None
-    return _metric(logits, b).double()
+    return pair_metric(logits, b).double()
 
 
 def with_backups(lm: AttentionLM, pairs: Sequence[Pair], result: PatchResult, k: int) -> PatchResult:
@@ -115,7 +115,7 @@ def with_backups(lm: AttentionLM, pairs: Sequence[Pair], result: PatchResult, k:
     together (storylens.effects.backups: [m(K + h) - m(K)] - [m(h) - m({})] per pair) and what the model
     repairs. Every head is patched alone here (whatever ``result`` patched exactly), then with the ``k``."""
     every = list(Head.every(lm.n_layer, lm.n_head))
-    batches = _batches(lm, pairs)
+    batches = pair_batches(lm, pairs)
     singles = []
     with eval_mode(lm.module):
         for b in batches:

@@ -40,7 +40,7 @@ from storylens.core.heads import Head, head_label
 from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
 from storylens.core.publish import publish_folder
-from storylens.core.schema import check_version, versioned
+from storylens.core.schema import read_versioned, versioned
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 from storylens.model.tokenizer import text_only
 from storylens.viz.patch import patch_html
@@ -236,7 +236,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 
 
 @dataclass
-class _Batch:
+class PairBatch:
     """Pairs padded at the end (causal: padding never reaches a real position)."""
 
     clean: torch.Tensor  # [batch, pos]
@@ -246,7 +246,7 @@ class _Batch:
     wrong: torch.Tensor  # [batch]
 
 
-def _batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS) -> list[_Batch]:
+def pair_batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS) -> list[PairBatch]:
     out = []
     for i in range(0, len(pairs), size):
         chunk = pairs[i : i + size]
@@ -254,11 +254,11 @@ def _batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS) ->
         corrupt, _ = pad_batch([p.corrupt_ids for p in chunk], lm.marker_id, lm.device)
         answer = torch.tensor([p.answer_id for p in chunk], device=lm.device)
         wrong = torch.tensor([p.wrong_id for p in chunk], device=lm.device)
-        out.append(_Batch(clean, corrupt, lengths - 1, answer, wrong))
+        out.append(PairBatch(clean, corrupt, lengths - 1, answer, wrong))
     return out
 
 
-def _metric(logits: torch.Tensor, b: _Batch) -> torch.Tensor:
+def pair_metric(logits: torch.Tensor, b: PairBatch) -> torch.Tensor:
     """``logit(answer) - logit(wrong)`` at each pair's last position: ``[batch]``."""
     rows = logits[torch.arange(logits.shape[0], device=logits.device), b.last]  # [batch, vocab]
     return rows.gather(1, b.answer[:, None])[:, 0] - rows.gather(1, b.wrong[:, None])[:, 0]
@@ -269,7 +269,7 @@ def _hook_names(lm: AttentionLM) -> list[str]:
 
 
 @torch.no_grad()
-def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: PairBatch) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
     """One unpatched pass: the metric ``[batch]``, every block's ``z`` ``[batch, pos, head, d_head]``
     and what every block returned (for :meth:`~storylens.lm.hooks.AttentionLM.skip_blocks`)."""
     zs: dict[int, torch.Tensor] = {}
@@ -280,7 +280,7 @@ def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: _Batch) -> tuple[torch.Tens
     with lm.keep_block_outputs(range(lm.n_layer)) as kept, lm.hooks([(n, keep) for n in _hook_names(lm)]):
         logits = lm.forward(ids)
         assert logits is not None
-        metric = _metric(logits, b).double()
+        metric = pair_metric(logits, b).double()
     if len(zs) != lm.n_layer:
         raise StorylensError(
             f"{lm.name}: hook_z fired in {len(zs)} of {lm.n_layer} blocks; its heads cannot be reached"
@@ -288,7 +288,7 @@ def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: _Batch) -> tuple[torch.Tens
     return metric, [zs[i] for i in range(lm.n_layer)], dict(kept)
 
 
-def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _atp(lm: AttentionLM, b: PairBatch, z_corrupt: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The clean metric ``[batch]`` and ``[batch, layer, head]``: ``(z_corrupt - z_clean) . dmetric/dz`` on the clean run. Each ``z`` gets a
     zero leaf added (``z + delta``), so the gradient on ``delta`` is the metric's total derivative in
     ``z`` (through every later block); no weight gradient is asked for."""
@@ -307,7 +307,7 @@ def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> tuple
             raise StorylensError(
                 f"{lm.name}: hook_z fired in {len(deltas)} of {lm.n_layer} blocks; its heads cannot be reached"
             )
-        metric = _metric(logits, b)
+        metric = pair_metric(logits, b)
         grads = torch.autograd.grad(metric.sum(), [deltas[i] for i in range(lm.n_layer)])
     out = [
         torch.einsum("bphd,bphd->bh", (zc - zs[i]).double(), g.double())  # [batch, head]
@@ -317,7 +317,7 @@ def _atp(lm: AttentionLM, b: _Batch, z_corrupt: Sequence[torch.Tensor]) -> tuple
 
 
 @torch.no_grad()
-def _exact(lm: AttentionLM, b: _Batch, heads: Sequence[Head], z_corrupt, kept, clean_metric) -> torch.Tensor:
+def _exact(lm: AttentionLM, b: PairBatch, heads: Sequence[Head], z_corrupt, kept, clean_metric) -> torch.Tensor:
     """``[batch, len(heads)]``: the clean run with one head's ``z`` from the corrupt run at every
     position, minus the clean metric; a head in block ``l`` starts from block ``l - 1``'s clean output."""
     out = torch.empty(b.clean.shape[0], len(heads), dtype=torch.float64, device=b.clean.device)
@@ -334,7 +334,7 @@ def _exact(lm: AttentionLM, b: _Batch, heads: Sequence[Head], z_corrupt, kept, c
         ):
             logits = lm.forward(b.clean)
         assert logits is not None
-        out[:, j] = _metric(logits, b).double() - clean_metric
+        out[:, j] = pair_metric(logits, b).double() - clean_metric
     return out
 
 
@@ -371,7 +371,7 @@ def patch_heads(
     lm = wrap(model)
     if not pairs:
         raise StorylensError("pairs: nothing to run")
-    batches = _batches(lm, pairs)
+    batches = pair_batches(lm, pairs)
     clean_m, corrupt_m, atp = [], [], []
     with eval_mode(lm.module):
         for b in batches:  # AtP: one corrupt forward, one clean forward and one backward
@@ -481,13 +481,7 @@ def load_patch(folder: str | Path) -> PatchResult:
     StorylensError line naming it."""
     path = Path(folder)
     path = path / "patch.json" if path.is_dir() else path
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror}; not a folder storylens patch wrote)") from None
-    except ValueError as e:
-        raise StorylensError(f"{path}: not JSON ({e})") from None
-    check_version(doc, str(path))
+    doc = read_versioned(path, "not a folder storylens patch wrote")
     names = [f.name for f in fields(PatchResult)]
     if missing := [k for k in names if k not in doc]:
         raise StorylensError(f"{path}: not a storylens patch.json (missing {', '.join(missing)})")

@@ -7,14 +7,13 @@ files, a file of another version or one missing a key give one StorylensError li
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from storylens.core.errors import StorylensError
 from storylens.core.frames import need_pandas, to_frame
-from storylens.core.schema import check_version
+from storylens.core.schema import read_versioned
 from storylens.corpus.summary import ScoreSummary
 from storylens.lesson.summary import ReportSummary
 from storylens.looking.example_store import EXAMPLE_FIELDS
@@ -37,14 +36,7 @@ class Run:
 
 def _read(path: Path) -> dict:
     """A JSON file of this storylens's schema version, or one StorylensError line."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror})") from None
-    except ValueError as e:
-        raise StorylensError(f"{path}: not JSON ({e})") from None
-    check_version(doc, str(path))
-    return doc
+    return read_versioned(path)
 
 
 def _summary(path: Path) -> ScoreSummary | ReportSummary:

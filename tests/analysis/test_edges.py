@@ -1,4 +1,4 @@
-"""Edge attribution patching (storylens.effects.edges) in float64 on tiny seeded GPT-2, GPT-Neo, Llama with
+"""Edge attribution patching (storylens.circuits.edges) in float64 on tiny seeded GPT-2, GPT-Neo, Llama with
 grouped key/value heads and the native model: an edge's score is the metric's derivative along that edge
 alone, taken here with autograd through public hook points the test drives itself (the writer's
 corrupt-minus-clean output added, scaled by eps, to the residual stream, the receiver's projection or MLP run
@@ -13,20 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tiny_lms import KINDS, tiny_lm
-
-from storylens.effects.edges import Graph, eap_scores
-from storylens.effects.patching import NAME_PAIRS, _batches, _metric, encode_pairs, read_pairs
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def lm(request, shipped_model, tmp_path_factory):
-    return tiny_lm(request.param, shipped_model, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(scope="module")
-def pairs(lm):
-    return encode_pairs(lm, read_pairs(NAME_PAIRS)[:3], NAME_PAIRS.name)
+from storylens.circuits.edges import Graph, eap_scores
+from storylens.effects.patching import pair_batches, pair_metric
 
 
 def _seen(lm, ids, names, edit=None):
@@ -86,15 +74,16 @@ def _along(lm, b, receiver, delta):
         with lm.hooks([(at, shift), (out_name, keep)]):
             lm.forward(b.clean)
         with lm.hooks([(out_name, put)]):
-            metric = _metric(lm.forward(b.clean), b)
+            metric = pair_metric(lm.forward(b.clean), b)
         (g,) = torch.autograd.grad(metric.sum(), eps)
     return g.flatten()
 
 
-def test_an_edge_score_is_the_metric_derivative_along_that_edge_alone(lm, pairs):
+def test_an_edge_score_is_the_metric_derivative_along_that_edge_alone(tiny, task_pairs):
+    lm, pairs = tiny, task_pairs
     r = eap_scores(lm, pairs)
     g, w, rc = r.graph, r.graph.writers, r.graph.receivers
-    (b,) = _batches(lm, pairs)
+    (b,) = pair_batches(lm, pairs)
     last = lm.n_layer - 1
     cases = [
         (("head", 0, 1), (last, "q", lm.n_head - 1), f"L{last + 1}H{lm.n_head}.q"),
@@ -112,11 +101,12 @@ def test_an_edge_score_is_the_metric_derivative_along_that_edge_alone(lm, pairs)
         assert (got - want).abs().max().item() <= 1e-9 * scale, label
 
 
-def test_the_scores_into_a_receiver_sum_to_the_derivative_along_the_whole_difference(lm, pairs):
+def test_the_scores_into_a_receiver_sum_to_the_derivative_along_the_whole_difference(tiny, task_pairs):
     """Every writer's difference together is the residual stream's (the biases are in both runs): the scores of
     every edge into a receiver sum to the derivative along the corrupt-minus-clean residual there."""
+    lm, pairs = tiny, task_pairs
     r = eap_scores(lm, pairs)
-    (b,) = _batches(lm, pairs)
+    (b,) = pair_batches(lm, pairs)
     last = lm.n_layer - 1
     at = f"blocks.{last}.hook_resid_pre"
     delta = _seen(lm, b.corrupt, [at])[1][at] - _seen(lm, b.clean, [at])[1][at]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from storylens.core.errors import StorylensError
-from storylens.effects.patching import BATCH_PAIRS, Pair, _Batch, _batches, _metric, mean_se
+from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, mean_se, pair_batches, pair_metric
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 
 KINDS = ("q", "k", "v")  # a head's inputs
@@ -117,7 +117,7 @@ def _names(lm: AttentionLM) -> dict[str, list[str]]:
     }
 
 
-def _writers(lm: AttentionLM, seen: dict) -> torch.Tensor:
+def writer_outputs(lm: AttentionLM, seen: dict) -> torch.Tensor:
     """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run."""
     out = [seen["pre"][0]]
     for layer in range(lm.n_layer):
@@ -126,7 +126,7 @@ def _writers(lm: AttentionLM, seen: dict) -> torch.Tensor:
     return torch.stack(out, 2)
 
 
-def _run(lm: AttentionLM, ids: torch.Tensor, b: _Batch, grad: bool) -> tuple[torch.Tensor, dict]:
+def run_pass(lm: AttentionLM, ids: torch.Tensor, b: PairBatch, grad: bool) -> tuple[torch.Tensor, dict]:
     """One pass: the metric ``[batch]`` and every hook's tensor as the model used it (on the clean run with
     ``grad``: a zero leaf added at each residual point, so that gradients reach it)."""
     seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
@@ -151,7 +151,7 @@ def _run(lm: AttentionLM, ids: torch.Tensor, b: _Batch, grad: bool) -> tuple[tor
     with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks):
         logits = lm.forward(ids)
         assert logits is not None
-        metric = _metric(logits, b)
+        metric = pair_metric(logits, b)
         missing = [k for k, v in seen.items() if len(v) != len(_names(lm)[k])]
         if missing:
             raise StorylensError(f"{lm.name}: the hook points {', '.join(missing)} did not fire in every block")
@@ -191,10 +191,12 @@ def eap_scores(model: ModelLike, pairs: list[Pair], *, batch_size: int = BATCH_P
     graph = graph_of(lm)
     n_recv, n_writ = len(graph.receivers), len(graph.writers)
     per_pair = []
-    for b in _batches(lm, pairs, batch_size):
-        _, corrupt = _run(lm, b.corrupt, b, grad=False)
-        _, clean = _run(lm, b.clean, b, grad=True)
-        delta = (_writers(lm, corrupt) - _writers(lm, clean)).detach().double()  # [batch, pos, writer, d_model]
+    for b in pair_batches(lm, pairs, batch_size):
+        _, corrupt = run_pass(lm, b.corrupt, b, grad=False)
+        _, clean = run_pass(lm, b.clean, b, grad=True)
+        delta = (
+            (writer_outputs(lm, corrupt) - writer_outputs(lm, clean)).detach().double()
+        )  # [batch, pos, writer, d_model]
         grads = [_receiver_grads(lm, clean, layer).double() for layer in range(lm.n_layer)]
         grads.append(clean["leaves"]["post"][0].grad.double()[:, :, None])  # the logits' receiver
         g = torch.cat(grads, 2)  # [batch, pos, receiver, d_model]

@@ -1,0 +1,183 @@
+"""``storylens circuit``'s run on a task of pairs: every edge's EAP score, the faithfulness curve of the top
+circuits with CPR and CMD, the smallest circuit that keeps 80 % of the metric, the oracle audit and stability;
+written as circuit.json (``storylens/schemas/circuit.schema.json``), circuit.csv (one row per edge) and
+circuit.html, read back by :func:`load_circuit`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from storylens.circuits.edges import eap_scores
+from storylens.circuits.faithfulness import Faithfulness, faithfulness, top_circuit
+from storylens.circuits.oracle import ORACLE_EDGES, Oracle, edge_oracle
+from storylens.circuits.stability import RESAMPLES, Stability, stability
+from storylens.core.errors import StorylensError
+from storylens.core.frames import to_frame
+from storylens.core.plain import Plain
+from storylens.core.publish import publish_folder
+from storylens.core.schema import read_versioned, versioned
+from storylens.effects.patching import BATCH_PAIRS, Pair, task_verdict
+from storylens.lm import ModelLike, wrap
+
+ENOUGH = 0.8  # the faithfulness the smallest circuit shown keeps
+METHODS = ("eap",)
+
+
+@dataclass(frozen=True)
+class EdgeRow(Plain):
+    """One edge: its writer and receiver (``L{block}H{head}.q``, ...), its score with its error over pairs,
+    and whether the smallest faithful circuit holds it."""
+
+    writer: str
+    receiver: str
+    score: float
+    score_se: float
+    in_circuit: bool
+
+
+@dataclass
+class CircuitResult(Plain):
+    model: str
+    pairs: int
+    metric: str
+    method: str
+    clean_metric: float
+    clean_metric_se: float
+    corrupt_metric: float
+    corrupt_metric_se: float
+    verdict: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_edges: int
+    faithfulness: Faithfulness
+    circuit_size: int | None  # the edges of the smallest circuit with f >= ENOUGH (None: no size reaches it)
+    circuit_f: float | None
+    edges: list[EdgeRow]
+    oracle: Oracle | None
+    stability: Stability | None
+
+    def to_pandas(self):
+        """One row per edge (a pandas DataFrame)."""
+        return to_frame([e.to_dict() for e in self.edges], [f.name for f in fields(EdgeRow)])
+
+
+def run_circuit(
+    model: ModelLike, pairs: list[Pair], *, method: str = "eap", oracle: int = ORACLE_EDGES,
+    resamples: int = RESAMPLES, seed: int = 0, batch_size: int = BATCH_PAIRS, progress=None,
+) -> CircuitResult:  # fmt: skip
+    """The whole run (the module docstring); ``progress(step)`` told of each step's start."""
+    lm = wrap(model)
+    say = progress or (lambda step: None)
+    say("edge scores")
+    scores = eap_scores(lm, pairs, batch_size=batch_size)
+    say("faithfulness")
+    f = faithfulness(lm, pairs, scores, batch_size=batch_size, seed=seed)
+    at = next((i for i, x in enumerate(f.f) if x >= ENOUGH), None)
+    size = None if at is None else f.n[at]
+    circuit = top_circuit(scores, size) if size is not None else torch.zeros_like(scores.mean, dtype=torch.bool)
+    say("oracle")
+    audit = edge_oracle(lm, pairs, scores, k=oracle, seed=seed, batch_size=batch_size) if oracle else None
+    say("stability")
+    stable = (
+        stability(lm, pairs, scores, size, resamples=resamples, seed=seed, batch_size=batch_size)
+        if resamples and size
+        else None
+    )
+    width = scores.mean.shape[1]
+    flat = circuit.flatten()
+    index = {
+        (w, r): u * width + v for u, w in enumerate(scores.graph.writers) for v, r in enumerate(scores.graph.receivers)
+    }
+    rows = [EdgeRow(w, r, m, se, bool(flat[index[(w, r)]])) for w, r, m, se in scores.edges()]
+    return CircuitResult(
+        lm.name, len(pairs), "logit(answer) - logit(wrong) at the last position", method, f.clean, f.clean_se,
+        f.corrupt, f.corrupt_se, task_verdict(f.clean, f.clean_se, len(pairs)), lm.n_layer, lm.n_head,
+        lm.n_kv_head, scores.graph.n_edges, f, size, None if at is None else f.f[at], rows, audit, stable,
+    )  # fmt: skip
+
+
+CSV_COLUMNS = tuple(f.name for f in fields(EdgeRow))
+
+
+def circuit_csv(result: CircuitResult) -> str:
+    """One row per edge."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for e in result.edges:
+        w.writerow([e.writer, e.receiver, f"{e.score:.9g}", f"{e.score_se:.9g}", int(e.in_circuit)])
+    return out.getvalue()
+
+
+def circuit_json(result: CircuitResult) -> str:
+    """circuit.json: ``schema_version`` first, then the result's fields."""
+    return json.dumps(versioned(result.to_dict()), indent=1, allow_nan=False) + "\n"
+
+
+def load_circuit(folder: str | Path) -> CircuitResult:
+    """Read back the circuit.json ``storylens circuit --out FOLDER`` wrote (the folder or the file); one
+    StorylensError line where it is not one."""
+    path = Path(folder)
+    path = path / "circuit.json" if path.is_dir() else path
+    doc = read_versioned(path, "not a folder storylens circuit wrote")
+    if missing := [f.name for f in fields(CircuitResult) if f.name not in doc]:
+        raise StorylensError(f"{path}: not a storylens circuit.json (missing {', '.join(missing)})")
+    try:
+        return CircuitResult.from_dict(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StorylensError(f"{path}: not a storylens circuit.json ({type(e).__name__}: {e})") from None
+
+
+def write_circuit(out: str | Path, result: CircuitResult, page: str) -> Path:
+    """``out/circuit.json``, ``circuit.csv`` and ``circuit.html`` (``page``), published together."""
+    with publish_folder(out, "circuit") as tmp:
+        (tmp / "circuit.json").write_text(circuit_json(result), encoding="utf-8")
+        (tmp / "circuit.csv").write_text(circuit_csv(result), encoding="utf-8")
+        (tmp / "circuit.html").write_text(page, encoding="utf-8")
+    return Path(out)
+
+
+def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
+    """What ``storylens circuit`` prints: whether the model does the task first, then the curve, the circuit."""
+    f = result.faithfulness
+    out = [
+        result.verdict,
+        f"{result.pairs} pairs on {result.model}; {result.n_edges:,} edges ({result.n_layer} blocks x {result.n_head} "
+        f"heads, {result.n_kv_head} key/value heads); method {result.method}",
+        f"clean {f.clean:+.3f} ± {f.clean_se:.3f}, corrupt {f.corrupt:+.3f} ± {f.corrupt_se:.3f}",
+        "faithfulness of the top edges (pruned), f = (m(circuit) - m(empty)) / (m(model) - m(empty)):",
+    ]
+    out += [
+        f"  {p:>6.1%}  {k:>6,} edges  f {x:+.3f} ± {se:.3f}" for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)
+    ]
+    out.append(f"CPR {f.cpr:.3f} ± {f.cpr_se:.3f}, CMD {f.cmd:.3f} ± {f.cmd_se:.3f} (areas over the edge fraction)")
+    if result.circuit_size is None:
+        out.append(f"no circuit size keeps {ENOUGH:.0%} of the metric")
+    else:
+        edges = sorted((e for e in result.edges if e.in_circuit), key=lambda e: -abs(e.score))
+        out.append(
+            f"the smallest circuit keeping {ENOUGH:.0%}: {len(edges)} edges (top {result.circuit_size} before pruning), "
+            f"f {result.circuit_f:+.3f}; its largest edges:"
+        )
+        out += [f"  {e.writer:>6} -> {e.receiver:<10} {e.score:+.3f} ± {e.score_se:.3f}" for e in edges[:top]]
+    if result.oracle is not None:
+        o = result.oracle
+        rho = "n/a" if o.rho is None else f"{o.rho:.3f}"
+        out.append(
+            f"oracle: {len(o.rows)} edges ablated alone and run; Spearman rho (score vs exact) {rho}"
+            + (f"; opposite signs beyond both errors: {', '.join(o.disagree)}" if o.disagree else "")
+        )
+    if result.stability is not None:
+        s = result.stability
+        out.append(
+            f"stability over {s.resamples} resamples of the pairs: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
+            f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {s.core_f:+.3f}"
+        )
+    return out

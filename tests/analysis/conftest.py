@@ -1,0 +1,18 @@
+"""Fixtures the circuits' tests share: each tiny seeded model of tiny_lms.KINDS (float64) and three pairs of the
+name task encoded for it."""
+
+import pytest
+from tiny_lms import KINDS, tiny_lm
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, shipped_model, tmp_path_factory):
+    pytest.importorskip("transformers")
+    return tiny_lm(request.param, shipped_model, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def task_pairs(tiny):
+    from storylens.effects.patching import NAME_PAIRS, encode_pairs, read_pairs
+
+    return encode_pairs(tiny, read_pairs(NAME_PAIRS)[:3], NAME_PAIRS.name)
