@@ -121,20 +121,25 @@ def writer_outputs(lm: AttentionLM, seen: dict) -> torch.Tensor:
     """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run."""
     out = [seen["pre"][0]]
     for layer in range(lm.n_layer):
-        w_o = lm.head_output_weights(layer).to(seen["z"][layer].dtype)  # [head, d_head, d_model]
+        w_o = lm.head_output_weights(layer).detach().to(seen["z"][layer].dtype)  # [head, d_head, d_model]
         out += list(torch.einsum("bphd,hdm->bphm", seen["z"][layer], w_o).unbind(2)) + [seen["mlp"][layer]]
     return torch.stack(out, 2)
 
 
-def run_pass(lm: AttentionLM, ids: torch.Tensor, b: PairBatch, grad: bool) -> tuple[torch.Tensor, dict]:
+def run_pass(
+    lm: AttentionLM, ids: torch.Tensor, b: PairBatch, grad: bool, edit: tuple[str, int, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict]:
     """One pass: the metric ``[batch]`` and every hook's tensor as the model used it (on the clean run with
-    ``grad``: a zero leaf added at each residual point, so that gradients reach it)."""
+    ``grad``: a zero leaf added at each residual point, so that gradients reach it); ``edit``: ``(kind, block,
+    shift)`` adds ``shift`` to that hook's tensor (``pre`` at block 0: the input; ``z``; ``mlp``) first."""
     seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
     leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
 
     def keeper(kind: str):
         def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor:
             layer = hook.layer if kind != "post" else 0
+            if edit is not None and edit[:2] == (kind, layer):
+                x = x + edit[2].to(x.dtype)
             if grad and kind in leaves:
                 leaf = torch.zeros_like(x, requires_grad=True)
                 leaves[kind][layer] = leaf
@@ -181,27 +186,55 @@ def _receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
     return torch.stack(out, 2)
 
 
-def eap_scores(model: ModelLike, pairs: list[Pair], *, batch_size: int = BATCH_PAIRS) -> EdgeScores:
-    """Every edge's EAP score on ``pairs`` (from :func:`~storylens.effects.patching.encode_pairs`): the mean
-    over pairs with its standard error (module docstring). Computed in float64 on the CPU from the model's
-    own dtype's activations and gradients."""
+METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+IG_STEPS = 5  # EAP-IG's integration steps by default (Hanna et al. 2024 use 5 on GPT-2's greater-than)
+
+
+def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict) -> list:
+    """Where each gradient is taken (EAP-IG's code): ``eap`` the clean run; ``eap-ig-inputs`` the input moved from
+    the corrupt one to the clean one, ``k / steps`` of the way for ``k = 0 .. steps - 1``; ``eap-ig-activations``
+    each node in turn (the input, a block's heads together, an MLP) moved so, ``k = 1 .. steps``."""
+    if method == "eap":
+        return [None]
+    nodes = [("pre", 0)] + [(kind, layer) for layer in range(lm.n_layer) for kind in ("z", "mlp")]
+    ks = range(steps) if method == "eap-ig-inputs" else range(1, steps + 1)
+    nodes = nodes[:1] if method == "eap-ig-inputs" else nodes
+    out = []
+    for kind, layer in nodes:
+        diff = (corrupt[kind][layer] - clean[kind][layer]).detach()
+        out += [(kind, layer, (1 - k / steps) * diff) for k in ks]
+    return out
+
+
+def eap_scores(
+    model: ModelLike, pairs: list[Pair], *, method: str = "eap", steps: int = IG_STEPS, batch_size: int = BATCH_PAIRS
+) -> EdgeScores:
+    """Every edge's score on ``pairs`` (from :func:`~storylens.effects.patching.encode_pairs`) by ``method`` of
+    :data:`METHODS` (``steps``: EAP-IG's), the mean over pairs with its standard error (module docstring): the
+    writers' corrupt-minus-clean outputs against the receivers' gradients, averaged over where those are taken
+    (:func:`_edits`). Products and sums in float64 from the model's own dtype's activations and gradients."""
     lm = wrap(model)
     if not pairs:
         raise StorylensError("eap: no pairs")
+    if method not in METHODS or steps < 1:
+        raise StorylensError(
+            f"edge scores: a method of {', '.join(METHODS)} and 1 step or more (got {method}, {steps})"
+        )
     graph = graph_of(lm)
     n_recv, n_writ = len(graph.receivers), len(graph.writers)
     per_pair = []
     for b in pair_batches(lm, pairs, batch_size):
         _, corrupt = run_pass(lm, b.corrupt, b, grad=False)
-        _, clean = run_pass(lm, b.clean, b, grad=True)
-        delta = (
-            (writer_outputs(lm, corrupt) - writer_outputs(lm, clean)).detach().double()
-        )  # [batch, pos, writer, d_model]
-        grads = [_receiver_grads(lm, clean, layer).double() for layer in range(lm.n_layer)]
-        grads.append(clean["leaves"]["post"][0].grad.double()[:, :, None])  # the logits' receiver
-        g = torch.cat(grads, 2)  # [batch, pos, receiver, d_model]
-        scores = torch.einsum("bpwd,bprd->bwr", delta, g)
-        per_pair.append(scores.cpu())
+        _, clean = run_pass(lm, b.clean, b, grad=False)
+        delta = (writer_outputs(lm, corrupt) - writer_outputs(lm, clean)).double()  # [batch, pos, writer, d_model]
+        edits = _edits(lm, method, steps, clean, corrupt)
+        scores = torch.zeros(b.clean.shape[0], n_writ, n_recv, dtype=torch.float64)
+        for edit in edits:
+            _, run = run_pass(lm, b.clean, b, grad=True, edit=edit)
+            grads = [_receiver_grads(lm, run, layer).double() for layer in range(lm.n_layer)]
+            grads.append(run["leaves"]["post"][0].grad.double()[:, :, None])  # the logits' receiver
+            scores += torch.einsum("bpwd,bprd->bwr", delta, torch.cat(grads, 2)).cpu()
+        per_pair.append(scores / len(edits))
     s = torch.cat(per_pair)  # [pair, writer, receiver]
     mask = torch.zeros(n_writ, n_recv, dtype=torch.bool)
     for v in range(n_recv):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from storylens.circuits.edges import eap_scores
+from storylens.circuits.edges import IG_STEPS, eap_scores
 from storylens.circuits.faithfulness import Faithfulness, faithfulness, top_circuit
 from storylens.circuits.oracle import ORACLE_EDGES, Oracle, edge_oracle
 from storylens.circuits.stability import RESAMPLES, Stability, stability
@@ -26,7 +26,6 @@ from storylens.effects.patching import BATCH_PAIRS, Pair, task_verdict
 from storylens.lm import ModelLike, wrap
 
 ENOUGH = 0.8  # the faithfulness the smallest circuit shown keeps
-METHODS = ("eap",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class CircuitResult(Plain):
     pairs: int
     metric: str
     method: str
+    ig_steps: int | None  # EAP-IG's steps (None: eap)
     clean_metric: float
     clean_metric_se: float
     corrupt_metric: float
@@ -69,14 +69,14 @@ class CircuitResult(Plain):
 
 
 def run_circuit(
-    model: ModelLike, pairs: list[Pair], *, method: str = "eap", oracle: int = ORACLE_EDGES,
+    model: ModelLike, pairs: list[Pair], *, method: str = "eap", ig_steps: int = IG_STEPS, oracle: int = ORACLE_EDGES,
     resamples: int = RESAMPLES, seed: int = 0, batch_size: int = BATCH_PAIRS, progress=None,
 ) -> CircuitResult:  # fmt: skip
     """The whole run (the module docstring); ``progress(step)`` told of each step's start."""
     lm = wrap(model)
     say = progress or (lambda step: None)
     say("edge scores")
-    scores = eap_scores(lm, pairs, batch_size=batch_size)
+    scores = eap_scores(lm, pairs, method=method, steps=ig_steps, batch_size=batch_size)
     say("faithfulness")
     f = faithfulness(lm, pairs, scores, batch_size=batch_size, seed=seed)
     at = next((i for i, x in enumerate(f.f) if x >= ENOUGH), None)
@@ -97,7 +97,8 @@ def run_circuit(
     }
     rows = [EdgeRow(w, r, m, se, bool(flat[index[(w, r)]])) for w, r, m, se in scores.edges()]
     return CircuitResult(
-        lm.name, len(pairs), "logit(answer) - logit(wrong) at the last position", method, f.clean, f.clean_se,
+        lm.name, len(pairs), "logit(answer) - logit(wrong) at the last position", method,
+        None if method == "eap" else ig_steps, f.clean, f.clean_se,
         f.corrupt, f.corrupt_se, task_verdict(f.clean, f.clean_se, len(pairs)), lm.n_layer, lm.n_head,
         lm.n_kv_head, scores.graph.n_edges, f, size, None if at is None else f.f[at], rows, audit, stable,
     )  # fmt: skip
@@ -150,7 +151,8 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
     out = [
         result.verdict,
         f"{result.pairs} pairs on {result.model}; {result.n_edges:,} edges ({result.n_layer} blocks x {result.n_head} "
-        f"heads, {result.n_kv_head} key/value heads); method {result.method}",
+        f"heads, {result.n_kv_head} key/value heads); method {result.method}"
+        + ("" if result.ig_steps is None else f" ({result.ig_steps} steps)"),
         f"clean {f.clean:+.3f} ± {f.clean_se:.3f}, corrupt {f.corrupt:+.3f} ± {f.corrupt_se:.3f}",
         "faithfulness of the top edges (pruned), f = (m(circuit) - m(empty)) / (m(model) - m(empty)):",
     ]

@@ -4,8 +4,9 @@ stable (docs/circuit.md)."""
 
 from __future__ import annotations
 
+from storylens.circuits.edges import IG_STEPS, METHODS
 from storylens.circuits.oracle import ORACLE_EDGES
-from storylens.circuits.run import METHODS, circuit_lines, run_circuit, write_circuit
+from storylens.circuits.run import circuit_lines, run_circuit, write_circuit
 from storylens.circuits.stability import RESAMPLES
 from storylens.cli.options import add_model, add_no_progress, add_pairs, check_seed, load, out_path, task_rows
 from storylens.core.errors import UsageError
@@ -24,7 +25,16 @@ def add_parser(sub) -> None:
     )
     add_pairs(p)
     p.add_argument("--out", required=True, help="output folder: circuit.json, circuit.csv, circuit.html")
-    p.add_argument("--method", choices=METHODS, default="eap", help="how every edge is scored (default eap)")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="eap",
+        help="how every edge is scored: eap (edge attribution patching: one backward pass), eap-ig-inputs (the "
+        "gradients averaged along the input's path from the corrupt prompt to the clean one, --ig-steps points), "
+        "eap-ig-activations (along each node's own path in turn: (1 + 2 x blocks) x --ig-steps backward passes); "
+        "default eap",
+    )
+    p.add_argument("--ig-steps", type=int, default=IG_STEPS, metavar="M", help=f"EAP-IG's steps (default {IG_STEPS})")
     p.add_argument(
         "--oracle",
         type=int,
@@ -46,6 +56,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.ig_steps < 1:
+        raise UsageError(f"--ig-steps: a whole number, 1 or more (got {args.ig_steps})")
     if args.oracle < 0 or args.resamples < 0:
         raise UsageError(f"--oracle and --resamples: whole numbers, 0 or more (got {args.oracle}, {args.resamples})")
     check_seed(args.seed)
@@ -61,7 +73,7 @@ def run(args) -> int:
 
     with progress_command("circuit"):
         result = run_circuit(
-            model, pairs, method=args.method, oracle=args.oracle, resamples=args.resamples, seed=args.seed,
+            model, pairs, method=args.method, ig_steps=args.ig_steps, oracle=args.oracle, resamples=args.resamples, seed=args.seed,
             progress=say,
         )  # fmt: skip
     write_circuit(out, result, circuit_html(result.to_dict(), title=f"storylens circuit: {result.model}"))

@@ -113,9 +113,10 @@ def test_the_faithfulness_curve_ends_at_the_whole_model(tiny, task_pairs):
 
 
 def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, tmp_path, capsys):
-    """storylens circuit on four pairs of the name task: circuit.json validates against its schema and reads back
-    (load_circuit, to_pandas), circuit.csv has a row per edge, circuit.html is one offline page; the run says
-    first whether the model does the task; a bad --oracle is one line, exit 2."""
+    """storylens circuit on four pairs of the name task, scored by EAP-IG (inputs, 2 steps): circuit.json
+    validates against its schema and reads back (load_circuit, to_pandas), circuit.csv has a row per edge,
+    circuit.html is one offline page; the run says first whether the model does the task; a bad --oracle or
+    --ig-steps is one line, exit 2."""
     import json
 
     import jsonschema
@@ -128,7 +129,8 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     keys = ("clean", "corrupt", "answer", "wrong")
     pairs.write_text("".join(json.dumps({k: r[k] for k in keys}) + "\n" for r in read_pairs(NAME_PAIRS)[:4]))
     out = tmp_path / "c"
-    argv = ["circuit", "--pairs", str(pairs), "--out", str(out), "--oracle", "2", "--resamples", "3", "--no-progress"]
+    argv = ["circuit", "--pairs", str(pairs), "--out", str(out), "--oracle", "2", "--resamples", "3", "--no-progress",
+            "--method", "eap-ig-inputs", "--ig-steps", "2"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("The model does this task") and "CPR" in printed and "oracle: 4 edges" in printed
@@ -137,7 +139,9 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     back = load_circuit(out)
     assert back.n_edges == doc["n_edges"] == 1108 and len(back.edges) == 1108 and back.to_pandas().shape == (1108, 5)
     assert back.faithfulness.f[-1] == pytest.approx(1.0, abs=1e-6) and back.stability is not None
+    assert (back.method, back.ig_steps) == ("eap-ig-inputs", 2)
     assert len((out / "circuit.csv").read_text().splitlines()) == 1 + 1108
     page = (out / "circuit.html").read_text()
     assert "default-src 'none'" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
     assert main(["circuit", "--out", str(tmp_path / "d"), "--oracle", "-1"]) == 2
+    assert main(["circuit", "--out", str(tmp_path / "d"), "--ig-steps", "0"]) == 2

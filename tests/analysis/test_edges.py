@@ -127,3 +127,25 @@ def test_the_graph_counts_its_edges():
     assert Graph(30, 9, 3).n_edges == sum((9 + 6) * (1 + 10 * b) + (1 + 10 * b + 9) for b in range(30)) + 1 + 10 * 30
     # the graph EAP-IG builds, ungrouped: 32,491 edges on GPT-2 small's shape, 123,211 on the 30 x 9 shape
     assert (Graph(12, 12, 12).n_edges, Graph(30, 9, 9).n_edges) == (32_491, 123_211)
+
+
+def test_eap_ig_takes_its_gradients_where_eap_ig_does(tiny, task_pairs):
+    """EAP-IG's two forms, at one step: ``eap-ig-inputs`` takes its gradient at k = 0, the input moved all the way
+    to the corrupt prompt's, which is the corrupt run, so its scores are minus EAP's on the pairs with clean and
+    corrupt swapped; ``eap-ig-activations`` takes each node's at k = 1, the clean run, so its scores are EAP's. At
+    more steps the scores move (the gradients are taken elsewhere). Float64 rounding: 1e-9 of the largest score."""
+    from dataclasses import replace
+
+    lm, pairs = tiny, task_pairs
+    eap = eap_scores(lm, pairs)
+    swapped = [
+        replace(p, clean=p.corrupt, corrupt=p.clean, clean_ids=p.corrupt_ids, corrupt_ids=p.clean_ids) for p in pairs
+    ]
+    scale = eap.mean.abs().nan_to_num(0).max().item()
+    inputs = eap_scores(lm, pairs, method="eap-ig-inputs", steps=1)
+    against = eap_scores(lm, swapped)
+    assert (inputs.per_pair + against.per_pair).nan_to_num(0).abs().max().item() <= 1e-9 * scale
+    acts = eap_scores(lm, pairs, method="eap-ig-activations", steps=1)
+    assert (acts.per_pair - eap.per_pair).nan_to_num(0).abs().max().item() <= 1e-9 * scale
+    more = eap_scores(lm, pairs, method="eap-ig-inputs", steps=3)
+    assert (more.per_pair - eap.per_pair).nan_to_num(0).abs().max().item() > 1e-6 * scale

@@ -1,0 +1,139 @@
+"""``storylens circuit``'s methods on the shipped model, and their cost on the 30 x 9 Llama shape, side by side:
+
+    python benchmarks/bench_circuit.py [--json benchmarks/circuit.json] [--llama-pairs 64]
+
+* **shipped**: on the name task (``--pairs names``) and the indirect-object pairs, for each of ``eap``,
+  ``eap-ig-inputs`` and ``eap-ig-activations`` (5 steps): the faithfulness curve of its top circuits (each run
+  exactly), CPR and CMD with their bootstrap errors, and its time against one bare forward pass over the same
+  pairs, timed in the same run;
+* **llama-30x9**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576 wide; storylens's
+  tokenizer), ``--llama-pairs`` pairs of about 20 tokens: the edges (grouped, and what ungrouping would give),
+  EAP's and EAP-IG's time against a bare forward, one edge-patched pass (a faithfulness point) against a bare
+  forward, and the peak memory each adds above the model (``ru_maxrss`` of a fresh process per method) against
+  the size of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_record import build  # noqa: E402
+
+from storylens.circuits.edges import METHODS, Graph, eap_scores, graph_of  # noqa: E402
+from storylens.circuits.faithfulness import edge_metrics, faithfulness  # noqa: E402
+from storylens.effects.patching import PAIR_SETS, encode_pairs, pair_batches, read_pairs  # noqa: E402
+from storylens.lm import load_lm  # noqa: E402
+
+STEPS = 5
+
+
+def _forward_time(lm, pairs) -> float:
+    batches = pair_batches(lm, pairs)
+    with torch.no_grad():
+        t = time.perf_counter()
+        for b in batches:
+            lm.forward(b.clean)
+        return time.perf_counter() - t
+
+
+def shipped() -> dict:
+    lm = load_lm(None)
+    out = {}
+    for task in ("names", "indirect-object"):
+        pairs = encode_pairs(lm, read_pairs(PAIR_SETS[task]))
+        fwd = min(_forward_time(lm, pairs) for _ in range(3))
+        rows = {}
+        for method in METHODS:
+            t = time.perf_counter()
+            scores = eap_scores(lm, pairs, method=method, steps=STEPS)
+            took = time.perf_counter() - t
+            f = faithfulness(lm, pairs, scores)
+            rows[method] = {"over_forward": took / fwd, "faithfulness": f.to_dict()}
+            print(f"{task:16} {method:19} {took / fwd:7.1f}x forward  CPR {f.cpr:.3f} ± {f.cpr_se:.3f}  "
+                  f"CMD {f.cmd:.3f}  f at 1%: {f.f[3]:+.3f} ± {f.f_se[3]:.3f}", flush=True)  # fmt: skip
+        out[task] = {"pairs": len(pairs), "edges": graph_of(lm).n_edges, "methods": rows}
+    return out
+
+
+def _llama_pairs(lm, n: int):
+    rows = read_pairs(PAIR_SETS["names"])
+    return encode_pairs(lm, (rows * (n // len(rows) + 1))[:n])
+
+
+def llama_one(folder: str, what: str, n: int) -> dict:
+    """In a fresh process: one method's time against a bare forward and the peak memory it adds."""
+    lm = load_lm(folder)
+    pairs = _llama_pairs(lm, n)
+    fwd = min(_forward_time(lm, pairs) for _ in range(2))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    if what == "patched":
+        every = ~torch.zeros(len(graph_of(lm).writers), len(graph_of(lm).receivers), dtype=torch.bool)
+        edge_metrics(lm, pairs, [every])
+    else:
+        eap_scores(lm, pairs, method=what, steps=STEPS)
+    took = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"over_forward": took / fwd, "peak_above_mb": (peak - base) / 1024}
+
+
+def llama(n: int, base: Path) -> dict:
+    folder = build("llama-30x9", base)
+    lm = load_lm(str(folder))
+    g = graph_of(lm)
+    pairs = _llama_pairs(lm, n)
+    tokens = max(len(p.clean_ids) for p in pairs)
+    d_model = lm.head_output_weights(0).shape[-1]
+    buffer = n * tokens * len(g.writers) * d_model * 4 / 2**20  # float32, EAP-IG's activation_difference
+    out = {
+        "pairs": n,
+        "tokens": tokens,
+        "edges": g.n_edges,
+        "edges_ungrouped": Graph(g.n_layer, g.n_head, g.n_head).n_edges,
+        "difference_buffer_mb": buffer,
+    }
+    for what in ("eap", "eap-ig-inputs", "patched"):
+        cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        out[what] = res
+        print(f"llama-30x9 {what:14} {res['over_forward']:7.1f}x forward, peak +{res['peak_above_mb']:.0f} MB "
+              f"(the whole difference buffer: {buffer:.0f} MB)", flush=True)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--llama-pairs", type=int, default=64)
+    p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        folder, what, n = args.one
+        print(json.dumps(llama_one(folder, what, int(n))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        result = {
+            "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "steps": STEPS,
+            "shipped": shipped(),
+            "llama-30x9": llama(args.llama_pairs, Path(tmp)),
+        }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
