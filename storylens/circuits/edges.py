@@ -117,13 +117,23 @@ def _names(lm: AttentionLM) -> dict[str, list[str]]:
     }
 
 
-def writer_outputs(lm: AttentionLM, seen: dict) -> torch.Tensor:
-    """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run."""
-    out = [seen["pre"][0]]
-    for layer in range(lm.n_layer):
-        w_o = lm.head_output_weights(layer).detach().to(seen["z"][layer].dtype)  # [head, d_head, d_model]
-        out += list(torch.einsum("bphd,hdm->bphm", seen["z"][layer], w_o).unbind(2)) + [seen["mlp"][layer]]
-    return torch.stack(out, 2)
+def writer_outputs(lm: AttentionLM, seen: dict, minus: dict | None = None) -> torch.Tensor:
+    """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run (less what it
+    put in on the run ``minus``), filled in place, block by block: the only buffer of that size."""
+    x = seen["pre"][0]
+    graph = graph_of(lm)
+    out = torch.empty(*x.shape[:2], len(graph.writers), x.shape[-1], dtype=x.dtype, device=x.device)
+    runs = [seen] if minus is None else [seen, minus]
+    with torch.no_grad():
+        out[:, :, 0] = x if minus is None else x - minus["pre"][0]
+        for layer in range(lm.n_layer):
+            w_o = lm.head_output_weights(layer).detach().to(x.dtype)  # [head, d_head, d_model]
+            first = 1 + layer * (lm.n_head + 1)
+            z = runs[0]["z"][layer] if minus is None else runs[0]["z"][layer] - minus["z"][layer]
+            out[:, :, first : first + lm.n_head] = torch.einsum("bphd,hdm->bphm", z, w_o)
+            mlp = runs[0]["mlp"][layer] if minus is None else runs[0]["mlp"][layer] - minus["mlp"][layer]
+            out[:, :, first + lm.n_head] = mlp
+    return out
 
 
 def run_pass(
@@ -187,6 +197,7 @@ def _receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
 
 
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+DIFF_BYTES = 256 << 20  # the writers' difference buffer a batch may hold: pairs per batch chosen to fit
 IG_STEPS = 5  # EAP-IG's integration steps by default (Hanna et al. 2024 use 5 on GPT-2's greater-than)
 
 
@@ -206,13 +217,24 @@ def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict)
     return out
 
 
+def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int) -> int:
+    """Pairs per batch: at most ``batch_size``, and as many as keep ``[batch, pos, writer, d_model]`` within
+    :data:`DIFF_BYTES` (at least one)."""
+    tokens = max(len(p.clean_ids) for p in pairs)
+    d_model = lm.head_output_weights(0).shape[-1]
+    per_pair = tokens * len(graph_of(lm).writers) * d_model * torch.finfo(lm.dtype).bits // 8
+    return max(1, min(batch_size, DIFF_BYTES // max(per_pair, 1)))
+
+
 def eap_scores(
     model: ModelLike, pairs: list[Pair], *, method: str = "eap", steps: int = IG_STEPS, batch_size: int = BATCH_PAIRS
 ) -> EdgeScores:
     """Every edge's score on ``pairs`` (from :func:`~storylens.effects.patching.encode_pairs`) by ``method`` of
     :data:`METHODS` (``steps``: EAP-IG's), the mean over pairs with its standard error (module docstring): the
     writers' corrupt-minus-clean outputs against the receivers' gradients, averaged over where those are taken
-    (:func:`_edits`). Products and sums in float64 from the model's own dtype's activations and gradients."""
+    (:func:`_edits`). Each product summed over positions and width in the model's dtype, then kept in float64. A
+    batch holds one ``[batch, pos, writer, d_model]`` buffer of the differences, its pairs chosen to fit
+    :data:`DIFF_BYTES`, and one block's receivers' gradients at a time."""
     lm = wrap(model)
     if not pairs:
         raise StorylensError("eap: no pairs")
@@ -223,17 +245,24 @@ def eap_scores(
     graph = graph_of(lm)
     n_recv, n_writ = len(graph.receivers), len(graph.writers)
     per_pair = []
-    for b in pair_batches(lm, pairs, batch_size):
+    for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
         _, corrupt = run_pass(lm, b.corrupt, b, grad=False)
         _, clean = run_pass(lm, b.clean, b, grad=False)
-        delta = (writer_outputs(lm, corrupt) - writer_outputs(lm, clean)).double()  # [batch, pos, writer, d_model]
+        delta = writer_outputs(lm, corrupt, minus=clean)  # [batch, pos, writer, d_model], the model's dtype
         edits = _edits(lm, method, steps, clean, corrupt)
+        del corrupt
         scores = torch.zeros(b.clean.shape[0], n_writ, n_recv, dtype=torch.float64)
         for edit in edits:
             _, run = run_pass(lm, b.clean, b, grad=True, edit=edit)
-            grads = [_receiver_grads(lm, run, layer).double() for layer in range(lm.n_layer)]
-            grads.append(run["leaves"]["post"][0].grad.double()[:, :, None])  # the logits' receiver
-            scores += torch.einsum("bpwd,bprd->bwr", delta, torch.cat(grads, 2)).cpu()
+            per_block = 2 * lm.n_kv_head + lm.n_head + 1
+            for layer in range(lm.n_layer):  # a block's receivers' gradients at a time, against what they read
+                up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
+                g = _receiver_grads(lm, run, layer)  # [batch, pos, receivers, d_model]
+                cols = slice(layer * per_block, (layer + 1) * per_block)
+                scores[:, :up, cols] += torch.einsum("bpwd,bprd->bwr", delta[:, :, :up], g).double().cpu()
+            g = run["leaves"]["post"][0].grad  # the logits' receiver
+            scores[:, :, -1] += torch.einsum("bpwd,bpd->bw", delta, g).double().cpu()
+            del run
         per_pair.append(scores / len(edits))
     s = torch.cat(per_pair)  # [pair, writer, receiver]
     mask = torch.zeros(n_writ, n_recv, dtype=torch.bool)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.edges import EdgeScores, Graph, graph_of, run_pass, writer_outputs
+from storylens.circuits.edges import EdgeScores, Graph, fitting_pairs, graph_of, run_pass, writer_outputs
 from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
 from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, mean_se, pair_batches, pair_metric
@@ -157,7 +157,7 @@ def edge_metrics(
     if not pairs:
         raise StorylensError("circuit: no pairs")
     out = []
-    for b in pair_batches(lm, list(pairs), batch_size):
+    for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size)):
         corrupt = _corrupt_writers(lm, b)
         out.append(torch.stack([patch_edges(lm, b, ~c, corrupt).cpu() for c in circuits]))
     return torch.cat(out, 1)
