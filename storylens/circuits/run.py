@@ -136,12 +136,48 @@ def load_circuit(folder: str | Path) -> CircuitResult:
         raise StorylensError(f"{path}: not a storylens circuit.json ({type(e).__name__}: {e})") from None
 
 
-def write_circuit(out: str | Path, result: CircuitResult, page: str) -> Path:
-    """``out/circuit.json``, ``circuit.csv`` and ``circuit.html`` (``page``), published together."""
+def _eap_ig_name(label: str) -> str:
+    """A storylens node label (``input``, ``L2H3``, ``M4``, ``logits``, a receiver ``L2H3.q``) as EAP-IG names
+    it (``input``, ``a1.h2``, ``m3``, ``logits``; blocks and heads from 0)."""
+    base = label.split(".")[0]
+    if base in ("input", "logits"):
+        return base
+    if base.startswith("M"):
+        return f"m{int(base[1:]) - 1}"
+    layer, head = base[1:].split("H")
+    return f"a{int(layer) - 1}.h{int(head) - 1}"
+
+
+def eap_ig_graph(result: CircuitResult, d_model: int) -> dict | None:
+    """The edge scores as EAP-IG's ``Graph.to_json`` writes them (``Graph.from_json`` and MIB's circuit track read
+    it): ``cfg``, ``nodes`` (``in_graph``: an edge of the circuit in or out), ``edges`` named
+    ``parent->child<q|k|v>`` with ``score`` and ``in_graph``. None for grouped key/value heads: EAP-IG's graph has
+    a key and a value input per query head, which a grouped edge's score does not split into."""
+    if result.n_kv_head != result.n_head:
+        return None
+    edges, used = {}, {"logits"}
+    for e in result.edges:
+        parent, child = _eap_ig_name(e.writer), _eap_ig_name(e.receiver)
+        kind = e.receiver.split(".")[1] if "." in e.receiver else None
+        edges[f"{parent}->{child}" + (f"<{kind}>" if kind else "")] = {"score": e.score, "in_graph": e.in_circuit}
+        if e.in_circuit:
+            used |= {parent, child}
+    names = ["input"] + [n for layer in range(result.n_layer) for n in
+                         [f"a{layer}.h{h}" for h in range(result.n_head)] + [f"m{layer}"]] + ["logits"]  # fmt: skip
+    cfg = {"n_layers": result.n_layer, "n_heads": result.n_head, "parallel_attn_mlp": False, "d_model": d_model}
+    return {"cfg": cfg, "nodes": {n: {"in_graph": n in used} for n in names}, "edges": edges}
+
+
+def write_circuit(out: str | Path, result: CircuitResult, page: str, d_model: int | None = None) -> Path:
+    """``out/circuit.json``, ``circuit.csv``, ``circuit.html`` (``page``) and, given the model's width for an
+    ungrouped model, ``circuit.eap-ig.json`` (:func:`eap_ig_graph`), published together."""
+    graph = eap_ig_graph(result, d_model) if d_model is not None else None
     with publish_folder(out, "circuit") as tmp:
         (tmp / "circuit.json").write_text(circuit_json(result), encoding="utf-8")
         (tmp / "circuit.csv").write_text(circuit_csv(result), encoding="utf-8")
         (tmp / "circuit.html").write_text(page, encoding="utf-8")
+        if graph is not None:
+            (tmp / "circuit.eap-ig.json").write_text(json.dumps(graph), encoding="utf-8")
     return Path(out)
 
 

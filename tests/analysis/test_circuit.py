@@ -115,7 +115,8 @@ def test_the_faithfulness_curve_ends_at_the_whole_model(tiny, task_pairs):
 def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, tmp_path, capsys):
     """storylens circuit on four pairs of the name task, scored by EAP-IG (inputs, 2 steps): circuit.json
     validates against its schema and reads back (load_circuit, to_pandas), circuit.csv has a row per edge,
-    circuit.html is one offline page; the run says first whether the model does the task; a bad --oracle or
+    circuit.html is one offline page, circuit.eap-ig.json is EAP-IG's graph format; the run says first whether the model
+    does the task; a bad --oracle or
     --ig-steps is one line, exit 2."""
     import json
 
@@ -140,8 +141,41 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     assert back.n_edges == doc["n_edges"] == 1108 and len(back.edges) == 1108 and back.to_pandas().shape == (1108, 5)
     assert back.faithfulness.f[-1] == pytest.approx(1.0, abs=1e-6) and back.stability is not None
     assert (back.method, back.ig_steps) == ("eap-ig-inputs", 2)
+    # EAP-IG's Graph.to_json format (blocks and heads from 0, a key/value input per query head): every edge, named
+    graph = json.loads((out / "circuit.eap-ig.json").read_text())
+    assert graph["cfg"] == {"n_layers": 6, "n_heads": 4, "parallel_attn_mlp": False, "d_model": 256}
+    assert len(graph["edges"]) == 1108 and len(graph["nodes"]) == 1 + 6 * 5 + 1
+    first = {(e.writer, e.receiver): e for e in back.edges}
+    assert graph["edges"]["input->m0"]["score"] == first[("input", "M1")].score
+    assert graph["edges"]["m0->a4.h3<v>"]["score"] == first[("M1", "L5H4.v")].score
+    assert sum(e["in_graph"] for e in graph["edges"].values()) == sum(e.in_circuit for e in back.edges)
     assert len((out / "circuit.csv").read_text().splitlines()) == 1 + 1108
     page = (out / "circuit.html").read_text()
     assert "default-src 'none'" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
     assert main(["circuit", "--out", str(tmp_path / "d"), "--oracle", "-1"]) == 2
     assert main(["circuit", "--out", str(tmp_path / "d"), "--ig-steps", "0"]) == 2
+
+
+def test_no_eap_ig_export_for_grouped_key_value_heads():
+    """EAP-IG's graph has a key and a value input per query head; a grouped edge's score does not split into them,
+    so a grouped model's run writes none, and an ungrouped one's names every edge."""
+    from storylens.circuits.faithfulness import Faithfulness
+    from storylens.circuits.run import CircuitResult, EdgeRow, eap_ig_graph
+
+    f = Faithfulness([1.0], [1], [1], [1.0], [0.0], 0.0, 0.0, 0.0, 0.0, 1.0, 0.1, -1.0, 0.1)
+
+    def result(n_kv):
+        g = Graph(1, 2, n_kv)
+        edges = [
+            EdgeRow(g.writers[u], r, 0.5, 0.1, True) for v, r in enumerate(g.receivers) for u in range(g.upstream(v))
+        ]
+        return CircuitResult("m", 2, "x", "eap", None, 1.0, 0.1, -1.0, 0.1, "v", 1, 2, n_kv, g.n_edges, f, 1, 1.0,
+                             edges, None, None)  # fmt: skip
+
+    assert eap_ig_graph(result(1), 8) is None
+    graph = eap_ig_graph(result(2), 8)
+    assert sorted(graph["edges"]) == sorted(
+        ["input->a0.h0<q>", "input->a0.h1<q>", "input->a0.h0<k>", "input->a0.h1<k>", "input->a0.h0<v>",
+         "input->a0.h1<v>", "input->m0", "a0.h0->m0", "a0.h1->m0", "input->logits", "a0.h0->logits",
+         "a0.h1->logits", "m0->logits"]
+    )  # fmt: skip
