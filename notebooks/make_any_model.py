@@ -295,10 +295,11 @@ a **clean** one the model should get right and a **corrupt** one with what matte
 metric `logit(answer) - logit(wrong)` at the last position. Each head's effect is the clean run
 with that head's output taken from the corrupt run (exact, one patched pass per head) and its AtP
 estimate; `gap_fraction` is the exact effect as a share of the whole clean-to-corrupt gap.
-storylens ships 20 example pairs (indirect objects in the stories' style) as a template; on a
-tokenizer where a name is two tokens a line is refused, and you write your own
-(see the docs' Patch page). `storylens patch --model DIR --out FOLDER` is the same run from the
-command line.
+storylens ships two tasks as templates: 20 indirect-object pairs in the stories' style (used here) and
+40 pairs of the lesson's own behaviour, the main character's name (`NAME_PAIRS`, the command's default);
+on a tokenizer where a name is two tokens a line is refused, and you write your own (see the docs' Patch
+page). The run says first whether the model does the task at all. `storylens patch --model DIR --out
+FOLDER` is the same run from the command line.
 """),
     code(
         """
@@ -343,6 +344,30 @@ again = storylens.load_patch(folder)
 print(sorted(p.name for p in folder.iterdir()), "read back equal:", again == patched)
 """),
     md("""
+## 8. How the heads work together: `circuit`
+
+A head's effect says what it carries; an **edge** says from whom it gets it. Every edge from the input,
+a head or an MLP to a later head's query, key or value input, an MLP or the logits is scored by edge
+attribution patching; the circuits of the top edges are then run exactly, every other edge carrying the
+corrupt prompt's value, and their faithfulness `f` (1: the circuit does what the model does) is measured
+at growing sizes. Grouped key/value heads are native: a key or value edge goes to the group. The
+`storylens circuit` command adds an exact audit of sampled edges, the circuit's stability over resamples of
+the pairs, and circuit.html (see the docs' Circuits page).
+"""),
+    code(
+        """
+from storylens.circuits.run import circuit_lines, run_circuit
+from storylens.effects.patching import NAME_PAIRS
+
+task = encode_pairs(lm, read_pairs(NAME_PAIRS)[:8])
+circuit = run_circuit(lm, task, oracle=0, resamples=0)
+print("\\n".join(circuit_lines(circuit, top=8)))
+edges = circuit.to_pandas()            # one row per edge: circuit.csv's columns
+edges.reindex(edges["score"].abs().sort_values(ascending=False).index).head(8)
+""",
+        "table",
+    ),
+    md("""
 ## From the command line
 
 The same readings, written to folders with every number and an offline page:
@@ -351,6 +376,7 @@ The same readings, written to folders with every number and an offline page:
 storylens score  --model path/to/model --stories stories.txt.gz --causal --out scores   # heads.csv/json, examples, explore.html
 storylens report --model path/to/model --causal --out report                           # the report: every head at a glance, the audit
 storylens patch  --model path/to/model --pairs pairs.jsonl --out patch-run              # patch.csv/json/html
+storylens circuit --model path/to/model --pairs pairs.jsonl --out circuit-run           # circuit.csv/json/html
 ```
 
 `storylens.load_heads("scores", as_pandas=True)` reads a score or report run back as data frames.
