@@ -217,6 +217,21 @@ def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict)
     return out
 
 
+def _contract(lm: AttentionLM, graph: Graph, run: dict, delta: torch.Tensor) -> torch.Tensor:
+    """``[batch, writer, receiver]`` float64: the differences ``delta`` against every receiver's gradient on the
+    gradient pass ``run``, one block's receivers at a time (each against the writers it can read)."""
+    scores = torch.zeros(delta.shape[0], len(graph.writers), len(graph.receivers), dtype=torch.float64)
+    per_block = 2 * lm.n_kv_head + lm.n_head + 1
+    for layer in range(lm.n_layer):
+        up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
+        g = _receiver_grads(lm, run, layer)  # [batch, pos, receivers, d_model]
+        cols = slice(layer * per_block, (layer + 1) * per_block)
+        scores[:, :up, cols] = torch.einsum("bpwd,bprd->bwr", delta[:, :, :up], g).double().cpu()
+    g = run["leaves"]["post"][0].grad  # the logits' receiver
+    scores[:, :, -1] = torch.einsum("bpwd,bpd->bw", delta, g).double().cpu()
+    return scores
+
+
 def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int) -> int:
     """Pairs per batch: at most ``batch_size``, and as many as keep ``[batch, pos, writer, d_model]`` within
     :data:`DIFF_BYTES` (at least one)."""
@@ -247,22 +262,18 @@ def eap_scores(
     per_pair = []
     for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
         _, corrupt = run_pass(lm, b.corrupt, b, grad=False)
-        _, clean = run_pass(lm, b.clean, b, grad=False)
-        delta = writer_outputs(lm, corrupt, minus=clean)  # [batch, pos, writer, d_model], the model's dtype
-        edits = _edits(lm, method, steps, clean, corrupt)
-        del corrupt
-        scores = torch.zeros(b.clean.shape[0], n_writ, n_recv, dtype=torch.float64)
-        for edit in edits:
-            _, run = run_pass(lm, b.clean, b, grad=True, edit=edit)
-            per_block = 2 * lm.n_kv_head + lm.n_head + 1
-            for layer in range(lm.n_layer):  # a block's receivers' gradients at a time, against what they read
-                up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
-                g = _receiver_grads(lm, run, layer)  # [batch, pos, receivers, d_model]
-                cols = slice(layer * per_block, (layer + 1) * per_block)
-                scores[:, :up, cols] += torch.einsum("bpwd,bprd->bwr", delta[:, :, :up], g).double().cpu()
-            g = run["leaves"]["post"][0].grad  # the logits' receiver
-            scores[:, :, -1] += torch.einsum("bpwd,bpd->bw", delta, g).double().cpu()
-            del run
+        if method == "eap":  # the gradient pass is the clean run: its activations are the clean ones
+            _, run = run_pass(lm, b.clean, b, grad=True)
+            delta = writer_outputs(lm, corrupt, minus=run)  # [batch, pos, writer, d_model], the model's dtype
+            scores = _contract(lm, graph, run, delta)
+            edits: list = [None]
+        else:
+            _, clean = run_pass(lm, b.clean, b, grad=False)
+            delta = writer_outputs(lm, corrupt, minus=clean)
+            edits = _edits(lm, method, steps, clean, corrupt)
+            scores = torch.zeros(b.clean.shape[0], n_writ, n_recv, dtype=torch.float64)
+            for e in edits:  # one gradient pass at a time
+                scores += _contract(lm, graph, run_pass(lm, b.clean, b, grad=True, edit=e)[1], delta)
         per_pair.append(scores / len(edits))
     s = torch.cat(per_pair)  # [pair, writer, receiver]
     mask = torch.zeros(n_writ, n_recv, dtype=torch.bool)
