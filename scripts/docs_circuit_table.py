@@ -1,11 +1,14 @@
 """The circuit page's figures, from a run of storylens circuit (never typed in):
 
     storylens circuit --out circuit-run
-    python scripts/docs_circuit_table.py circuit-run/circuit.json
+    python benchmarks/bench_circuit.py --json benchmarks/circuit.json
+    python scripts/docs_circuit_table.py circuit-run/circuit.json benchmarks/circuit.json
 
-Replaces the text between <!-- circuit-shipped:start/end --> on docs/circuit.md.
+Replaces the text between <!-- circuit-shipped:start/end --> and <!-- circuit-cost:start/end --> on
+docs/circuit.md.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -51,5 +54,44 @@ def shipped(path: str) -> str:
     return "\n".join(lines)
 
 
+def cost(path: str) -> str:
+    bench = json.loads(Path(path).read_text())
+    lines = [
+        f"Measured by `benchmarks/bench_circuit.py` ({bench['threads']} threads, {bench['machine']}; EAP-IG with "
+        f"{bench['steps']} steps). Time against one bare forward pass over the same pairs, timed in the same run.",
+        "",
+        "| task | method | time (x a forward) | CPR | CMD | f at 1 % of the edges |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task, t in bench["shipped"].items():
+        for method, m in t["methods"].items():
+            f = m["faithfulness"]
+            at = f["percentages"].index(0.01)
+            lines.append(
+                f"| {task} ({t['pairs']} pairs) | {method} | {m['over_forward']:.1f} | {f['cpr']:.3f} ± {f['cpr_se']:.3f} "
+                f"| {f['cmd']:.3f} ± {f['cmd_se']:.3f} | {f['f'][at]:+.3f} ± {f['f_se'][at]:.3f} |"
+            )
+    ll = bench["llama-30x9"]
+    lines += [
+        "",
+        f"A seeded random Llama of the 30 x 9-head shape with 3 key/value heads, {ll['pairs']} pairs of up to "
+        f"{ll['tokens']} tokens: {ll['edges']:,} edges ({ll['edges_ungrouped']:,} if its key/value heads were "
+        f"ungrouped). The whole `[batch, pos, writers, d_model]` difference buffer would be "
+        f"{ll['difference_buffer_mb']:,.0f} MB; storylens holds at most 256 MiB of it a batch.",
+        "",
+        "| run | time (x a forward) | peak memory above the model and a forward |",
+        "|---|---|---|",
+    ]
+    names = {
+        "eap": "EAP",
+        "eap-ig-inputs": "EAP-IG (inputs)",
+        "patched": "one edge-patched pass (a faithfulness point)",
+    }
+    lines += [f"| {names[k]} | {ll[k]['over_forward']:.1f} | {ll[k]['peak_above_mb']:,.0f} MB |" for k in names]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(update("circuit-shipped", shipped(sys.argv[1])))
+    if len(sys.argv) > 2:
+        print(update("circuit-cost", cost(sys.argv[2])))
