@@ -12,7 +12,7 @@ from storylens.cli.options import add_model, add_no_progress, add_pairs, check_s
 from storylens.core.errors import UsageError
 from storylens.core.progress import progress_command
 from storylens.core.publish import check_target_folder
-from storylens.effects.patching import encode_pairs
+from storylens.effects.patching import encode_pairs, pair_patterns
 from storylens.lm import wrap
 from storylens.viz.circuit import circuit_html
 
@@ -77,7 +77,7 @@ def run(args) -> int:
             model, pairs, method=args.method, ig_steps=args.ig_steps, oracle=args.oracle, resamples=args.resamples, seed=args.seed,
             progress=say,
         )  # fmt: skip
-    page = circuit_html(result.to_dict(), title=f"storylens circuit: {result.model}")
+    page = circuit_html(result.to_dict(), title=f"storylens circuit: {result.model}", pairs=pair_patterns(model, pairs))
     write_circuit(out, result, page, d_model=wrap(model).head_output_weights(0).shape[-1])
     print("\n".join(circuit_lines(result)))
     return 0

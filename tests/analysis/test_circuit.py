@@ -179,3 +179,32 @@ def test_no_eap_ig_export_for_grouped_key_value_heads():
          "input->a0.h1<v>", "input->m0", "a0.h0->m0", "a0.h1->m0", "input->logits", "a0.h0->logits",
          "a0.h1->logits", "m0->logits"]
     )  # fmt: skip
+
+
+def test_the_page_opens_offline_and_a_click_on_a_head_shows_its_attention(tmp_path):
+    """circuit.html in headless Chromium: the graph, the curve, the table; the slider redraws; a click on a head
+    shows its attention on the chosen pair, clean and corrupt; no error and no request."""
+    import json
+
+    from offline_page import offline_page
+
+    from storylens.cli import main
+
+    keys = ("clean", "corrupt", "answer", "wrong")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text("".join(json.dumps({k: r[k] for k in keys}) + "\n" for r in read_pairs(NAME_PAIRS)[:4]))
+    out = tmp_path / "c"
+    argv = ["circuit", "--pairs", str(pairs), "--out", str(out), "--oracle", "0", "--resamples", "0", "--no-progress"]
+    assert main(argv) == 0
+    with offline_page(out / "circuit.html") as (page, errors, requests):
+        assert page.locator("#slc-graph svg").count() == 1 and page.locator("#slc-curve svg").count() == 1
+        page.locator("#slc-size").fill("40")
+        assert page.locator("#slc-table tr").count() == 1 + 40
+        assert "40 of 1108 edges" in page.locator("#slc-size-label").inner_text()
+        head = page.locator("#slc-graph g.head").first
+        name = head.get_attribute("data-head")
+        head.click()
+        assert name in page.locator("#slc-head").inner_text()
+        assert page.locator('#slc-maps [data-side="clean"] svg').count() == 1
+        assert page.locator('#slc-maps [data-side="corrupt"] svg').count() == 1
+    assert errors == [] and requests == []

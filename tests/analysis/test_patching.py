@@ -328,22 +328,12 @@ def test_cli_writes_csv_json_html(tmp_path, capsys):
 
 @pytest.mark.slow  # a headless Chromium start (~10 s on a loaded machine)
 def test_page_opens_offline_and_a_click_shows_attention(tmp_path):
-    pw = pytest.importorskip("playwright.sync_api")
-    import os
+    from offline_page import offline_page
 
-    exe = os.environ.get("STORYLENS_CHROMIUM", "/usr/bin/chromium")
-    if not os.path.isfile(exe):
-        pytest.skip("chromium is not installed (see tests/viz/BROWSER_SETUP.md)")
     out = tmp_path / "out"
     pairs = _write(tmp_path / "p.jsonl", "".join(json.dumps(r) + "\n" for r in read_pairs(EXAMPLE_PAIRS)[:2]))
     assert main(["patch", "--pairs", str(pairs), "--out", str(out), "--no-progress"]) == 0
-    with pw.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
-        page = browser.new_page()
-        errors, requests = [], []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("request", lambda r: None if r.url.startswith(("file:", "data:")) else requests.append(r.url))
-        page.goto((out / "patch.html").as_uri())
+    with offline_page(out / "patch.html") as (page, errors, requests):
         assert page.locator(".slp-grid").count() == 2  # exact and atp side by side
         assert page.locator(".slp-grid rect.cell").count() == 2 * 24
         page.locator('.slp-grid[data-key="exact"] rect.cell[data-head="L5H4"]').click()
@@ -351,7 +341,6 @@ def test_page_opens_offline_and_a_click_shows_attention(tmp_path):
         assert page.locator(".slp-map").count() == 2  # clean and corrupt
         assert page.locator('.slp-map[data-side="corrupt"] svg').count() == 1
         assert page.locator(".sl-export button").count() == 2 * 4  # PNG and SVG on every picture
-        browser.close()
     assert errors == [] and requests == []
 
 

@@ -36,8 +36,10 @@
       seen[a[2]] = a; seen[b[2]] = b;
     });
     Object.keys(seen).forEach(function (name) {
-      var p = seen[name];
-      body += X.rect(p[0] - NODE / 2, p[1] - 9, NODE, 18, "#f4f4f4", ' stroke="#888"') + X.text(p[0], p[1] + 4, name, 11, { anchor: "middle" });
+      var p = seen[name], head = /^L\d+H\d+$/.test(name);
+      body += (head ? '<g class="head" data-head="' + X.esc(name) + '">' : "") +
+        X.rect(p[0] - NODE / 2, p[1] - 9, NODE, 18, head ? "#eef3fb" : "#f4f4f4", ' stroke="#888"') +
+        X.text(p[0], p[1] + 4, name, 11, { anchor: "middle" }) + (head ? "</g>" : "");
     });
     var width = 2 * PAD + D.n_head * (NODE + GAP), height = 2 * PAD + (2 * D.n_layer + 1) * ROW / 2;
     return X.doc(width, height, body);
@@ -71,13 +73,50 @@
     t.innerHTML = rows.join("");
   }
 
+  var picked = null;
+
+  function mapSpec(side) {  /* the picked head's attention on the chosen pair, one side */
+    var p = D.pairs[+document.getElementById("slc-pair").value][side];
+    return X.attentionSpec(p, picked[0], picked[1], "L" + (picked[0] + 1) + "H" + (picked[1] + 1) + " on the " + side + " text");
+  }
+
+  function drawMaps() {
+    var maps = document.getElementById("slc-maps");
+    maps.innerHTML = "";
+    if (picked === null || !D.pairs.length) { return; }
+    ["clean", "corrupt"].forEach(function (side) {
+      var box = X.pictureBox(function () { return X.gridSvg(mapSpec(side)); }, "attention-" + side);
+      box.setAttribute("data-side", side);
+      maps.appendChild(box);
+    });
+  }
+
+  function pick(name) {
+    var m = /^L(\d+)H(\d+)$/.exec(name);
+    picked = [(+m[1]) - 1, (+m[2]) - 1];
+    document.getElementById("slc-head").textContent = name + ": its attention on the pair, clean and corrupt";
+    drawMaps();
+  }
+
   function show(k) {
     document.getElementById("slc-size-label").textContent = k + " of " + D.n_edges + " edges (the top by |score|)";
     var g = document.getElementById("slc-graph");
     g.innerHTML = graphSvg(k);
     g.appendChild(X.buttons(function () { return graphSvg(k); }, "circuit-" + k));
+    g.querySelectorAll("g.head").forEach(function (el) {
+      el.addEventListener("click", function () { pick(el.getAttribute("data-head")); });
+    });
     table(k);
   }
+
+  var select = document.getElementById("slc-pair");
+  D.pairs.forEach(function (p, i) {
+    var o = document.createElement("option");
+    o.value = String(i);
+    o.textContent = "line " + p.line;
+    select.appendChild(o);
+  });
+  select.addEventListener("change", drawMaps);
 
   var slider = document.getElementById("slc-size");
   slider.max = String(D.edges.length);

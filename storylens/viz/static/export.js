@@ -161,8 +161,31 @@
     return new Response(stream).arrayBuffer();
   }
 
+  /* A gridSvg spec of one head's attention on one side of a pair: `side` {tokens, attention[layer][head][q][k]}. */
+  function attentionSpec(side, layer, head, title) {
+    var a = side.attention[layer][head], T = side.tokens.length;
+    return {
+      title: title, rows: T, cols: T, cell: [18, 18], rowLabels: side.tokens, colLabels: side.tokens, size: 10,
+      fill: function (r, c) {
+        var v = c <= r ? a[r][c] : 0, g = Math.round(255 * (1 - v));
+        return "rgb(" + g + "," + g + ",255)";
+      }
+    };
+  }
+
+  /* A box holding the picture makeSvg() draws, under its PNG and SVG buttons. */
+  function pictureBox(makeSvg, name) {
+    var box = document.createElement("div");
+    box.appendChild(buttons(makeSvg, name));
+    var pic = document.createElement("div");
+    pic.innerHTML = makeSvg();
+    box.appendChild(pic);
+    return box;
+  }
+
   window.StorylensExport = {
     esc: esc, doc: doc, rect: rect, text: text, measure: measure, gridSvg: gridSvg, tokensSvg: tokensSvg,
-    download: download, saveSvg: saveSvg, savePng: savePng, buttons: buttons, bytes: bytes, inflate: inflate
+    download: download, saveSvg: saveSvg, savePng: savePng, buttons: buttons, bytes: bytes, inflate: inflate,
+    attentionSpec: attentionSpec, pictureBox: pictureBox
   };
 })();

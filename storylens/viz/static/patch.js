@@ -64,15 +64,7 @@
 
   function mapSpec(side) {
     var p = pairs[+document.getElementById("slp-pair").value][side];
-    var a = p.attention[picked[0]][picked[1]], T = p.tokens.length;
-    return {
-      title: byCell[picked[0] + "," + picked[1]].head + " on the " + side + " text",
-      rows: T, cols: T, cell: [18, 18], rowLabels: p.tokens, colLabels: p.tokens, size: 10,
-      fill: function (r, c) {
-        var v = c <= r ? a[r][c] : 0, g = Math.round(255 * (1 - v));
-        return "rgb(" + g + "," + g + ",255)";
-      }
-    };
+    return X.attentionSpec(p, picked[0], picked[1], byCell[picked[0] + "," + picked[1]].head + " on the " + side + " text");
   }
 
   function drawMaps() {
@@ -80,13 +72,9 @@
     maps.innerHTML = "";
     if (picked === null || !pairs.length) { return; }
     ["clean", "corrupt"].forEach(function (side) {
-      var box = document.createElement("div");
+      var box = X.pictureBox(function () { return X.gridSvg(mapSpec(side)); }, "attention-" + side);
       box.className = "slp-map";
       box.setAttribute("data-side", side);
-      box.appendChild(X.buttons(function () { return X.gridSvg(mapSpec(side)); }, "attention-" + side));
-      var pic = document.createElement("div");
-      pic.innerHTML = X.gridSvg(mapSpec(side));
-      box.appendChild(pic);
       maps.appendChild(box);
     });
   }
