@@ -29,12 +29,14 @@ _WHERE = {
     "load_model": "storylens.model.hub",
     "load_heads": "storylens.lesson.results",
     "load_patch": "storylens.effects.patching",
+    "load_circuit": "storylens.circuits.run",
     "score_heads": "storylens.table.scores",
     "attention_widget": "storylens.recording",
     "story_attention": "storylens.recording",
 }
 
 if TYPE_CHECKING:
+    from storylens.circuits.run import load_circuit
     from storylens.core.errors import StorylensError
     from storylens.core.heads import Head, head_label, parse_head_label
     from storylens.effects.patching import load_patch
@@ -54,6 +56,7 @@ __all__ = [
     "StorylensError",
     "attention_widget",
     "head_label",
+    "load_circuit",
     "load_heads",
     "load_patch",
     "load_lm",

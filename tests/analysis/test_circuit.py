@@ -122,7 +122,7 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
 
     import jsonschema
 
-    from storylens.circuits.run import load_circuit
+    from storylens import load_circuit
     from storylens.cli import main
     from storylens.core.schema import schema
 
