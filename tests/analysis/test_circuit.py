@@ -101,6 +101,7 @@ def test_pruning_keeps_edges_on_a_path_from_the_input_to_the_logits():
     assert kept == {("input", "L1H1.q"), ("L1H1", "L2H1.v"), ("L2H1", "logits")}
 
 
+@pytest.mark.slow  # twelve patched passes on each of four models
 def test_the_faithfulness_curve_ends_at_the_whole_model(tiny, task_pairs):
     """Every edge kept is the model (f = 1); no edge, the empty circuit (f = 0); the areas follow."""
     lm, pairs = tiny, task_pairs
@@ -112,6 +113,7 @@ def test_the_faithfulness_curve_ends_at_the_whole_model(tiny, task_pairs):
     assert top_circuit(r, 5).sum() <= 5
 
 
+@pytest.mark.slow  # a whole circuit run with EAP-IG, the oracle and the resamples
 def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, tmp_path, capsys):
     """storylens circuit on four pairs of the name task, scored by EAP-IG (inputs, 2 steps): circuit.json
     validates against its schema and reads back (load_circuit, to_pandas), circuit.csv has a row per edge,
@@ -181,6 +183,7 @@ def test_no_eap_ig_export_for_grouped_key_value_heads():
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a circuit run and a browser
 def test_the_page_opens_offline_and_a_click_on_a_head_shows_its_attention(tmp_path):
     """circuit.html in headless Chromium: the graph, the curve, the table; the slider redraws; a click on a head
     shows its attention on the chosen pair, clean and corrupt; no error and no request."""

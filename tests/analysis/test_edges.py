@@ -129,6 +129,7 @@ def test_the_graph_counts_its_edges():
     assert (Graph(12, 12, 12).n_edges, Graph(30, 9, 9).n_edges) == (32_491, 123_211)
 
 
+@pytest.mark.slow  # four EAP-IG runs on each of four models
 def test_eap_ig_takes_its_gradients_where_eap_ig_does(tiny, task_pairs):
     """EAP-IG's two forms, at one step: ``eap-ig-inputs`` takes its gradient at k = 0, the input moved all the way
     to the corrupt prompt's, which is the corrupt run, so its scores are minus EAP's on the pairs with clean and
