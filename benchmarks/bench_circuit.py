@@ -6,8 +6,9 @@
   ``eap-ig-inputs`` and ``eap-ig-activations`` (5 steps): the faithfulness curve of its top circuits (each run
   exactly), CPR and CMD with their bootstrap errors, and its time against one bare forward pass over the same
   pairs, timed in the same run;
-* **llama-30x9**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576 wide; storylens's
-  tokenizer), ``--llama-pairs`` pairs of about 20 tokens: the edges (grouped, and what ungrouping would give),
+* **llama-30x9** and **gpt2-small**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576
+  wide) and a GPT-2 of GPT-2 small's shape (12 x 12 heads, 768 wide), storylens's tokenizer, ``--llama-pairs``
+  pairs of about 20 tokens: the edges (grouped, and what ungrouping would give),
   EAP's and EAP-IG's time against a bare forward, one edge-patched pass (a faithfulness point) against a bare
   forward, and the peak memory each adds above the model (``ru_maxrss`` of a fresh process per method) against
   the size of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
@@ -89,8 +90,10 @@ def llama_one(folder: str, what: str, n: int) -> dict:
     return {"over_forward": took / fwd, "peak_above_mb": (peak - base) / 1024}
 
 
-def llama(n: int, base: Path) -> dict:
-    folder = build("llama-30x9", base)
+def shape(kind: str, n: int, base: Path) -> dict:
+    """``kind`` of bench_record's random models (``llama-30x9``, ``gpt2-small``): the edges, and each run's
+    time and memory in a fresh process."""
+    folder = build(kind, base)
     lm = load_lm(str(folder))
     g = graph_of(lm)
     pairs = _llama_pairs(lm, n)
@@ -108,7 +111,7 @@ def llama(n: int, base: Path) -> dict:
         cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         out[what] = res
-        print(f"llama-30x9 {what:14} {res['over_forward']:7.1f}x forward, peak +{res['peak_above_mb']:.0f} MB "
+        print(f"{kind} {what:14} {res['over_forward']:7.1f}x forward, peak +{res['peak_above_mb']:.0f} MB "
               f"(the whole difference buffer: {buffer:.0f} MB)", flush=True)  # fmt: skip
     return out
 
@@ -118,19 +121,22 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--llama-pairs", type=int, default=64)
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shapes-only", action="store_true", help="only the random models' costs, into --json as it is")
     args = p.parse_args()
     if args.one:
         folder, what, n = args.one
         print(json.dumps(llama_one(folder, what, int(n))))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        result = {
+        old = json.loads(Path(args.json).read_text()) if args.shapes_only and args.json else {}
+        result = old or {
             "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
             "steps": STEPS,
             "shipped": shipped(),
-            "llama-30x9": llama(args.llama_pairs, Path(tmp)),
         }
+        for kind in ("llama-30x9", "gpt2-small"):
+            result[kind] = shape(kind, args.llama_pairs, Path(tmp))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

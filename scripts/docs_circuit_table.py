@@ -71,23 +71,31 @@ def cost(path: str) -> str:
                 f"| {task} ({t['pairs']} pairs) | {method} | {m['over_forward']:.1f} | {f['cpr']:.3f} ± {f['cpr_se']:.3f} "
                 f"| {f['cmd']:.3f} ± {f['cmd_se']:.3f} | {f['f'][at]:+.3f} ± {f['f_se'][at]:.3f} |"
             )
-    ll = bench["llama-30x9"]
-    lines += [
-        "",
-        f"A seeded random Llama of the 30 x 9-head shape with 3 key/value heads, {ll['pairs']} pairs of up to "
-        f"{ll['tokens']} tokens: {ll['edges']:,} edges ({ll['edges_ungrouped']:,} if its key/value heads were "
-        f"ungrouped). The whole `[batch, pos, writers, d_model]` difference buffer would be "
-        f"{ll['difference_buffer_mb']:,.0f} MB; storylens holds at most 256 MiB of it a batch.",
-        "",
-        "| run | time (x a forward) | peak memory above the model and a forward |",
-        "|---|---|---|",
-    ]
+    what = {
+        "llama-30x9": "A seeded random Llama of the 30 x 9-head shape with 3 key/value heads",
+        "gpt2-small": "A seeded random GPT-2 of GPT-2 small's shape (12 x 12 heads)",
+    }
     names = {
         "eap": "EAP",
         "eap-ig-inputs": "EAP-IG (inputs)",
         "patched": "one edge-patched pass (a faithfulness point)",
     }
-    lines += [f"| {names[k]} | {ll[k]['over_forward']:.1f} | {ll[k]['peak_above_mb']:,.0f} MB |" for k in names]
+    for kind, intro in what.items():
+        if kind not in bench:
+            continue
+        m = bench[kind]
+        ungrouped = m["edges_ungrouped"]
+        grouped = f" ({ungrouped:,} if its key/value heads were ungrouped)" if ungrouped != m["edges"] else ""
+        lines += [
+            "",
+            f"{intro}, {m['pairs']} pairs of up to {m['tokens']} tokens: {m['edges']:,} edges{grouped}. The whole "
+            f"`[batch, pos, writers, d_model]` difference buffer would be {m['difference_buffer_mb']:,.0f} MB; "
+            "storylens holds at most 256 MiB of it a batch.",
+            "",
+            "| run | time (x a forward) | peak memory above the model and a forward |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {names[k]} | {m[k]['over_forward']:.1f} | {m[k]['peak_above_mb']:,.0f} MB |" for k in names]
     return "\n".join(lines)
 
 
