@@ -8,10 +8,11 @@
   pairs, timed in the same run;
 * **llama-30x9** and **gpt2-small**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576
   wide) and a GPT-2 of GPT-2 small's shape (12 x 12 heads, 768 wide), storylens's tokenizer, ``--llama-pairs``
-  pairs of about 20 tokens: the edges (grouped, and what ungrouping would give),
-  EAP's and EAP-IG's time against a bare forward, one edge-patched pass (a faithfulness point) against a bare
-  forward, and the peak memory each adds above the model (``ru_maxrss`` of a fresh process per method) against
-  the size of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
+  pairs of 21 to 35 tokens, and one story of 2,000 tokens (the shipped quiz run together) under zero ablation:
+  the edges (grouped, and what ungrouping would give), EAP's and EAP-IG's time against a bare forward, one
+  edge-patched pass (a faithfulness point: a seeded random circuit of 5 % of the edges) against a bare forward,
+  and the peak memory each adds above the model (``ru_maxrss`` of a fresh process per method) against the size
+  of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_record import build  # noqa: E402
 
-from storylens.circuits.edges import METHODS, Graph, eap_scores, graph_of  # noqa: E402
+from storylens.circuits.edges import METHODS, Graph, eap_scores, edge_mask, graph_of  # noqa: E402
 from storylens.circuits.faithfulness import edge_metrics, faithfulness  # noqa: E402
+from storylens.circuits.stories import edge_batch, loss_batch, zero_values  # noqa: E402
+from storylens.data.sources import open_source  # noqa: E402
 from storylens.effects.patching import PAIR_SETS, encode_pairs, pair_batches, read_pairs  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 STEPS = 5
+STORY_TOKENS = 2000  # one long story: the corpus form's memory where the difference buffer is largest
+QUIZ = Path(__file__).resolve().parents[1] / "storylens/pretrained/tiny-storyteller/quiz.txt.gz"
 
 
 def _forward_time(lm, pairs) -> float:
@@ -73,16 +78,41 @@ def _llama_pairs(lm, n: int):
     return encode_pairs(lm, (rows * (n // len(rows) + 1))[:n])
 
 
+def _random_circuit(lm, share: float = 0.05) -> torch.Tensor:
+    """A seeded random circuit of ``share`` of the edges: nearly every receiver cut from a set of its own, so an
+    edge-patched pass needs a copy per receiver (a typical mid-sized circuit; the empty and the whole one need one)."""
+    mask = edge_mask(graph_of(lm))
+    keep = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)) < share
+    return keep & mask
+
+
+def _long_story(lm, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One story of ``tokens`` tokens: the shipped quiz's stories run together (real text), as one row."""
+    text = " ".join(open_source(str(QUIZ)))
+    ids = [lm.marker_id] + lm.encode_batch([text])[0].ids[: tokens - 1]
+    x = torch.tensor([ids])
+    return x, torch.ones_like(x, dtype=torch.bool)
+
+
 def llama_one(folder: str, what: str, n: int) -> dict:
-    """In a fresh process: one method's time against a bare forward and the peak memory it adds."""
+    """In a fresh process: one method's time against a bare forward and the peak memory it adds (``story`` and
+    ``story-patched``: on one story of ``STORY_TOKENS`` tokens instead of the pairs, under zero ablation)."""
     lm = load_lm(folder)
-    pairs = _llama_pairs(lm, n)
-    fwd = min(_forward_time(lm, pairs) for _ in range(2))
+    if what.startswith("story"):
+        ids, valid = _long_story(lm, STORY_TOKENS)
+        with torch.no_grad():
+            fwd = min(_timed(lambda: lm.forward(ids)) for _ in range(2))
+    else:
+        pairs = _llama_pairs(lm, n)
+        fwd = min(_forward_time(lm, pairs) for _ in range(2))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     if what == "patched":
-        every = ~torch.zeros(len(graph_of(lm).writers), len(graph_of(lm).receivers), dtype=torch.bool)
-        edge_metrics(lm, pairs, [every])
+        edge_metrics(lm, pairs, [_random_circuit(lm)])
+    elif what == "story":
+        edge_batch(lm, ids, valid, zero_values(lm), "eap", 1)
+    elif what == "story-patched":
+        loss_batch(lm, ids, valid, zero_values(lm), _random_circuit(lm)[None])
     else:
         eap_scores(lm, pairs, method=what, steps=STEPS)
     took = time.perf_counter() - t
@@ -107,13 +137,22 @@ def shape(kind: str, n: int, base: Path) -> dict:
         "edges_ungrouped": Graph(g.n_layer, g.n_head, g.n_head).n_edges,
         "difference_buffer_mb": buffer,
     }
-    for what in ("eap", "eap-ig-inputs", "patched"):
+    out["story_tokens"] = STORY_TOKENS
+    out["story_buffer_mb"] = STORY_TOKENS * len(g.writers) * d_model * 4 / 2**20
+    for what in ("eap", "eap-ig-inputs", "patched", "story", "story-patched"):
         cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         out[what] = res
+        whole = out["story_buffer_mb"] if what.startswith("story") else buffer
         print(f"{kind} {what:14} {res['over_forward']:7.1f}x forward, peak +{res['peak_above_mb']:.0f} MB "
-              f"(the whole difference buffer: {buffer:.0f} MB)", flush=True)  # fmt: skip
+              f"(the whole difference buffer: {whole:.0f} MB)", flush=True)  # fmt: skip
     return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:

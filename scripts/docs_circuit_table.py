@@ -1,11 +1,12 @@
 """The circuit page's figures, from a run of storylens circuit (never typed in):
 
     storylens circuit --out circuit-run
+    storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --out circuit-stories
     python benchmarks/bench_circuit.py --json benchmarks/circuit.json
-    python scripts/docs_circuit_table.py circuit-run/circuit.json benchmarks/circuit.json
+    python scripts/docs_circuit_table.py circuit-run/circuit.json benchmarks/circuit.json circuit-stories/circuit.json
 
-Replaces the text between <!-- circuit-shipped:start/end --> and <!-- circuit-cost:start/end --> on
-docs/circuit.md.
+Replaces the text between <!-- circuit-shipped:start/end -->, <!-- circuit-cost:start/end --> and
+<!-- circuit-stories:start/end --> on docs/circuit.md.
 """
 
 import json
@@ -21,14 +22,28 @@ from storylens.circuits.run import ENOUGH, load_circuit
 def shipped(path: str) -> str:
     r = load_circuit(path)
     f = r.faithfulness
+    if r.task == "stories":
+        intro = (
+            f"`storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --out circuit-stories` "
+            f"({r.model}, {r.stories:,} quiz stories, {r.tokens:,} predicted tokens, {r.ablation} ablation, "
+            f"{r.n_edges:,} edges). {r.verdict}"
+        )
+    else:
+        intro = (
+            f"`storylens circuit --out circuit-run` ({r.model}, the name task's {r.pairs} pairs, {r.n_edges:,} "
+            f"edges). {r.verdict}"
+        )
+    rows = "pairs" if r.task == "pairs" else "stories"
     lines = [
-        f"`storylens circuit --out circuit-run` ({r.model}, the name task's {r.pairs} pairs, {r.n_edges:,} edges). "
-        f"{r.verdict}",
+        intro,
         "",
         "| edges (share) | kept after pruning | faithfulness |",
         "|---|---|---|",
     ]
-    lines += [f"| {p:.1%} | {k:,} | {x:+.3f} ± {se:.3f} |" for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)]
+    lines += [
+        f"| {p:.1%} | {k:,} | {round(x, 3) + 0.0:+.3f} ± {se:.3f} |"
+        for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)
+    ]
     lines += ["", f"CPR {f.cpr:.3f} ± {f.cpr_se:.3f}, CMD {f.cmd:.3f} ± {f.cmd_se:.3f}."]
     if r.circuit_size is not None:
         edges = sorted((e for e in r.edges if e.in_circuit), key=lambda e: -abs(e.score))
@@ -40,15 +55,19 @@ def shipped(path: str) -> str:
             "| writer | receiver | EAP score |",
             "|---|---|---|",
         ]
-        lines += [f"| {e.writer} | {e.receiver} | {e.score:+.3f} ± {e.score_se:.3f} |" for e in edges[:10]]
+        lines += [f"| {e.writer} | {e.receiver} | {e.score:+.4f} ± {e.score_se:.4f} |" for e in edges[:10]]
     if r.oracle is not None:
         o = r.oracle
         rho = "n/a" if o.rho is None else f"{o.rho:.3f}"
         lines += ["", f"Oracle: {len(o.rows)} edges ablated alone and run, Spearman's rho against EAP {rho}"
                   + (f"; opposite signs beyond both errors: {', '.join(o.disagree)}." if o.disagree else "; no edge of opposite signs beyond both errors.")]  # fmt: skip
+        if r.task == "stories":
+            lines += ["", "| edge | why | EAP score | exact effect (nats per token) |", "|---|---|---|---|"]
+            lines += [f"| {x.writer} -> {x.receiver} | {x.why} | {x.score:+.4f} ± {x.score_se:.4f} | "
+                      f"{x.exact:+.4f} ± {x.exact_se:.4f} |" for x in o.rows]  # fmt: skip
     if r.stability is not None:
         s = r.stability
-        lines += ["", f"Stability over {s.resamples} bootstrap resamples of the pairs: Jaccard {s.jaccard:.3f} (sd "
+        lines += ["", f"Stability over {s.resamples} bootstrap resamples of the {rows}: Jaccard {s.jaccard:.3f} (sd "
                   f"{s.jaccard_sd:.3f}) with the {s.kept}-edge circuit; {s.core} edges found in every resample keep f "
                   f"{s.core_f:+.3f}."]  # fmt: skip
     return "\n".join(lines)
@@ -78,7 +97,9 @@ def cost(path: str) -> str:
     names = {
         "eap": "EAP",
         "eap-ig-inputs": "EAP-IG (inputs)",
-        "patched": "one edge-patched pass (a faithfulness point)",
+        "patched": "one edge-patched pass (a faithfulness point: a random 5 % circuit)",
+        "story": "EAP on one story",
+        "story-patched": "one edge-patched pass on it",
     }
     for kind, intro in what.items():
         if kind not in bench:
@@ -88,18 +109,23 @@ def cost(path: str) -> str:
         grouped = f" ({ungrouped:,} if its key/value heads were ungrouped)" if ungrouped != m["edges"] else ""
         lines += [
             "",
-            f"{intro}, {m['pairs']} pairs of up to {m['tokens']} tokens: {m['edges']:,} edges{grouped}. The whole "
-            f"`[batch, pos, writers, d_model]` difference buffer would be {m['difference_buffer_mb']:,.0f} MB; "
-            "storylens holds at most 256 MiB of it a batch.",
+            f"{intro}, {m['pairs']} pairs of up to {m['tokens']} tokens, and one story of {m.get('story_tokens', 0):,} "
+            f"tokens: {m['edges']:,} edges{grouped}. The whole `[batch, pos, writers, d_model]` difference buffer "
+            f"would be {m['difference_buffer_mb']:,.0f} MB for the pairs and {m.get('story_buffer_mb', 0):,.0f} MB "
+            "for the story; storylens holds at most 256 MiB of it at once.",
             "",
             "| run | time (x a forward) | peak memory above the model and a forward |",
             "|---|---|---|",
         ]
-        lines += [f"| {names[k]} | {m[k]['over_forward']:.1f} | {m[k]['peak_above_mb']:,.0f} MB |" for k in names]
+        lines += [
+            f"| {names[k]} | {m[k]['over_forward']:.1f} | {m[k]['peak_above_mb']:,.0f} MB |" for k in names if k in m
+        ]
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print(update("circuit-shipped", shipped(sys.argv[1])))
-    if len(sys.argv) > 2:
-        print(update("circuit-cost", cost(sys.argv[2])))
+if __name__ == "__main__":  # "-" for a file leaves its table as it is
+    args = sys.argv[1:] + ["-"] * 3
+    for marker, make, arg in (("circuit-shipped", shipped, args[0]), ("circuit-cost", cost, args[1]),
+                              ("circuit-stories", shipped, args[2])):  # fmt: skip
+        if arg != "-":
+            print(update(marker, make(arg)))

@@ -197,3 +197,29 @@ def test_score_audit_on_ray_runs_in_the_driver_and_equals_one_process(local_ray,
     assert on_ray["engine"]["name"] == "ray" and on_ray["audit"]["n_stories"] == 2
     assert on_ray["audit"] == local["audit"]  # the same model in the driver, the same stories: the same bits
     assert (tmp_path / "ray" / "audit.csv").read_text() == (tmp_path / "local" / "audit.csv").read_text()
+
+
+def test_a_circuit_over_stories_on_ray_equals_one_process(local_ray, shipped_model, corpus_split, tmp_path):
+    """``circuit --stories --engine ray``: every pass's chunks scored by actors and merged in story order give the
+    figures one process gives with one torch thread (the actors' kernels), within 1e-9 of each."""
+    import torch
+
+    from storylens.corpus.circuit import circuit_over_stories
+    from storylens.lm import NativeLM
+
+    stories = list(corpus_split.quiz[:6])
+    kw = dict(chunk_stories=2, oracle=2, resamples=3, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = circuit_over_stories(NativeLM(shipped_model), stories, tmp_path / "one", **kw)
+    finally:
+        torch.set_num_threads(threads)
+    many = circuit_over_stories(NativeLM(shipped_model), stories, tmp_path / "ray", engine="ray", workers=2, **kw)
+    a, b = one.to_pandas(), many.to_pandas()
+    assert list(a.receiver) == list(b.receiver) and list(a.in_circuit) == list(b.in_circuit)
+    scale = a.score.abs().max()
+    assert (a.score - b.score).abs().max() <= 1e-9 * scale and (a.score_se - b.score_se).abs().max() <= 1e-9 * scale
+    for x, y in zip(one.faithfulness.f, many.faithfulness.f):
+        assert abs(x - y) <= 1e-9
+    assert one.stability.jaccard == many.stability.jaccard and one.stories == many.stories == 6

@@ -17,8 +17,13 @@ def row(start: int, n: int, pid: int = 1, peak: float = 10.0) -> dict:
     return {"start": start, "n": n, "cut": 1, "main": n - 1, "pid": pid, "state": state, "peak_mb": peak}
 
 
+def _merging(acc):
+    """What score_with_ray merges a chunk's row with: its state into ``acc``."""
+    return lambda r: acc.merge(acc.like().load_state(json.loads(r["state"])))
+
+
 def test_chunks_merge_in_story_order_whatever_order_they_come_back_in():
-    merger = _InOrder(HeadScoreAccumulator(2, 3), examples=0, start=100)
+    merger = _InOrder(_merging(HeadScoreAccumulator(2, 3)), start=100)
     assert not merger.add(row(104, 4, pid=2, peak=30.0))  # story 100's chunk is not back: this one waits
     assert merger.next == 100 and merger.stats == RecordStats(0, 0, 0) and list(merger.waiting) == [104]
     assert merger.add(row(100, 4, pid=1, peak=20.0))  # now both, in order
@@ -30,7 +35,7 @@ def test_chunks_merge_in_story_order_whatever_order_they_come_back_in():
 
 @pytest.mark.parametrize("again", [100, 108])  # one merged already, one still waiting
 def test_a_chunk_back_twice_is_refused(again):
-    merger = _InOrder(HeadScoreAccumulator(2, 3), examples=0, start=100)
+    merger = _InOrder(_merging(HeadScoreAccumulator(2, 3)), start=100)
     assert merger.add(row(100, 4)) and not merger.add(row(108, 4))
     with pytest.raises(StorylensError, match=f"chunk at story {again} came back twice"):
         merger.add(row(again, 4))

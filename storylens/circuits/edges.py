@@ -24,12 +24,15 @@ g_v``, since the residual stream is the sum of the writers and the biases (check
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from storylens.core.errors import StorylensError
-from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, mean_se, pair_batches, pair_metric
+from storylens.effects.patching import BATCH_PAIRS, Pair, mean_se, pair_batches, pair_metric
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 
 KINDS = ("q", "k", "v")  # a head's inputs
@@ -117,64 +120,180 @@ def _names(lm: AttentionLM) -> dict[str, list[str]]:
     }
 
 
-def writer_outputs(lm: AttentionLM, seen: dict, minus: dict | None = None) -> torch.Tensor:
+def writer_outputs(
+    lm: AttentionLM, seen: dict, minus: dict | None = None, at: slice = slice(None), up: int | None = None
+) -> torch.Tensor:
     """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run (less what it
-    put in on the run ``minus``), filled in place, block by block: the only buffer of that size."""
-    x = seen["pre"][0]
+    put in on the run ``minus``), filled in place, block by block; ``at`` only those positions, ``up`` only the
+    first writers. The only buffer of that size (:class:`_Delta` keeps it within :data:`DIFF_BYTES`)."""
+    x = seen["pre"][0][:, at]
     graph = graph_of(lm)
-    out = torch.empty(*x.shape[:2], len(graph.writers), x.shape[-1], dtype=x.dtype, device=x.device)
-    runs = [seen] if minus is None else [seen, minus]
+    up = len(graph.writers) if up is None else up
+    out = torch.empty(*x.shape[:2], up, x.shape[-1], dtype=x.dtype, device=x.device)
+
+    def get(kind: str, layer: int) -> torch.Tensor:
+        t = seen[kind][layer][:, at]
+        return t if minus is None else t - minus[kind][layer][:, at]
+
     with torch.no_grad():
-        out[:, :, 0] = x if minus is None else x - minus["pre"][0]
+        out[:, :, 0] = get("pre", 0)
         for layer in range(lm.n_layer):
-            w_o = lm.head_output_weights(layer).detach().to(x.dtype)  # [head, d_head, d_model]
             first = 1 + layer * (lm.n_head + 1)
-            z = runs[0]["z"][layer] if minus is None else runs[0]["z"][layer] - minus["z"][layer]
-            out[:, :, first : first + lm.n_head] = torch.einsum("bphd,hdm->bphm", z, w_o)
-            mlp = runs[0]["mlp"][layer] if minus is None else runs[0]["mlp"][layer] - minus["mlp"][layer]
-            out[:, :, first + lm.n_head] = mlp
+            if first >= up:
+                break
+            w_o = lm.head_output_weights(layer).detach().to(x.dtype)  # [head, d_head, d_model]
+            heads = min(lm.n_head, up - first)
+            out[:, :, first : first + heads] = torch.einsum(
+                "bphd,hdm->bphm", get("z", layer)[:, :, :heads], w_o[:heads]
+            )
+            if first + lm.n_head < up:
+                out[:, :, first + lm.n_head] = get("mlp", layer)
     return out
 
 
+class _Delta:
+    """The writers' ablated-minus-run outputs of one batch, ``[batch, pos, writer, d_model]``, handed out by
+    position slices: held whole where that fits :data:`DIFF_BYTES`, else made again slice by slice (no buffer of
+    that size is ever held whole: one 2,000-token story on a 30-block model would need 1.4 GB)."""
+
+    def __init__(self, lm: AttentionLM, ablated: dict, run: dict, budget: int | None = None):
+        self.lm, self.ablated, self.run = lm, ablated, run
+        x = run["pre"][0]
+        self.batch, self.positions = x.shape[0], x.shape[1]
+        per_position = self.batch * len(graph_of(lm).writers) * x.shape[-1] * x.element_size()
+        self.step = max(1, min(self.positions, (DIFF_BYTES if budget is None else budget) // max(per_position, 1)))
+        self.whole = writer_outputs(lm, ablated, minus=run) if self.step == self.positions else None
+
+    def slices(self, up: int):
+        """``(positions, [batch, slice, up, d_model])`` covering every position."""
+        for t0 in range(0, self.positions, self.step):
+            at = slice(t0, min(t0 + self.step, self.positions))
+            if self.whole is not None:
+                yield at, self.whole[:, :, :up]
+            else:
+                yield at, writer_outputs(self.lm, self.ablated, minus=self.run, at=at, up=up)
+
+
+Metric = Callable[[torch.Tensor], torch.Tensor]  # the logits [batch, pos, vocab] -> the metric per row [batch]
+
+
+def _keeper(kind: str, seen: dict, leaves: dict, grad: bool, edit) -> Callable:
+    """A hook keeping ``kind``'s tensor in ``seen`` as the model used it, ``edit`` applied first; with ``grad`` a
+    zero leaf added at a residual point (``leaves``), or the tensor's gradient retained."""
+
+    def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor:
+        layer = hook.layer if kind != "post" else 0
+        if edit is not None and edit[:2] == (kind, layer):
+            x = x + edit[2].to(x.dtype)
+        if grad and kind in leaves:
+            leaf = torch.zeros_like(x, requires_grad=True)
+            leaves[kind][layer] = leaf
+            x = x + leaf
+        elif grad:
+            x = x.clone()
+            x.retain_grad()
+        seen[kind][layer] = x
+        return x
+
+    return keep
+
+
 def run_pass(
-    lm: AttentionLM, ids: torch.Tensor, b: PairBatch, grad: bool, edit: tuple[str, int, torch.Tensor] | None = None
+    lm: AttentionLM,
+    ids: torch.Tensor,
+    metric: Metric,
+    grad: bool,
+    edit: tuple[str, int, torch.Tensor] | None = None,
+    kinds: tuple[str, ...] | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """One pass: the metric ``[batch]`` and every hook's tensor as the model used it (on the clean run with
-    ``grad``: a zero leaf added at each residual point, so that gradients reach it); ``edit``: ``(kind, block,
-    shift)`` adds ``shift`` to that hook's tensor (``pre`` at block 0: the input; ``z``; ``mlp``) first."""
-    seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
+    """One pass: ``metric`` ``[batch]`` and every hook's tensor as the model used it (on the clean run with
+    ``grad``: a zero leaf added at each residual point, so that gradients reach it, and one graph through the
+    whole model: :func:`gradient_blocks` holds one block's); ``edit``: ``(kind, block, shift)`` adds ``shift`` to
+    that hook's tensor (``pre`` at block 0: the input; ``z``; ``mlp``) first; ``kinds``: only those tensors kept
+    (without a graph: :data:`WRITTEN`, what the writers' outputs are made of)."""
+    names = {k: v for k, v in _names(lm).items() if kinds is None or k in kinds}
+    seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in names}
     leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
-
-    def keeper(kind: str):
-        def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor:
-            layer = hook.layer if kind != "post" else 0
-            if edit is not None and edit[:2] == (kind, layer):
-                x = x + edit[2].to(x.dtype)
-            if grad and kind in leaves:
-                leaf = torch.zeros_like(x, requires_grad=True)
-                leaves[kind][layer] = leaf
-                x = x + leaf
-            elif grad:
-                x = x.clone()
-                x.retain_grad()
-            seen[kind][layer] = x
-            return x
-
-        return keep
-
-    hooks = [(n, keeper(kind)) for kind, names in _names(lm).items() for n in names]
+    hooks = [(n, _keeper(kind, seen, leaves, grad, edit)) for kind, ns in names.items() for n in ns]
     with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks):
         logits = lm.forward(ids)
         assert logits is not None
-        metric = pair_metric(logits, b)
-        missing = [k for k, v in seen.items() if len(v) != len(_names(lm)[k])]
+        value = metric(logits)
+        missing = [k for k, v in seen.items() if len(v) != len(names[k])]
         if missing:
             raise StorylensError(f"{lm.name}: the hook points {', '.join(missing)} did not fire in every block")
         if grad:
             outputs = [t for k in (*KINDS, "mlp") for t in seen[k].values()] + list(leaves["post"].values())
-            metric.sum().backward(inputs=outputs, retain_graph=True)  # each receiver's own path: below
+            value.sum().backward(inputs=outputs, retain_graph=True)  # each receiver's own path: below
     seen["leaves"] = leaves  # type: ignore[assignment]
-    return metric.detach(), seen
+    return value.detach(), seen
+
+
+WRITTEN = ("pre", "z", "mlp")  # the hook tensors the writers' outputs are made of (and every edit's)
+
+
+class _Stop(Exception):
+    """Raised by a hook at a block's output: the rest of the model is not needed."""
+
+
+def _block_graph(lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit, layer: int, before, up) -> dict:
+    """Block ``layer`` run again with a graph, from ``before`` (what block ``layer - 1`` returned; None for the
+    first), its receivers' hooks as :func:`run_pass` sets them (one block's), and backpropagated: from the metric
+    for the last block (``up`` None), else from ``up``, the metric's gradient on the block's output."""
+    seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
+    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
+    top = up is None
+    names = {kind: [n for n in ns if n.startswith(f"blocks.{layer}.")] for kind, ns in _names(lm).items()}
+    hooks = [(n, _keeper(kind, seen, leaves, True, edit)) for kind, ns in names.items() for n in ns]
+    got: dict[str, torch.Tensor] = {}
+
+    def stop(x: torch.Tensor, hook: Hook) -> None:
+        got["out"] = x
+        raise _Stop
+
+    if not top:
+        hooks.append((f"blocks.{layer}.hook_resid_post", stop))
+    with torch.enable_grad(), lm.hooks(hooks), lm.skip_blocks(layer, before) if layer else contextlib.nullcontext():
+        grads: torch.Tensor | None = None
+        try:
+            logits = lm.forward(ids)
+            assert logits is not None
+            value = metric(logits).sum()
+        except _Stop:
+            value, grads = got["out"], up
+        outputs = [seen[k][layer] for k in (*KINDS, "mlp")] + [leaves["pre"][layer]] + list(leaves["post"].values())
+        torch.autograd.backward(value, grad_tensors=grads, inputs=outputs, retain_graph=True)
+    seen["leaves"] = leaves  # type: ignore[assignment]
+    return seen
+
+
+def gradient_blocks(
+    lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit=None
+) -> tuple[dict, torch.Tensor, Iterator[tuple[int, torch.Tensor]]]:
+    """The gradient pass, one block's graph at a time: ``(run, g_logits, blocks)``: the run's hook tensors (as
+    :func:`run_pass` keeps them, without a graph), the logits receiver's gradient ``[batch, pos, d_model]``, and
+    ``(layer, [batch, pos, receiver, d_model])`` from the last block to the first (each block run again from what
+    the block before returned, kept by one forward pass without a graph). A model whose blocks are not known
+    (:meth:`~storylens.lm.AttentionLM.blocks` None) gets one graph through the whole model."""
+    blocks = lm.blocks()
+    if blocks is None or len(blocks) != lm.n_layer:
+        _, run = run_pass(lm, ids, metric, grad=True, edit=edit)
+        grads = ((layer, _receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))
+        return run, run["leaves"]["post"][0].grad, grads
+    with lm.keep_block_outputs(range(lm.n_layer)) as kept:
+        _, run = run_pass(lm, ids, metric, grad=False, edit=edit, kinds=WRITTEN)
+    kept = dict(kept)
+    last = _block_graph(lm, ids, metric, edit, lm.n_layer - 1, kept.get(lm.n_layer - 2), None)
+
+    def walk() -> Iterator[tuple[int, torch.Tensor]]:
+        here = last
+        for layer in reversed(range(lm.n_layer)):
+            yield layer, _receiver_grads(lm, here, layer)
+            if layer:
+                up = here["leaves"]["pre"][layer].grad
+                here = _block_graph(lm, ids, metric, edit, layer - 1, kept.get(layer - 2), up)
+
+    return run, last["leaves"]["post"][0].grad, walk()
 
 
 def _receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
@@ -217,19 +336,54 @@ def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict)
     return out
 
 
-def _contract(lm: AttentionLM, graph: Graph, run: dict, delta: torch.Tensor) -> torch.Tensor:
-    """``[batch, writer, receiver]`` float64: the differences ``delta`` against every receiver's gradient on the
-    gradient pass ``run``, one block's receivers at a time (each against the writers it can read)."""
-    scores = torch.zeros(delta.shape[0], len(graph.writers), len(graph.receivers), dtype=torch.float64)
+def _contract(lm: AttentionLM, graph: Graph, g_logits: torch.Tensor, grads, delta: _Delta) -> torch.Tensor:
+    """``[batch, writer, receiver]`` float64: the differences ``delta`` against every receiver's gradient
+    (``grads``: :func:`gradient_blocks`'), one block's receivers at a time (each against the writers it can read),
+    summed over position slices."""
+    scores = torch.zeros(delta.batch, len(graph.writers), len(graph.receivers), dtype=torch.float64)
     per_block = 2 * lm.n_kv_head + lm.n_head + 1
-    for layer in range(lm.n_layer):
+    for layer, g in grads:  # g [batch, pos, receivers, d_model]
         up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
-        g = _receiver_grads(lm, run, layer)  # [batch, pos, receivers, d_model]
         cols = slice(layer * per_block, (layer + 1) * per_block)
-        scores[:, :up, cols] = torch.einsum("bpwd,bprd->bwr", delta[:, :, :up], g).double().cpu()
-    g = run["leaves"]["post"][0].grad  # the logits' receiver
-    scores[:, :, -1] = torch.einsum("bpwd,bpd->bw", delta, g).double().cpu()
+        for at, d in delta.slices(up):
+            scores[:, :up, cols] += torch.einsum("bpwd,bprd->bwr", d, g[:, at]).double().cpu()
+        del g
+    for at, d in delta.slices(len(graph.writers)):
+        scores[:, :, -1] += torch.einsum("bpwd,bpd->bw", d, g_logits[:, at]).double().cpu()
     return scores
+
+
+def batch_scores(
+    lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablate: Callable[[dict], dict], method: str, steps: int
+) -> torch.Tensor:
+    """``[batch, writer, receiver]`` float64: one batch's edge scores by ``method`` (:func:`eap_scores`);
+    ``ablate(run)``: the hook tensors of the ablated run (the corrupt prompt's, or means) given the clean run's."""
+    graph = graph_of(lm)
+    if method == "eap":  # the gradient pass is the clean run: its activations are the clean ones
+        run, g_logits, grads = gradient_blocks(lm, ids, metric)
+        return _contract(lm, graph, g_logits, grads, _Delta(lm, ablate(run), run))
+    _, clean = run_pass(lm, ids, metric, grad=False)
+    ablated = ablate(clean)
+    delta = _Delta(lm, ablated, clean)
+    edits = _edits(lm, method, steps, clean, ablated)
+    scores = torch.zeros(ids.shape[0], len(graph.writers), len(graph.receivers), dtype=torch.float64)
+    for e in edits:  # one gradient pass at a time
+        _, g_logits, grads = gradient_blocks(lm, ids, metric, edit=e)
+        scores += _contract(lm, graph, g_logits, grads, delta)
+    return scores / len(edits)
+
+
+def _given(ablated: dict, run: dict) -> dict:
+    """The ablated run's hook tensors, whatever the clean run's (a corrupt prompt's run, made beforehand)."""
+    return ablated
+
+
+def edge_mask(graph: Graph) -> torch.Tensor:
+    """``[writer, receiver]`` bool: True where the receiver reads the writer (an edge)."""
+    mask = torch.zeros(len(graph.writers), len(graph.receivers), dtype=torch.bool)
+    for v in range(len(graph.receivers)):
+        mask[: graph.upstream(v), v] = True
+    return mask
 
 
 def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int) -> int:
@@ -258,27 +412,11 @@ def eap_scores(
             f"edge scores: a method of {', '.join(METHODS)} and 1 step or more (got {method}, {steps})"
         )
     graph = graph_of(lm)
-    n_recv, n_writ = len(graph.receivers), len(graph.writers)
     per_pair = []
     for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
-        _, corrupt = run_pass(lm, b.corrupt, b, grad=False)
-        if method == "eap":  # the gradient pass is the clean run: its activations are the clean ones
-            _, run = run_pass(lm, b.clean, b, grad=True)
-            delta = writer_outputs(lm, corrupt, minus=run)  # [batch, pos, writer, d_model], the model's dtype
-            scores = _contract(lm, graph, run, delta)
-            edits: list = [None]
-        else:
-            _, clean = run_pass(lm, b.clean, b, grad=False)
-            delta = writer_outputs(lm, corrupt, minus=clean)
-            edits = _edits(lm, method, steps, clean, corrupt)
-            scores = torch.zeros(b.clean.shape[0], n_writ, n_recv, dtype=torch.float64)
-            for e in edits:  # one gradient pass at a time
-                scores += _contract(lm, graph, run_pass(lm, b.clean, b, grad=True, edit=e)[1], delta)
-        per_pair.append(scores / len(edits))
-    s = torch.cat(per_pair)  # [pair, writer, receiver]
-    mask = torch.zeros(n_writ, n_recv, dtype=torch.bool)
-    for v in range(n_recv):
-        mask[: graph.upstream(v), v] = True
-    s = s.masked_fill(~mask, float("nan"))
+        metric = functools.partial(pair_metric, b=b)
+        _, corrupt = run_pass(lm, b.corrupt, metric, grad=False)
+        per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
+    s = torch.cat(per_pair).masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]
     mean, se = mean_se(s)
     return EdgeScores(graph, s, mean, se)

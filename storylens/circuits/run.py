@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from storylens.circuits.edges import IG_STEPS, eap_scores
+from storylens.circuits.edges import IG_STEPS, EdgeScores, eap_scores
 from storylens.circuits.faithfulness import Faithfulness, faithfulness, top_circuit
 from storylens.circuits.oracle import ORACLE_EDGES, Oracle, edge_oracle
 from storylens.circuits.stability import RESAMPLES, Stability, stability
@@ -23,7 +23,7 @@ from storylens.core.plain import Plain
 from storylens.core.publish import publish_folder
 from storylens.core.schema import read_versioned, versioned
 from storylens.effects.patching import BATCH_PAIRS, Pair, task_verdict
-from storylens.lm import ModelLike, wrap
+from storylens.lm import AttentionLM, ModelLike, wrap
 
 ENOUGH = 0.8  # the faithfulness the smallest circuit shown keeps
 
@@ -42,8 +42,15 @@ class EdgeRow(Plain):
 
 @dataclass
 class CircuitResult(Plain):
+    """One run: on ``pairs`` (``task`` "pairs", ablation "corrupt": the corrupt prompt's values) or on ``stories``
+    (``task`` "stories", ablation "mean" or "zero"; ``tokens`` predicted, every figure per token)."""
+
     model: str
-    pairs: int
+    task: str
+    ablation: str
+    pairs: int | None
+    stories: int | None
+    tokens: int | None
     metric: str
     method: str
     ig_steps: int | None  # EAP-IG's steps (None: eap)
@@ -79,9 +86,7 @@ def run_circuit(
     scores = eap_scores(lm, pairs, method=method, steps=ig_steps, batch_size=batch_size)
     say("faithfulness")
     f = faithfulness(lm, pairs, scores, batch_size=batch_size, seed=seed)
-    at = next((i for i, x in enumerate(f.f) if x >= ENOUGH), None)
-    size = None if at is None else f.n[at]
-    circuit = top_circuit(scores, size) if size is not None else torch.zeros_like(scores.mean, dtype=torch.bool)
+    size = smallest_faithful(f)
     say("oracle")
     audit = edge_oracle(lm, pairs, scores, k=oracle, seed=seed, batch_size=batch_size) if oracle else None
     say("stability")
@@ -90,17 +95,36 @@ def run_circuit(
         if resamples and size
         else None
     )
+    head = dict(task="pairs", ablation="corrupt", pairs=len(pairs), stories=None, tokens=None,
+                metric="logit(answer) - logit(wrong) at the last position",
+                verdict=task_verdict(f.clean, f.clean_se, len(pairs)))  # fmt: skip
+    return assemble(lm, scores, f, audit, stable, method=method, ig_steps=ig_steps, **head)
+
+
+def smallest_faithful(f: Faithfulness) -> int | None:
+    """The edges asked of the smallest size whose circuit keeps :data:`ENOUGH` (None: no size does)."""
+    return next((n for n, x in zip(f.n, f.f) if x >= ENOUGH), None)
+
+
+def assemble(
+    lm: AttentionLM, scores: EdgeScores, f: Faithfulness, audit: Oracle | None, stable: Stability | None, *,
+    method: str, ig_steps: int, **head,
+) -> CircuitResult:  # fmt: skip
+    """The result of a run from its parts (``head``: the task's fields: ``task`` .. ``metric``, ``verdict``)."""
+    size = smallest_faithful(f)
+    circuit = top_circuit(scores, size) if size is not None else torch.zeros_like(scores.mean, dtype=torch.bool)
     width = scores.mean.shape[1]
     flat = circuit.flatten()
     index = {
         (w, r): u * width + v for u, w in enumerate(scores.graph.writers) for v, r in enumerate(scores.graph.receivers)
     }
     rows = [EdgeRow(w, r, m, se, bool(flat[index[(w, r)]])) for w, r, m, se in scores.edges()]
+    at = None if size is None else f.n.index(size)
     return CircuitResult(
-        lm.name, len(pairs), "logit(answer) - logit(wrong) at the last position", method,
-        None if method == "eap" else ig_steps, f.clean, f.clean_se,
-        f.corrupt, f.corrupt_se, task_verdict(f.clean, f.clean_se, len(pairs)), lm.n_layer, lm.n_head,
-        lm.n_kv_head, scores.graph.n_edges, f, size, None if at is None else f.f[at], rows, audit, stable,
+        model=lm.name, method=method, ig_steps=None if method == "eap" else ig_steps, clean_metric=f.clean,
+        clean_metric_se=f.clean_se, corrupt_metric=f.corrupt, corrupt_metric_se=f.corrupt_se, n_layer=lm.n_layer,
+        n_head=lm.n_head, n_kv_head=lm.n_kv_head, n_edges=scores.graph.n_edges, faithfulness=f, circuit_size=size,
+        circuit_f=None if at is None else f.f[at], edges=rows, oracle=audit, stability=stable, **head,
     )  # fmt: skip
 
 
@@ -184,16 +208,22 @@ def write_circuit(out: str | Path, result: CircuitResult, page: str, d_model: in
 def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
     """What ``storylens circuit`` prints: whether the model does the task first, then the curve, the circuit."""
     f = result.faithfulness
+    rows = (
+        f"{result.pairs} pairs" if result.task == "pairs"
+        else f"{result.stories:,} stories ({result.tokens:,} predicted tokens; {result.ablation} ablation)"
+    )  # fmt: skip
+    ablated = "corrupt" if result.task == "pairs" else "every edge ablated"
     out = [
         result.verdict,
-        f"{result.pairs} pairs on {result.model}; {result.n_edges:,} edges ({result.n_layer} blocks x {result.n_head} "
+        f"{rows} on {result.model}; {result.n_edges:,} edges ({result.n_layer} blocks x {result.n_head} "
         f"heads, {result.n_kv_head} key/value heads); method {result.method}"
         + ("" if result.ig_steps is None else f" ({result.ig_steps} steps)"),
-        f"clean {f.clean:+.3f} ± {f.clean_se:.3f}, corrupt {f.corrupt:+.3f} ± {f.corrupt_se:.3f}",
+        f"clean {f.clean:+.3f} ± {f.clean_se:.3f}, {ablated} {f.corrupt:+.3f} ± {f.corrupt_se:.3f}",
         "faithfulness of the top edges (pruned), f = (m(circuit) - m(empty)) / (m(model) - m(empty)):",
     ]
     out += [
-        f"  {p:>6.1%}  {k:>6,} edges  f {x:+.3f} ± {se:.3f}" for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)
+        f"  {p:>6.1%}  {k:>6,} edges  f {round(x, 3) + 0.0:+.3f} ± {se:.3f}"
+        for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)
     ]
     out.append(f"CPR {f.cpr:.3f} ± {f.cpr_se:.3f}, CMD {f.cmd:.3f} ± {f.cmd_se:.3f} (areas over the edge fraction)")
     if result.circuit_size is None:
@@ -215,7 +245,7 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
     if result.stability is not None:
         s = result.stability
         out.append(
-            f"stability over {s.resamples} resamples of the pairs: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
+            f"stability over {s.resamples} resamples of the {result.task}: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
             f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {s.core_f:+.3f}"
         )
     return out

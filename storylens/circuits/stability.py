@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.edges import EdgeScores
+from storylens.circuits.edges import EdgeScores, Graph
 from storylens.circuits.faithfulness import edge_metrics, prune
 from storylens.core.plain import Plain
 from storylens.effects.patching import Pair
@@ -40,26 +40,35 @@ def _top(mean: torch.Tensor, n: int) -> torch.Tensor:
     return keep.view_as(mean) & ~mean.isnan()
 
 
+def resampled(graph: Graph, mean: torch.Tensor, resamples, n: int) -> tuple[torch.Tensor, list[float], torch.Tensor]:
+    """The circuit of ``n`` edges (pruned) by ``mean`` ``[writer, receiver]``, the Jaccard index with it of each
+    resample's (``resamples``: each one's mean scores), and the core: the edges every resample's circuit holds."""
+    whole = prune(graph, _top(mean, n))
+    found, jac = [], []
+    for m in resamples:
+        c = prune(graph, _top(m.masked_fill(mean.isnan(), float("nan")), n))
+        found.append(c)
+        union = (c | whole).sum().item()
+        jac.append((c & whole).sum().item() / union if union else 1.0)
+    return whole, jac, torch.stack(found).all(0)
+
+
+def stability_of(n: int, whole: torch.Tensor, jac: list[float], core: torch.Tensor, core_f: float) -> Stability:
+    js = torch.tensor(jac, dtype=torch.float64)
+    sd = float(js.std()) if len(jac) > 1 else None
+    return Stability(n, int(whole.sum()), len(jac), float(js.mean()), sd, int(core.sum()), core_f)
+
+
 def stability(
     model: ModelLike, pairs: Sequence[Pair], scores: EdgeScores, n: int, *, resamples: int = RESAMPLES, seed: int = 0,
     batch_size: int = 32,
 ) -> Stability:  # fmt: skip
     """The module docstring: the resamples reuse each pair's scores (no model run); the core's faithfulness
     is one patched pass over the pairs."""
-    graph = scores.graph
-    whole = prune(graph, _top(scores.mean, n))
     gen = torch.Generator().manual_seed(seed)
-    found, jac = [], []
-    for _ in range(resamples):
-        draw = torch.randint(0, scores.per_pair.shape[0], (scores.per_pair.shape[0],), generator=gen)
-        c = prune(graph, _top(scores.per_pair[draw].mean(0), n))
-        found.append(c)
-        union = (c | whole).sum().item()
-        jac.append((c & whole).sum().item() / union if union else 1.0)
-    core = torch.stack(found).all(0)
+    rows = scores.per_pair.shape[0]
+    draws = (torch.randint(0, rows, (rows,), generator=gen) for _ in range(resamples))
+    whole, jac, core = resampled(scores.graph, scores.mean, (scores.per_pair[d].mean(0) for d in draws), n)
     every = ~scores.mean.isnan()
     m = edge_metrics(model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size).mean(1)
-    f = float((m[0] - m[1]) / (m[2] - m[1]))
-    js = torch.tensor(jac, dtype=torch.float64)
-    sd = float(js.std()) if len(jac) > 1 else None
-    return Stability(n, int(whole.sum()), resamples, float(js.mean()), sd, int(core.sum()), f)
+    return stability_of(n, whole, jac, core, float((m[0] - m[1]) / (m[2] - m[1])))

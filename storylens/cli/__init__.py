@@ -24,6 +24,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -31,6 +32,7 @@ from storylens import __version__
 from storylens.cli.options import Parser, one_line
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.offline import hub_offline
+from storylens.core.publish import replacing_any_kind
 
 DESCRIPTION = (
     "Read the attention heads of Tiny Storyteller (shipped) or any transformers causal LM: where each head "
@@ -84,13 +86,46 @@ def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
                 _debug_everywhere(sp)  # nested commands too (storylens data download --debug)
 
 
+PUBLISHED = ("score", "report", "patch", "circuit", "timeline")  # commands whose --out is a published folder
+
+
+def _force_with_out(parser: argparse.ArgumentParser) -> None:
+    """``--force`` on every command that writes an ``--out`` folder: replace a folder another command wrote."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                if name in PUBLISHED and any("--out" in a.option_strings for a in sp._actions):
+                    sp.add_argument(
+                        "--force",
+                        action="store_true",
+                        help="replace --out even where another storylens command wrote it (never a folder "
+                        "holding files of your own)",
+                    )
+
+
+def _out_not_read(args) -> None:
+    """Refuse an ``--out`` that is (or holds) the folder ``--model`` or ``--stories`` reads, --force or not."""
+    out = getattr(args, "out", None)
+    if not out or args.command not in PUBLISHED or Path(out).name in ("", ".", ".."):
+        return  # no folder of its own: refused where the folder is checked
+    target = Path(out).resolve()
+    for option in ("model", "stories"):
+        src = getattr(args, option, None)
+        if isinstance(src, str) and src and Path(src).exists():
+            read = Path(src).resolve()
+            if read == target or target in read.parents:
+                raise UsageError(f"--out {out}: is where --{option} {src} is read from; give another folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _debug_everywhere(parser)
+    _force_with_out(parser)
     args = parser.parse_args(argv)
     # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
     try:
-        with hub_offline(not getattr(args, "allow_download", False)):
+        _out_not_read(args)
+        with hub_offline(not getattr(args, "allow_download", False)), replacing_any_kind(getattr(args, "force", False)):
             return args.func(args)
     except (StorylensError, KeyboardInterrupt, OSError, MemoryError) as e:
         if args.debug:

@@ -56,7 +56,7 @@ def run(args) -> int:
             raise UsageError(f"--exact: {args.exact!r}; give all or a number of heads")
         exact = int(args.exact)
     out = out_path(args.out)
-    check_target_folder(out)  # before the model: a bad --out costs nothing
+    check_target_folder(out, kind="patch")  # before the model: a bad --out costs nothing
     source, rows = task_rows(args)  # bad lines refused before the model loads
     model = load(args)
     pairs = encode_pairs(model, rows, source.name)

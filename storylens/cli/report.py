@@ -131,7 +131,7 @@ def run(args) -> int:
         sections=None if args.sections is None else parse_sections(args.sections),
     )
     out = out_path(args.out)
-    check_target_folder(out)  # before the model or any story: a bad --out costs nothing
+    check_target_folder(out, kind="report")  # before the model or any story: a bad --out costs nothing
     report = build_report(out, model=load(args), options=options)
     print_summary(report)
     return 0

@@ -153,7 +153,7 @@ def run(args) -> int:
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus
     out = out_path(args.out)
-    check_target_folder(out)  # before the model or any story: a bad --out costs nothing
+    check_target_folder(out, kind="score")  # before the model or any story: a bad --out costs nothing
     source = open_source(
         args.stories, text_field=args.text_field, limit=args.limit, split=args.split, allow_download=args.allow_download
     )

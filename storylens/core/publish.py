@@ -15,6 +15,10 @@ Every file or folder storylens writes for a user goes through here:
 * A folder is only replaced if storylens wrote everything in it: each published folder carries a
   manifest (``.storylens.json``) naming its files, and a target that holds anything else is
   refused, so a user's own files are never deleted or overwritten.
+* A folder is only replaced by a run of its own kind: the manifest names what wrote it (``what``:
+  ``score``, ``patch``, a model folder, ...), and a command refuses a folder another one wrote (a
+  ``score --out`` onto a model folder ``export-hf`` wrote would delete the model) unless the user
+  says ``--force`` (:func:`replacing_any_kind`), which still never touches a user's own files.
 
 Where ``RENAME_EXCHANGE`` is unavailable (another OS, a filesystem without it), the swap falls back
 to two renames with the old set parked as ``.NAME.old-*``; a kill between the two leaves the old
@@ -34,11 +38,25 @@ import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from storylens.core.errors import StorylensError
 
 MANIFEST = ".storylens.json"
+_ANY_KIND: ContextVar[bool] = ContextVar("storylens_replace_any_kind", default=False)
+
+
+@contextmanager
+def replacing_any_kind(on: bool = True) -> Iterator[None]:
+    """Inside (``on``): a folder another storylens command wrote may be replaced (``--force``)."""
+    token = _ANY_KIND.set(on)
+    try:
+        yield
+    finally:
+        _ANY_KIND.reset(token)
+
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -146,10 +164,11 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
+def check_target_folder(out: Path, owned: frozenset[str] = frozenset(), kind: str | None = None) -> None:
     """Refuse a target that is a file, a link, under a file, or a folder holding files storylens
     did not write (anything not in its manifest; ``owned`` names a folder of this kind always
-    holds, for folders made before manifests existed)."""
+    holds, for folders made before manifests existed); with ``kind``, also a folder another kind of
+    run wrote (its manifest's ``what``), unless :func:`replacing_any_kind`."""
     if out.name in ("", ".", ".."):
         raise StorylensError(f"{out}: give the output folder a name of its own (not '.' or '..')")
     if out.is_symlink():
@@ -181,6 +200,11 @@ def check_target_folder(out: Path, owned: frozenset[str] = frozenset()) -> None:
         raise StorylensError(
             f"{out}: holds files storylens did not write ({_some(foreign)}); move them away or give another folder"
         )
+    other = _manifest_kind(out)
+    if kind is not None and other is not None and other != kind and not _ANY_KIND.get():
+        raise StorylensError(
+            f"{out}: holds a {other} that storylens wrote, not a {kind}; give another folder (or --force to replace it)"
+        )
 
 
 def _some(names) -> str:
@@ -194,6 +218,15 @@ def _manifest_files(folder: Path) -> set[str] | None:
         return set(data["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _manifest_kind(folder: Path) -> str | None:
+    """What wrote ``folder`` (its manifest's ``what``; None: no manifest, or one without it)."""
+    try:
+        what = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("what")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return what if isinstance(what, str) else None
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -244,7 +277,7 @@ def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozense
     On an error (or a kill) ``out`` is left exactly as it was.
     """
     out = Path(out)
-    check_target_folder(out, owned)
+    check_target_folder(out, owned, what)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -254,7 +287,7 @@ def publish_folder(out: str | os.PathLike, what: str = "output", owned: frozense
             _clean_leftovers(out)
         except OSError as e:
             raise os_error(out, e, "tidy") from None
-        check_target_folder(out, owned)  # again, now that nobody else can be writing it
+        check_target_folder(out, owned, what)  # again, now that nobody else can be writing it
         tmp = _tmp_name(out, "build")
         try:
             tmp.mkdir()

@@ -30,12 +30,13 @@ error in an actor (a user detector's, say) comes back as one :class:`StorylensEr
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -301,11 +302,43 @@ def _configure_data(ray) -> None:
     ctx.wait_for_min_actors_s = ACTORS_START_S
 
 
-def _scored(ray, chunks, size: int, scorer: dict):
-    """``chunks`` mapped through one pool of ``size`` :class:`ChunkScorer` actors for the whole run
-    (``scorer``: their arguments), one chunk a call; each actor holds the chunk it scores and the next."""
+class ChunkJob:
+    """A Ray Data actor for any chunked job: the model, loaded once; each call runs ``run(lm, job, start, texts)``
+    on one chunk, which returns that chunk's sums as tensors (sent back as bytes, merged by the driver)."""
+
+    def __init__(self, model_source, job: dict, run):
+        torch.set_num_threads(1)
+        self.lm, self.job, self.run = load_lm(model_source), job, run
+
+    def __call__(self, batch: dict) -> dict:
+        out: dict[str, list] = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
+        for start, texts in zip(batch["start"], batch["texts"]):
+            try:
+                tensors = self.run(self.lm, self.job, int(start), [str(t) for t in texts])
+            except Exception as e:
+                raise StorylensError(_actor_failure(e)) from None
+            buf = io.BytesIO()
+            torch.save(tensors, buf)
+            out["start"].append(int(start))
+            out["state"].append(buf.getvalue())
+            out["n"].append(len(texts))
+            out["cut"].append(0)
+            out["main"].append(0)
+            out["pid"].append(os.getpid())
+            out["peak_mb"].append(peak_rss_mb())
+        return out
+
+
+def tensors_of(state: bytes) -> dict:
+    """What :class:`ChunkJob` sent back, as tensors again."""
+    return torch.load(io.BytesIO(state), weights_only=True)
+
+
+def _scored(ray, chunks, size: int, scorer: dict, actor=None):
+    """``chunks`` mapped through one pool of ``size`` actors (:class:`ChunkScorer`, or ``actor``) for the whole
+    run (``scorer``: their arguments), one chunk a call; each actor holds the chunk it scores and the next."""
     return chunks.map_batches(
-        ChunkScorer,
+        actor or ChunkScorer,
         batch_size=1,
         num_cpus=1,
         fn_constructor_kwargs=scorer,
@@ -317,8 +350,8 @@ class _InOrder:
     """The chunks' states merged into ``acc`` in story order, whatever order they come back in: a
     chunk back before an earlier one waits for its turn, so what is merged is always the first stories."""
 
-    def __init__(self, acc: HeadScoreAccumulator, examples: int, start: int):
-        self.acc, self.examples = acc, examples
+    def __init__(self, merge: Callable[[dict], None], start: int):
+        self.merge_row = merge
         self.waiting: dict[int, dict] = {}  # chunks back before an earlier one, by their first story
         self.next = start  # the first story not merged yet
         self.stats = RecordStats(0, 0, 0)  # of the stories merged
@@ -335,7 +368,7 @@ class _InOrder:
         merged = False
         while self.next in self.waiting:
             row = self.waiting.pop(self.next)
-            self.acc.merge(self.acc.like().load_state(json.loads(row["state"])))
+            self.merge_row(row)
             self.stats = self.stats + RecordStats(int(row["n"]), int(row["cut"]), int(row["main"]))
             self.next += int(row["n"])
             merged = True
@@ -387,14 +420,42 @@ def score_with_ray(
         )
         chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
         ds = _scored(ray, chunks, min(workers, n_chunks), scorer)
-        merger = _InOrder(acc, examples, start)
+        merger = _InOrder(lambda row: acc.merge(acc.like().load_state(json.loads(row["state"]))), start)
         _merge_rows(ray, ds, merger, total, start, workers=workers, progress=progress, on_progress=on_progress)
-    if merger.waiting or merger.next != total:
-        raise StorylensError(f"ray: stories {merger.next:,} to {total:,} did not come back from the actors")
+    _check_back(merger, total)
     if details is not None:
         details["actor_peak_mb"] = merger.actor_peaks  # each actor process's peak memory (benchmarks)
         details["workers"] = workers  # as used: --workers capped at the cluster's CPUs
         details["read_on_workers"] = isinstance(source, StorySource)
+    return merger.stats
+
+
+def _check_back(merger: _InOrder, total: int) -> None:
+    if merger.waiting or merger.next != total:
+        raise StorylensError(f"ray: stories {merger.next:,} to {total:,} did not come back from the actors")
+
+
+def run_chunks_on_ray(
+    model_source, source, job: dict, run, merge: Callable[[dict, int], None], *, workers: int = 2,
+    address: str | None = None, chunk_stories: int = CHUNK_STORIES, total: int, start: int = 0,
+    progress: bool = True, on_progress=None,
+) -> RecordStats:  # fmt: skip
+    """Any chunked job on Ray (:class:`ChunkJob`: ``run(lm, job, first, texts)`` per chunk of ``source`` from
+    story ``start`` to ``total``), each chunk's tensors and story count handed to ``merge`` in story order (the module docstring:
+    the same chunks as one process, merged in the same order; ``on_progress(stats)`` where they grow)."""
+    _check_sizes(workers, 1, chunk_stories)
+    ray = _import_ray()
+    with _quiet_ray():
+        _init_ray(ray, address)
+        workers = _actors(ray, workers)
+        _configure_data(ray)
+        n_chunks = -(-(total - start) // chunk_stories)
+        chunks = chunk_dataset(ray, source, start, total, chunk_stories, workers)
+        kwargs = dict(model_source=model_source, job=job, run=run)
+        ds = _scored(ray, chunks, min(workers, n_chunks), kwargs, actor=ChunkJob)
+        merger = _InOrder(lambda row: merge(tensors_of(row["state"]), int(row["n"])), start)
+        _merge_rows(ray, ds, merger, total, start, workers=workers, progress=progress, on_progress=on_progress)
+    _check_back(merger, total)
     return merger.stats
 
 

@@ -23,12 +23,15 @@ SHOWN = 300  # the most edges the page draws (the top by |score|): enough for ev
 
 def circuit_html(result: Mapping, *, title: str, pairs: Sequence[Mapping] = ()) -> str:
     """The page for a circuit result as a dict (``CircuitResult.to_dict()``) and, for a click on a head, the first
-    pairs' tokens and attention (:func:`~storylens.effects.patching.pair_patterns`)."""
+    pairs' (or stories') tokens and attention (:func:`~storylens.effects.patching.pair_patterns`,
+    :func:`~storylens.circuits.stories.story_patterns`)."""
     edges = sorted(result["edges"], key=lambda e: -abs(e["score"]))[:SHOWN]
     data = {k: v for k, v in result.items() if k != "edges"} | {"edges": edges, "pairs": list(pairs)}
     return _ENV.get_template("circuit.html.j2").render(
         title=title,
         verdict=result.get("verdict", ""),
+        task=result.get("task", "pairs"),
+        ablation=result.get("ablation", "corrupt"),
         nonce=secrets.token_urlsafe(16),
         data=_json_for_script(data),
         export_js=_static("export.js"),

@@ -171,7 +171,7 @@ def test_no_eap_ig_export_for_grouped_key_value_heads():
         edges = [
             EdgeRow(g.writers[u], r, 0.5, 0.1, True) for v, r in enumerate(g.receivers) for u in range(g.upstream(v))
         ]
-        return CircuitResult("m", 2, "x", "eap", None, 1.0, 0.1, -1.0, 0.1, "v", 1, 2, n_kv, g.n_edges, f, 1, 1.0,
+        return CircuitResult("m", "pairs", "corrupt", 2, None, None, "x", "eap", None, 1.0, 0.1, -1.0, 0.1, "v", 1, 2, n_kv, g.n_edges, f, 1, 1.0,
                              edges, None, None)  # fmt: skip
 
     assert eap_ig_graph(result(1), 8) is None

@@ -46,8 +46,8 @@ def _writer(lm, b, writer):
     return diffs[0] - diffs[1]
 
 
-def _along(lm, b, receiver, delta):
-    """d metric / d eps per pair, with ``eps * delta`` reaching only ``receiver`` (layer, hook, index): a first
+def _along(lm, ids, metric, receiver, delta):
+    """d metric / d eps per row of ``ids``, with ``eps * delta`` reaching only ``receiver`` (layer, hook, index): a first
     pass with it added to the residual stream where the receiver reads it gives the receiver's output, and only
     that output (that head's slice) is put into a second, clean pass; autograd through both, from hooks here."""
     layer, kind, idx = receiver
@@ -72,10 +72,10 @@ def _along(lm, b, receiver, delta):
 
     with torch.enable_grad():
         with lm.hooks([(at, shift), (out_name, keep)]):
-            lm.forward(b.clean)
+            lm.forward(ids)
         with lm.hooks([(out_name, put)]):
-            metric = pair_metric(lm.forward(b.clean), b)
-        (g,) = torch.autograd.grad(metric.sum(), eps)
+            m = metric(lm.forward(ids))
+        (g,) = torch.autograd.grad(m.sum(), eps)
     return g.flatten()
 
 
@@ -94,7 +94,7 @@ def test_an_edge_score_is_the_metric_derivative_along_that_edge_alone(tiny, task
     for writer, receiver, label in cases:
         kind, layer, h = writer
         u = w.index(f"L{layer + 1}H{h + 1}" if kind == "head" else f"M{layer + 1}")
-        want = _along(lm, b, receiver, _writer(lm, b, writer))
+        want = _along(lm, b.clean, lambda x: pair_metric(x, b), receiver, _writer(lm, b, writer))
         got = r.per_pair[:, u, rc.index(label)]
         scale = want.abs().max().item()
         assert scale > 1e-9, label  # a real edge, not zeros compared
@@ -111,7 +111,7 @@ def test_the_scores_into_a_receiver_sum_to_the_derivative_along_the_whole_differ
     at = f"blocks.{last}.hook_resid_pre"
     delta = _seen(lm, b.corrupt, [at])[1][at] - _seen(lm, b.clean, [at])[1][at]
     v = r.graph.receivers.index(f"L{last + 1}H1.q")
-    want = _along(lm, b, (last, "q", 0), delta)
+    want = _along(lm, b.clean, lambda x: pair_metric(x, b), (last, "q", 0), delta)
     got = r.per_pair[:, : r.graph.upstream(v), v].sum(1)
     assert (got - want).abs().max().item() <= 1e-9 * want.abs().max().item()
 

@@ -17,18 +17,24 @@
     return [2 * (+m[1]) - 1, ((+m[2]) - 1) * group, base];
   }
 
-  function place(label) {
+  function place(label, rank, rows) {  /* rank: the node's row among the rows drawn (only those with a node) */
     var n = node(label), width = D.n_head * (NODE + GAP);
     var x = n[2] === "input" || n[2] === "logits" || /^M/.test(n[2]) ? PAD + width / 2 - NODE / 2 : PAD + n[1] * (NODE + GAP);
-    var y = PAD + (2 * D.n_layer + 1 - n[0]) * ROW / 2;
+    var y = PAD + (rows - 1 - rank[n[0]]) * ROW * 0.6;
     return [x + NODE / 2, y, n[2]];
   }
 
   function graphSvg(k) {
-    var edges = D.edges.slice(0, k), big = 0, body = "", seen = {};
-    edges.forEach(function (e) { big = Math.max(big, Math.abs(e.score)); });
+    var edges = D.edges.slice(0, k), big = 0, body = "", seen = {}, used = {};
     edges.forEach(function (e) {
-      var a = place(e.writer), b = place(e.receiver), kind = e.receiver.split(".")[1] || "";
+      big = Math.max(big, Math.abs(e.score));
+      used[node(e.writer)[0]] = true;
+      used[node(e.receiver)[0]] = true;
+    });
+    var order = Object.keys(used).map(Number).sort(function (a, b) { return a - b; }), rank = {};
+    order.forEach(function (r, i) { rank[r] = i; });  /* rows (blocks' heads, their MLPs) with no node are left out */
+    edges.forEach(function (e) {
+      var a = place(e.writer, rank, order.length), b = place(e.receiver, rank, order.length), kind = e.receiver.split(".")[1] || "";
       var dash = kind === "k" ? ' stroke-dasharray="6 3"' : kind === "v" ? ' stroke-dasharray="2 3"' : "";
       var w = 0.5 + 5 * Math.abs(e.score) / (big || 1), col = e.score > 0 ? "#c0392b" : "#2c6fbb";
       body += '<line x1="' + a[0] + '" y1="' + (a[1] - 9) + '" x2="' + b[0] + '" y2="' + (b[1] + 9) + '" stroke="' + col +
@@ -41,7 +47,7 @@
         X.rect(p[0] - NODE / 2, p[1] - 9, NODE, 18, head ? "#eef3fb" : "#f4f4f4", ' stroke="#888"') +
         X.text(p[0], p[1] + 4, name, 11, { anchor: "middle" }) + (head ? "</g>" : "");
     });
-    var width = 2 * PAD + D.n_head * (NODE + GAP), height = 2 * PAD + (2 * D.n_layer + 1) * ROW / 2;
+    var width = 2 * PAD + D.n_head * (NODE + GAP), height = 2 * PAD + Math.max(0, order.length - 1) * ROW * 0.6;
     return X.doc(width, height, body);
   }
 
@@ -49,7 +55,7 @@
     var f = D.faithfulness, W = 360, H = 240, L = 50, B = 40, body = "";
     var lo = Math.log10(f.percentages[0] || 0.001), hi = 0;
     function x(p) { return L + (W - L - 10) * (Math.log10(Math.max(p, 1e-4)) - lo) / (hi - lo || 1); }
-    function y(v) { return H - B - (H - B - 10) * Math.max(-0.2, Math.min(1.2, v)) / 1.2; }
+    function y(v) { return H - B - (H - B - 10) * (Math.max(-0.2, Math.min(1.2, v)) + 0.2) / 1.4; }  /* -0.2 .. 1.2, bars clipped */
     body += '<line x1="' + L + '" y1="' + y(1) + '" x2="' + (W - 10) + '" y2="' + y(1) + '" stroke="#bbb" stroke-dasharray="4 3"/>';
     body += '<line x1="' + L + '" y1="' + y(0) + '" x2="' + (W - 10) + '" y2="' + y(0) + '" stroke="#888"/>';
     var pts = f.percentages.map(function (p, i) { return x(p) + "," + y(f.f[i]); }).join(" ");
@@ -67,13 +73,18 @@
   function table(k) {
     var t = document.getElementById("slc-table"), rows = ["<tr><th>writer</th><th>receiver</th><th>score</th><th>±</th></tr>"];
     D.edges.slice(0, k).forEach(function (e) {
-      rows.push("<tr><td>" + X.esc(e.writer) + "</td><td>" + X.esc(e.receiver) + "</td><td>" + e.score.toFixed(3) +
-        "</td><td>" + e.score_se.toFixed(3) + "</td></tr>");
+      rows.push("<tr><td>" + X.esc(e.writer) + "</td><td>" + X.esc(e.receiver) + "</td><td>" + num(e.score) +
+        "</td><td>" + num(e.score_se) + "</td></tr>");
     });
     t.innerHTML = rows.join("");
   }
 
   var picked = null;
+  var MOST_AT_FIRST = 60;  /* the edges drawn before the slider moves: more is a thicket on a many-head model */
+
+  function num(x) {  /* three decimals, or three significant digits for the small scores a loss gives */
+    return Math.abs(x) >= 0.1 || x === 0 ? x.toFixed(3) : x.toPrecision(3);
+  }
 
   function mapSpec(side) {  /* the picked head's attention on the chosen pair, one side */
     var p = D.pairs[+document.getElementById("slc-pair").value][side];
@@ -84,7 +95,8 @@
     var maps = document.getElementById("slc-maps");
     maps.innerHTML = "";
     if (picked === null || !D.pairs.length) { return; }
-    ["clean", "corrupt"].forEach(function (side) {
+    var p = D.pairs[+document.getElementById("slc-pair").value];
+    ["clean", "corrupt"].filter(function (side) { return p[side]; }).forEach(function (side) {
       var box = X.pictureBox(function () { return X.gridSvg(mapSpec(side)); }, "attention-" + side);
       box.setAttribute("data-side", side);
       maps.appendChild(box);
@@ -94,7 +106,7 @@
   function pick(name) {
     var m = /^L(\d+)H(\d+)$/.exec(name);
     picked = [(+m[1]) - 1, (+m[2]) - 1];
-    document.getElementById("slc-head").textContent = name + ": its attention on the pair, clean and corrupt";
+    document.getElementById("slc-head").textContent = name + (D.task === "stories" ? ": its attention on the story's first tokens" : ": its attention on the pair, clean and corrupt");
     drawMaps();
   }
 
@@ -113,21 +125,22 @@
   D.pairs.forEach(function (p, i) {
     var o = document.createElement("option");
     o.value = String(i);
-    o.textContent = "line " + p.line;
+    o.textContent = (D.task === "stories" ? "story " : "line ") + p.line;
     select.appendChild(o);
   });
   select.addEventListener("change", drawMaps);
 
   var slider = document.getElementById("slc-size");
   slider.max = String(D.edges.length);
-  slider.value = String(Math.min(D.edges.length, D.circuit_size ? Math.max(1, D.circuit_size) : 20));
+  var inCircuit = D.edges.filter(function (e) { return e.in_circuit; }).length;  /* the smallest faithful one, drawn */
+  slider.value = String(Math.min(D.edges.length, MOST_AT_FIRST, inCircuit || 20));
   slider.addEventListener("input", function () { show(+slider.value); });
   var c = document.getElementById("slc-curve");
   c.innerHTML = curveSvg();
   c.appendChild(X.buttons(curveSvg, "faithfulness"));
   var f = D.faithfulness;
   document.getElementById("slc-summary").textContent = "CPR " + f.cpr.toFixed(3) + " ± " + f.cpr_se.toFixed(3) +
-    ", CMD " + f.cmd.toFixed(3) + " ± " + f.cmd_se.toFixed(3) + "; clean " + f.clean.toFixed(3) + ", corrupt " + f.corrupt.toFixed(3) +
+    ", CMD " + f.cmd.toFixed(3) + " ± " + f.cmd_se.toFixed(3) + "; clean " + f.clean.toFixed(3) + (D.task === "stories" ? ", every edge ablated " : ", corrupt ") + f.corrupt.toFixed(3) +
     (D.circuit_size ? "; the smallest circuit keeping 80% holds the top " + D.circuit_size + " edges" : "");
   show(+slider.value);
 })();
