@@ -99,7 +99,7 @@ def llama_one(folder: str, what: str, n: int) -> dict:
     ``story-patched``: on one story of ``STORY_TOKENS`` tokens instead of the pairs, under zero ablation)."""
     lm = load_lm(folder)
     if what.startswith("story"):
-        ids, valid = _long_story(lm, STORY_TOKENS)
+        ids, valid = _long_story(lm, min(STORY_TOKENS, lm.window))
         with torch.no_grad():
             fwd = min(_timed(lambda: lm.forward(ids)) for _ in range(2))
     else:
@@ -137,8 +137,8 @@ def shape(kind: str, n: int, base: Path) -> dict:
         "edges_ungrouped": Graph(g.n_layer, g.n_head, g.n_head).n_edges,
         "difference_buffer_mb": buffer,
     }
-    out["story_tokens"] = STORY_TOKENS
-    out["story_buffer_mb"] = STORY_TOKENS * len(g.writers) * d_model * 4 / 2**20
+    out["story_tokens"] = min(STORY_TOKENS, lm.window)  # GPT-2 small's window is 1,024
+    out["story_buffer_mb"] = out["story_tokens"] * len(g.writers) * d_model * 4 / 2**20
     for what in ("eap", "eap-ig-inputs", "patched", "story", "story-patched"):
         cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])

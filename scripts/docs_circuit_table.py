@@ -3,7 +3,11 @@
     storylens circuit --out circuit-run
     storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --out circuit-stories
     python benchmarks/bench_circuit.py --json benchmarks/circuit.json
-    python scripts/docs_circuit_table.py circuit-run/circuit.json benchmarks/circuit.json circuit-stories/circuit.json
+    storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --limit 40 \
+        --method eap-ig-activations --out circuit-stories-ig
+    storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --limit 40 --out circuit-stories-40
+    python scripts/docs_circuit_table.py circuit-run/circuit.json benchmarks/circuit.json \
+        circuit-stories-ig/circuit.json circuit-stories-40/circuit.json circuit-stories/circuit.json
 
 Replaces the text between <!-- circuit-shipped:start/end -->, <!-- circuit-cost:start/end --> and
 <!-- circuit-stories:start/end --> on docs/circuit.md.
@@ -23,10 +27,11 @@ def shipped(path: str) -> str:
     r = load_circuit(path)
     f = r.faithfulness
     if r.task == "stories":
+        method = "" if r.method == "eap" else f" --method {r.method}"
         intro = (
-            f"`storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --out circuit-stories` "
-            f"({r.model}, {r.stories:,} quiz stories, {r.tokens:,} predicted tokens, {r.ablation} ablation, "
-            f"{r.n_edges:,} edges). {r.verdict}"
+            f"`storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --limit {r.stories}"
+            f"{method} --out circuit-stories` ({r.model}, the first {r.stories:,} quiz stories, {r.tokens:,} "
+            f"predicted tokens, {r.ablation} ablation, {r.n_edges:,} edges). {r.verdict}"
         )
     else:
         intro = (
@@ -52,24 +57,24 @@ def shipped(path: str) -> str:
             f"The smallest circuit keeping {ENOUGH:.0%} of the metric: {len(edges)} edges (the top {r.circuit_size} "
             f"before pruning), f {r.circuit_f:+.3f}. Its largest edges:",
             "",
-            "| writer | receiver | EAP score |",
+            f"| writer | receiver | {r.method} score |",
             "|---|---|---|",
         ]
         lines += [f"| {e.writer} | {e.receiver} | {e.score:+.4f} ± {e.score_se:.4f} |" for e in edges[:10]]
     if r.oracle is not None:
         o = r.oracle
         rho = "n/a" if o.rho is None else f"{o.rho:.3f}"
-        lines += ["", f"Oracle: {len(o.rows)} edges ablated alone and run, Spearman's rho against EAP {rho}"
+        lines += ["", f"Oracle: {len(o.rows)} edges ablated alone and run, Spearman's rho against the scores {rho}"
                   + (f"; opposite signs beyond both errors: {', '.join(o.disagree)}." if o.disagree else "; no edge of opposite signs beyond both errors.")]  # fmt: skip
         if r.task == "stories":
-            lines += ["", "| edge | why | EAP score | exact effect (nats per token) |", "|---|---|---|---|"]
+            lines += ["", f"| edge | why | {r.method} score | exact effect (nats per token) |", "|---|---|---|---|"]
             lines += [f"| {x.writer} -> {x.receiver} | {x.why} | {x.score:+.4f} ± {x.score_se:.4f} | "
                       f"{x.exact:+.4f} ± {x.exact_se:.4f} |" for x in o.rows]  # fmt: skip
     if r.stability is not None:
         s = r.stability
         lines += ["", f"Stability over {s.resamples} bootstrap resamples of the {rows}: Jaccard {s.jaccard:.3f} (sd "
                   f"{s.jaccard_sd:.3f}) with the {s.kept}-edge circuit; {s.core} edges found in every resample keep f "
-                  f"{s.core_f:+.3f}."]  # fmt: skip
+                  f"{round(s.core_f, 3) + 0.0:+.3f}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -123,9 +128,33 @@ def cost(path: str) -> str:
     return "\n".join(lines)
 
 
+def compared(paths: list[str]) -> str:
+    """The stories' runs side by side (method, stories, the curve's areas, the oracle, the stability), then the
+    first run in full."""
+    runs = [load_circuit(p) for p in paths]
+    lines = [
+        "| method | stories | CPR | CMD | f at 1 % | oracle: Spearman's rho (edges with opposite signs) | "
+        "Jaccard over resamples | core's f |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        f, o, st = r.faithfulness, r.oracle, r.stability
+        at = f.percentages.index(0.01)
+        rho = "n/a" if o is None or o.rho is None else f"{o.rho:.3f} ({len(o.disagree)} of {len(o.rows)})"
+        jac = "n/a" if st is None else f"{st.jaccard:.3f} (sd {st.jaccard_sd:.3f})"
+        core = "n/a" if st is None else f"{round(st.core_f, 3) + 0.0:+.3f} ({st.core} edges)"
+        method = r.method + ("" if r.ig_steps is None else f" ({r.ig_steps} steps)")
+        lines.append(
+            f"| {method} | {r.stories:,} | {f.cpr:.3f} ± {f.cpr_se:.3f} | {f.cmd:.3f} ± {f.cmd_se:.3f} | "
+            f"{f.f[at]:+.3f} ± {f.f_se[at]:.3f} | {rho} | {jac} | {core} |"
+        )
+    return "\n".join(lines + ["", shipped(paths[0])])
+
+
 if __name__ == "__main__":  # "-" for a file leaves its table as it is
     args = sys.argv[1:] + ["-"] * 3
-    for marker, make, arg in (("circuit-shipped", shipped, args[0]), ("circuit-cost", cost, args[1]),
-                              ("circuit-stories", shipped, args[2])):  # fmt: skip
+    for marker, make, arg in (("circuit-shipped", shipped, args[0]), ("circuit-cost", cost, args[1])):
         if arg != "-":
             print(update(marker, make(arg)))
+    if args[2] != "-":
+        print(update("circuit-stories", compared([a for a in args[2:] if a != "-"])))

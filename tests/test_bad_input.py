@@ -293,7 +293,7 @@ def test_argparse_errors_are_one_line(capsys):
     for argv, expect in [
         (
             ["generate", "Hi", "--max-new-tokens", "x"],
-            "storylens generate: error: argument --max-new-tokens: invalid int value: 'x' (see storylens generate --help)",
+            "storylens: error: argument --max-new-tokens: invalid int value: 'x' (see storylens generate --help)",
         ),
         (["nonsense"], "storylens: error: argument command: invalid choice: 'nonsense'"),
         ([], "storylens: error: the following arguments are required: command (see storylens --help)"),
@@ -373,8 +373,8 @@ def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp
         (["--audit"], "--audit: audits the causal columns; pass --causal too"),
         (["--audit", "3"], "--audit: audits the causal columns; pass --causal too"),
         (["--causal", "--audit", "-1"], "--audit: a whole number of heads, 0 or more (got -1)"),
-        (["--causal", "--audit", "--audit-stories", "0"], "--audit-stories: a whole number, 1 or more, with --audit (got 0)"),
-        (["--causal", "--audit-stories", "5"], "--audit-stories: a whole number, 1 or more, with --audit (got 5)"),
+        (["--causal", "--audit", "--audit-stories", "0"], "--audit-stories: a whole number, 1 or more (got 0)"),
+        (["--causal", "--audit-stories", "5"], "--audit-stories: only with --audit (the audit's stories)"),
         (["--causal", "--audit", "--seed", "-1"], "--seed: must be between 0 and 2^64 - 1 (got -1)"),
         (["--causal", "--graph-memory", "-1"], "--graph-memory: a whole number of MiB, 0 or more (got -1)"),
     ],

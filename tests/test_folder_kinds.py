@@ -10,7 +10,7 @@ from storylens.core.publish import check_target_folder, publish_folder, replacin
 
 KINDS = ("score", "report", "patch", "circuit", "timeline", "storylens model folder",
          "transformers GPT2LMHeadModel export")  # fmt: skip
-COMMANDS = ("score", "report", "patch", "circuit", "timeline")
+COMMANDS = ("score", "report", "patch", "circuit", "timeline", "transformers GPT2LMHeadModel export")
 
 
 def _published(folder, kind):
@@ -62,4 +62,6 @@ def test_the_command_line_refuses_in_one_line_and_never_writes_over_what_it_read
         assert len(err) == 1 and "is where --model" in err[0]
     assert main(["circuit", "--stories", str(model / "made.txt"), "--out", str(model), "--force"]) == 2
     assert "is where --stories" in capsys.readouterr().err
+    assert main(["export-hf", str(model), "--model", str(model), "--force"]) == 2
+    assert "is where --model" in capsys.readouterr().err
     assert (model / "made.txt").exists()

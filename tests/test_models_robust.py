@@ -399,7 +399,7 @@ def test_a_device_this_machine_lacks_is_refused(capfd):
         main(["perplexity", "--dtype", "float128"])
     assert e.value.code == 2
     err = capfd.readouterr().err
-    assert err.startswith("storylens perplexity: error: argument --dtype: invalid choice: 'float128'"), err
+    assert err.startswith("storylens: error: argument --dtype: invalid choice: 'float128'"), err
 
 
 def test_load_lm_takes_device_and_dtype(folders, native):

@@ -246,6 +246,6 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
         s = result.stability
         out.append(
             f"stability over {s.resamples} resamples of the {result.task}: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
-            f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {s.core_f:+.3f}"
+            f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {round(s.core_f, 3) + 0.0:+.3f}"
         )
     return out

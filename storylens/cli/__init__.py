@@ -24,8 +24,8 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 from storylens import __version__
@@ -86,7 +86,7 @@ def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
                 _debug_everywhere(sp)  # nested commands too (storylens data download --debug)
 
 
-PUBLISHED = ("score", "report", "patch", "circuit", "timeline")  # commands whose --out is a published folder
+PUBLISHED = ("score", "report", "patch", "circuit", "timeline", "export-hf")  # commands writing a published folder
 
 
 def _force_with_out(parser: argparse.ArgumentParser) -> None:
@@ -94,18 +94,18 @@ def _force_with_out(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sp in action.choices.items():
-                if name in PUBLISHED and any("--out" in a.option_strings for a in sp._actions):
+                if name in PUBLISHED:
                     sp.add_argument(
                         "--force",
                         action="store_true",
-                        help="replace --out even where another storylens command wrote it (never a folder "
-                        "holding files of your own)",
+                        help="replace the output folder even where another storylens command wrote it (never a "
+                        "folder holding files of your own)",
                     )
 
 
 def _out_not_read(args) -> None:
     """Refuse an ``--out`` that is (or holds) the folder ``--model`` or ``--stories`` reads, --force or not."""
-    out = getattr(args, "out", None)
+    out = getattr(args, "out", None) or getattr(args, "dir", None)
     if not out or args.command not in PUBLISHED or Path(out).name in ("", ".", ".."):
         return  # no folder of its own: refused where the folder is checked
     target = Path(out).resolve()
@@ -114,7 +114,7 @@ def _out_not_read(args) -> None:
         if isinstance(src, str) and src and Path(src).exists():
             read = Path(src).resolve()
             if read == target or target in read.parents:
-                raise UsageError(f"--out {out}: is where --{option} {src} is read from; give another folder")
+                raise UsageError(f"{out}: is where --{option} {src} is read from; give another output folder")
 
 
 def main(argv: list[str] | None = None) -> int:

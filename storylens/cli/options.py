@@ -30,7 +30,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and the exit code 2), not a usage block."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"storylens: error: {message} (see {self.prog} --help)\n")  # every error line starts alike
 
 
 def one_line(e: BaseException) -> str:

@@ -36,9 +36,12 @@ def check_version(doc: object, where: str) -> None:
             f"{where}: written by an older storylens (no {SCHEMA_KEY}; this one reads version "
             f"{SCHEMA_VERSION}): run it again with this storylens"
         )
-    if doc[SCHEMA_KEY] != SCHEMA_VERSION:
+    version = doc[SCHEMA_KEY]
+    if type(version) is not int:  # True and 1.0 equal 1 in Python, and neither is a version
+        raise StorylensError(f"{where}: {SCHEMA_KEY} must be the number {SCHEMA_VERSION} (got {version!r})")
+    if version != SCHEMA_VERSION:
         raise StorylensError(
-            f"{where}: {SCHEMA_KEY} {doc[SCHEMA_KEY]!r}, but this storylens reads version {SCHEMA_VERSION}: "
+            f"{where}: {SCHEMA_KEY} {version}, but this storylens reads version {SCHEMA_VERSION}: "
             "read it with the storylens that wrote it, or run it again with this one"
         )
 

@@ -115,8 +115,10 @@ class ScoreOptions:
         if self.audit and not self.causal:
             raise UsageError("--audit: audits the causal columns; pass --causal too")
         n = self.audit_stories
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or not self.audit):
-            raise UsageError(f"--audit-stories: a whole number, 1 or more, with --audit (got {n!r})")
+        if n is not None and not self.audit:
+            raise UsageError("--audit-stories: only with --audit (the audit's stories)")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UsageError(f"--audit-stories: a whole number, 1 or more (got {n!r})")
         if self.batch_size < 1 or self.chunk_stories < 1 or self.checkpoint_every < 1:
             raise UsageError("--batch-size, --chunk-stories and --checkpoint-every: must be at least 1")
         if self.engine not in ("local", "ray"):

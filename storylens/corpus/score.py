@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from storylens.core.errors import StorylensError
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder, write_text_atomic
+from storylens.core.text import unicode_problem
 from storylens.corpus.exact_plan import exact_plan
 from storylens.corpus.options import ScoreOptions, check_examples
 from storylens.corpus.ray_engine import score_with_ray
@@ -75,6 +76,8 @@ def first_pass(source, *, progress: bool = True):
     vocab, n = NameVocabulary(), 0
     lines = ProgressLines("first pass: names", None, enabled=progress)  # off a terminal, instead of the bar
     for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
+        if problem := unicode_problem(text):
+            raise StorylensError(f"{source.describe()}: story {n + 1}: {problem}")
         vocab.add(text)
         n += 1
         lines.update()

@@ -41,6 +41,7 @@ from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
 from storylens.core.publish import publish_folder
 from storylens.core.schema import read_versioned, versioned
+from storylens.core.text import unicode_problem
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 from storylens.model.tokenizer import text_only
 from storylens.viz.patch import patch_html
@@ -96,6 +97,9 @@ def read_pairs(path: str | Path) -> list[dict]:
         bad = [k for k in KEYS if not isinstance(obj[k], str) or not obj[k]]
         if bad:
             raise UsageError(f"{name}:{n}: {', '.join(repr(k) for k in bad)} must be non-empty text")
+        for k in KEYS:
+            if problem := unicode_problem(obj[k]):
+                raise UsageError(f"{name}:{n}: {k!r} is {problem}")
         rows.append({"line": n, **{k: obj[k] for k in KEYS}})
     if not rows:
         raise UsageError(f"{name}: no pairs (an empty file)")

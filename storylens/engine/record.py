@@ -71,6 +71,7 @@ from tqdm.auto import tqdm
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
+from storylens.core.text import checked_texts
 from storylens.data.names import name_vocabulary
 from storylens.engine.encode import (
     CHUNK_STORIES,
@@ -416,6 +417,8 @@ def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] 
         raise StorylensError("stories: nothing to score (empty list)")
     if batch_size < 1:
         raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
+    if isinstance(stories, Sequence) and not is_encoded(stories):
+        checked_texts(stories)  # every story a str of valid Unicode, before any pass (the API's misuse in one line)
     if names is None and not is_encoded(stories):
         if not isinstance(stories, Sequence):
             raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")

@@ -94,7 +94,12 @@ def parse_sections(text: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in SECTIONS]
     if bad or not names:
         raise UsageError(
-            f"--sections: {', '.join(map(repr, bad)) or 'none given'} not a section; choose from {', '.join(SECTIONS)}"
+            (
+                f"--sections: {', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not a section"
+                if bad
+                else "--sections: no section given"
+            )
+            + f"; choose from {', '.join(SECTIONS)}"
         )
     return tuple(k for k in SECTIONS if k in names)
 

@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError
+from storylens.core.text import checked_texts
 from storylens.lm.attention import RowConsumer
 from storylens.model.gpt import GenerationStep
 from storylens.model.tokenizer import text_only
@@ -113,11 +114,13 @@ class AttentionLM:
 
     def encode_batch(self, texts: list[str]):
         """``tokenizers.Encoding`` per text (ids and character offsets), no special tokens: a
-        special token's text inside a story stays text (:func:`storylens.model.tokenizer.text_only`)."""
-        return text_only(self.tokenizer).encode_batch(list(texts), add_special_tokens=False)
+        special token's text inside a story stays text (:func:`storylens.model.tokenizer.text_only`). A text that is
+        not a str or not valid Unicode is refused in one line."""
+        return text_only(self.tokenizer).encode_batch(checked_texts(texts), add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """``[marker] + text's tokens``: how storylens feeds every story and prompt."""
+        (text,) = checked_texts([text], "text")
         return [self.marker_id] + text_only(self.tokenizer).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -196,7 +196,9 @@ def load_model(source: str | os.PathLike | None = None, *, allow_download: bool 
     s = str(source)
     looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise StorylensError(f"{s}: no such model folder")
+        hub = not allow_download and not any(c in s for c in "/\\") and not s.startswith((".", "~"))
+        hint = " here, nor a hub id in the local cache (pass --allow-download to fetch a hub id)" if hub else ""
+        raise StorylensError(f"{s}: no such model folder{hint}")
     try:
         with hub_offline(not allow_download):
             return TinyStoryteller.from_pretrained(s, local_files_only=not allow_download)

@@ -1,0 +1,51 @@
+"""Error lines say what is wrong, in the same shape everywhere (issue 61, class 11): every line starts
+"storylens: error:", argparse's included; a table the next message extends."""
+
+import json
+
+import pytest
+
+CASES = [  # (argv, the line's text after "storylens: error: ")
+    (["report", "--sections", "", "--out", "r"], "--sections: no section given; choose from"),
+    (["report", "--sections", "foo", "--out", "r"], "--sections: 'foo' is not a section; choose from"),
+    (["report", "--sections", "foo,bar", "--out", "r"], "--sections: 'foo', 'bar' are not a section"),
+    (["score", "--stories", "x", "--out", "o", "--audit-stories", "3"], "--audit-stories: only with --audit"),
+    (["score", "--stories", "x", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
+    (["score"], "the following arguments are required: --stories, --out (see storylens score --help)"),
+    (["circuit", "--out", "o", "--ig-steps", "x"], "argument --ig-steps: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.parametrize("argv,said", CASES)
+def test_every_error_line_starts_alike_and_names_the_problem(argv, said, capsys, tmp_path, monkeypatch):
+    from storylens.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors exit from the parser
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("storylens: error: ") and said in err[0], err
+
+
+def test_a_bare_model_name_says_how_to_fetch_it(capsys, tmp_path, monkeypatch):
+    from storylens.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["perplexity", "--model", "gpt2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("storylens: error: gpt2: no such model folder") and "--allow-download" in err
+
+
+@pytest.mark.parametrize("version,said", [("1", "must be the number 1 (got '1')"), (True, "must be the number 1 (got True)"), (1.0, "must be the number 1 (got 1.0)"),
+                                          (2, "schema_version 2, but this storylens reads version 1")])  # fmt: skip
+def test_a_schema_version_of_the_wrong_kind_is_named_as_such(tmp_path, version, said):
+    from storylens import load_circuit
+    from storylens.core.errors import StorylensError
+
+    path = tmp_path / "circuit.json"
+    path.write_text(json.dumps({"schema_version": version}))
+    with pytest.raises(StorylensError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        load_circuit(path)
