@@ -13,7 +13,21 @@ CASES = [  # (argv, the line's text after "storylens: error: ")
     (["score", "--stories", "x", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
     (["score"], "the following arguments are required: --stories, --out (see storylens score --help)"),
     (["circuit", "--out", "o", "--ig-steps", "x"], "argument --ig-steps: invalid int value: 'x'"),
+    # an option that would do nothing is refused, not accepted silently (class 10)
+    (["score", "--stories", "x", "--out", "o", "--graph-memory", "64"], "--graph-memory: only with --causal"),
+    (["report", "--out", "r", "--graph-memory", "0"], "--graph-memory: only with --causal"),
+    (["report", "--out", "r", "--sections", "overview,causal"], "--sections causal: only with --causal"),
 ]
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys, tmp_path, monkeypatch):
+    """--debug adds the traceback; a usage error still exits 2 (it exited 1 with --debug before)."""
+    from storylens.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--debug", "score", "--stories", "x", "--out", "o", "--graph-memory", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("storylens: error: --graph-memory")
 
 
 @pytest.mark.parametrize("argv,said", CASES)

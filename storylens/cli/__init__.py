@@ -24,6 +24,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -128,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         with hub_offline(not getattr(args, "allow_download", False)), replacing_any_kind(getattr(args, "force", False)):
             return args.func(args)
     except (StorylensError, KeyboardInterrupt, OSError, MemoryError) as e:
-        if args.debug:
-            raise
         message, code = _describe(e)
+        if args.debug:  # the traceback, and the exit code it would have had without --debug
+            traceback.print_exc()
         print(f"storylens: {message}", file=sys.stderr)
         return code
 

@@ -201,6 +201,14 @@ def add_backups(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--backups", type=int, default=0, metavar="K", help=what)
 
 
+def graph_memory_of(args) -> int:
+    """``--graph-memory``'s MiB (its default where not given); given without ``--causal``, refused (it would do
+    nothing)."""
+    if args.graph_memory is not None and not args.causal:
+        raise UsageError("--graph-memory: only with --causal (the gradient pass's memory)")
+    return GRAPH_BYTES >> 20 if args.graph_memory is None else args.graph_memory
+
+
 def add_causal(p: argparse.ArgumentParser, more: str = "") -> None:
     """``--causal`` and ``--graph-memory``: every head's effect on the loss (``more``: what else it does here)."""
     p.add_argument(
@@ -213,7 +221,7 @@ def add_causal(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument(
         "--graph-memory",
         type=int,
-        default=GRAPH_BYTES >> 20,
+        default=None,
         metavar="MB",
         help="with --causal: the MiB the gradient pass may hold of the first blocks' graphs, so that it need not "
         f"run them twice (default {GRAPH_BYTES >> 20}; 0: the least memory, one block's activations at a time)",

@@ -12,10 +12,12 @@ from storylens.cli.options import (
     add_model,
     add_no_progress,
     add_over_budget,
+    graph_memory_of,
     load,
     load_detector,
     out_path,
 )
+from storylens.core.errors import UsageError
 from storylens.core.publish import check_target_folder
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, TRUTH_BUDGET, TRUTH_FLOOR_FLOPS
 from storylens.lesson.figures import FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
@@ -112,6 +114,14 @@ def _add_page(r: argparse.ArgumentParser) -> None:
     )
 
 
+def _sections(args) -> tuple[str, ...]:
+    """``--sections``, where each asked for has what it shows (the causal section needs ``--causal``)."""
+    names = parse_sections(args.sections)
+    if "causal" in names and not args.causal:
+        raise UsageError("--sections causal: only with --causal (the section shows its columns)")
+    return names
+
+
 def run(args) -> int:
     options = ReportOptions(
         stories=args.stories,
@@ -125,10 +135,10 @@ def run(args) -> int:
         detectors=tuple(load_detector(f) for f in args.detector),
         examples=args.examples,
         causal=args.causal,
-        graph_memory=args.graph_memory,
+        graph_memory=graph_memory_of(args),
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
-        sections=None if args.sections is None else parse_sections(args.sections),
+        sections=None if args.sections is None else _sections(args),
     )
     out = out_path(args.out)
     check_target_folder(out, kind="report")  # before the model or any story: a bad --out costs nothing
