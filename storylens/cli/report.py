@@ -17,7 +17,6 @@ from storylens.cli.options import (
     load_detector,
     out_path,
 )
-from storylens.core.errors import UsageError
 from storylens.core.publish import check_target_folder
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG, TRUTH_BUDGET, TRUTH_FLOOR_FLOPS
 from storylens.lesson.figures import FIRST_STORIES, LESSON_FIGURES, PREV_HEAD_LEVEL
@@ -114,14 +113,6 @@ def _add_page(r: argparse.ArgumentParser) -> None:
     )
 
 
-def _sections(args) -> tuple[str, ...]:
-    """``--sections``, where each asked for has what it shows (the causal section needs ``--causal``)."""
-    names = parse_sections(args.sections)
-    if "causal" in names and not args.causal:
-        raise UsageError("--sections causal: only with --causal (the section shows its columns)")
-    return names
-
-
 def run(args) -> int:
     options = ReportOptions(
         stories=args.stories,
@@ -138,7 +129,7 @@ def run(args) -> int:
         graph_memory=graph_memory_of(args),
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
-        sections=None if args.sections is None else _sections(args),
+        sections=None if args.sections is None else parse_sections(args.sections),
     )
     out = out_path(args.out)
     check_target_folder(out, kind="report")  # before the model or any story: a bad --out costs nothing
