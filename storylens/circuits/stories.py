@@ -243,14 +243,11 @@ class EdgeSums:
 
 
 class RowSums:
-    """Per story, in story order: its summed loss under each of some runs ``[story, run]`` and its tokens."""
+    """Per story, in story order: its summed loss under each of some runs (``losses`` ``[story, run]``) and its
+    tokens (``n``), as each chunk's :func:`~storylens.corpus.circuit.chunk_job` gives them; merged by joining."""
 
     def __init__(self, tensors: dict | None = None):
         self.t = dict(tensors) if tensors is not None else {}
-
-    def add(self, losses: torch.Tensor, n: torch.Tensor) -> None:
-        """``losses`` ``[run, story]``, ``n`` ``[story]``."""
-        self.merge(RowSums({"losses": losses.T.to(torch.float64), "n": n.to(torch.float64)}))
 
     def merge(self, other: RowSums) -> RowSums:
         if other.t:
