@@ -2,6 +2,7 @@
 
     python benchmarks/bench_long.py [--tokens 8000] [--layers 30] [--rounds 2] [--json FILE]
     python benchmarks/bench_long.py --tokens 8000 --report        # also storylens report on that story
+    python benchmarks/bench_long.py --tokens 8000 --causal        # also score --causal (the gradient pass)
 
 A seeded random Llama of SmolLM-135M's shape by default (576 wide, ``--layers`` 30 blocks of
 ``--heads`` 9 query heads sharing ``--kv-heads`` 3 key/value heads, 1,536 in the MLP), with
@@ -17,7 +18,10 @@ drift falls on both):
 * ``score``: :func:`storylens.analysis.score_heads` as ``storylens score`` runs it (every detector,
   the norm-weighted columns and output norms, the top examples), encoding and names included.
 
-The ratio is ``score`` over ``bare`` in the same round; the best of ``--rounds`` is kept, every
+* ``causal`` (with ``--causal``): the same with the causal columns (``score --causal``'s AtP and DLA: the
+  gradient pass, block by block within ``--graph-memory``'s default).
+
+The ratio is ``score`` (and ``causal``) over ``bare`` in the same round; the best of ``--rounds`` is kept, every
 round's times printed, with the ratio of the two sides' processor time beside it (on a machine
 shared with other work, less disturbed by it than the wall clock). ``--report`` then runs ``storylens report --model`` on the same story (a
 quiz of one story, a whole process) and says whether it finished and how its story was cut.
@@ -81,7 +85,7 @@ def long_story(lm, tokens: int) -> str:
     return text[: enc.offsets[tokens - 2][1]]
 
 
-def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
+def bench_score(folder: Path, tokens: int, rounds: int, causal: bool = False) -> dict:
     import torch
 
     from storylens.analysis import score_heads
@@ -104,13 +108,17 @@ def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
         model.set_attn_implementation(own)
         score_heads(lm, [text], batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False)
 
+    def with_causal() -> None:
+        model.set_attn_implementation(own)
+        score_heads(lm, [text], batch_size=BATCH_STORIES, examples=EXAMPLES, progress=False, causal=True)
+
     short = text[:400]
     model.set_attn_implementation(own)
     score_heads(lm, [short], progress=False)  # warm: kernels, allocator
-    sides = {"bare": bare, "score": score}
+    sides = {"bare": bare, "score": score, **({"causal": with_causal} if causal else {})}
     every: dict[str, list[float]] = {name: [] for name in sides}
     cpu: dict[str, list[float]] = {name: [] for name in sides}
-    ratios, cpu_ratios = [], []
+    ratios, cpu_ratios, causal_ratios = [], [], []
     for r in range(rounds):
         for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             t, c = time.perf_counter(), time.process_time()
@@ -119,9 +127,12 @@ def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
             cpu[name].append(time.process_time() - c)
         ratios.append(every["score"][-1] / every["bare"][-1])
         cpu_ratios.append(cpu["score"][-1] / cpu["bare"][-1])
+        if causal:
+            causal_ratios.append(every["causal"][-1] / every["bare"][-1])
         print(
             f"  round {r + 1}: bare {every['bare'][-1]:.1f} s, score {every['score'][-1]:.1f} s: "
-            f"{ratios[-1]:.2f}x bare (processor time {cpu_ratios[-1]:.2f}x)",
+            f"{ratios[-1]:.2f}x bare (processor time {cpu_ratios[-1]:.2f}x)"
+            + (f"; --causal {every['causal'][-1]:.1f} s: {causal_ratios[-1]:.2f}x bare" if causal else ""),
             flush=True,
         )
     model.set_attn_implementation(own)
@@ -133,6 +144,7 @@ def bench_score(folder: Path, tokens: int, rounds: int) -> dict:
         "ratio": min(ratios),
         "ratios": ratios,
         "cpu_ratios": cpu_ratios,
+        **({"causal_ratio": min(causal_ratios), "causal_ratios": causal_ratios} if causal else {}),
     }
 
 
@@ -170,6 +182,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="also run storylens report on the story")
+    ap.add_argument("--causal", action="store_true", help="also score it with the causal columns (score --causal)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 2, or 1 on one core)")
     ap.add_argument("--folder", default=None, help="where the random model is saved (default: a temporary folder)")
     ap.add_argument("--json", default=None, help="also write the figures here")
@@ -189,9 +202,11 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "shape": {k: getattr(args, k) for k in ("layers", "heads", "kv_heads", "hidden", "intermediate")},
-            "score": bench_score(folder, args.tokens, args.rounds),
+            "score": bench_score(folder, args.tokens, args.rounds, args.causal),
         }
         print(f"  score: {result['score']['ratio']:.2f}x bare (best of {args.rounds} rounds)", flush=True)
+        if args.causal:
+            print(f"  score --causal: {result['score']['causal_ratio']:.2f}x bare (best of {args.rounds})", flush=True)
         if args.report:
             result["report"] = bench_report(folder, args.tokens)
     if args.json:

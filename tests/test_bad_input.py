@@ -369,8 +369,8 @@ def test_examples_past_the_budget_are_refused_and_nothing_is_written(capsys, tmp
 @pytest.mark.parametrize(
     "more, expect",
     [
-        (["--audit"], "--audit: audits the causal columns; pass --causal too"),
-        (["--audit", "3"], "--audit: audits the causal columns; pass --causal too"),
+        (["--audit"], "--audit: only with --causal (it audits the causal columns)"),
+        (["--audit", "3"], "--audit: only with --causal (it audits the causal columns)"),
         (["--causal", "--audit", "-1"], "--audit: a whole number of heads, 0 or more (got -1)"),
         (["--causal", "--audit", "--audit-stories", "0"], "--audit-stories: a whole number, 1 or more (got 0)"),
         (["--causal", "--audit-stories", "5"], "--audit-stories: only with --audit (the audit's stories)"),

@@ -16,6 +16,7 @@ CASES = [  # (argv, the line's text after "storylens: error: ")
     # an option that would do nothing is refused, not accepted silently (class 10)
     (["score", "--stories", "x", "--out", "o", "--graph-memory", "64"], "--graph-memory: only with --causal"),
     (["report", "--out", "r", "--graph-memory", "0"], "--graph-memory: only with --causal"),
+    (["report", "--out", "r", "--sections", "overview,causal"], "--sections causal: only with --causal"),
 ]
 
 

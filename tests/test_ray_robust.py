@@ -161,3 +161,35 @@ def test_a_detector_that_raises_in_an_actor_is_one_line(capsys, stories_file, tm
         f"storylens: error: --detector {det}: detector boom: pattern(ids) raised ValueError: boom (in a Ray actor)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_an_actor_that_dies_on_every_chunk_ends_the_run_in_one_line(stories_file, tmp_path):
+    """Issue 61, class 12: Ray Data restarts a dead actor forever by default, so an actor killed on every chunk (out
+    of memory, say) hung the run. Restarts are bounded: the run ends, one line, exit 1, nothing published."""
+    env = {**os.environ, "STORYLENS_INJECT_KILL": "ray-chunk", "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "storylens", *score(stories_file, tmp_path / "out", "--workers", "1")]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert r.returncode == 1 and lines and lines[-1].startswith("storylens: error: ray: an actor died"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_control_store_that_dies_ends_the_run_in_one_line(stories_file, tmp_path):
+    """Issue 61, class 12: the cluster's control store (GCS) killed under a running score: the driver says so in one
+    line and exits 1 (it used to exit 1 with nothing said)."""
+    big = tmp_path / "big.txt"
+    big.write_text(stories_file.read_text() * 40)  # long enough to be running when the GCS goes
+    argv = [sys.executable, "-m", "storylens", *score(big, tmp_path / "out", "--workers", "1")]
+    p = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(p.pid)
+    deadline, gcs = time.time() + 300, None
+    while gcs is None and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+        gcs = next((c for c in me.children(recursive=True) if "gcs_server" in " ".join(c.cmdline())), None)
+    assert gcs is not None, "no GCS started"
+    time.sleep(5)  # the actors at work
+    gcs.kill()
+    _, err = p.communicate(timeout=300)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert p.returncode == 1 and lines and "control store" in lines[-1], err
+    assert not (tmp_path / "out").exists()

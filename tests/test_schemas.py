@@ -177,7 +177,7 @@ def test_patch_to_pandas(patch_run):
     [
         (lambda d: d.pop("schema_version"), "written by an older storylens (no schema_version"),
         (lambda d: d.update(schema_version=2), "schema_version 2, but this storylens reads version 1"),
-        (lambda d: d.pop("heads"), "not a storylens patch.json (missing heads)"),
+        (lambda d: d.pop("heads"), "'heads' is a required property"),
     ],
 )
 def test_an_older_or_other_patch_json_is_one_line(patch_run, tmp_path, change, said):

@@ -29,6 +29,8 @@ from storylens.training.timeline import (
 )
 from storylens.training.train import CHECKPOINT
 
+SHIPPED_TIMELINE = Path(__file__).resolve().parents[1] / "storylens" / "pretrained" / "tiny-storyteller" / TIMELINE_FILE
+
 STEPS, EVERY = 12, 4
 COPY_SAMPLES = 4  # stories the finished run writes for its copying check
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
@@ -269,6 +271,9 @@ def test_a_broken_timeline_is_one_line(tmp_path):
     with pytest.raises(StorylensError, match="no head timeline here"):
         read_timeline(tmp_path)
     (tmp_path / TIMELINE_FILE).write_text('{"step": 4, "heads": []}\nnot json\n')
+    with pytest.raises(StorylensError, match=r"heads_timeline.jsonl:1: not a timeline entry"):
+        read_timeline(tmp_path)  # no heads: not what storylens train writes
+    (tmp_path / TIMELINE_FILE).write_text("\n".join(SHIPPED_TIMELINE.read_text().splitlines()[:1] + ["not json"]))
     with pytest.raises(StorylensError, match=r"heads_timeline.jsonl:2: not a timeline entry"):
         read_timeline(tmp_path)
 

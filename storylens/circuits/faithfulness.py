@@ -315,10 +315,12 @@ def curve_of(
     fs = torch.stack([x[0] for x in boot])
     c0, c0_se = pooled_mean(clean, n)
     c1, c1_se = pooled_mean(corrupt, n)
+    one = per.shape[1] < 2  # a bootstrap of one row has no spread to show: the errors are not known
+    f_se = [float("nan")] * len(sizes) if one else fs.std(0).tolist()
+    cpr_se, cmd_se = (float("nan"),) * 2 if one else (float(torch.stack([x[k] for x in boot]).std()) for k in (1, 2))
     return Faithfulness(
-        list(percentages), list(sizes), list(kept), f.tolist(), fs.std(0).tolist(),
-        float(cpr), float(torch.stack([x[1] for x in boot]).std()), float(cmd),
-        float(torch.stack([x[2] for x in boot]).std()), c0, c0_se, c1, c1_se,
+        list(percentages), list(sizes), list(kept), f.tolist(), f_se, float(cpr), cpr_se, float(cmd), cmd_se,
+        c0, c0_se, c1, c1_se,
     )  # fmt: skip
 
 

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from storylens.circuits.edges import IG_STEPS, EdgeScores, eap_scores
+from storylens.circuits.edges import IG_STEPS, EdgeScores, Graph, eap_scores
 from storylens.circuits.faithfulness import Faithfulness, faithfulness, top_circuit
 from storylens.circuits.oracle import ORACLE_EDGES, Oracle, edge_oracle
 from storylens.circuits.stability import RESAMPLES, Stability, stability
 from storylens.core.errors import StorylensError
+from storylens.core.figures import csv_cell, plus_minus
 from storylens.core.frames import to_frame
 from storylens.core.plain import Plain
 from storylens.core.publish import publish_folder
@@ -92,7 +94,7 @@ def run_circuit(
     say("stability")
     stable = (
         stability(lm, pairs, scores, size, resamples=resamples, seed=seed, batch_size=batch_size)
-        if resamples and size
+        if resamples and size and len(pairs) > 1  # resamples of one pair are that pair: nothing to compare
         else None
     )
     head = dict(task="pairs", ablation="corrupt", pairs=len(pairs), stories=None, tokens=None,
@@ -137,7 +139,7 @@ def circuit_csv(result: CircuitResult) -> str:
     w = csv.writer(out, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     for e in result.edges:
-        w.writerow([e.writer, e.receiver, f"{e.score:.9g}", f"{e.score_se:.9g}", int(e.in_circuit)])
+        w.writerow([e.writer, e.receiver, csv_cell(e.score), csv_cell(e.score_se), int(e.in_circuit)])
     return out.getvalue()
 
 
@@ -151,13 +153,34 @@ def load_circuit(folder: str | Path) -> CircuitResult:
     StorylensError line where it is not one."""
     path = Path(folder)
     path = path / "circuit.json" if path.is_dir() else path
-    doc = read_versioned(path, "not a folder storylens circuit wrote")
+    doc = read_versioned(path, "not a folder storylens circuit wrote", "circuit")
     if missing := [f.name for f in fields(CircuitResult) if f.name not in doc]:
         raise StorylensError(f"{path}: not a storylens circuit.json (missing {', '.join(missing)})")
+    _check_shape(doc, str(path))
     try:
         return CircuitResult.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise StorylensError(f"{path}: not a storylens circuit.json ({type(e).__name__}: {e})") from None
+
+
+def _check_shape(doc: dict, where: str) -> None:
+    """One StorylensError line unless circuit.json's edges are its model's graph, every edge once in the graph's
+    order, and its faithfulness lists one entry per size."""
+    n_layer, n_head, n_kv, edges = doc["n_layer"], doc["n_head"], doc["n_kv_head"], doc["edges"]
+    if n_head % n_kv:
+        raise StorylensError(f"{where}: {n_head} query heads do not share {n_kv} key/value heads evenly")
+    if n_layer * n_head > len(edges) or len(edges) != doc["n_edges"]:  # every head writes to the logits at least
+        raise StorylensError(f"{where}: {len(edges)} edges listed, n_edges {doc['n_edges']}, for {n_layer} x {n_head}")
+    graph = Graph(n_layer, n_head, n_kv)
+    w, r = graph.writers, graph.receivers
+    expected = ((w[u], r[v]) for v in range(len(r)) for u in range(graph.upstream(v)))
+    for i, (e, want) in enumerate(itertools.zip_longest(edges, expected)):
+        if want is None or e is None or (e["writer"], e["receiver"]) != want:
+            got = "none" if e is None else f"{e['writer']} -> {e['receiver']}"
+            raise StorylensError(f"{where}: edge {i + 1} is {got}, not the graph's {want and ' -> '.join(want)}")
+    f = doc["faithfulness"]
+    if len({len(f[k]) for k in ("percentages", "n", "kept", "f", "f_se")}) != 1:
+        raise StorylensError(f"{where}: the faithfulness lists are not one entry per size")
 
 
 def _eap_ig_name(label: str) -> str:
@@ -209,23 +232,25 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
     """What ``storylens circuit`` prints: whether the model does the task first, then the curve, the circuit."""
     f = result.faithfulness
     rows = (
-        f"{result.pairs} pairs" if result.task == "pairs"
-        else f"{result.stories:,} stories ({result.tokens:,} predicted tokens; {result.ablation} ablation)"
+        f"{result.pairs} pair{'s' * (result.pairs != 1)}" if result.task == "pairs"
+        else f"{result.stories:,} stor{'ies' if result.stories != 1 else 'y'} ({result.tokens:,} predicted tokens; {result.ablation} ablation)"
     )  # fmt: skip
     ablated = "corrupt" if result.task == "pairs" else "every edge ablated"
+    unit = "pair" if result.task == "pairs" else "story"
     out = [
         result.verdict,
         f"{rows} on {result.model}; {result.n_edges:,} edges ({result.n_layer} blocks x {result.n_head} "
         f"heads, {result.n_kv_head} key/value heads); method {result.method}"
         + ("" if result.ig_steps is None else f" ({result.ig_steps} steps)"),
-        f"clean {f.clean:+.3f} ± {f.clean_se:.3f}, {ablated} {f.corrupt:+.3f} ± {f.corrupt_se:.3f}",
+        f"clean {plus_minus(f.clean, f.clean_se, one=unit)}, {ablated} {plus_minus(f.corrupt, f.corrupt_se, one=unit)}",
         "faithfulness of the top edges (pruned), f = (m(circuit) - m(empty)) / (m(model) - m(empty)):",
     ]
     out += [
-        f"  {p:>6.1%}  {k:>6,} edges  f {round(x, 3) + 0.0:+.3f} ± {se:.3f}"
+        f"  {p:>6.1%}  {k:>6,} edges  f {plus_minus(round(x, 3) + 0.0, se, one=unit)}"
         for p, k, x, se in zip(f.percentages, f.kept, f.f, f.f_se)
     ]
-    out.append(f"CPR {f.cpr:.3f} ± {f.cpr_se:.3f}, CMD {f.cmd:.3f} ± {f.cmd_se:.3f} (areas over the edge fraction)")
+    cpr, cmd = plus_minus(f.cpr, f.cpr_se, one=unit), plus_minus(f.cmd, f.cmd_se, one=unit)
+    out.append(f"CPR {cpr}, CMD {cmd} (areas over the edge fraction)")
     if result.circuit_size is None:
         out.append(f"no circuit size keeps {ENOUGH:.0%} of the metric")
     else:
@@ -234,7 +259,7 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
             f"the smallest circuit keeping {ENOUGH:.0%}: {len(edges)} edges (top {result.circuit_size} before pruning), "
             f"f {result.circuit_f:+.3f}; its largest edges:"
         )
-        out += [f"  {e.writer:>6} -> {e.receiver:<10} {e.score:+.3f} ± {e.score_se:.3f}" for e in edges[:top]]
+        out += [f"  {e.writer:>6} -> {e.receiver:<10} {plus_minus(e.score, e.score_se, one=unit)}" for e in edges[:top]]
     if result.oracle is not None:
         o = result.oracle
         rho = "n/a" if o.rho is None else f"{o.rho:.3f}"

@@ -5,7 +5,8 @@ shows the traceback instead.
 
 One module of this package per command, its parser and its runner together; ``options`` holds
 what several commands share. The commands are found, not listed: every module of the package
-(but ``_private`` ones) that defines ``add_parser(sub)`` is a command, and must also define
+(but ``_private`` ones) that defines ``add_parser(sub)`` is a command (``rules`` holds which options need which,
+checked here before any command runs), and must also define
 ``COMMAND`` (its name, as typed) and ``POSITION`` (an int, unique: its place in ``storylens
 --help``, lowest first). ``add_parser`` adds the command's subparser(s) to ``sub`` and sets
 ``func``, the runner that takes the parsed arguments and returns the exit code. So a new command
@@ -31,6 +32,7 @@ from types import ModuleType
 
 from storylens import __version__
 from storylens.cli.options import Parser, one_line
+from storylens.cli.rules import check_rules
 from storylens.core.errors import StorylensError, UsageError
 from storylens.core.offline import hub_offline
 from storylens.core.publish import replacing_any_kind
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # No network unless asked: the Hugging Face clients run offline (no DNS, no socket).
     try:
+        check_rules(parser, args)  # which options need which: one table
         _out_not_read(args)
         with hub_offline(not getattr(args, "allow_download", False)), replacing_any_kind(getattr(args, "force", False)):
             return args.func(args)

@@ -10,6 +10,7 @@ from storylens.circuits.run import circuit_lines, run_circuit, write_circuit
 from storylens.circuits.stability import RESAMPLES
 from storylens.circuits.stories import ABLATIONS
 from storylens.cli.options import add_model, add_no_progress, add_pairs, check_seed, load, out_path, task_rows
+from storylens.cli.rules import ray_address
 from storylens.core.errors import UsageError
 from storylens.core.progress import progress_command
 from storylens.core.publish import check_target_folder
@@ -92,7 +93,9 @@ def _add_stories(p) -> None:
         "--engine", choices=["local", "ray"], default="local", help="with --stories: this process, or Ray actors"
     )
     g.add_argument("--workers", type=int, default=2, help="with --engine ray: how many actors (default 2)")
-    g.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
+    g.add_argument(
+        "--address", default=None, type=ray_address, help="with --engine ray: join this cluster (default: a local Ray)"
+    )
 
 
 def _check(args) -> None:
@@ -101,23 +104,10 @@ def _check(args) -> None:
     if args.oracle < 0 or args.resamples < 0:
         raise UsageError(f"--oracle and --resamples: whole numbers, 0 or more (got {args.oracle}, {args.resamples})")
     check_seed(args.seed)
-    corpus = ("--ablation", "--limit", "--text-field", "--split", "--batch-size", "--chunk-stories", "--resume",
-              "--engine", "--workers", "--address")  # fmt: skip
-    if args.stories is None:
-        given = [o for o in corpus if getattr(args, o[2:].replace("-", "_")) != _DEFAULTS[o]]
-        if given:
-            raise UsageError(f"{', '.join(given)}: only with --stories")
-    elif args.pairs != "names":
+    if args.stories is not None and args.pairs != "names":  # the corpus form's options: storylens.cli.rules
         raise UsageError("--pairs and --stories: one task or the other, not both")
-    if args.engine != "ray" and (args.address or args.workers != 2):
-        raise UsageError("--workers and --address: only with --engine ray")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit: a whole number, 1 or more (got {args.limit})")
-
-
-_DEFAULTS = {"--ablation": "mean", "--limit": None, "--text-field": "text", "--split": None,
-             "--batch-size": BATCH_STORIES, "--chunk-stories": CHUNK_STORIES, "--resume": False, "--engine": "local",
-             "--workers": 2, "--address": None}  # fmt: skip
 
 
 def run(args) -> int:

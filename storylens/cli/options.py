@@ -63,9 +63,6 @@ def load(args):
 
     device = resolve_device(getattr(args, "device", None), "--device")
     dtype = resolve_dtype(getattr(args, "model_dtype", None), "--dtype")
-    if getattr(args, "engine", None) == "ray" and (device is not None or dtype is not None):
-        # each Ray actor loads --model itself, as stored on its CPU: refused rather than ignored
-        raise UsageError("--device and --dtype: only with --engine local (Ray actors load the model as stored)")
     return load_lm(args.model, allow_download=args.allow_download, dtype=dtype, device=device)
 
 
@@ -202,10 +199,7 @@ def add_backups(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def graph_memory_of(args) -> int:
-    """``--graph-memory``'s MiB (its default where not given); given without ``--causal``, refused (it would do
-    nothing)."""
-    if args.graph_memory is not None and not args.causal:
-        raise UsageError("--graph-memory: only with --causal (the gradient pass's memory)")
+    """``--graph-memory``'s MiB (its default where not given; without ``--causal`` refused by storylens.cli.rules)."""
     return GRAPH_BYTES >> 20 if args.graph_memory is None else args.graph_memory
 
 

@@ -18,7 +18,7 @@ from storylens.cli.options import (
     load_detector,
     out_path,
 )
-from storylens.core.errors import UsageError
+from storylens.cli.rules import ray_address
 from storylens.core.publish import check_target_folder
 from storylens.corpus.exact_plan import BY_BUDGET
 from storylens.corpus.options import ScoreOptions
@@ -77,7 +77,9 @@ def add_parser(sub) -> None:
     s.add_argument("--resume", action="store_true", help="go on from the checkpoint an interrupted run left")
     s.add_argument("--engine", choices=["local", "ray"], default="local", help="this process, or Ray actors")
     s.add_argument("--workers", type=int, default=2, help="with --engine ray: how many actors (default 2)")
-    s.add_argument("--address", default=None, help="with --engine ray: join this cluster (default: a local Ray)")
+    s.add_argument(
+        "--address", default=None, type=ray_address, help="with --engine ray: join this cluster (default: a local Ray)"
+    )
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
     add_examples(s)
     add_causal(
@@ -124,8 +126,6 @@ def _add_audit(s: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.engine != "ray" and (args.address or args.workers != 2):
-        raise UsageError("--workers and --address: only with --engine ray")
     check_seed(args.seed)
     options = ScoreOptions(
         batch_size=args.batch_size,

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+try:
+    import resource  # POSIX only
+except ImportError:  # pragma: no cover (Windows)
+    resource = None  # type: ignore[assignment]
+
 _CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -39,10 +44,27 @@ def _cgroup_room() -> int | None:
         return None
 
 
+def _address_space_room() -> int | None:
+    """What ``ulimit -v`` (RLIMIT_AS) leaves this process: its limit less the address space it maps now."""
+    if resource is None:
+        return None
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return max(0, limit - int(line.split()[1]) * 1024)
+        return limit
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def available_memory() -> int | None:
-    """Bytes this process can still allocate in RAM (the least of the machine's available memory
-    and its container's room); None where the OS does not say."""
-    known = [n for n in (_meminfo_available() or _sysconf_available(), _cgroup_room()) if n is not None]
+    """Bytes this process can still allocate in RAM (the least of the machine's available memory,
+    its container's room and its address-space limit); None where the OS does not say."""
+    rooms = (_meminfo_available() or _sysconf_available(), _cgroup_room(), _address_space_room())
+    known = [n for n in rooms if n is not None]
     return min(known) if known else None
 
 

@@ -1,4 +1,5 @@
-"""Dataclasses that are JSON objects: what a run writes as ``summary.json`` and reads back.
+"""Dataclasses that are JSON objects: what a run writes as ``summary.json`` and reads back. A float that was not
+measured (NaN) is written as null and read back as NaN where its field is a float (None where it is optional).
 
 A :class:`Plain` dataclass is written as its fields, in order, as keys (nested ones as objects,
 tuples and lists as arrays) and read back by its field types: the result types of the analysis
@@ -8,6 +9,7 @@ figure is named once.
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from dataclasses import fields
@@ -24,6 +26,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # a figure not measured is null in JSON (NaN is not JSON)
     return value
 
 
@@ -31,7 +35,7 @@ def build(tp: Any, value: Any) -> Any:
     """``value`` (read from JSON) as the type ``tp``: dataclasses from dicts, lists and tuples of
     them, dicts of them, optionals."""
     if value is None:
-        return None
+        return float("nan") if tp is float else None  # a float field written as null was not measured
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return build(next(a for a in args if a is not type(None)), value)

@@ -42,6 +42,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import read_json
 
 MANIFEST = ".storylens.json"
 _ANY_KIND: ContextVar[bool] = ContextVar("storylens_replace_any_kind", default=False)
@@ -214,17 +215,17 @@ def _some(names) -> str:
 
 def _manifest_files(folder: Path) -> set[str] | None:
     try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        data = read_json(folder / MANIFEST)
         return set(data["files"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, StorylensError):  # no manifest storylens could have written
         return None
 
 
 def _manifest_kind(folder: Path) -> str | None:
     """What wrote ``folder`` (its manifest's ``what``; None: no manifest, or one without it)."""
     try:
-        what = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("what")
-    except (OSError, ValueError, AttributeError):
+        what = read_json(folder / MANIFEST).get("what")
+    except (OSError, ValueError, AttributeError, StorylensError):
         return None
     return what if isinstance(what, str) else None
 

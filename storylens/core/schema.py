@@ -14,11 +14,14 @@ from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 
+import jsonschema
+
 from storylens.core.errors import StorylensError
+from storylens.core.files import MAX_RESULT_BYTES, parse_json, read_text
 
 SCHEMA_KEY = "schema_version"
 SCHEMA_VERSION = 1
-SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch", "circuit")
+SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch", "circuit", "timeline-entry")
 
 
 def versioned(doc: dict) -> dict:
@@ -69,14 +72,52 @@ def heads_schema(columns: Sequence[str]) -> dict:
     return doc
 
 
-def read_versioned(path: Path, unreadable: str = "") -> dict:
-    """A JSON file of this storylens's schema version, or one StorylensError line naming it (``unreadable``: what
-    to add where the file cannot be read, e.g. ``"not a folder storylens patch wrote"``)."""
+def _parse(path: Path, unreadable: str) -> object:
+    """The JSON of a result file (:func:`storylens.core.files.read_json`: a regular file of at most
+    MAX_RESULT_BYTES; NaN, Infinity and nesting too deep to read are refused)."""
+    tail = f"; {unreadable}" if unreadable else ""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        text = read_text(path, MAX_RESULT_BYTES, unreadable)
     except OSError as e:
-        raise StorylensError(f"{path}: cannot read ({e.strerror}{'; ' + unreadable if unreadable else ''})") from None
+        raise StorylensError(f"{path}: cannot read ({e.strerror}{tail})") from None
+    try:
+        return parse_json(text)
     except ValueError as e:
         raise StorylensError(f"{path}: not JSON ({e})") from None
+
+
+def check_schema(doc: object, sch: dict, where: str) -> None:
+    """One StorylensError line unless ``doc`` matches the JSON Schema ``sch`` (the first error that matters most,
+    with where in the file it is)."""
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(sch).iter_errors(doc))
+    if error is not None:
+        at = "".join(f"[{p!r}]" for p in error.absolute_path) or "the top level"
+        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+        raise StorylensError(f"{where}: not a valid {sch.get('title', 'storylens output')} (at {at}: {message})")
+
+
+def read_versioned(path: Path, unreadable: str = "", sch: dict | str | None = None) -> dict:
+    """A JSON file of this storylens's schema version, or one StorylensError line naming it (``unreadable``: what
+    to add where the file cannot be read, e.g. ``"not a folder storylens patch wrote"``). Given a schema (a name
+    from :data:`SCHEMAS` or the schema itself), the file must match it: read back as strictly as it is written."""
+    doc = _parse(path, unreadable)
     check_version(doc, str(path))
+    if sch is not None:
+        check_schema(doc, schema(sch) if isinstance(sch, str) else sch, str(path))
+    assert isinstance(doc, dict)
     return doc
+
+
+def check_grid(labels: Sequence[tuple[str, int, int]], n_layer: int, n_head: int, where: str, base: int = 0) -> None:
+    """One StorylensError line unless ``labels`` (each head's ``L{b}H{h}`` label, block and head counted from
+    ``base``) are every head of an ``n_layer`` x ``n_head`` model once, block-major, each label its position's."""
+    if len(labels) != n_layer * n_head:
+        raise StorylensError(
+            f"{where}: {len(labels)} heads, not the {n_layer * n_head} of {n_layer} blocks x {n_head} heads"
+        )
+    for i, (label, layer, head) in enumerate(labels):
+        want = (i // n_head + base, i % n_head + base)
+        if (layer, head) != want:
+            raise StorylensError(f"{where}: head {i + 1} is block {layer}, head {head}; expected {want[0]}, {want[1]}")
+        if label != f"L{want[0] - base + 1}H{want[1] - base + 1}":
+            raise StorylensError(f"{where}: the head at block {layer}, head {head} is labelled {label!r}")

@@ -13,6 +13,7 @@ figures as an uninterrupted one. With ``engine="ray"`` the chunks go to Ray acto
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -45,6 +46,8 @@ from storylens.circuits.stories import (
     zero_values,
 )
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.figures import known, plus_minus, sign_claimed
+from storylens.core.files import checked_file
 from storylens.core.progress import ProgressLines
 from storylens.core.publish import check_target_folder, write_bytes_atomic
 from storylens.corpus.ray_engine import run_chunks_on_ray
@@ -134,6 +137,16 @@ def chunk_job(lm: AttentionLM, job: dict, start: int, texts: list[str]) -> dict[
 # ---------------------------------------------------------------- the passes, checkpointed
 
 
+def _digest(tensors: dict[str, torch.Tensor], done: dict[str, int]) -> str:
+    """SHA-256 of the stories done and every tensor (name, dtype, shape, bytes), in name order."""
+    h = hashlib.sha256(json.dumps(done, sort_keys=True).encode())
+    for k in sorted(tensors):
+        t = tensors[k].contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 class _Passes:
     """The run's passes over ``source`` (``total`` stories), each resumed from the checkpoint where it holds it."""
 
@@ -153,6 +166,7 @@ class _Passes:
                 "(or delete it to start again)"
             )
         try:
+            checked_file(self.ckpt, None, "delete it to start again")
             tensors = load_file(str(self.ckpt))
             with safe_open(str(self.ckpt), "pt") as f:
                 meta = json.loads((f.metadata() or {}).get("storylens", "{}"))
@@ -169,6 +183,11 @@ class _Passes:
         done = meta.get("done")
         if not isinstance(done, dict) or not all(isinstance(v, int) and 0 <= v <= self.total for v in done.values()):
             raise StorylensError(f"{self.ckpt}: not a valid checkpoint (its stories done); delete it to start again")
+        if meta.get("digest") != _digest(tensors, done) or not all(t.isfinite().all() for t in tensors.values()):
+            raise StorylensError(
+                f"{self.ckpt}: not a valid checkpoint (its digest does not match what it holds: edited after storylens "
+                "wrote it); delete it to start again"
+            )
         self.done = done
         for key, t in tensors.items():
             name, _, part = key.partition(".")
@@ -178,7 +197,8 @@ class _Passes:
         if not force and time.monotonic() - self.last_save < CHECKPOINT_S:
             return
         tensors = {f"{name}.{k}": t.contiguous().clone() for name, part in self.saved.items() for k, t in part.items()}
-        meta = {"storylens": json.dumps({"fingerprint": self.fingerprint, "done": self.done})}
+        meta = {"storylens": json.dumps({"fingerprint": self.fingerprint, "done": self.done,
+                                         "digest": _digest(tensors, self.done)})}  # fmt: skip
         tmp = self.ckpt.with_name(self.ckpt.name + ".part")
         save_file(tensors, str(tmp), metadata=meta)
         write_bytes_atomic(self.ckpt, tmp.read_bytes())
@@ -232,11 +252,17 @@ def _sums(cls, **kw):
     return merge
 
 
-def count_stories(source) -> int:
-    n = sum(1 for _ in source)
+def count_stories(source) -> tuple[int, str]:
+    """How many stories ``source`` holds and a SHA-256 of their text in order (a checkpoint is resumed only over
+    these very stories)."""
+    n, digest = 0, hashlib.sha256()
+    for story in source:
+        raw = story.encode("utf-8")
+        digest.update(len(raw).to_bytes(8, "little") + raw)
+        n += 1
     if n == 0:
         raise StorylensError(f"{source.describe() if hasattr(source, 'describe') else 'stories'}: no stories")
-    return n
+    return n, digest.hexdigest()
 
 
 def circuit_over_stories(
@@ -257,9 +283,9 @@ def circuit_over_stories(
 
 def _measured(lm: AttentionLM, source, out: Path, opts: StoryCircuitOptions) -> CircuitResult:
     """The passes and the result (:func:`circuit_over_stories`)."""
-    total = count_stories(source)
+    total, text_sha = count_stories(source)
     fingerprint = {
-        "model": str(lm.name), "weights_sha256": weights_sha256(lm), "stories": total,
+        "model": str(lm.name), "weights_sha256": weights_sha256(lm), "stories": total, "stories_sha256": text_sha,
         "source": source.fingerprint() if hasattr(source, "fingerprint") else None, **opts.settings(),
     }  # fmt: skip
     passes = _Passes(lm, source, total, checkpoint_path(out), fingerprint, opts)
@@ -296,7 +322,7 @@ def _measured(lm: AttentionLM, source, out: Path, opts: StoryCircuitOptions) -> 
     if chosen:
         audit = oracle_of(scores, chosen, losses[:, 2 + len(sizes) :].T - clean, n)
     stable, size = None, smallest_faithful(f)
-    if opts.resamples and size:
+    if opts.resamples and size and len(n) > 1:  # resamples of one story are that story: nothing to compare
         whole, jac, core = resampled(graph, scores.mean, sums.resampled(), size)
         passes.run("core", {**job, "circuits": core[None]}, _sums(RowSums))
         core_losses = RowSums(passes.saved["core"]).t["losses"][:, 1]
@@ -312,11 +338,14 @@ def _measured(lm: AttentionLM, source, out: Path, opts: StoryCircuitOptions) -> 
 
 def story_verdict(clean: float, clean_se: float, empty: float, empty_se: float, ablation: str) -> str:
     """Whether ablating every edge moves the loss beyond two standard errors: the gap every circuit is a share of."""
-    gap = empty - clean
-    beyond = abs(gap) > 2 * (clean_se**2 + empty_se**2) ** 0.5
-    return (
-        f"The model's loss is {clean:.3f} ± {clean_se:.3f} nats per token; with every edge {ablation}-ablated "
-        f"{empty:.3f} ± {empty_se:.3f}: "
-        + ("a gap beyond two standard errors, which each circuit keeps a share of." if beyond
-           else "within two standard errors of it, so no circuit's share of the gap means anything.")
+    gap, gap_se = empty - clean, (clean_se**2 + empty_se**2) ** 0.5
+    said = (
+        f"The model's loss is {plus_minus(clean, clean_se, one='story')[1:]} nats per token; with every edge "
+        f"{ablation}-ablated {plus_minus(empty, empty_se, one='story')[1:]}: "
+    )
+    if not known(gap_se):
+        return said + "with no error from one story, whether the gap is real is not known."
+    return said + (
+        "a gap beyond two standard errors, which each circuit keeps a share of." if sign_claimed(gap, gap_se)
+        else "within two standard errors of it, so no circuit's share of the gap means anything."
     )  # fmt: skip

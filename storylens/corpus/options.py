@@ -113,7 +113,7 @@ class ScoreOptions:
             raise UsageError(f"--audit: a whole number of heads, 0 or more (got {self.audit!r})")
         check_graph_memory(self.graph_memory)
         if self.audit and not self.causal:
-            raise UsageError("--audit: audits the causal columns; pass --causal too")
+            raise UsageError("--audit: only with --causal (it audits the causal columns)")
         n = self.audit_stories
         if n is not None and not self.audit:
             raise UsageError("--audit-stories: only with --audit (the audit's stories)")

@@ -17,9 +17,10 @@
   merged (a chunk that finishes early waits), so the sums are added in story order whatever the
   actors' order, and what is merged is always exactly the first stories: a checkpoint taken there
   (``on_progress``) resumes exactly. A chunk is counted once however the chunks are spread over the
-  actors; an actor killed mid-chunk is restarted by Ray Data (``max_restarts=-1``,
-  ``max_task_retries=-1``) and the chunk scored again from the start, so nothing is lost or counted
-  twice.
+  actors; an actor killed mid-chunk is restarted by Ray Data (at most :data:`RESTARTS` times, the chunk
+  tried again as often) and the chunk scored again from the start, so nothing is lost or counted
+  twice; an actor that dies every time ends the run in one line. A control store (GCS) that stops answering
+  ends it in one line too (Ray's own driver would exit with nothing said while its logs are turned down).
 
 Without ``address`` a new local Ray is started on this machine, listening on 127.0.0.1 only (never
 another cluster found through ``$RAY_ADDRESS`` or the last Ray started on the machine); with one,
@@ -36,6 +37,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -45,6 +47,7 @@ from tqdm.auto import tqdm
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
 from storylens.core.progress import ProgressLines
+from storylens.core.publish import fault_point
 from storylens.data.sources import StorySource, chunk_spans, chunked, read_chunk_run
 from storylens.engine import masks
 from storylens.engine.encode import BATCH_STORIES, CHUNK_STORIES
@@ -60,6 +63,9 @@ except ImportError:  # not on Windows: there peak_rss_mb has no ru_maxrss to fal
 
 READ_TASKS_PER_WORKER = 1  # read tasks per actor: each reads its own run of consecutive chunks
 IN_FLIGHT = 2  # chunks an actor holds: the one it scores and the next (no wait between chunks)
+RESTARTS = 3  # an actor that dies is started again this many times, and a chunk tried again as often (Ray Data's
+# default is forever: an actor that dies on every chunk, out of memory say, would hang the run)
+GCS_POLL_S, GCS_MISSES = 2.0, 5  # the cluster's control store asked every 2 s; 5 misses in a row: it is gone
 ACTORS_START_S = 1800  # how long the actors may take to start and load the model
 ADDRESS_TIMEOUT_S = 5  # how long --address may take to accept a connection
 GCS_WAIT = "RAY_gcs_server_port_wait_time_s"  # how many tries (about a second apart) ray.init makes at a GCS
@@ -80,6 +86,7 @@ class ChunkScorer:
         self.effects = dict(effects or {})
 
     def __call__(self, batch: dict) -> dict:
+        fault_point("ray-chunk")  # tests/test_ray_robust.py: an actor that dies on every chunk
         try:
             return self._score(batch)
         except Exception as e:  # one line, naming a user detector, for the driver to show
@@ -311,6 +318,7 @@ class ChunkJob:
         self.lm, self.job, self.run = load_lm(model_source), job, run
 
     def __call__(self, batch: dict) -> dict:
+        fault_point("ray-chunk")
         out: dict[str, list] = {"start": [], "state": [], "n": [], "cut": [], "main": [], "pid": [], "peak_mb": []}
         for start, texts in zip(batch["start"], batch["texts"]):
             try:
@@ -341,6 +349,8 @@ def _scored(ray, chunks, size: int, scorer: dict, actor=None):
         actor or ChunkScorer,
         batch_size=1,
         num_cpus=1,
+        max_restarts=RESTARTS,  # Ray Data's remote args: bounded, not its default of forever
+        max_task_retries=RESTARTS,
         fn_constructor_kwargs=scorer,
         compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=IN_FLIGHT),
     )
@@ -490,14 +500,52 @@ def _merge_rows(
         disable=None if progress else True,
     ) as bar:
         try:
-            for row in ds.iter_rows():
-                merged = merger.add(row)
-                bar.update(int(row["n"]))
-                lines.update(int(row["n"]))  # off a terminal, instead of the bar
-                if merged and on_progress is not None:
-                    on_progress(merger.stats)
+            with _gcs_watch(ray):
+                for row in ds.iter_rows():
+                    merged = merger.add(row)
+                    bar.update(int(row["n"]))
+                    lines.update(int(row["n"]))  # off a terminal, instead of the bar
+                    if merged and on_progress is not None:
+                        on_progress(merger.stats)
+        except ray.exceptions.ActorDiedError as e:
+            raise StorylensError(
+                f"ray: an actor died {RESTARTS + 1} times scoring a chunk (killed, or out of memory: see Ray's logs; "
+                f"fewer --workers or a smaller --batch-size use less) ({_one_line(e)[:120]})"
+            ) from None
         except ray.exceptions.RayError as e:  # an actor's error: one line, not Ray's traceback
             raise StorylensError(_ray_failure(e)) from None
+
+
+@contextmanager
+def _gcs_watch(ray):
+    """A thread that asks the cluster's control store (GCS) for a connection every :data:`GCS_POLL_S` seconds; after
+    :data:`GCS_MISSES` misses in a row it says so in one line and ends the process (exit 1). Ray's driver, without
+    its control store, exits by itself after a minute with nothing shown (its logs are turned down here)."""
+    address = getattr(ray.get_runtime_context(), "gcs_address", None)
+    host, _, port = (address or "").rpartition(":")
+    done = threading.Event()
+
+    def watch() -> None:
+        misses = 0
+        while not done.wait(GCS_POLL_S):
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_POLL_S).close()
+                misses = 0
+            except OSError:
+                misses += 1
+                if misses >= GCS_MISSES and not done.is_set():
+                    print(f"storylens: error: ray: the cluster's control store at {address} stopped answering "
+                          f"({misses * GCS_POLL_S:.0f} s); the run ends (its checkpoint, if any, is kept)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(1)
+
+    thread = threading.Thread(target=watch, name="storylens-gcs-watch", daemon=True)
+    if host and port.isdigit():
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def chunk_dataset(ray, source, start: int, total: int, chunk_stories: int, workers: int):

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import MAX_RESULT_BYTES, json_digest, read_text
 from storylens.core.progress import ProgressLines, progress_command
 from storylens.core.publish import publish_folder, write_text_atomic
 from storylens.core.text import unicode_problem
@@ -72,28 +73,31 @@ def checkpoint_path(out: Path) -> Path:
 
 
 def first_pass(source, *, progress: bool = True):
-    """The name vocabulary of every story in ``source`` and how many there are (streamed)."""
-    vocab, n = NameVocabulary(), 0
+    """The name vocabulary of every story in ``source``, how many there are and a SHA-256 of their text in
+    order (streamed; what a checkpoint is resumed over must be these very stories, whatever kind of source holds
+    them: a saved dataset rewritten in place keeps its folder's size and time)."""
+    vocab, n, digest = NameVocabulary(), 0, hashlib.sha256()
     lines = ProgressLines("first pass: names", None, enabled=progress)  # off a terminal, instead of the bar
-    for text in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
-        if problem := unicode_problem(text):
+    for story in tqdm(source, unit="story", desc="first pass: names", disable=None if progress else True):
+        if problem := unicode_problem(story):
             raise StorylensError(f"{source.describe()}: story {n + 1}: {problem}")
-        vocab.add(text)
+        vocab.add(story)
+        raw = story.encode("utf-8")
+        digest.update(len(raw).to_bytes(8, "little") + raw)
         n += 1
         lines.update()
     if n == 0:
         raise StorylensError(f"{source.describe()}: no stories")
-    return vocab, n
+    return vocab, n, digest.hexdigest()
 
 
-def _fingerprint(lm: AttentionLM, source: StorySource, names: frozenset[str], settings: dict) -> dict:
-    digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).hexdigest()[:16]
+def _fingerprint(lm: AttentionLM, source: StorySource, text_sha: str, settings: dict) -> dict:
     return {
         "model": str(lm.name),
         "model_sizes": [lm.n_layer, lm.n_head, lm.window],
         "weights_sha256": weights_sha256(lm),
         "source": source.fingerprint(),
-        "names_sha256": digest,
+        "stories_sha256": text_sha,  # every story's text, in order (the names follow from them)
         **settings,
     }
 
@@ -139,8 +143,8 @@ def _resumed(ckpt: Path, fingerprint: dict, acc: HeadScoreAccumulator, n_total: 
             "(or delete it to start again)"
         )
     try:
-        saved = json.loads(ckpt.read_text())
-    except (OSError, ValueError) as e:
+        saved = json.loads(read_text(ckpt, MAX_RESULT_BYTES, "delete it to start again"))  # NaN: refused below
+    except (OSError, ValueError, RecursionError) as e:
         raise StorylensError(
             f"{ckpt}: not a readable checkpoint ({type(e).__name__}); delete it to start again"
         ) from None
@@ -149,7 +153,9 @@ def _resumed(ckpt: Path, fingerprint: dict, acc: HeadScoreAccumulator, n_total: 
     try:
         done = _checked_stats(saved.get("stats"), n_total)
         acc.load_state(saved.get("state") or {}, max_stories=done.n_stories)
-    except ValueError as e:
+        if saved.get("digest") != json_digest([saved["fingerprint"], saved["stats"], saved["state"]]):
+            raise ValueError("its digest does not match what it holds: edited after storylens wrote it")
+    except (ValueError, RecursionError) as e:
         raise StorylensError(f"{ckpt}: not a valid checkpoint ({e}); delete it to start again") from None
     return done
 
@@ -159,12 +165,12 @@ def _score_into(
 ) -> tuple[ScoreSummary, HeadScores]:
     """The two passes (resuming from ``ckpt`` where asked), then every file written into ``tmp``."""
     t0 = time.perf_counter()
-    vocab, n_total = first_pass(source, progress=opts.progress)
+    vocab, n_total, text_sha = first_pass(source, progress=opts.progress)
     names = vocab.names()
     t_names = time.perf_counter() - t0
     audited = _audit_plan(lm, source, names, n_total, opts) if opts.audit else []  # its cost said before scoring
     exact = exact_plan(lm, source, names, n_total, opts) if opts.exact_modes else None  # its cost said before scoring
-    fingerprint = _fingerprint(lm, source, names, _settings(opts, exact))
+    fingerprint = _fingerprint(lm, source, text_sha, _settings(opts, exact))
     acc = HeadScoreAccumulator(
         lm.n_layer, lm.n_head, opts.detectors, examples=opts.examples, causal=opts.causal,
         graph_bytes=opts.graph_memory << 20, exact=exact, estimator=opts.estimator, ig_steps=opts.ig_steps,
@@ -314,8 +320,10 @@ def _checkpointer(
         batches_since[0] += -(-(now.n_stories - last[0].n_stories) // opts.batch_size)
         last[0] = now
         if batches_since[0] >= opts.checkpoint_every and now.n_stories < n_total:
+            stats, state = list(_astuple(now)), acc.state()
+            digest = json_digest([fingerprint, stats, state])
             write_text_atomic(
-                ckpt, json.dumps({"fingerprint": fingerprint, "stats": list(_astuple(now)), "state": acc.state()})
+                ckpt, json.dumps({"fingerprint": fingerprint, "stats": stats, "state": state, "digest": digest})
             )
             batches_since[0] = 0
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from storylens.core.files import read_json
 from storylens.core.plain import Plain
 from storylens.core.schema import versioned
 from storylens.effects.audit import Audit
@@ -75,7 +76,7 @@ class ScoreSummary(Plain):
 
     def to_json(self) -> str:
         """``summary.json``'s text."""
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
 
     def explorer_meta(self, examples: int) -> dict:
         """What explore.html says about the run: the model, the stories, the examples kept."""
@@ -91,4 +92,4 @@ def load(path: str | os.PathLike) -> ScoreSummary:
     path = Path(path)
     if path.is_dir():
         path = path / "summary.json"
-    return ScoreSummary.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    return ScoreSummary.from_dict(read_json(path))

@@ -25,7 +25,9 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
+from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
+from storylens.core.text import checked_stories, not_stories
 
 RUN_WORDS = 8  # the leakage check's shared word runs: 8 words
 
@@ -147,6 +149,9 @@ def check_leakage(
     """Duplicates, stories mentioning ``word``, and shared ``n``-word runs (see module doc)."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    quiz = checked_stories(quiz, "quiz")
+    if problem := not_stories(train, "train"):
+        raise StorylensError(problem)
     train_runs = run_hashes(train, n, lowercase)
     shares = tuple(run_share(s, train_runs, n, lowercase) for s in quiz)
     scored = [(s, i) for i, s in enumerate(shares) if s is not None]

@@ -33,6 +33,9 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from storylens.core.errors import StorylensError
+from storylens.core.text import checked_stories, not_stories
+
 MIN_MENTIONS = 2  # a main character is a name mentioned at least twice
 PRONOUNS = frozenset({"he", "she", "him", "her", "his", "they"})  # the pronoun queries of the pronoun measure
 
@@ -74,8 +77,12 @@ class NameVocabulary:
 
 def name_vocabulary(stories: Iterable[str]) -> frozenset[str]:
     """Every capitalised word whose lower-case form is never written in ``stories``."""
+    if problem := not_stories(stories):
+        raise StorylensError(problem)
     vocab = NameVocabulary()
-    for text in stories:
+    for i, text in enumerate(stories, 1):
+        if not isinstance(text, str):
+            raise StorylensError(f"story {i}: must be text (a str), got {type(text).__name__}")
         vocab.add(text)
     return vocab.names()
 
@@ -149,6 +156,7 @@ def find_main_characters(
     tok, stories: Sequence[str], *, names: frozenset[str] | set[str] | None = None, window: int = 256
 ) -> list[MainCharacter | None]:
     """One entry per story. ``names`` defaults to :func:`name_vocabulary` of ``stories``."""
+    stories = checked_stories(stories)
     if names is None:
         names = name_vocabulary(stories)
     encodings = tok.encode_batch(list(stories))

@@ -8,7 +8,6 @@ the **last 200 stories are the quiz**, the rest are for training.
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import stat
 import sys
@@ -24,6 +23,7 @@ import huggingface_hub
 import huggingface_hub.utils
 
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.files import checked_file, read_json
 
 EOT = "<|endoftext|>"  # the end-of-story marker; every story is fed as [marker] + story
 N_QUIZ = 200  # the last 200 stories of the corpus are the quiz
@@ -106,6 +106,7 @@ def text_lines(path: str | os.PathLike) -> Iterator[str]:
     corpus_limit, line_limit = max_corpus_bytes(), max_story_bytes()
     number, total = 0, 0
     try:
+        checked_file(Path(path), None)  # a FIFO would block the read (and cannot be read twice)
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
             f.seek(0)
@@ -307,6 +308,6 @@ def shipped_leakage(folder: str | os.PathLike | None) -> dict | None:
     if path is None or not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, ValueError) as e:
         raise StorylensError(f"{path}: unreadable ({e})") from None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -130,9 +131,15 @@ def _pad(stories: Sequence[Sequence[int]], pad_id: int, device: torch.device) ->
 
 
 def _check_stories(lm: AttentionLM, stories_ids: Sequence[Sequence[int]]) -> None:
+    if isinstance(stories_ids, (str, bytes, dict)) or not isinstance(stories_ids, Sequence):
+        raise StorylensError(f"stories: a list of stories' token ids, got {type(stories_ids).__name__}")
     if not stories_ids:
         raise StorylensError("stories: nothing to run (empty list)")
     for i, s in enumerate(stories_ids):
+        if isinstance(s, (str, bytes)) or not (isinstance(s, Sequence) or torch.is_tensor(s)):
+            raise StorylensError(f"story {i}: token ids (a list of int), got {type(s).__name__}; encode text first")
+        if not torch.is_tensor(s) and any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in s):
+            raise StorylensError(f"story {i}: token ids (a list of int), not all of them int; encode text first")
         if not 1 <= len(s) <= lm.window:
             raise StorylensError(f"story {i}: {len(s)} tokens; each story needs 1..{lm.window} (cut it to the window)")
 

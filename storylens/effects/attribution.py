@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from storylens.core.errors import StorylensError
-from storylens.engine.accumulate import RatioAccumulator, pooled_ratio
+from storylens.engine.accumulate import RatioAccumulator, cauchy_slack, pooled_ratio
 from storylens.engine.encode import StoryBatch
 from storylens.engine.gradients import GRAPH_BYTES, Gradients
 from storylens.engine.record import Needs
@@ -210,7 +210,28 @@ class CausalAccumulator:
         self.zero = RatioAccumulator.from_state(state["zero"], shape)
         self.dla_seen = state["dla"] is not None
         self.dla = RatioAccumulator.from_state(state["dla"], shape) if self.dla_seen else RatioAccumulator(shape)
+        self._check_together()
         return self
+
+    def _check_together(self) -> None:
+        """ValueError unless the sums are what the same stories give together: the positions are the predicted
+        tokens (``zero.n``; DLA's the same where kept), and per head and coordinate ``G^2 <= S GG``,
+        ``nG^2 <= n2 GG``, ``AG^2 <= (sum a^2) GG`` with ``GG``'s diagonal and its Gram bound (Cauchy-Schwarz over
+        the ``S`` stories; rounding's slack as :func:`~storylens.engine.accumulate.cauchy_slack` derives it)."""
+        z, s = self.zero, self.sums
+        if abs(self.positions - z.n) > 0.5 or (self.dla_seen and (self.dla.n, self.dla.count) != (z.n, z.count)):
+            raise ValueError(f"positions {self.positions:g}: not the {z.n:g} predicted tokens its stories hold")
+        diag = s["GG"].diagonal(dim1=-2, dim2=-1)  # [L, H, d]
+        rel = cauchy_slack(z.count, diag.shape[-1])
+        if (diag < 0).any():
+            raise ValueError("sums.GG: a negative sum of squares")
+        bounds = {"G": z.count * diag, "nG": z.n2 * diag, "AG": z.c2[..., None] * diag}
+        for k, bound in bounds.items():
+            if (s[k] * s[k] > bound * (1 + rel) + 1e-300).any():
+                raise ValueError(f"sums.{k}: cannot come from {z.count} stories with these sums of squares")
+        gram = s["GG"] * s["GG"] > diag[..., :, None] * diag[..., None, :] * (1 + rel) + 1e-300
+        if gram.any():
+            raise ValueError("sums.GG: not a sum of outer products (a cross term exceeds its diagonal)")
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from storylens.core.batching import BATCH_TOKENS, length_batches
 from storylens.core.errors import StorylensError
+from storylens.core.figures import known
 from storylens.core.heads import Head
 from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
@@ -352,8 +353,8 @@ def audit_csv_rows(a: Audit) -> list[dict]:
         for m in MODES:
             for kind in ("atp", "exact"):
                 e = getattr(r, f"{kind}_{m}")
-                row[f"{kind}_{m}"] = "" if e is None else repr(e.nats)
-                row[f"{kind}_{m}_se"] = "" if e is None else repr(e.se)
+                row[f"{kind}_{m}"] = "" if e is None or not known(e.nats) else repr(e.nats)
+                row[f"{kind}_{m}_se"] = "" if e is None or not known(e.se) else repr(e.se)
         out.append(row)
     return out
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from storylens.core.batching import valid_mask
+from storylens.core.figures import bracketed
 from storylens.core.heads import Head
 from storylens.core.plain import Plain
 from storylens.effects.audit import Effect, story_losses
@@ -141,9 +142,8 @@ def backup_effects(
 def backup_lines(b: Backups, top: int = 5) -> list[str]:
     """The backups for a terminal: the joint effect against the separate ones, the largest gains."""
 
-    def e(x: Effect) -> str:  # in brackets within two standard errors of zero: no sign claimed
-        text = f"{x.nats:+.4f} ± {x.se:.4f}"
-        return f"({text})" if abs(x.nats) <= 2 * x.se else text
+    def e(x: Effect) -> str:  # in brackets within two standard errors of zero (or no error): no sign claimed
+        return bracketed(x.nats, x.se, 4, "story")
 
     out = [
         f"backups ({b.mode} ablation, {b.n_stories} stories): {', '.join(b.removed)} off together {e(b.joint)} nats, "

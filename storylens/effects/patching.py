@@ -35,18 +35,18 @@ import torch
 
 from storylens.core.batching import pad_batch
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.figures import bracketed, csv_cell, plus_minus
 from storylens.core.frames import to_frame
 from storylens.core.heads import Head, head_label
 from storylens.core.modes import eval_mode
 from storylens.core.plain import Plain
 from storylens.core.publish import publish_folder
-from storylens.core.schema import read_versioned, versioned
-from storylens.core.text import unicode_problem
+from storylens.core.schema import check_grid, read_versioned, versioned
+from storylens.data.pairs import KEYS, MAX_PAIR_LINE_BYTES, read_pairs  # noqa: F401 (their home before)
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 from storylens.model.tokenizer import text_only
 from storylens.viz.patch import patch_html
 
-KEYS = ("clean", "corrupt", "answer", "wrong")
 EXACT_BUDGET = 1000  # heads x pairs patched forward passes run by default; past it, the top K by |atp|
 BATCH_PAIRS = 32
 # the tasks shipped: the lesson's own behaviour, the main character's name (the default), and indirect objects
@@ -71,39 +71,6 @@ class Pair(Plain):
     corrupt_ids: tuple[int, ...] = ()
     answer_id: int = -1
     wrong_id: int = -1
-
-
-def read_pairs(path: str | Path) -> list[dict]:
-    """The JSON objects of a pairs file, each with its ``line``; one-line errors name the line."""
-    path = Path(path)
-    name = path.name
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{name}: not UTF-8 text") from None
-    rows = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{name}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise UsageError(f"{name}:{n}: expected an object with keys {', '.join(KEYS)}")
-        missing = [k for k in KEYS if k not in obj]
-        if missing:
-            raise UsageError(f"{name}:{n}: missing {', '.join(repr(k) for k in missing)}")
-        bad = [k for k in KEYS if not isinstance(obj[k], str) or not obj[k]]
-        if bad:
-            raise UsageError(f"{name}:{n}: {', '.join(repr(k) for k in bad)} must be non-empty text")
-        for k in KEYS:
-            if problem := unicode_problem(obj[k]):
-                raise UsageError(f"{name}:{n}: {k!r} is {problem}")
-        rows.append({"line": n, **{k: obj[k] for k in KEYS}})
-    if not rows:
-        raise UsageError(f"{name}: no pairs (an empty file)")
-    return rows
 
 
 def encode_pairs(lm: AttentionLM, rows: Sequence[dict], name: str = "pairs") -> list[Pair]:
@@ -217,7 +184,7 @@ class PatchResult(Plain):
 def mean_se(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard error over dim 0 (sample sd / sqrt(n); 0 for one pair)."""
     n = x.shape[0]
-    se = x.std(0, unbiased=True) / math.sqrt(n) if n > 1 else torch.zeros_like(x[0])
+    se = x.std(0, unbiased=True) / math.sqrt(n) if n > 1 else torch.full_like(x[0], float("nan"))  # one: not known
     return x.mean(0), se
 
 
@@ -465,12 +432,9 @@ CSV_COLUMNS = (
 def patch_csv(result: PatchResult) -> str:
     """One row per head (blocks and heads from 1 in ``head``, from 0 in ``layer``/``index``)."""
 
-    def cell(v: object) -> str:
-        return "" if v is None else f"{v:.9g}" if isinstance(v, float) else str(v)
-
     lines = [",".join(CSV_COLUMNS)]
     for h in result.heads:
-        lines.append(",".join(cell(getattr(h, c)) for c in CSV_COLUMNS))
+        lines.append(",".join(csv_cell(getattr(h, c)) for c in CSV_COLUMNS))
     return "\n".join(lines) + "\n"
 
 
@@ -485,10 +449,15 @@ def load_patch(folder: str | Path) -> PatchResult:
     StorylensError line naming it."""
     path = Path(folder)
     path = path / "patch.json" if path.is_dir() else path
-    doc = read_versioned(path, "not a folder storylens patch wrote")
+    doc = read_versioned(path, "not a folder storylens patch wrote", "patch")
     names = [f.name for f in fields(PatchResult)]
     if missing := [k for k in names if k not in doc]:
         raise StorylensError(f"{path}: not a storylens patch.json (missing {', '.join(missing)})")
+    check_grid([(h["head"], h["layer"], h["index"]) for h in doc["heads"]], doc["n_layer"], doc["n_head"], str(path))
+    if len(doc["per_pair"]) != doc["pairs"]:
+        raise StorylensError(f"{path}: {len(doc['per_pair'])} pairs listed, but pairs is {doc['pairs']}")
+    if (exact := sum(h["exact"] is not None for h in doc["heads"])) != doc["exact_heads"]:
+        raise StorylensError(f"{path}: {exact} heads patched exactly, but exact_heads is {doc['exact_heads']}")
     try:
         return PatchResult.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -518,9 +487,9 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
     gap = result.corrupt_metric - result.clean_metric
     out = [
         task_verdict(result.clean_metric, result.clean_metric_se, result.pairs),
-        f"{result.pairs} pairs on {result.model}; metric: {result.metric}",
-        f"clean   {result.clean_metric:+.3f} ± {result.clean_metric_se:.3f}",
-        f"corrupt {result.corrupt_metric:+.3f} ± {result.corrupt_metric_se:.3f}   (gap {gap:+.3f})",
+        f"{result.pairs} pair{'s' * (result.pairs != 1)} on {result.model}; metric: {result.metric}",
+        f"clean   {plus_minus(result.clean_metric, result.clean_metric_se, one='pair')}",
+        f"corrupt {plus_minus(result.corrupt_metric, result.corrupt_metric_se, one='pair')}   (gap {gap:+.3f})",
         f"exact patching on {result.exact_heads} of {len(result.heads)} heads"
         + ("" if result.spearman is None else f"; Spearman rho (atp vs exact) {result.spearman:.3f}")
         + (
@@ -535,9 +504,9 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
     def size(h: HeadEffect) -> float:
         return abs(h.exact if h.exact is not None else h.atp)
 
-    def effect(x: float, se: float) -> str:  # in brackets within two standard errors of zero: no sign
-        text = f"{x:+.3f} ± {se:.3f}"
-        return f"({text})" if abs(x) <= 2 * se else f" {text} "
+    def effect(x: float, se: float | None) -> str:  # in brackets where no sign is claimed
+        text = bracketed(x, se, one="pair")
+        return text if text.startswith("(") else f" {text} "
 
     for h in sorted(result.heads, key=size, reverse=True)[:top]:
         ex = "" if h.exact is None or h.exact_se is None else effect(h.exact, h.exact_se)
@@ -552,9 +521,9 @@ def summary_lines(result: PatchResult, top: int = 10) -> list[str]:
             f"backups: {', '.join(b.removed)} patched together {effect(b.joint, b.joint_se)}, one at a time summed "
             f"{effect(b.separate, b.separate_se)}, repaired {effect(b.repair, b.repair_se)}",
             "  largest backup gains: "
-            + ", ".join(f"{h.head} {effect(h.backup_gain or 0.0, h.backup_gain_se or 0.0)}" for h in gains[:5]),
+            + ", ".join(f"{h.head} {effect(h.backup_gain or 0.0, h.backup_gain_se)}" for h in gains[:5]),
         ]
-    out += ["", "in brackets: within two standard errors of zero over the pairs, so no sign is claimed"]
+    out += ["", "in brackets: within two standard errors of zero over the pairs (or no error), so no sign is claimed"]
     return out
 
 

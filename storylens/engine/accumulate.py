@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -110,6 +112,34 @@ def pooled_ratio(
     return ratio, (stories / (stories - 1) * spread).sqrt() / n
 
 
+def cauchy_slack(count: int, width: int = 1) -> float:
+    """The relative rounding a float64 sum of ``count`` terms, each a product of ``width``-long sums, can carry
+    (at most ``(count + width) * 2**-53`` per sum, by the standard bound), times 8 for the two sides and margin:
+    how far an inequality between such sums may be crossed by rounding alone."""
+    return 8 * (count + width + 2) * 2.0**-53
+
+
+def _check_ratio_sums(c: torch.Tensor, c2: torch.Tensor, cn: torch.Tensor, n: float, n2: float, count: int) -> None:
+    """ValueError unless the five sums of a :class:`RatioAccumulator` are what ``count`` stories can give
+    (Cauchy-Schwarz over the stories, each ``n_s >= 0``): ``n^2 <= count n2 <= count n^2``,
+    ``c^2 <= count c2``, ``cn^2 <= c2 n2``, with rounding's slack (:func:`cauchy_slack`). An edited sum breaks
+    one of them unless the others are edited to match."""
+    rel = cauchy_slack(count)
+    if count == 0:
+        if n or n2 or bool(c.abs().sum() + c2.abs().sum() + cn.abs().sum()):
+            raise ValueError("sums over 0 stories are not 0")
+        return
+    if n * n > count * n2 * (1 + rel) or n2 > n * n * (1 + rel):
+        raise ValueError(f"token counts n={n:g}, n2={n2:g} cannot come from {count} stories")
+    worst = (c * c - count * c2 * (1 + rel)).max()
+    if worst > 0:
+        raise ValueError(
+            f"sums c and c2 cannot come from {count} stories (the square of a sum exceeds count x its squares)"
+        )
+    if (cn * cn > c2 * n2 * (1 + rel) + 1e-300).any():
+        raise ValueError("sums cn, c2 and n2 cannot come from any stories (Cauchy-Schwarz)")
+
+
 class RatioAccumulator:
     """Streamed sums for :func:`pooled_ratio`: per story a value ``c_s`` of shape ``shape`` over
     ``n_s`` tokens. ``add(c [batch, *shape], n [batch])``; :meth:`merge` adds another's sums in any
@@ -178,6 +208,9 @@ class RatioAccumulator:
                 raise ValueError(f"{k}: shape {tuple(v.shape)} or a value not finite")
         if not (n >= 0 and n2 >= 0 and n == n and n2 == n2) or (sums["c2"] < 0).any():
             raise ValueError("token counts or sums of squares negative or not numbers")
+        if math.isinf(n) or math.isinf(n2):
+            raise ValueError("token counts not finite")
+        _check_ratio_sums(sums["c"], sums["c2"], sums["cn"], n, n2, count)
         acc.c, acc.c2, acc.cn = sums["c"], sums["c2"], sums["cn"]
         acc.n, acc.n2, acc.count = n, n2, count
         return acc

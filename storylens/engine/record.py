@@ -71,7 +71,7 @@ from tqdm.auto import tqdm
 from storylens.core.batching import BATCH_TOKENS
 from storylens.core.errors import StorylensError
 from storylens.core.modes import eval_mode
-from storylens.core.text import checked_texts
+from storylens.core.text import checked_stories, not_stories
 from storylens.data.names import name_vocabulary
 from storylens.engine.encode import (
     CHUNK_STORIES,
@@ -411,14 +411,14 @@ def _unless(per_batch: bool, context: Callable[[], ExitStack]) -> AbstractContex
 
 def _check(stories: Iterable, batch_size: int, names: frozenset[str] | set[str] | None) -> frozenset[str] | None:
     """Refuse what cannot be recorded; the name vocabulary (a first pass over the texts, if needed)."""
-    if isinstance(stories, str):
-        raise StorylensError("stories: a list of stories, not one string")
+    if problem := not_stories(stories):
+        raise StorylensError(problem)
     if isinstance(stories, Sequence) and len(stories) == 0:
         raise StorylensError("stories: nothing to score (empty list)")
     if batch_size < 1:
         raise StorylensError(f"batch_size: must be at least 1, got {batch_size}")
     if isinstance(stories, Sequence) and not is_encoded(stories):
-        checked_texts(stories)  # every story a str of valid Unicode, before any pass (the API's misuse in one line)
+        checked_stories(stories)  # every story a str of valid Unicode, not all empty (the API's misuse in one line)
     if names is None and not is_encoded(stories):
         if not isinstance(stories, Sequence):
             raise StorylensError("stories: a stream is read once; pass names (a first pass over it)")

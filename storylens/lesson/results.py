@@ -13,7 +13,7 @@ from typing import Any
 
 from storylens.core.errors import StorylensError
 from storylens.core.frames import need_pandas, to_frame
-from storylens.core.schema import read_versioned
+from storylens.core.schema import check_schema, read_versioned, schema
 from storylens.corpus.summary import ScoreSummary
 from storylens.lesson.summary import ReportSummary
 from storylens.looking.example_store import EXAMPLE_FIELDS
@@ -34,14 +34,11 @@ class Run:
     summary: ScoreSummary | ReportSummary | None
 
 
-def _read(path: Path) -> dict:
-    """A JSON file of this storylens's schema version, or one StorylensError line."""
-    return read_versioned(path)
-
-
 def _summary(path: Path) -> ScoreSummary | ReportSummary:
-    doc = _read(path)
-    kind = ReportSummary if "quiz" in doc else ScoreSummary  # the report's stories are its quiz
+    doc = read_versioned(path)
+    report = "quiz" in doc  # the report's stories are its quiz
+    check_schema(doc, schema("summary-report" if report else "summary-score"), str(path))
+    kind = ReportSummary if report else ScoreSummary
     try:
         return kind.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -50,7 +47,7 @@ def _summary(path: Path) -> ScoreSummary | ReportSummary:
 
 def _examples(path: Path, as_pandas: bool) -> Any:
     """examples.json as written (checked: every key there, every head's examples a list), or a frame."""
-    doc = _read(path)
+    doc = read_versioned(path, "", "examples")
     try:
         if missing := [k for k in ("k", "per_story", "detectors", "heads") if k not in doc]:
             raise KeyError(", ".join(missing))

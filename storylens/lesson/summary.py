@@ -170,7 +170,7 @@ class ReportSummary(Plain):
 
     def to_json(self) -> str:
         """``summary.json``'s text."""
-        return json.dumps(self.to_dict(), indent=1)
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
 
 def load(path: str | os.PathLike) -> ReportSummary:

@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import checked_file
 from storylens.core.memory import available_memory, gigabytes
 
 try:  # huggingface_hub's strict dataclasses (transformers 5's configs): a field of the wrong type
@@ -106,13 +109,46 @@ def least_parameters(s: dict[str, int]) -> int:
     return s["vocab_size"] * hidden + s["num_hidden_layers"] * hidden * heads * head_dim
 
 
-def stored_parameters(folder: Path) -> int | None:
-    """The numbers the folder's safetensors files hold, from their headers (no tensor is read)."""
+def built_parameters(config: Any, layers: int) -> int | None:
+    """The parameters ``config`` builds with ``layers`` layers, counted exactly: the model built with one layer
+    and with two on the meta device (no memory), the difference per layer, the rest once (tied weights counted
+    once, as ``parameters()`` does). None where such a model cannot be built here (its class refuses a layer
+    count its other fields contradict): :func:`least_parameters` is the bound then."""
+    from transformers import AutoModelForCausalLM
+
+    counts = []
+    for n in (1, 2):
+        small = copy.deepcopy(config)
+        small.num_hidden_layers = n
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(small)
+        except Exception:  # noqa: BLE001 - any class's own refusal: fall back to the bound
+            return None
+        counts.append(sum(p.numel() for p in model.parameters()))
+    per_layer = counts[1] - counts[0]
+    return counts[0] - per_layer + layers * per_layer
+
+
+FLOATING = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes of weights storylens reads (unquantised)
+
+
+def stored_parameters(folder: Path, quantized: bool = False) -> int | None:
+    """The numbers the folder's safetensors files hold, from their headers (no tensor is read); a tensor stored
+    as anything but a floating-point type of :data:`FLOATING` (integers, booleans, float8) is refused in one line
+    unless the config says the model is quantised (transformers would cast it to the config's dtype silently)."""
     total, files = 0, sorted(folder.glob("*.safetensors"))
     for file in files:
+        checked_file(file, None)
         try:
             with safe_open(str(file), "pt") as f:
                 for k in f.keys():
+                    kind = f.get_slice(k).get_dtype()
+                    mask = k.endswith((".attn.bias", ".attn.masked_bias"))  # GPT-2's causal-mask buffers: not loaded
+                    if kind not in FLOATING and not quantized and not mask:
+                        raise StorylensError(
+                            f"{file}: {k} is stored as {kind}; storylens reads floating-point weights only"
+                        )
                     n = 1
                     for d in f.get_slice(k).get_shape():
                         n *= d
@@ -129,13 +165,17 @@ def check_sizes(source: str, config: Any, folder: Path | None) -> None:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     s = _sizes(source, config)
     _check_shapes(source, config, s)
-    least = least_parameters(s)
+    built = built_parameters(config, s["num_hidden_layers"])
+    least = least_parameters(s) if built is None else built
     what = (
-        f"at least {least:,} parameters ({s['num_hidden_layers']:,} layers, hidden size {s['hidden_size']:,}, "
+        f"{'at least ' if built is None else ''}{least:,} parameters ({s['num_hidden_layers']:,} "
+        f"layer{'s' if s['num_hidden_layers'] != 1 else ''}, hidden size {s['hidden_size']:,}, "
         f"{s['num_attention_heads']:,} heads, vocabulary {s['vocab_size']:,})"
     )
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     dtype = dtype.replace("torch.", "")
+    if dtype not in _BYTES and not quantized:
+        raise StorylensError(f"{source}: config.json: dtype {dtype} is not a floating-point type storylens reads")
     room = available_memory()
     need = least * _BYTES.get(dtype, 4)
     if room is not None and need > room:
@@ -143,8 +183,9 @@ def check_sizes(source: str, config: Any, folder: Path | None) -> None:
             f"{source}: config.json asks for {what}: {gigabytes(need)} in {dtype if dtype in _BYTES else 'float32'}, "
             f"more than the {gigabytes(room)} of memory available here; refused before building it"
         )
-    stored = stored_parameters(folder) if folder is not None else None
-    if stored is not None and least > stored and not quantized:
+    stored = stored_parameters(folder, quantized) if folder is not None else None
+    floor = least_parameters(s) if built is None else built // 4  # past a quarter: no few tensors missing
+    if stored is not None and floor > stored and not quantized:
         raise StorylensError(
             f"{source}: config.json asks for {what} but its weights hold {stored:,} numbers; refused before building it"
         )

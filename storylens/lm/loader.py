@@ -7,7 +7,6 @@ read the ``--device`` and ``--dtype`` a user gives."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import warnings
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from storylens.core.errors import StorylensError, UsageError, install_hint
+from storylens.core.files import read_json
 from storylens.lm.configs import CONFIG_ERRORS, check_no_custom_code, check_sizes
 from storylens.lm.hooks import AttentionLM
 from storylens.lm.native import NativeLM
@@ -42,6 +42,10 @@ def wrap(model: ModelLike, tokenizer=None, name: str | None = None) -> Attention
     (with its tokenizer). An :class:`AttentionLM` is returned as it is."""
     if isinstance(model, AttentionLM):
         return model
+    config = getattr(model, "config", None)
+    layers = getattr(config, "n_layer", None) if isinstance(model, GPT) else getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:  # what the loader refuses in a config, refused in memory alike
+        raise StorylensError(f"{type(model).__name__}: {layers} blocks; a model needs at least 1 (n_layer)")
     if isinstance(model, GPT):
         return NativeLM(model, tokenizer, **({"name": name} if name else {}))
     if hasattr(model, "config") and isinstance(model, nn.Module):
@@ -54,8 +58,8 @@ def wrap(model: ModelLike, tokenizer=None, name: str | None = None) -> Attention
 def is_transformers_folder(path: Path) -> bool:
     """A transformers model folder: a config.json with ``model_type`` (storylens's own has none)."""
     try:
-        return "model_type" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, TypeError, AttributeError):
+        return "model_type" in read_json(path / "config.json")
+    except (OSError, ValueError, TypeError, AttributeError, StorylensError):  # the native loader says what is wrong
         return False
 
 
@@ -309,8 +313,8 @@ def _weights_file(source: str) -> Callable[[str], str]:
         return lambda k: source
     index = {}
     try:
-        index = json.loads((folder / "model.safetensors.index.json").read_text()).get("weight_map", {})
-    except (OSError, ValueError, AttributeError):
+        index = read_json(folder / "model.safetensors.index.json").get("weight_map", {})
+    except (OSError, ValueError, AttributeError, StorylensError):
         pass
     return lambda k: str(folder / index.get(k, "model.safetensors"))
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from storylens.core.modes import eval_mode
+from storylens.core.text import checked_stories
 from storylens.lm import ModelLike, wrap
 from storylens.model.evaluate import next_token_perplexity
 
 
 def perplexity(model: ModelLike, stories: Sequence[str], *, batch_size: int = 16, tokenizer=None) -> float:
     lm = wrap(model, tokenizer)
-    encoded = [lm.encode(s)[: lm.window] for s in stories]
+    encoded = [lm.encode(s)[: lm.window] for s in checked_stories(stories)]
     with eval_mode(lm.module):
-        return next_token_perplexity(lm.forward, encoded, pad_id=lm.marker_id, batch_size=batch_size, device=lm.device)
+        return next_token_perplexity(
+            lm.forward, encoded, pad_id=lm.marker_id, batch_size=batch_size, device=lm.device, vocab=lm.vocab_size
+        )

@@ -134,6 +134,22 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+def _ids_fit(tokenizer: Any, marker: int, model: Any) -> None:
+    """Every id the tokenizer can give (its vocabulary with the added tokens, and the opening marker) has a row in
+    the model's token embedding; else one line, before any story is run (the embedding's IndexError, or a device
+    assert on a GPU, otherwise). A larger embedding than the tokenizer (rows padded for speed) is fine."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if not isinstance(rows, int):
+        return
+    top = max(tokenizer.get_vocab_size(with_added_tokens=True) - 1, marker)
+    if top >= rows:
+        raise StorylensError(
+            f"tokenizer: gives ids up to {top:,}, but the model's token embedding has {rows:,} rows "
+            "(a tokenizer of another model?)"
+        )
+
+
 class TransformersLM(AttentionLM):
     """A transformers causal LM, run with storylens's attention (else eager attention: both form the
     probabilities). Sizes come from its config; the marker is its BOS token (else EOS)."""
@@ -172,6 +188,7 @@ class TransformersLM(AttentionLM):
                 "tokenizer: has neither a beginning-of-sequence nor an end-of-sequence token to open each story with"
             )
         self.marker_id = int(marker)
+        _ids_fit(backend, self.marker_id, model)
         self.layers = _decoder_layers(model)
         self.n_layer = len(self.layers)
         self.n_head = int(cfg.num_attention_heads)

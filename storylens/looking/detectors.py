@@ -57,7 +57,7 @@ from storylens.looking.patterns import (
     scaled_prev_span,
 )
 from storylens.looking.reads import Reads
-from storylens.looking.sinks import ACTIVE_SHARE, DORMANT_NATS, DORMANT_SHARE, SINK_THRESHOLD
+from storylens.looking.sinks import ACTIVE_SHARE, DORMANT_FLOOR, DORMANT_NATS, DORMANT_SHARE, SINK_THRESHOLD
 
 NORM_PREFIX = "norm_"  # norm_<column>: the same detector on the norm-weighted map (storylens.looking.faithful)
 
@@ -446,7 +446,8 @@ FLAG = Column(
     "dormant",
     "Dormant: switching the head to its mean moves nothing",
     f"its story-dependent output is under {DORMANT_SHARE} of an even share of its block's (context_norm^2 against "
-    f"the block's mean) and, where the mean-ablation effect was measured (exact_mean) or else estimated (atp_mean), "
+    f"the block's mean), or at most {DORMANT_FLOOR:g} of what it writes (context_share: a constant or nothing, "
+    f"whatever its block does), and, where the mean-ablation effect was measured (exact_mean) or else estimated (atp_mean), "
     f"|effect| + 2 se is under {DORMANT_NATS} nats",
 )
 

@@ -26,7 +26,9 @@ story, and split it into its corpus mean and the rest:
     :data:`ACTIVE_SHARE` (a head dormant on some stories and active on others, Guo et al.).
 ``dormant`` (the flag, :func:`dormant`)
     the head's context-dependent output is under :data:`DORMANT_SHARE` of an even share of its
-    block's (``context_norm^2`` against the mean of its block's heads' ``context_norm^2``) and, where
+    block's (``context_norm^2`` against the mean of its block's heads' ``context_norm^2``), or its
+    ``context_share`` at most :data:`DORMANT_FLOOR` (a constant or nothing: an absolute floor, so a block
+    whose every head writes a constant flags them all), and, where
     the causal columns were computed, its estimated mean-ablation effect ``|atp_mean| + 2 se`` is
     under :data:`DORMANT_NATS`: switching it to its mean moves nothing.
 
@@ -45,14 +47,19 @@ values averaged over stories.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from storylens.engine.accumulate import MeanAccumulator
+from storylens.engine.accumulate import MeanAccumulator, cauchy_slack
 from storylens.engine.encode import StoryBatch
 
 SINK_THRESHOLD = 0.3  # Gu et al. 2024's Sink^0.3: a story's first_mass above this
 ACTIVE_SHARE = 0.1  # active on a story: its own context share there above this
 DORMANT_SHARE = 0.05  # dormant: context_norm^2 under this share of an even share of its block's
+DORMANT_FLOOR = 1e-10  # ... or, whatever its block does, a context share at most this: a constant (or nothing) up to
+# float32 rounding (a constant computed in float32 varies by about 2**-24 of its size per coordinate: a share of
+# about k * 2**-48 < 1e-12 for k <= 256 coordinates; 1e-10 leaves a margin of 100 over it)
 DORMANT_NATS = 0.001  # ... and |atp_mean| + 2 se under this, where the causal columns were computed
 F64 = torch.float64
 
@@ -228,9 +235,28 @@ class SinkAccumulator:
         shift, total = vecs
         if shift is not None and total is not None and (shift.shape[:2] != shape or total.shape != shift.shape):
             raise ValueError("output sums of another shape")
+        _check_output_sums(shift, total, square, energy, positions)
         self.sink, self.active, self.first_value = sink, active, first
         self.shift, self.total, self.square, self.energy, self.positions = shift, total, square, energy, positions
         return self
+
+
+def _check_output_sums(shift, total, square: torch.Tensor, energy: torch.Tensor, positions: int) -> None:
+    """ValueError unless the output sums are what ``positions`` queries can give: nothing over none; per head
+    ``|total|^2 <= N square`` and ``square <= (sqrt(energy) + sqrt(N) |shift|)^2`` (Cauchy-Schwarz and the
+    triangle inequality over the ``N`` queries, with rounding's slack)."""
+    if positions == 0:
+        if total is not None and bool(total.abs().sum()) or bool(square.sum() + energy.sum()):
+            raise ValueError("output sums over 0 positions are not 0")
+        return
+    if total is None or shift is None:
+        raise ValueError(f"no output sums over {positions} positions")
+    rel = cauchy_slack(positions, total.shape[-1])
+    if ((total * total).sum(-1) > positions * square * (1 + rel) + 1e-300).any():
+        raise ValueError(f"output sums: cannot come from {positions} positions (|sum|^2 exceeds N x the squares)")
+    reach = (energy.sqrt() + math.sqrt(positions) * shift.norm(dim=-1)) ** 2
+    if (square > reach * (1 + rel) + 1e-300).any():
+        raise ValueError("output sums: the squares about the first output exceed what the outputs' energy allows")
 
 
 def _first_value_ratio(norms: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -243,14 +269,22 @@ def _first_value_ratio(norms: torch.Tensor, inside: torch.Tensor) -> torch.Tenso
     return norms[..., 0].to(F64) / mean
 
 
-def dormant(context_norm: torch.Tensor, atp: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def dormant(
+    context_norm: torch.Tensor,
+    atp: tuple[torch.Tensor, torch.Tensor] | None = None,
+    context_share: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[layer, head]`` bool: the heads whose mean ablation moves nothing (see the module docstring):
-    ``context_norm^2`` under :data:`DORMANT_SHARE` of its block's mean ``context_norm^2`` and, where
-    ``atp = (atp_mean, atp_mean_se)`` is given, ``|atp_mean| + 2 se`` under :data:`DORMANT_NATS`
-    (a head with no estimate, NaN, is not flagged on it)."""
+    ``context_norm^2`` under :data:`DORMANT_SHARE` of its block's mean ``context_norm^2``, or (the absolute
+    floor, which holds whatever the rest of the block does) ``context_share`` at most :data:`DORMANT_FLOOR`: a
+    head that writes one vector everywhere, or nothing; and, where ``atp = (atp_mean, atp_mean_se)`` is given,
+    ``|atp_mean| + 2 se`` under :data:`DORMANT_NATS` (a head with no estimate, NaN, is not flagged on it)."""
     energy = context_norm.to(F64) ** 2
     even = energy.mean(-1, keepdim=True)
     quiet = energy < DORMANT_SHARE * even
+    quiet |= energy == 0  # nothing that depends on the story, even where the whole block writes none
+    if context_share is not None:
+        quiet |= context_share.to(F64) <= DORMANT_FLOOR
     if atp is not None:
         mean, se = (x.to(F64) for x in atp)
         quiet &= (mean.abs() + 2 * se) < DORMANT_NATS  # NaN compares False

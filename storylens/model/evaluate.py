@@ -15,6 +15,7 @@ from storylens.core.batching import length_batches, pad_batch
 from storylens.core.errors import StorylensError
 
 IGNORE = -1  # the target of a padded position: no loss
+LOGITS_BYTES = 256 << 20  # a batch's logits, their float32 copy and log-softmax, at most (with the vocabulary known)
 
 
 @torch.inference_mode()
@@ -25,13 +26,17 @@ def next_token_perplexity(
     pad_id: int,
     batch_size: int = 16,
     device: torch.device | str | None = None,
+    vocab: int | None = None,
 ) -> float:
     """``forward(ids [batch, tokens]) -> logits [batch, tokens, vocab]`` run over ``stories_ids``
     (each already ``[marker] + tokens``, within the window), longest first, ``batch_size`` at a
-    time, padded at the end with ``pad_id``. Run the model in evaluation mode
-    (:func:`storylens.core.modes.eval_mode`)."""
+    time, padded at the end with ``pad_id``; given the ``vocab`` size, batches hold at most as many tokens as
+    keep the logits, their float32 copy and the loss's log-softmax within :data:`LOGITS_BYTES` (a 49k-token
+    vocabulary's logits are 200 KB a token: 16 stories of 1,024 tokens held 3 GB twice). Run the model in
+    evaluation mode (:func:`storylens.core.modes.eval_mode`)."""
     total, count = 0.0, 0
-    for idx in length_batches([len(e) for e in stories_ids], batch_size):
+    max_tokens = None if vocab is None else max(1, LOGITS_BYTES // (3 * 4 * vocab))
+    for idx in length_batches([len(e) for e in stories_ids], batch_size, max_tokens):
         chunk = [stories_ids[i] for i in idx]
         if max(len(e) for e in chunk) < 2:
             continue  # nothing to predict

@@ -23,6 +23,7 @@ from safetensors.torch import load_model as load_safetensors_model
 from safetensors.torch import save_model
 
 from storylens.core.errors import StorylensError, install_hint
+from storylens.core.files import checked_file, read_text
 from storylens.core.offline import hub_offline
 from storylens.core.publish import publish_folder
 from storylens.data.stories import EOT
@@ -88,10 +89,10 @@ class TinyStoryteller(
 
 def _read_config(folder: Path) -> GPTConfig:
     path = folder / CONFIG
-    if not path.is_file():
+    if not path.exists():
         raise StorylensError(f"{path}: missing (is {folder} a storylens model folder?)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(read_text(path))  # a regular file of a config's size; its JSON judged below
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
         return GPTConfig.from_dict(raw)
@@ -104,6 +105,7 @@ def _read_config(folder: Path) -> GPTConfig:
 def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
     """Check the file's header against the config (names, shapes, dtypes) before the model is
     built: the file bounds what a config can make storylens allocate. Reads no tensor."""
+    checked_file(wpath, None)
     try:
         with safe_open(str(wpath), "pt") as f:
             keys = set(f.keys())
@@ -166,7 +168,7 @@ def _load_folder(folder: Path, cls=None) -> TinyStoryteller:
         raise StorylensError(f"{folder}: not a model folder")
     config = _read_config(folder)
     wpath = folder / WEIGHTS
-    if not wpath.is_file():
+    if not wpath.exists():
         raise StorylensError(f"{wpath}: weights file missing")
     _check_weights_file(wpath, config)  # before anything is built: the file bounds the size
     model = cls(config)

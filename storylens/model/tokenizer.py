@@ -20,6 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import MAX_SMALL_BYTES, checked_file
 from storylens.data.stories import EOT
 
 DEFAULT_VOCAB = 4096
@@ -48,8 +49,9 @@ def text_only(tok: Tokenizer) -> Tokenizer:
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise StorylensError(f"{path}: tokenizer file not found")
+    checked_file(path, MAX_SMALL_BYTES)  # a regular file of a tokenizer's size (a FIFO would block the read)
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception subclasses

@@ -11,6 +11,7 @@ import torch
 from storylens.core.errors import StorylensError
 from storylens.core.heads import Head
 from storylens.core.progress import ProgressLines
+from storylens.core.text import checked_stories
 from storylens.data.names import name_vocabulary
 from storylens.effects.ablation import MODES, AblationTable, ablation_loss_table, head_output_means
 from storylens.engine.encode import encode_stories
@@ -47,6 +48,7 @@ def name_ablation_table(
     character included).
     """
 
+    stories = checked_stories(stories)
     lm = wrap(model)
     stories = list(stories)
     if encoded is None:  # ``encoded``: the same stories already encoded (a report encodes them once)

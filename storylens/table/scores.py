@@ -60,7 +60,7 @@ import torch
 from storylens.core.errors import StorylensError
 from storylens.core.frames import to_frame
 from storylens.core.heads import Head
-from storylens.core.schema import check_version, versioned
+from storylens.core.schema import check_grid, check_schema, heads_schema, read_versioned, versioned
 from storylens.effects.exact import ExactPlan
 from storylens.engine.encode import CHUNK_STORIES, EncodedStory
 from storylens.engine.gradients import GRAPH_BYTES
@@ -69,6 +69,7 @@ from storylens.lm import AttentionLM, ModelLike, wrap
 from storylens.looking.detectors import (
     BUILTIN_DETECTORS,
     CONTEXT_NORM,
+    CONTEXT_SHARE,
     FLAG,
     INDUCTION_RANDOM,
     NAME_BASELINE,
@@ -298,7 +299,7 @@ class HeadScores:
         about = [{"name": c.name, "title": c.title, "meaning": c.meaning} for c in self.columns]
         doc = versioned({"counts": self.counts(), "columns": about, "heads": self.to_rows()})
         try:
-            path.write_text(json.dumps(doc, indent=2) + "\n")
+            path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         except OSError as e:
             raise StorylensError(f"{path}: cannot write ({e.strerror})") from None
         return path
@@ -307,14 +308,16 @@ class HeadScores:
     def from_json(cls, path: str | os.PathLike) -> HeadScores:
         """Read back what :meth:`to_json` wrote (NaN scores come back as None)."""
         path = Path(path)
+        doc = read_versioned(path, "not a head table storylens wrote", "heads")
+        declared = [c["name"] for c in doc["columns"]]
+        check_schema(doc, heads_schema([c for c in declared if c != FLAG.name]), str(path))
+        rows = doc["heads"]
+        n_layer, n_head = max(r["block"] for r in rows), max(r["head"] for r in rows)
+        check_grid([(r["label"], r["block"], r["head"]) for r in rows], n_layer, n_head, str(path), base=1)
         try:
-            doc = json.loads(path.read_text())
-            check_version(doc, str(path))
-            heads = tuple(_read_row(row) for row in doc["heads"])
+            heads = tuple(_read_row(row) for row in rows)
             c = doc["counts"]
             return cls(heads=heads, **{k: c[k] for k in _COUNT_FIELDS})
-        except OSError as e:
-            raise StorylensError(f"{path}: cannot read ({e.strerror})") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StorylensError(f"{path}: not a head-scores JSON file ({type(e).__name__}: {e})") from None
 
@@ -367,7 +370,7 @@ def head_flags(cols: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
     mean, se = cols.get("exact_mean"), cols.get("exact_mean_se")  # measured where it ran, else AtP's estimate
     if mean is None or se is None:
         mean, se = cols.get("atp_mean"), cols.get("atp_mean_se")
-    return dormant(norm, None if mean is None or se is None else (mean, se))
+    return dormant(norm, None if mean is None or se is None else (mean, se), cols.get(CONTEXT_SHARE.name))
 
 
 def score_table(

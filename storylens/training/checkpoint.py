@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import checked_file
 from storylens.core.publish import write_bytes_atomic
 from storylens.model.gpt import GPT
 
@@ -68,25 +69,33 @@ def save_checkpoint(path: Path, model: GPT, optimizer, state: dict, rng: dict[st
 def load_checkpoint(path: Path):
     """Return (model_state, optimizer_state, state, rng, ema_state or None) or raise StorylensError."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise StorylensError(f"{path}: no checkpoint to resume from")
+    checked_file(path, None)
     try:
         tensors = load_file(str(path))
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         state = json.loads(meta["state"])
         groups = json.loads(meta["param_groups"])
-    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
-        raise StorylensError(f"{path}: corrupt or truncated checkpoint ({e})") from None
-    model_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
-    model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
-    opt_state: dict[int, dict] = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, pid, name = k.split(".", 2)
-            opt_state.setdefault(int(pid), {})[name] = v
-    rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-    ema_sd = {k[4:]: v for k, v in tensors.items() if k.startswith("ema.")} or None
-    if ema_sd is not None:
-        ema_sd["lm_head.weight"] = ema_sd["transformer.wte.weight"]
+        if not isinstance(state, dict) or not isinstance(groups, list):
+            raise ValueError("its state is not a JSON object, or its parameter groups not a list")
+        model_sd = _tied({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, "weights")
+        opt_state: dict[int, dict] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim."):
+                _, pid, name = k.split(".", 2)
+                opt_state.setdefault(int(pid), {})[name] = v
+        rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+        ema = {k[4:]: v for k, v in tensors.items() if k.startswith("ema.")}
+        ema_sd = _tied(ema, "EMA weights") if ema else None
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError, TypeError, RecursionError) as e:
+        raise StorylensError(f"{path}: corrupt or truncated checkpoint ({type(e).__name__}: {e})") from None
     return model_sd, {"state": opt_state, "param_groups": groups}, state, rng, ema_sd
+
+
+def _tied(weights: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """``weights`` with the output layer tied to the token embedding, as the model holds them."""
+    if "transformer.wte.weight" not in weights:
+        raise KeyError(f"the {what} miss transformer.wte.weight")
+    return {**weights, "lm_head.weight": weights["transformer.wte.weight"]}

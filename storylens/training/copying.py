@@ -11,13 +11,13 @@ every model, so models of different sizes compare.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import read_json
 from storylens.data.leakage import RUN_WORDS, run_hashes, word_runs
 from storylens.lm import AttentionLM
 
@@ -69,7 +69,7 @@ def read_copying(run: str | Path) -> dict | None:
     path = Path(run)
     path = path.parent / COPYING_FILE if path.is_file() else path / COPYING_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

@@ -10,7 +10,6 @@ where each kind of head formed. Nothing here trains or runs a model: it reads th
 from __future__ import annotations
 
 import base64
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from storylens.core.errors import StorylensError
+from storylens.core.files import read_json
 from storylens.core.publish import publish_folder
 from storylens.looking.detectors import BUILTIN_DETECTORS, TIMELINE
 from storylens.training.copying import read_copying
@@ -56,7 +56,7 @@ def train_minutes(run: str | Path) -> float | None:
     folder = path.parent if path.is_file() else path
     for name in RESULT_FILES:
         try:
-            kept = json.loads((folder / name).read_text(encoding="utf-8"))
+            kept = read_json(folder / name)
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:

@@ -40,8 +40,10 @@ from torch.nn import functional as F
 
 from storylens.core.batching import length_batches, pad_batch
 from storylens.core.errors import StorylensError
+from storylens.core.files import MAX_RESULT_BYTES, parse_json, read_text
 from storylens.core.modes import eval_mode
 from storylens.core.publish import write_text_atomic
+from storylens.core.schema import check_grid, check_schema, schema
 from storylens.data.names import name_vocabulary
 from storylens.engine.encode import BATCH_STORIES, encode_stories
 from storylens.lm import NativeLM
@@ -202,20 +204,31 @@ def read_timeline(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         path = path / TIMELINE_FILE
-    entries = []
+    entries: list[dict] = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_text(path, MAX_RESULT_BYTES).splitlines()
     except FileNotFoundError:
         raise StorylensError(f"{path}: no head timeline here (storylens train writes one)") from None
+    entry_schema = schema("timeline-entry")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise StorylensError(f"{path}:{n}: not a timeline entry ({e.msg})") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or "heads" not in entry:
-            raise StorylensError(f"{path}:{n}: not a timeline entry (no step or heads)")
+            entry = parse_json(line)
+        except ValueError as e:
+            raise StorylensError(f"{where}: not a timeline entry ({e})") from None
+        try:
+            check_schema(entry, entry_schema, where)
+        except StorylensError as e:
+            raise StorylensError(
+                str(e).replace("not a valid storylens heads_timeline.jsonl entry", "not a timeline entry")
+            ) from None
+        rows = entry["heads"]
+        check_grid([(r["label"], r["block"], r["head"]) for r in rows], max(r["block"] for r in rows),
+                   max(r["head"] for r in rows), where, base=1)  # fmt: skip
+        if entries and entry["step"] < entries[-1]["step"]:
+            raise StorylensError(f"{where}: step {entry['step']} after step {entries[-1]['step']}: not in order")
         entries.append(entry)
     return entries
 

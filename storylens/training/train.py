@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from tokenizers import Tokenizer
@@ -225,6 +226,7 @@ def train(
         raise StorylensError(f"{out_dir}: a part of this path is a file, not a folder") from None
     except OSError as e:
         raise os_error(out_dir, e, "create") from None
+    _check_run_folder(out_dir, resume)  # before the lock file: nothing is added to a folder of the user's
     with file_lock(out_dir / ".lock", str(out_dir)):
         remove_stale_temporaries(out_dir / CHECKPOINT)
         remove_stale_temporaries(out_dir / "tokenizer.json")
@@ -239,6 +241,7 @@ def _resume_from(ckpt_path: Path, tok_path: Path, cfg: TrainConfig, prints: dict
         saved_cfg = TrainConfig(**state["train_config"])
     except (KeyError, TypeError) as e:
         raise StorylensError(f"{ckpt_path}: checkpoint has no usable training settings ({e})") from None
+    _check_run_state(ckpt_path, state, saved_cfg)
     if saved_cfg != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved_cfg).items() if getattr(cfg, k) != v}
         raise StorylensError(f"{ckpt_path}: checkpoint was made with other settings {diff}")
@@ -246,6 +249,36 @@ def _resume_from(ckpt_path: Path, tok_path: Path, cfg: TrainConfig, prints: dict
     prints["tokenizer"] = _file_digest(tok_path)
     _check_fingerprints(ckpt_path, state.get("fingerprints"), prints)
     return tok, state, (model_sd, opt_sd, rng, ema_sd)
+
+
+def _whole(x: object) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _seconds(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _check_run_state(path: Path, state: dict, cfg: TrainConfig) -> None:
+    """Refuse (one line) a checkpoint's run state that no run of ``cfg`` writes: the step a whole number from 0 to
+    ``max_steps``, one loss per step (finite numbers), evaluations at increasing steps no later than it, times
+    finite and not negative."""
+    step = state.get("step")
+    if not _whole(step) or not 0 <= step <= cfg.max_steps:
+        raise StorylensError(f"{path}: step {step!r} is not a whole number from 0 to max_steps {cfg.max_steps}")
+    losses = state.get("losses")
+    if not isinstance(losses, list) or len(losses) != step:
+        got = len(losses) if isinstance(losses, list) else repr(losses)
+        raise StorylensError(f"{path}: {got} losses for step {step}; a run records one loss per step")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in losses):
+        raise StorylensError(f"{path}: a loss that is not a finite number")
+    evals = state.get("evals")
+    steps = [e.get("step") if isinstance(e, dict) else None for e in evals] if isinstance(evals, list) else None
+    if steps is None or not all(_whole(s) and 0 <= s <= step for s in steps) or steps != sorted(set(steps)):  # type: ignore[type-var]
+        raise StorylensError(f"{path}: evaluations that are not at increasing steps up to step {step}")
+    for key in ("train_seconds", "timeline_seconds"):
+        if key in state and not _seconds(state[key]):
+            raise StorylensError(f"{path}: {key} {state[key]!r} is not a finite number of seconds, 0 or more")
 
 
 def _fresh_start(split: Split, tok_path: Path, cfg: TrainConfig, prints: dict) -> tuple[Tokenizer, dict]:
@@ -457,6 +490,26 @@ def _train_loop(run: _Run, stream: torch.Tensor, progress: bool) -> None:
         for s, h in old.items():
             signal.signal(s, h)
         bar.close()
+
+
+RUN_FILES = frozenset({CHECKPOINT, "tokenizer.json", TIMELINE_FILE, "train_state.json", COPYING_FILE, ".lock"})
+"""What a training run writes in its folder (and the temporaries ``.NAME.tmp-PID`` of the first two)."""
+
+
+def _check_run_folder(out_dir: Path, resume: bool) -> None:
+    """Refuse, before anything is written, a folder holding files a training run does not write (the user's own:
+    never overwritten), and a fresh start over an earlier run (its checkpoint there: ``--resume`` goes on)."""
+    present = {p.name for p in out_dir.iterdir()}
+    foreign = sorted(n for n in present if n not in RUN_FILES and not (n.startswith(".") and ".tmp-" in n))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise StorylensError(
+            f"{out_dir}: holds files a training run does not write ({shown}); give an empty or new folder"
+        )
+    if not resume and present & (RUN_FILES - {".lock"}):
+        raise StorylensError(
+            f"{out_dir}: an earlier run is there; pass --resume to go on from its checkpoint (or give a new folder)"
+        )
 
 
 def _train_locked(

@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from storylens.core.figures import sign_claimed
 from storylens.core.heads import HeadGrid, parse_head_label
 from storylens.viz.figures import NAME_COLOR, _new_figure
 
@@ -122,7 +123,7 @@ def _annotate_cells(ax, grid: np.ndarray, se: np.ndarray | None, fmt: str, cm, s
             if not np.isfinite(v):
                 ax.text(h, b, "–", ha="center", va="center", fontsize=9, color="#777777")
                 continue
-            unsure = se is not None and np.isfinite(se[b, h]) and abs(v) <= 2 * se[b, h]
+            unsure = se is not None and not sign_claimed(float(v), float(se[b, h]))  # no sign: within 2 se, or no se
             ax.text(
                 h,
                 b,

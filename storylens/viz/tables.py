@@ -15,6 +15,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
+from storylens.core.figures import sign_claimed
 from storylens.core.heads import HeadGrid, head_label, parse_head_label
 from storylens.viz.score_figures import _colour_range, _is_light, _score_grid
 
@@ -70,8 +71,13 @@ def head_heatmap_html(
             text, tip = fmt.format(v), f"{v:.6g}"
             if se is not None and np.isfinite(se[b, h]):
                 tip += f" ± {se[b, h]:.2g}"
-                if abs(v) <= 2 * se[b, h]:
-                    text, tip = f"({text})", tip + ", within two standard errors of zero: no sign"
+            if se is not None and not sign_claimed(float(v), float(se[b, h])):
+                text, tip = (
+                    f"({text})",
+                    tip
+                    + (", within two standard errors of zero" if np.isfinite(se[b, h]) else ", no error (one story)")
+                    + ": no sign",
+                )
             cells.append(
                 f'<td{mark} data-head="{label}" data-value="{float(v)!r}" title="{label}: {tip}{note}" '
                 f'style="background:{to_hex(colour[:3])};color:{ink}">{html.escape(text)}</td>'

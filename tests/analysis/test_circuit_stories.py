@@ -145,7 +145,7 @@ def test_the_corpus_options_are_refused_in_one_line_before_anything_loads(tmp_pa
     cases = [
         (["--stories", "x.txt", "--method", "eap-ig-inputs"], "eap-ig-inputs"),
         (["--ablation", "zero"], "--ablation: only with --stories"),
-        (["--resume", "--limit", "3"], "--limit, --resume: only with --stories"),
+        (["--resume", "--limit", "3"], "--limit and --resume: only with --stories"),
         (["--stories", "x.txt", "--pairs", "indirect-object"], "one task or the other"),
         (["--stories", "x.txt", "--workers", "3"], "only with --engine ray"),
         (["--stories", "x.txt", "--limit", "0"], "--limit"),

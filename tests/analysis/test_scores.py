@@ -223,7 +223,7 @@ def test_table_files_round_trip(tmp_path):
     assert doc["counts"]["n_name_scored"] == 1 and len(doc["heads"]) == 4
     lines = hs.to_csv(tmp_path / "scores.csv").read_text().splitlines()
     assert lines[0].startswith("label,block,head,name_mass") and len(lines) == 5
-    with pytest.raises(StorylensError, match="scores.csv: not a head-scores JSON"):
+    with pytest.raises(StorylensError, match="scores.csv: not JSON"):
         HeadScores.from_json(tmp_path / "scores.csv")
     with pytest.raises(StorylensError, match="cannot write"):
         hs.to_csv(tmp_path / "no" / "such" / "dir.csv")

@@ -185,3 +185,35 @@ def test_bad_sink_states_are_refused():
         broken[key] = bad
         with pytest.raises(ValueError):
             SinkAccumulator(2, 3).load_state(broken)
+
+
+@pytest.mark.parametrize("how", ["every head a sink: a constant", "an output projection of zeros: nothing"])
+def test_a_block_whose_every_head_writes_a_constant_or_nothing_flags_them_all(sink_folder, stories, tmp_path, how):
+    """Issue 61, class 6: the flag's block-relative threshold cannot fire where every head of the block is alike;
+    its absolute floor (a context share at most DORMANT_FLOOR) does. The hand-built block with every query head
+    turned into A (all attention on position 0, so each writes one vector everywhere), or with its output
+    projection zeroed (each writes nothing): every head is flagged, and the flag says nothing of the sink head
+    alone any more than of the rest."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(sink_folder, torch_dtype=torch.float64)
+    a = model.model.layers[0].self_attn
+    with torch.no_grad():
+        if how.startswith("every"):
+            a.q_proj.weight.zero_()
+            a.k_proj.weight.zero_()
+            for h in range(N_HEAD):
+                a.q_proj.weight[h * D_HEAD + 3, C] = 10.0
+            for g in range(N_KV):
+                a.k_proj.weight[g * D_HEAD + 3, S] = 10.0
+        else:
+            a.o_proj.weight.zero_()
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (sink_folder / f).exists():
+            (tmp_path / "m" / f).write_bytes((sink_folder / f).read_bytes())
+    got = score_heads(load_lm(tmp_path / "m", dtype=torch.float64), stories, batch_size=3, progress=False)
+    assert [h.dormant for h in got.heads] == [True] * N_HEAD
+    assert all(h.context_share <= 1e-10 for h in got.heads)
+    if how.startswith("every"):
+        assert all(h.first_mass > 0.999 for h in got.heads)

@@ -34,7 +34,7 @@ def report_30x9(llama_30x9, quiz, tmp_path_factory):
     src.write_text("".join(s.strip() + "\n<|endoftext|>\n" for s in quiz[:N_STORIES]), encoding="utf-8")
     out = root / "report"
     args = ["report", "--model", str(llama_30x9), "--quiz", str(src), "--out", str(out), "--no-progress"]
-    args += ["--sections", "overview,widget,lesson,detectors,sinks,truth,causal,heads"]  # the lesson's figures too
+    args += ["--sections", "overview,widget,lesson,detectors,sinks,truth,heads"]  # the lesson's figures too
     assert main([*args, "--truth-stories", "2"]) == 0
     return out
 

@@ -61,7 +61,9 @@
     var pts = f.percentages.map(function (p, i) { return x(p) + "," + y(f.f[i]); }).join(" ");
     body += '<polyline points="' + pts + '" fill="none" stroke="#222" stroke-width="2"/>';
     f.percentages.forEach(function (p, i) {
-      body += '<line x1="' + x(p) + '" y1="' + y(f.f[i] - 2 * f.f_se[i]) + '" x2="' + x(p) + '" y2="' + y(f.f[i] + 2 * f.f_se[i]) + '" stroke="#222"/>';
+      if (f.f_se[i] !== null) {  /* null: one pair or story, no error to draw */
+        body += '<line x1="' + x(p) + '" y1="' + y(f.f[i] - 2 * f.f_se[i]) + '" x2="' + x(p) + '" y2="' + y(f.f[i] + 2 * f.f_se[i]) + '" stroke="#222"/>';
+      }
       body += X.text(x(p), H - B + 14, (100 * p) + "%", 9, { anchor: "middle" });
     });
     body += X.text(L - 6, y(1) + 4, "1", 10, { anchor: "end" }) + X.text(L - 6, y(0) + 4, "0", 10, { anchor: "end" });
@@ -82,8 +84,13 @@
   var picked = null;
   var MOST_AT_FIRST = 60;  /* the edges drawn before the slider moves: more is a thicket on a many-head model */
 
-  function num(x) {  /* three decimals, or three significant digits for the small scores a loss gives */
+  function num(x) {  /* three decimals, or three significant digits for the small scores a loss gives; null: none */
+    if (x === null) { return "n/a"; }
     return Math.abs(x) >= 0.1 || x === 0 ? x.toFixed(3) : x.toPrecision(3);
+  }
+
+  function pm(se) {  /* an error that could not be estimated (one pair or story) is null: said, never shown as 0 */
+    return se === null ? " (no error)" : " ± " + se.toFixed(3);
   }
 
   function mapSpec(side) {  /* the picked head's attention on the chosen pair, one side */
@@ -139,8 +146,8 @@
   c.innerHTML = curveSvg();
   c.appendChild(X.buttons(curveSvg, "faithfulness"));
   var f = D.faithfulness;
-  document.getElementById("slc-summary").textContent = "CPR " + f.cpr.toFixed(3) + " ± " + f.cpr_se.toFixed(3) +
-    ", CMD " + f.cmd.toFixed(3) + " ± " + f.cmd_se.toFixed(3) + "; clean " + f.clean.toFixed(3) + (D.task === "stories" ? ", every edge ablated " : ", corrupt ") + f.corrupt.toFixed(3) +
+  document.getElementById("slc-summary").textContent = "CPR " + f.cpr.toFixed(3) + pm(f.cpr_se) +
+    ", CMD " + f.cmd.toFixed(3) + pm(f.cmd_se) + "; clean " + f.clean.toFixed(3) + (D.task === "stories" ? ", every edge ablated " : ", corrupt ") + f.corrupt.toFixed(3) +
     (D.circuit_size ? "; the smallest circuit keeping 80% holds the top " + D.circuit_size + " edges" : "");
   show(+slider.value);
 })();

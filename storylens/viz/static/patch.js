@@ -21,6 +21,10 @@
     return t >= 0 ? "rgb(255," + a + "," + a + ")" : "rgb(" + a + "," + a + ",255)";
   }
 
+  function pm(se) {  // an error that could not be estimated (one pair) is null: said, never shown as 0
+    return se === null || se === undefined ? " (no error: one pair)" : " ± " + se.toFixed(3);
+  }
+
   function gridSpec(key) {
     var rows = [], cols = [];
     for (var l = 0; l < L; l++) { rows.push("L" + (l + 1)); }
@@ -28,10 +32,10 @@
     return {
       title: key, rows: L, cols: H, cell: [44, 26], rowLabels: rows, colLabels: cols, size: 11,
       fill: function (r, c) { return colour(byCell[r + "," + c][key]); },
-      label: function (r, c) {  // in parentheses: within two standard errors of zero, no sign established
+      label: function (r, c) {  // in parentheses: within two standard errors of zero or no error, no sign claimed
         var h = byCell[r + "," + c], v = h[key], se = h[key + "_se"];
         if (v === null) { return ""; }
-        return se !== null && se !== undefined && Math.abs(v) <= 2 * se ? "(" + v.toFixed(2) + ")" : v.toFixed(2);
+        return se === null || se === undefined || Math.abs(v) <= 2 * se ? "(" + v.toFixed(2) + ")" : v.toFixed(2);
       }
     };
   }
@@ -52,7 +56,7 @@
         el.addEventListener("click", pick.bind(null, r, c));
         var h = byCell[r + "," + c];
         var t = document.createElementNS("http://www.w3.org/2000/svg", "title");
-        t.textContent = h.head + ": exact " + fmt(h.exact) + ", atp " + fmt(h.atp) + " ± " + h.atp_se.toFixed(3);
+        t.textContent = h.head + ": exact " + fmt(h.exact) + ", atp " + fmt(h.atp) + pm(h.atp_se);
         el.appendChild(t);
       }
     }
@@ -83,8 +87,7 @@
     picked = [r, c];
     var h = byCell[r + "," + c];
     document.getElementById("slp-head").textContent = h.head + ": exact " + fmt(h.exact) +
-      (h.exact_se === null ? "" : " ± " + h.exact_se.toFixed(3)) + ", atp " + fmt(h.atp) + " ± " +
-      h.atp_se.toFixed(3) + (h.gap_fraction === null ? "" : ", " + h.gap_fraction.toFixed(2) + " of the gap");
+      (h.exact === null ? "" : pm(h.exact_se)) + ", atp " + fmt(h.atp) + pm(h.atp_se) + (h.gap_fraction === null ? "" : ", " + h.gap_fraction.toFixed(2) + " of the gap");
     document.querySelectorAll(".slp-grid rect.cell").forEach(function (el) {
       el.classList.toggle("picked", el.getAttribute("data-head") === h.head);
     });
@@ -92,8 +95,8 @@
   }
 
   document.getElementById("slp-metric").textContent = R.metric;
-  document.getElementById("slp-metrics").textContent = R.pairs + " pairs. clean " + fmt(R.clean_metric) + " ± " +
-    R.clean_metric_se.toFixed(3) + "; corrupt " + fmt(R.corrupt_metric) + " ± " + R.corrupt_metric_se.toFixed(3) +
+  document.getElementById("slp-metrics").textContent = R.pairs + " pairs. clean " + fmt(R.clean_metric) +
+    pm(R.clean_metric_se) + "; corrupt " + fmt(R.corrupt_metric) + pm(R.corrupt_metric_se) +
     "; exact on " + R.exact_heads + " of " + R.heads.length + " heads" +
     (R.spearman === null ? "" : "; Spearman rho (atp vs exact) " + R.spearman.toFixed(3));
   var sel = document.getElementById("slp-pair");
