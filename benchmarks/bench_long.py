@@ -199,6 +199,7 @@ def main() -> None:
             "cpu": _cpu(),
             "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
+            "tokens_asked": args.tokens,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "shape": {k: getattr(args, k) for k in ("layers", "heads", "kv_heads", "hidden", "intermediate")},

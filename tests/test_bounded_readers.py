@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from storylens.cli import main
+from storylens.cli.options import load_detector
 from storylens.core.errors import StorylensError
 from storylens.data.stories import EOT, text_lines
 from storylens.effects.patching import MAX_PAIR_LINE_BYTES, read_pairs
@@ -60,6 +61,7 @@ READERS = [  # (what, call(tmp_path) that reads the hostile file, words of its o
     ("weights that are a FIFO", lambda t: load_lm(str(_model_with(t, "model.safetensors", _fifo))), "not a regular"),
     ("a training checkpoint that is a FIFO", lambda t: load_checkpoint(_made(t / "c", _fifo)), "not a regular file"),
     ("a timeline that is a FIFO", lambda t: read_timeline(_made(t / "heads_timeline.jsonl", _fifo)), "not a regular"),
+    ("a detector that is a FIFO", lambda t: load_detector(str(_made(t / "d.py", _fifo))), "not a regular file"),
 ]
 
 

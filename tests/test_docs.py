@@ -66,3 +66,16 @@ def test_the_readme_fits_and_links_into_the_docs():
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f": {page.name}\n" in nav, f"{page.name} is not in mkdocs.yml's nav"
+
+
+def test_the_long_story_paragraph_is_the_benchmark_run_regenerated():
+    """docs/benchmarks.md's long-story figures are scripts/docs_long_table.py over benchmarks/long.json."""
+    import json
+
+    from scripts.docs_long_table import paragraph
+    from scripts.readme_tables import shown_between
+
+    run = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "long.json").read_text())
+    assert shown_between("long") == paragraph(run), (
+        "regenerate it: python scripts/docs_long_table.py benchmarks/long.json"
+    )

@@ -63,3 +63,19 @@ def test_a_schema_version_of_the_wrong_kind_is_named_as_such(tmp_path, version, 
     path.write_text(json.dumps({"schema_version": version}))
     with pytest.raises(StorylensError, match=said.replace("(", r"\(").replace(")", r"\)")):
         load_circuit(path)
+
+
+def test_an_internal_error_is_one_line_and_debug_shows_its_traceback(monkeypatch, capsys):
+    """A bug of storylens's own (any exception that is not a StorylensError) is one line naming it, exit 1; with
+    --debug, the traceback too."""
+    import storylens.cli.perplexity as command
+    from storylens.cli import main
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(command, "run", broken)  # main builds its parser each call: the patched runner is bound
+    code = main(["perplexity"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("storylens: error: internal error (KeyError: "), err
+    assert main(["--debug", "perplexity"]) == 1 and "Traceback" in capsys.readouterr().err

@@ -27,5 +27,8 @@ SLOW = {
 # With pytest-xdist (``-n 2 --dist loadgroup``, the README's command): a file's tests run on one worker,
 # so its module fixtures are built once, and the files that start Ray run on the same worker, one after
 # the other (two local Rays at once on two cores would only wait on each other).
-ONE_WORKER = {"tests/test_ray.py": "ray", "tests/test_ray_robust.py": "ray",
-              "tests/test_checkpoint_bounds.py": "checkpoints"}  # its killed --causal run built once, not per worker
+ONE_WORKER = {
+    "tests/test_ray.py": "ray",
+    "tests/test_ray_robust.py": "ray",
+    "tests/test_checkpoint_bounds.py": "checkpoints",
+}  # its killed --causal run built once, not per worker

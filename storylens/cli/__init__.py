@@ -137,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"storylens: {message}", file=sys.stderr)
         return code
+    except Exception as e:  # a bug of storylens's (every problem a user can act on is a StorylensError): one line
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"storylens: error: internal error ({type(e).__name__}: {one_line(e)[:300]}); "
+            "run again with --debug for the traceback, and please report it",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _describe(e: BaseException) -> tuple[str, int]:

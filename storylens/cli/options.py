@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from storylens.core.errors import StorylensError, UsageError
+from storylens.core.files import MAX_SMALL_BYTES, checked_file
 from storylens.core.progress import NO_PROGRESS_HELP
 from storylens.corpus.options import EXAMPLES, EXAMPLES_BUDGET
 from storylens.effects.cost import ABLATION_LIMIT_FLOPS, OVER_BUDGET_FLAG
@@ -228,8 +229,9 @@ def load_detector(path: str):
     pass files you wrote or trust."""
 
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise StorylensError(f"--detector {path}: no such file")
+    checked_file(file, MAX_SMALL_BYTES, "a detector is a small Python file")  # a FIFO or a 10 GB file: one line
     spec = importlib.util.spec_from_file_location(f"storylens_detector_{file.stem}", file)
     if spec is None or spec.loader is None:
         raise StorylensError(f"--detector {path}: not a Python file")
