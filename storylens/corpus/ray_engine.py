@@ -38,6 +38,7 @@ import os
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -345,15 +346,19 @@ def tensors_of(state: bytes) -> dict:
 def _scored(ray, chunks, size: int, scorer: dict, actor=None):
     """``chunks`` mapped through one pool of ``size`` actors (:class:`ChunkScorer`, or ``actor``) for the whole
     run (``scorer``: their arguments), one chunk a call; each actor holds the chunk it scores and the next."""
-    return chunks.map_batches(
-        actor or ChunkScorer,
+    common = dict(
         batch_size=1,
         num_cpus=1,
-        max_restarts=RESTARTS,  # Ray Data's remote args: bounded, not its default of forever
-        max_task_retries=RESTARTS,
         fn_constructor_kwargs=scorer,
         compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=IN_FLIGHT),
     )
+    bounded = {"max_restarts": RESTARTS, "max_task_retries": RESTARTS}  # not Ray Data's default of forever
+    try:
+        with warnings.catch_warnings():  # Ray 2.60 takes them as extra remote args, and warns that 2.64 will not
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+            return chunks.map_batches(actor or ChunkScorer, **common, **bounded)
+    except TypeError:  # a Ray without extra remote args: its default restarts
+        return chunks.map_batches(actor or ChunkScorer, **common)
 
 
 class _InOrder:

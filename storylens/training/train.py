@@ -497,8 +497,11 @@ RUN_FILES = frozenset({CHECKPOINT, "tokenizer.json", TIMELINE_FILE, "train_state
 
 
 def _check_run_folder(out_dir: Path, resume: bool) -> None:
-    """Refuse, before anything is written, a folder holding files a training run does not write (the user's own:
-    never overwritten), and a fresh start over an earlier run (its checkpoint there: ``--resume`` goes on)."""
+    """Refuse a fresh start (before anything, the lock file included, is written) in a folder holding files a
+    training run does not write: the user's own folder (``--resume`` goes on in a run's folder, whatever else the
+    user keeps beside it: a run never writes but its own names)."""
+    if resume:
+        return
     present = {p.name for p in out_dir.iterdir()}
     foreign = sorted(n for n in present if n not in RUN_FILES and not (n.startswith(".") and ".tmp-" in n))
     if foreign:
@@ -506,7 +509,12 @@ def _check_run_folder(out_dir: Path, resume: bool) -> None:
         raise StorylensError(
             f"{out_dir}: holds files a training run does not write ({shown}); give an empty or new folder"
         )
-    if not resume and present & (RUN_FILES - {".lock"}):
+
+
+def _check_fresh_start(out_dir: Path, resume: bool) -> None:
+    """Under the run's lock: a fresh start over an earlier run's checkpoint is refused (``--resume`` goes on from
+    it); a killed run's leftovers without one (its tokenizer, a temporary) are replaced."""
+    if not resume and (out_dir / CHECKPOINT).exists():
         raise StorylensError(
             f"{out_dir}: an earlier run is there; pass --resume to go on from its checkpoint (or give a new folder)"
         )
@@ -517,6 +525,7 @@ def _train_locked(
 ) -> dict:
     """:func:`train` in its locked folder: start or resume the run, train it, write its state and,
     once, the copying check of the weights it ships."""
+    _check_fresh_start(out_dir, resume)
     tok_path = out_dir / "tokenizer.json"
     prints = {"train": fingerprint(split.train), "quiz": fingerprint(split.quiz)}
     saved = None
