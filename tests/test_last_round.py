@@ -20,9 +20,9 @@ from storylens.core.errors import StorylensError
 from storylens.data.stories import EOT
 from storylens.model.evaluate import LOGITS_BYTES
 from storylens.model.gpt import GPT
-from storylens.training.checkpoint import load_checkpoint, save_checkpoint
+from storylens.training.checkpoint import check_run_state, load_checkpoint, save_checkpoint
 from storylens.training.timeline import TIMELINE_FILE, read_timeline
-from storylens.training.train import CHECKPOINT, TrainConfig, _check_run_state
+from storylens.training.train import CHECKPOINT, TrainConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,10 +177,10 @@ STATES = [  # (what, the run state's change, words)
 def test_an_impossible_run_state_is_refused(tmp_path, what, change, words):
     state = {"step": 0, "losses": [], "evals": [], "train_seconds": 0.0, **change}
     with pytest.raises(StorylensError, match=None) as e:
-        _check_run_state(tmp_path / "c", state, CFG)
+        check_run_state(tmp_path / "c", state, CFG.max_steps)
     assert words in str(e.value), str(e.value)
-    _check_run_state(tmp_path / "c", {"step": 2, "losses": [1.0, 0.5], "evals": [{"step": 2}], "train_seconds": 1.5},
-                     CFG)  # fmt: skip
+    check_run_state(tmp_path / "c", {"step": 2, "losses": [1.0, 0.5], "evals": [{"step": 2}], "train_seconds": 1.5},
+                    CFG.max_steps)  # fmt: skip
 
 
 @pytest.mark.parametrize("missing", ["model.transformer.wte.weight", "ema.transformer.wte.weight"])

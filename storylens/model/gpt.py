@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as _torch_module
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
@@ -164,6 +165,11 @@ class KVCache:
         return [None if v is None else v[:, :, :n] for v, n in zip(self._value, self._len)]
 
 
+def _global_hooks() -> bool:
+    """Whether a hook was registered on every module (``torch.nn.modules.module.register_module_forward_hook``)."""
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
 class HookPoint(nn.Identity):
     """A named place in the forward pass where torch's own hooks can read an activation.
 
@@ -178,6 +184,13 @@ class HookPoint(nn.Identity):
         super().__init__()
         self.name = name
         self.layer = int(name.split(".")[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation itself where no hook is on this point nor on every module (nine points a block, each a
+        call on every token of a KV-cached generation: ``nn.Module``'s dispatch, skipped); else torch's call."""
+        if self._forward_hooks or self._forward_pre_hooks or _global_hooks():
+            return super().__call__(x)
+        return x
 
     def add_hook(self, fn: Callable[[torch.Tensor, HookPoint], torch.Tensor | None]) -> RemovableHandle:
         """Call ``fn(tensor, self)`` on every forward pass; returns a handle with ``.remove()``."""

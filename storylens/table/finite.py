@@ -24,8 +24,11 @@ def refuse_non_finite(
     found: list[tuple[int, int, int, str]] = []  # (layer, head, batch row, what)
     kinds = [(raw, "{} score"), (norm, "norm-weighted {} score")]
     named = [(what.format(k), v, keep) for scores, what in kinds for k, (v, keep) in scores.items()]
-    for what, values, keep in [*named, *([("output norm", *output)] if output is not None else [])]:
-        bad = ~torch.isfinite(values) & keep.to(values.device)[:, None, None]
+    every = [*named, *([("output norm", *output)] if output is not None else [])]
+    bads = [~torch.isfinite(values) & keep.to(values.device)[:, None, None] for _, values, keep in every]
+    if not bads or not bool(torch.stack([b.any() for b in bads]).any()):  # one synchronising check a batch
+        return
+    for (what, _, _), bad in zip(every, bads):
         if bool(bad.any()):
             b, layer, head = min(bad.nonzero().tolist(), key=lambda i: (i[1], i[2], i[0]))
             found.append((layer, head, b, what))

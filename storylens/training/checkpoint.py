@@ -7,7 +7,9 @@ previous checkpoint intact. Nothing is unpickled when reading one back.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -99,3 +101,33 @@ def _tied(weights: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor
     if "transformer.wte.weight" not in weights:
         raise KeyError(f"the {what} miss transformer.wte.weight")
     return {**weights, "lm_head.weight": weights["transformer.wte.weight"]}
+
+
+def _whole(x: object) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _seconds(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def check_run_state(path: Path, state: dict, max_steps: int) -> None:
+    """Refuse (one line) a checkpoint's run state that no run of a training configuration writes: the step a whole number from 0 to
+    ``max_steps``, one loss per step (finite numbers), evaluations at increasing steps no later than it, times
+    finite and not negative."""
+    step = state.get("step")
+    if not _whole(step) or not 0 <= step <= max_steps:
+        raise StorylensError(f"{path}: step {step!r} is not a whole number from 0 to max_steps {max_steps}")
+    losses = state.get("losses")
+    if not isinstance(losses, list) or len(losses) != step:
+        got = len(losses) if isinstance(losses, list) else repr(losses)
+        raise StorylensError(f"{path}: {got} losses for step {step}; a run records one loss per step")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in losses):
+        raise StorylensError(f"{path}: a loss that is not a finite number")
+    evals = state.get("evals")
+    steps = [e.get("step") if isinstance(e, dict) else None for e in evals] if isinstance(evals, list) else None
+    if steps is None or not all(_whole(s) and 0 <= s <= step for s in steps) or steps != sorted(set(steps)):  # type: ignore[type-var]
+        raise StorylensError(f"{path}: evaluations that are not at increasing steps up to step {step}")
+    for key in ("train_seconds", "timeline_seconds"):
+        if key in state and not _seconds(state[key]):
+            raise StorylensError(f"{path}: {key} {state[key]!r} is not a finite number of seconds, 0 or more")

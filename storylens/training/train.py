@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TypeGuard
 
 import torch
 from tokenizers import Tokenizer
@@ -36,7 +35,13 @@ from storylens.model.evaluate import next_token_perplexity
 from storylens.model.gpt import GPT, GPTConfig
 from storylens.model.hub import save_model_folder
 from storylens.model.tokenizer import encode_story, encode_stream, eot_id, load_tokenizer, train_tokenizer
-from storylens.training.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, validate_state
+from storylens.training.checkpoint import (
+    check_run_state,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    validate_state,
+)
 from storylens.training.copying import COPYING_FILE, copying
 from storylens.training.copying import SAMPLES as COPY_SAMPLES
 from storylens.training.timeline import TIMELINE_FILE, read_timeline, timeline_entry, write_timeline
@@ -241,7 +246,7 @@ def _resume_from(ckpt_path: Path, tok_path: Path, cfg: TrainConfig, prints: dict
         saved_cfg = TrainConfig(**state["train_config"])
     except (KeyError, TypeError) as e:
         raise StorylensError(f"{ckpt_path}: checkpoint has no usable training settings ({e})") from None
-    _check_run_state(ckpt_path, state, saved_cfg)
+    check_run_state(ckpt_path, state, saved_cfg.max_steps)
     if saved_cfg != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in asdict(saved_cfg).items() if getattr(cfg, k) != v}
         raise StorylensError(f"{ckpt_path}: checkpoint was made with other settings {diff}")
@@ -249,36 +254,6 @@ def _resume_from(ckpt_path: Path, tok_path: Path, cfg: TrainConfig, prints: dict
     prints["tokenizer"] = _file_digest(tok_path)
     _check_fingerprints(ckpt_path, state.get("fingerprints"), prints)
     return tok, state, (model_sd, opt_sd, rng, ema_sd)
-
-
-def _whole(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _seconds(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def _check_run_state(path: Path, state: dict, cfg: TrainConfig) -> None:
-    """Refuse (one line) a checkpoint's run state that no run of ``cfg`` writes: the step a whole number from 0 to
-    ``max_steps``, one loss per step (finite numbers), evaluations at increasing steps no later than it, times
-    finite and not negative."""
-    step = state.get("step")
-    if not _whole(step) or not 0 <= step <= cfg.max_steps:
-        raise StorylensError(f"{path}: step {step!r} is not a whole number from 0 to max_steps {cfg.max_steps}")
-    losses = state.get("losses")
-    if not isinstance(losses, list) or len(losses) != step:
-        got = len(losses) if isinstance(losses, list) else repr(losses)
-        raise StorylensError(f"{path}: {got} losses for step {step}; a run records one loss per step")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in losses):
-        raise StorylensError(f"{path}: a loss that is not a finite number")
-    evals = state.get("evals")
-    steps = [e.get("step") if isinstance(e, dict) else None for e in evals] if isinstance(evals, list) else None
-    if steps is None or not all(_whole(s) and 0 <= s <= step for s in steps) or steps != sorted(set(steps)):  # type: ignore[type-var]
-        raise StorylensError(f"{path}: evaluations that are not at increasing steps up to step {step}")
-    for key in ("train_seconds", "timeline_seconds"):
-        if key in state and not _seconds(state[key]):
-            raise StorylensError(f"{path}: {key} {state[key]!r} is not a finite number of seconds, 0 or more")
 
 
 def _fresh_start(split: Split, tok_path: Path, cfg: TrainConfig, prints: dict) -> tuple[Tokenizer, dict]:
