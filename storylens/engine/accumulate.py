@@ -12,18 +12,58 @@ class MeanAccumulator:
 
     ``add`` takes one batch, ``[batch, *shape]``, and a ``[batch]`` mask of the stories
     that count; the sum is kept in float64. Memory does not grow with the stories seen.
+
+    What a batch adds stays where the batch is (a GPU's float64: no copy to the host, no wait for the device's
+    queue, per block and detector) until the sum or the count is read (:attr:`total`, :attr:`count`: once a run,
+    or a checkpoint); on a device without float64 it is summed on the CPU as it comes.
     """
 
     def __init__(self, shape: tuple[int, ...] = ()):
-        self.total = torch.zeros(shape, dtype=torch.float64)
-        self.count = 0
+        self._total = torch.zeros(shape, dtype=torch.float64)
+        self._count = 0
+        self._pending: torch.Tensor | None = None  # on the batches' device: sums not yet added to _total
+        self._pending_count: torch.Tensor | int = 0
 
     def add(self, values: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        values = values.detach().cpu().to(torch.float64)  # cpu first: some devices lack float64
-        if keep is not None:
-            values = values[keep.cpu()]
-        self.total += values.sum(dim=0)
-        self.count += int(values.shape[0])
+        values = values.detach()
+        if values.device.type == "mps":  # no float64 there: summed on the CPU as before
+            values = values.cpu()
+            keep = None if keep is None else keep.cpu()
+        values = values.to(torch.float64)
+        n: torch.Tensor | int
+        if keep is None:
+            added, n = values.sum(dim=0), values.shape[0]
+        else:
+            kept = keep.to(values.device).reshape(-1, *([1] * (values.dim() - 1)))
+            added, n = torch.where(kept, values, 0.0).sum(dim=0), keep.sum()  # not values[keep]: that waits
+        self._pending = added if self._pending is None else self._pending + added
+        self._pending_count = self._pending_count + n
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self._total = self._total + self._pending.cpu()  # the one copy to the host (and wait), when read
+            self._count += int(self._pending_count)
+            self._pending, self._pending_count = None, 0
+
+    @property
+    def total(self) -> torch.Tensor:
+        self._flush()
+        return self._total
+
+    @total.setter
+    def total(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._total = value
+
+    @property
+    def count(self) -> int:
+        self._flush()
+        return self._count
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._flush()
+        self._count = value
 
     def mean(self) -> torch.Tensor:
         """The mean so far; NaN everywhere while nothing has been added."""
