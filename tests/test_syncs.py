@@ -3,9 +3,9 @@ proxy for a GPU's stalls: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()`` a
 tensor, while scoring 16 and then 48 quiz stories on the shipped model; the difference over the 32 added stories
 is what each story costs (the final table's conversion, once a run, cancels out). The accumulators keep a batch's
 sums where the batch is until they are read, and the finite check is one per batch, so no call is made per
-block and detector: the count was 3.85 a story before. The issue's target is 0.25 (a few per batch); what is left
-is a handful a batch (the batch's shapes: how many name keys, pairs and earlier copies; the sink sums), so the
-bound here is one a story, a guard against a per-block call coming back."""
+block and detector: this count was 4.81 a story before, 0.81 after. The issue's target is 0.25 (a few per
+batch); what is left is a handful a batch (the batch's shapes: how many name keys, pairs and earlier copies; the
+sink sums), so the bound here is one a story, a guard against a per-block call coming back."""
 
 import collections
 
