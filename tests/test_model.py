@@ -179,3 +179,56 @@ def test_cached_decoding_runs_the_blocks_own_code(shipped_model, quiz_ids):
         assert all(torch.equal(ra, rb) for ra, rb in zip(a.pattern_rows, b.pattern_rows))
     assert seen[0] == ("blocks.5.attn.hook_pattern", 5, 30) and [q for *_, q in seen[1:]] == [1] * 39
     assert hooked[-1].kv_computed == plain[-1].kv_computed == 30 + 39
+
+
+def test_sampling_draws_each_token_at_its_probability():
+    """``sample_next`` (one uniform number through the cumulative distribution) against the softmax: 40,000
+    draws from five tokens, each count within 5 standard errors of its expectation (a false alarm about once in
+    a million runs), a token below ``top_k`` never drawn, and the same generator seed the same tokens."""
+    from storylens.model.gpt import sample_next
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    g = torch.Generator().manual_seed(0)
+    n = 40_000
+    draws = torch.cat([sample_next(logits, generator=g) for _ in range(n)])
+    p = torch.softmax(logits[0].double(), -1)
+    counts = torch.bincount(draws, minlength=5).double()
+    se = (n * p * (1 - p)).sqrt()
+    assert ((counts - n * p).abs() <= 5 * se + 1).all(), (counts, n * p)
+    kept = torch.cat([sample_next(logits, top_k=2, generator=g) for _ in range(2000)])
+    assert set(kept.tolist()) == {0, 1}
+    again = [torch.Generator().manual_seed(3) for _ in range(2)]
+    assert [int(sample_next(logits, generator=again[0])) for _ in range(50)] == [
+        int(sample_next(logits, generator=again[1])) for _ in range(50)
+    ]
+
+
+def test_direct_calls_still_run_every_hook(tmp_path):
+    """The model's layers skip ``nn.Module``'s dispatch only where nothing would run: a forward hook on a linear
+    layer, a pre-hook on a block and a global hook all still fire; a saved folder holds contiguous ``[out, in]``
+    weights and loads back to the same logits."""
+    from storylens.model.gpt import GPT, GPTConfig
+    from storylens.model.hub import load_model, save_model_folder, stored_weights
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+    ids = torch.randint(0, 4096, (1, 8))
+    seen = []
+    handles = [
+        model.transformer.h[1].attn.query.register_forward_hook(lambda m, a, o: seen.append("query")),
+        model.transformer.h[0].register_forward_pre_hook(lambda m, a: seen.append("block")),
+        torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("global")),
+    ]
+    model(ids)
+    for h in handles:
+        h.remove()
+    assert "query" in seen and "block" in seen and seen.count("global") > 20
+    seen.clear()
+    model(ids)
+    assert seen == []
+    weights = stored_weights(model)
+    assert "transformer.wte.weight" not in weights and all(w.is_contiguous() for w in weights.values())
+    assert weights["transformer.h.0.attn.query.weight"].shape == (32, 32)
+    back = load_model(save_model_folder(model, load_model().tokenizer, tmp_path / "m"))
+    assert back.lm_head.weight is back.transformer.wte.weight
+    assert torch.equal(back(ids).logits, model(ids).logits)

@@ -43,7 +43,7 @@ def pad_batch(
     """``seqs`` as one ``[batch, tokens]`` long tensor padded at the end with ``pad_id`` (``tokens``:
     the longest), and their ``[batch]`` lengths; both on ``device`` (default: the CPU)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    grid = torch.full((len(seqs), int(lengths.max()) if len(seqs) else 0), pad_id, dtype=torch.long)
+    grid = torch.full((len(seqs), max((len(s) for s in seqs), default=0)), pad_id, dtype=torch.long)
     for row, s in enumerate(seqs):
         grid[row, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
     return grid.to(device), lengths.to(device)

@@ -84,6 +84,42 @@ class StoryBatch:
     marker_mask: torch.Tensor  # [batch, tokens] bool: end-of-story marker tokens
     in_first: torch.Tensor  # [batch] bool: story is among the first N (the *_first columns)
     stories: tuple[EncodedStory, ...] = field(default=())  # the records behind the rows, when known
+    shapes: BatchShapes | None = None  # the sizes the masks need, counted on the host (None: read from the tensors)
+
+
+@dataclass(frozen=True)
+class BatchShapes:
+    """What a batch's key sets measure, counted from its token lists on the host when the batch is made, so
+    the masks size their tensors without reading a count back from the device (on a GPU each such read waits
+    for everything queued before it)."""
+
+    queries: int  # positions q >= 1 inside the stories, all stories together
+    column_keys: int  # the most name and marker tokens any story holds
+    duplicates: int  # the most earlier copies of its token any query has
+    pairs: tuple[tuple[int, ...], ...]  # per story, [T + 1]: (query, earlier copy) pairs with query < t
+
+    def most_pairs(self, start: int, stop: int) -> int:
+        """The most (query, earlier copy) pairs any story has with its query in ``start .. stop - 1``."""
+        return max((p[min(stop, len(p) - 1)] - p[min(start, len(p) - 1)] for p in self.pairs), default=0)
+
+
+def batch_shapes(ids: Sequence[Sequence[int]], names: Sequence[Sequence[int]], marker_id: int) -> BatchShapes:
+    """:class:`BatchShapes` of stories ``ids`` whose name tokens are at ``names`` (one pass over each story)."""
+    width = max((len(s) for s in ids), default=0)
+    columns, most, pairs = 0, 0, []
+    for story, name in zip(ids, names):
+        seen: dict[int, int] = {}
+        cum, total = [0], 0
+        for token in story:
+            earlier = seen.get(token, 0)
+            most, total = max(most, earlier), total + earlier
+            seen[token] = earlier + 1
+            cum.append(total)
+        cum.extend([total] * (width - len(story)))
+        pairs.append(tuple(cum))
+        markers = {i for i, token in enumerate(story) if token == marker_id}
+        columns = max(columns, len(markers | set(name)))
+    return BatchShapes(sum(max(len(s) - 1, 0) for s in ids), columns, most, tuple(pairs))
 
 
 def make_batch(
@@ -100,8 +136,10 @@ def make_batch(
     B, T = grid.shape
     name_mask = torch.zeros(B, T, dtype=torch.bool)
     first = torch.full((B,), -1, dtype=torch.long)
+    names: list[list[int]] = [[] for _ in range(B)]
     for b, mc in enumerate(mains):
         if mc is not None and mc.positions and mc.first_mention is not None:
+            names[b] = [p for p in mc.positions if p < len(ids[b])]
             name_mask[b, list(mc.positions)] = True
             first[b] = mc.first_mention
     valid = valid_mask(lengths, T)
@@ -113,6 +151,7 @@ def make_batch(
         marker_mask=((grid == marker_id) & valid).to(device),
         in_first=torch.tensor(list(in_first), dtype=torch.bool, device=device),
         stories=tuple(stories),
+        shapes=batch_shapes(ids, names, marker_id),
     )
 
 

@@ -48,7 +48,8 @@ class _KeySets:
         story's name and marker tokens are few, so gathering them reads a sliver of each row."""
         cols = self.story_columns  # [B, T, 2]
         keys = cols.sum(-1) > 0
-        m = max(int(keys.sum(-1).max()), 1)
+        shapes = self.batch.shapes
+        m = max(shapes.column_keys if shapes is not None else int(keys.sum(-1).max()), 1)
         pos = torch.arange(keys.shape[-1], device=keys.device)
         ranked = torch.where(keys, pos, -1).topk(m, dim=-1).values  # [B, m]: key positions, -1 = none
         index = ranked.clamp(min=0)
@@ -73,7 +74,8 @@ class _KeySets:
     @cached_property
     def sparse(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Both token key sets as indices (see :meth:`Masks.sparse_keys`), from one sort of the tokens."""
-        index, valid = duplicate_index(self.batch.ids, self.inside)  # [B, q, m]
+        shapes = self.batch.shapes
+        index, valid = duplicate_index(self.batch.ids, self.inside, None if shapes is None else shapes.duplicates)
         weight = valid[:, None].to(self.dtype)
         after = torch.where(valid, index + 1, 0)  # the position just after each earlier occurrence
         return {"duplicate_keys": (index[:, None], weight), "induction_keys": (after[:, None], weight)}
@@ -86,7 +88,8 @@ class _KeySets:
             index, valid = index[:, 0], valid[:, 0] > 0
             B, T, m = index.shape
             count = valid.sum((1, 2))  # [B]
-            P = max(int(count.max()) if B else 0, 1)
+            shapes = self.batch.shapes
+            P = max(shapes.most_pairs(0, T) if shapes is not None else int(count.max()) if B else 0, 1)
             missing = (~valid).view(B, T * m).to(torch.int8)
             rank = torch.argsort(missing, dim=-1, stable=True)[:, :P]  # real pairs first, in order
             real = torch.arange(P, device=index.device)[None, :] < count[:, None]
@@ -247,7 +250,9 @@ class Masks:
         if name not in self._pairs:
             lo = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.start))  # [B, 1]
             hi = torch.searchsorted(queries, torch.full_like(queries[:, :1], self.stop))
-            P = max(int((hi - lo).max()), 1)
+            shapes = self.batch.shapes
+            most = shapes.most_pairs(self.start, self.stop) if shapes is not None else int((hi - lo).max())
+            P = max(most, 1)
             at = lo + torch.arange(P, device=queries.device)[None, :]  # [B, P]
             real = at < hi
             at = at.clamp(max=queries.shape[1] - 1)
@@ -336,11 +341,14 @@ def _pattern_weights(sets: _KeySets, fn: Callable[[torch.Tensor], torch.Tensor],
     return w
 
 
-def duplicate_index(ids: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def duplicate_index(
+    ids: torch.Tensor, inside: torch.Tensor, most: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's earlier positions holding its token (inside its story), latest first:
     ``[B, q, m]`` positions and ``[B, q, m]`` bool (which are real), ``m`` the most any query has
-    (at least 1). The tokens are sorted (positions rising within a token), so a query's earlier
-    duplicates are the ones before it in its run: ``B x q x m`` memory, never ``q x k``."""
+    (at least 1; ``most``: that count, known on the host, else read from the ranks). The tokens are
+    sorted (positions rising within a token), so a query's earlier duplicates are the ones before it
+    in its run: ``B x q x m`` memory, never ``q x k``."""
     B, T = ids.shape
     dev = ids.device
     pos = torch.arange(T, device=dev)
@@ -351,7 +359,7 @@ def duplicate_index(ids: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tens
     opens = torch.ones(B, T, dtype=torch.bool, device=dev)
     opens[:, 1:] = run[:, 1:] != run[:, :-1]
     rank = i - torch.where(opens, i, 0).cummax(dim=-1).values  # earlier positions with the same token
-    m = max(int(rank.max()) if T else 0, 1)
+    m = max(most if most is not None else int(rank.max()) if T else 0, 1)
     back = i[..., None] - 1 - torch.arange(m, device=dev)  # [B, T, m]: sorted places, latest first
     valid = torch.arange(m, device=dev) < rank[..., None]
     where = torch.where(valid, perm.gather(1, back.clamp(min=0).reshape(B, -1)).view(B, T, m), 0)

@@ -85,7 +85,9 @@ class SinkAccumulator:
         self.total: torch.Tensor | None = None  # [L, H, k]: sum of y - a
         self.square = torch.zeros(shape, dtype=F64)  # sum of |y - a|^2
         self.energy = torch.zeros(shape, dtype=F64)  # sum of |y|^2
-        self.positions = 0  # the queries summed (the same in every block)
+        self.positions: int | torch.Tensor = (
+            0  # the queries summed (the same in every block; a count on the device until read)
+        )
         self._begun = False
 
     def begin(self, batch: StoryBatch) -> None:
@@ -146,20 +148,38 @@ class SinkAccumulator:
         if len(self._ratio) == L:
             ratio = torch.stack([self._ratio[i] for i in range(L)], 1)  # [B, L, H]
             self.first_value.add(ratio.nan_to_num(0.0), torch.isfinite(ratio).all(-1).all(-1) & (n > 0))
-        sums = (total.sum(0).cpu(), square.sum(0).cpu(), energy.sum(0).cpu())  # the run's sums live on the CPU
-        self._add(*sums, float(n.sum()), shift.cpu())
+        shapes = full.batch.shapes  # the queries counted on the host, or (a batch made without them) on the device
+        count = shapes.queries if shapes is not None else n.sum()
+        # the run's sums stay where the batch is until they are read (:meth:`_settle`): nothing waits for them here
+        self._add(total.sum(0), square.sum(0), energy.sum(0), count, shift)
 
-    def _add(self, total: torch.Tensor, square: torch.Tensor, energy: torch.Tensor, n: float, shift: torch.Tensor):
-        """Sums about ``shift`` over ``n`` queries, added to these (moved to this accumulator's shift)."""
+    def _add(self, total: torch.Tensor, square: torch.Tensor, energy: torch.Tensor, n, shift: torch.Tensor):
+        """Sums about ``shift`` over ``n`` queries (a number, or a count on the sums' device), added to these
+        (moved to this accumulator's shift) where the added sums are."""
         if self.shift is None or self.total is None:
             self.shift, self.total = shift.clone(), torch.zeros_like(shift)
+        self._to(total.device)
         total, square = _moved(total, square, n, shift, self.shift)
         # new tensors, not in place: sums made inside a recording's inference mode are merged outside it
         self.total, self.square, self.energy = self.total + total, self.square + square, self.energy + energy
-        self.positions += int(n)
+        self.positions = self.positions + n
+
+    def _to(self, device: torch.device) -> None:
+        """These sums moved to ``device`` (from the CPU onto a batch's device, no wait)."""
+        if self.energy.device != device:
+            self.square, self.energy = self.square.to(device), self.energy.to(device)
+            if self.shift is not None and self.total is not None:
+                self.shift, self.total = self.shift.to(device), self.total.to(device)
+
+    def _settle(self) -> None:
+        """The sums read back to the CPU and the count made a number: once, when they are read."""
+        self._to(torch.device("cpu"))
+        if isinstance(self.positions, torch.Tensor):
+            self.positions = int(self.positions)
 
     def columns(self) -> dict[str, torch.Tensor | None]:
         """``[layer, head]`` float64 columns (None: not computed)."""
+        self._settle()
         cols: dict[str, torch.Tensor | None] = {
             "sink_rate": self.sink.mean() if self.sink.count else None,
             "first_value_ratio": self.first_value.mean() if self.first_value.count else None,
@@ -184,6 +204,8 @@ class SinkAccumulator:
             self.active_share,
         ):
             raise ValueError("merge: the sink accumulators score different heads or thresholds")
+        self._settle()
+        other._settle()
         for mine, theirs in (
             (self.sink, other.sink),
             (self.first_value, other.first_value),
@@ -191,11 +213,12 @@ class SinkAccumulator:
         ):
             mine.merge(theirs)
         if other.shift is not None and other.total is not None:
-            self._add(other.total, other.square, other.energy, float(other.positions), other.shift)
+            self._add(other.total, other.square, other.energy, other.positions, other.shift)
         return self
 
     def state(self) -> dict:
         """Every sum and count as plain data (float64 written exactly by JSON's shortest repr)."""
+        self._settle()
         return {
             "thresholds": [self.threshold, self.active_share],
             "sink": self.sink.state(),

@@ -165,9 +165,53 @@ class KVCache:
         return [None if v is None else v[:, :, :n] for v, n in zip(self._value, self._len)]
 
 
-def _global_hooks() -> bool:
-    """Whether a hook was registered on every module (``torch.nn.modules.module.register_module_forward_hook``)."""
-    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+def _plain(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run its ``forward`` and nothing else: no hook on it or on every module, not
+    compiled, not traced (the test ``nn.Module``'s own call makes before it runs ``forward`` alone)."""
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _torch_module._global_forward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_backward_hooks
+        or _torch_module._global_backward_pre_hooks
+        or module._compiled_call_impl is not None
+        or torch._C._get_tracing_state()
+    )
+
+
+class Direct(nn.Module):
+    """A module whose call is its ``forward`` where nothing else would run (:func:`_plain`), without
+    ``nn.Module``'s two layers of dispatch: a token of a KV-cached generation makes about a hundred module calls,
+    each about as long as the arithmetic of a small layer. With a hook anywhere, torch's own call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _plain(self):
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+# torch's layers, called directly where nothing hooks them (the same modules, weights and names)
+class Linear(Direct, nn.Linear):
+    pass
+
+
+class LayerNorm(Direct, nn.LayerNorm):
+    pass
+
+
+class Embedding(Direct, nn.Embedding):
+    pass
+
+
+class Dropout(Direct, nn.Dropout):
+    pass
+
+
+class GELU(Direct, nn.GELU):
+    pass
 
 
 class HookPoint(nn.Identity):
@@ -186,11 +230,11 @@ class HookPoint(nn.Identity):
         self.layer = int(name.split(".")[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The activation itself where no hook is on this point nor on every module (nine points a block, each a
-        call on every token of a KV-cached generation: ``nn.Module``'s dispatch, skipped); else torch's call."""
-        if self._forward_hooks or self._forward_pre_hooks or _global_hooks():
-            return super().__call__(x)
-        return x
+        """The activation itself where no hook is on this point nor on every module (:func:`_plain`: nine points a
+        block, each a call on every token of a KV-cached generation); else torch's call."""
+        if _plain(self):
+            return x
+        return super().__call__(x)
 
     def add_hook(self, fn: Callable[[torch.Tensor, HookPoint], torch.Tensor | None]) -> RemovableHandle:
         """Call ``fn(tensor, self)`` on every forward pass; returns a handle with ``.remove()``."""
@@ -215,19 +259,19 @@ class GPTOutput:
     patterns: list[torch.Tensor] | None = None
 
 
-class CausalSelfAttention(nn.Module):
+class CausalSelfAttention(Direct):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
         self.head_size = config.head_size
-        self.query = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.query = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.key = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.value = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         p_att = config.dropout if config.attn_dropout is None else config.attn_dropout
-        self.attn_dropout = nn.Dropout(p_att)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attn_dropout = Dropout(p_att)
+        self.resid_dropout = Dropout(config.dropout)
         self.dropout = p_att
         # Named hook points (TransformerLens's names, torch's own forward hooks; a hook that returns a
         # tensor replaces the value): blocks.{l}.attn.hook_q, hook_k, hook_v, hook_pattern, hook_z, and
@@ -289,24 +333,24 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.hook_attn_out(self.c_proj(y))), pattern
 
 
-class MLP(nn.Module):
+class MLP(Direct):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class Block(Direct):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
         self.hook_resid_pre = HookPoint(f"blocks.{layer_idx}.hook_resid_pre")  # [batch, tokens, n_embd]: the input
         self.hook_mlp_out = HookPoint(f"blocks.{layer_idx}.hook_mlp_out")  # [batch, tokens, n_embd]
@@ -342,7 +386,7 @@ class Transformer(nn.ModuleDict):
     ln_f: nn.LayerNorm
 
 
-class GPT(nn.Module):
+class GPT(Direct):
     tokenizer: Tokenizer | None = None  # attached by storylens.model.hub's loaders; None when built from a config
     source_folder: Path | None = None  # the folder it was loaded from, if any
 
@@ -351,19 +395,26 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = Transformer(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
+                wte=Embedding(config.vocab_size, config.n_embd),
+                wpe=Embedding(config.block_size, config.n_embd),
+                drop=Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # Each linear weight is kept as GPT-2's Conv1D keeps it, [in, out] in memory, and seen as nn.Linear's
+        # [out, in] (a transposed view; saved files hold the usual [out, in]): one token's matrix-vector products,
+        # a KV-cached generation's whole work, then read the weights along their rows, which a CPU's BLAS does
+        # about twice as fast for the output head (benchmarks/bench_perf.py); batches run at the same speed.
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -476,16 +527,18 @@ class GPT(nn.Module):
             if out.patterns is not None:  # the newest query's row, per block: [head, key]
                 rows = [p[0, :, -1, :] for p in out.patterns]
             token = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+            drawn = int(token)
             yield GenerationStep(
-                token=int(token),
+                token=drawn,
                 logits=logits[0],
                 pattern_rows=rows,
                 kv_computed=cache.kv_computed if cache is not None else recomputed,
             )
-            if eos_id is not None and int(token) == eos_id:
+            if eos_id is not None and drawn == eos_id:
                 return
             feed = token.view(1, 1)
-            seq = torch.cat([seq, feed], dim=1)
+            if cache is None:  # recomputing: the whole sequence again
+                seq = torch.cat([seq, feed], dim=1)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> torch.Tensor:
         """Return the prompt followed by the generated tokens, ``[1, tokens]``."""
@@ -511,14 +564,15 @@ def sample_next(
     """Draw one token from ``[1, vocab]`` logits; temperature 0 means greedy.
 
     The largest logit is subtracted before dividing (in float64), so a tiny temperature gives
-    ``0`` for the best token and ``-inf`` for the rest instead of ``inf - inf = nan``."""
+    ``0`` for the best token and ``-inf`` for the rest instead of ``inf - inf = nan``. The draw is
+    by the inverse of the cumulative distribution, in float64: one uniform number ``u`` and the first
+    token whose cumulative probability passes ``u`` (``torch.multinomial`` draws one exponential per
+    token of the vocabulary: most of the time of a step of a small model). A token of probability 0
+    (below the ``top_k``) is never drawn: the cumulative sum does not pass anything at it."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError("temperature must be a finite number >= 0")
-    if not bool(torch.isfinite(logits).all()):  # torch.multinomial would fail with a traceback
-        raise StorylensError(
-            "generate: the model's next-token scores are NaN or infinite (a number overflows inside it)"
-        )
     if temperature == 0:
+        _check_finite(torch.isfinite(logits).all())
         return logits.argmax(dim=-1)
     logits = logits.double()
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
@@ -527,5 +581,19 @@ def sample_next(
             raise ValueError("top_k must be >= 1")
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).view(-1)
+    cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [1, vocab] float64, rising to about 1
+    total = cumulative[:, -1:]
+    _check_finite(torch.isfinite(total).all())  # NaN from a NaN or infinite score (one read, not one per token)
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=logits.device)
+    # strictly below the total (u < 1, but its product with the total may round up to it): the token drawn is one
+    # whose own probability is above 0
+    at = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, at, right=True).view(-1)
+
+
+def _check_finite(finite: torch.Tensor) -> None:
+    """StorylensError unless ``finite`` (a bool tensor): the draw would be meaningless."""
+    if not bool(finite):
+        raise StorylensError(
+            "generate: the model's next-token scores are NaN or infinite (a number overflows inside it)"
+        )

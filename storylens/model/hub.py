@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelHubMixin, snapshot_download
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_safetensors_model
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_file
 
 from storylens.core.errors import StorylensError, install_hint
 from storylens.core.files import checked_file, read_text
@@ -34,6 +33,7 @@ SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "pretrained" / "tiny-story
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+HEAD, TIED = "lm_head.weight", "transformer.wte.weight"  # one tensor: the output head is the token embedding
 MODEL_FOLDER_FILES = frozenset(
     {CONFIG, WEIGHTS, TOKENIZER, "README.md", "quiz.txt.gz", "leakage.json", "LICENSE-DATA.md", "heads_timeline.jsonl"}
 )
@@ -55,7 +55,7 @@ class TinyStoryteller(
 
     def _save_pretrained(self, save_directory: Path) -> None:
         save_directory = Path(save_directory)
-        save_model(self, str(save_directory / WEIGHTS))  # tied embedding stored once
+        save_file(stored_weights(self), str(save_directory / WEIGHTS), metadata={TIED: HEAD})  # tied: stored once
         if self.tokenizer is not None:
             self.tokenizer.save(str(save_directory / TOKENIZER))
 
@@ -143,13 +143,23 @@ def _check_weights_file(wpath: Path, config: GPTConfig) -> None:
         raise StorylensError(f"{wpath}: corrupt or truncated weights ({_one_line(e)})") from None
 
 
+def stored_weights(model: GPT) -> dict[str, torch.Tensor]:
+    """The weights a model folder stores: every tensor once (the tied head as ``lm_head.weight``), each
+    contiguous in the usual ``[out, in]`` order whatever layout the model keeps it in."""
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != TIED}
+
+
 def _load_weights(model: GPT, wpath: Path) -> None:
     """Read the (checked) file into ``model``, cast to its float32; then refuse NaN or infinite
     numbers (an F64 weight beyond float32's range among them)."""
     try:
-        # strict: every weight of the model from the file and nothing else; safetensors matches
-        # the tied head (lm_head.weight is transformer.wte.weight) to whichever name was stored
-        load_safetensors_model(model, str(wpath), strict=True)
+        # strict: every weight of the model from the file and nothing else; the tied head (lm_head.weight is
+        # transformer.wte.weight) read from whichever name was stored; copied into the model's own layout
+        weights = load_file(str(wpath))
+        for a, b in ((HEAD, TIED), (TIED, HEAD)):
+            if a in weights and b not in weights:
+                weights[b] = weights[a]
+        model.load_state_dict(weights, strict=True)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise StorylensError(f"{wpath}: corrupt or truncated weights ({_one_line(e)})") from None
     with torch.no_grad():

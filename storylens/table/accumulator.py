@@ -77,12 +77,12 @@ def _mean_state(
 def name_baseline(batch: StoryBatch, name_queries: torch.Tensor) -> torch.Tensor:
     """Per story: mean over the name queries of (name tokens at <= q) / (q + 1).
 
-    Computed on the CPU in float64 (it needs no attention map): exact to rounding.
+    Computed in float64 where the batch is (it needs no attention map, and nothing waits for it): exact to rounding.
     """
-    names = batch.name_mask.cpu().to(torch.float64)
-    pos = torch.arange(names.shape[1], dtype=torch.float64)
+    names = batch.name_mask.to(torch.float64)
+    pos = torch.arange(names.shape[1], dtype=torch.float64, device=names.device)
     even = names.cumsum(-1) / (pos + 1)
-    return masked_mean(even[:, None, :], name_queries.cpu())[:, 0]
+    return masked_mean(even[:, None, :], name_queries)[:, 0]
 
 
 def _bytes(t: torch.Tensor) -> int:
