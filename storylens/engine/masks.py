@@ -34,7 +34,9 @@ class _KeySets:
         self.name_queries = self.inside & (first >= 0) & (pos > first) & ~batch.name_mask
         self.key_columns = torch.stack([batch.name_mask, batch.marker_mask], -1)[:, None].to(dtype)  # [B, 1, T, 2]
         self.cache: dict[str, Any] = {}  # Masks.cached: what detectors make once per batch
-        self.whole: Masks  # the whole batch's view (set by Masks)
+        # the whole batch's view (set by Masks), held weakly: a strong reference back to it would make a cycle, and
+        # a cycle's tensors (this batch's key sets) wait for the cyclic collector, which big tensors do not prompt
+        self.whole: weakref.ref[Masks]
 
     @cached_property
     def story_columns(self) -> torch.Tensor:
@@ -112,7 +114,7 @@ class Masks:
     def __init__(self, batch: StoryBatch, dtype: torch.dtype):
         T = batch.ids.shape[1]
         self._set(_KeySets(batch, dtype), 0, T, T, None)
-        self._sets.whole = self
+        self._sets.whole = weakref.ref(self)
 
     def _set(self, sets: _KeySets, start: int, stop: int, keys: int, mass) -> None:
         self._sets, self.batch, self.dtype = sets, sets.batch, sets.dtype
@@ -134,8 +136,13 @@ class Masks:
 
     @property
     def full(self) -> Masks:
-        """The whole batch's masks (every view of the batch shares one)."""
-        return self._sets.whole
+        """The whole batch's masks (every view of the batch shares one while it is held)."""
+        whole = self._sets.whole()
+        if whole is None:  # no longer held by anyone: a new whole view of the same key sets
+            T = self._sets.inside.shape[1]
+            whole = self._view(0, T, T)
+            self._sets.whole = weakref.ref(whole)
+        return whole
 
     def rows(self, start: int, stop: int, keys: int) -> Masks:
         """The masks of query rows ``start .. stop - 1`` over keys ``0 .. keys - 1``: what a
