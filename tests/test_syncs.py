@@ -67,3 +67,24 @@ def test_host_counted_shapes_are_the_device_counts(shipped_model, corpus_split):
             for start, stop in ((0, T), (0, T // 3), (T // 3, T // 2), (T // 2, T)):
                 cut = [m.rows(start, stop, stop).key_pairs(name) for m in (host, device)]
                 assert all(torch.equal(a, b) for a, b in zip(*cut)), (name, start, stop)
+
+
+def test_scoring_leaves_no_tensor_in_a_reference_cycle(shipped_model, corpus_split):
+    """Memory flat in the number of stories: nothing a batch made is held in a reference cycle (a cycle's tensors
+    wait for Python's cyclic collector, which big tensors never prompt: score_heads's peak over 2,000 stories was
+    767 MB against 521 MB over 200 while each batch's masks held their whole view). Causal columns and examples on."""
+    import gc
+
+    lm = NativeLM(shipped_model)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        score_heads(lm, list(corpus_split.quiz[:12]), batch_size=4, examples=4, causal=True, progress=False)
+        gc.collect()
+        cycled = [type(o).__name__ for o in gc.garbage if isinstance(o, torch.Tensor) or hasattr(o, "batch")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycled == []

@@ -81,6 +81,12 @@ def add_parser(sub) -> None:
         "--address", default=None, type=ray_address, help="with --engine ray: join this cluster (default: a local Ray)"
     )
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
+    s.add_argument(
+        "--composition",
+        action="store_true",
+        help="write composition.csv (Q/K/V composition between every pair of heads, from the weights) however many "
+        "multiplications it takes (default: where under 4e9, a fraction of a second to seconds)",
+    )
     add_examples(s)
     add_causal(
         s,
@@ -150,6 +156,7 @@ def run(args) -> int:
         estimator=args.estimator,
         ig_steps=args.ig_steps,
         backups=args.backups,
+        composition=args.composition,
     )
     if args.engine == "ray" and args.address:
         check_address(args.address)  # in seconds, before the first pass reads the corpus

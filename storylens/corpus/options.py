@@ -85,6 +85,7 @@ class ScoreOptions:
     estimator: str | None = None
     ig_steps: int = IG_STEPS
     backups: int = 0
+    composition: bool = False  # composition.csv whatever its cost (storylens.circuits.composition)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))

@@ -24,6 +24,7 @@ import csv
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,6 +35,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from storylens.circuits.composition import (
+    COMPOSITION_BUDGET,
+    composition_cost,
+    composition_scores,
+    write_composition_csv,
+)
 from storylens.core.errors import StorylensError
 from storylens.core.files import MAX_RESULT_BYTES, json_digest, read_text
 from storylens.core.progress import ProgressLines, progress_command
@@ -50,12 +57,13 @@ from storylens.effects.backups import BACKUP_STORIES, Backups, backup_effects, t
 from storylens.effects.cost import check_ablation_budget
 from storylens.effects.estimators import EstimatorAudit, audits_of
 from storylens.effects.exact import ExactPlan, exact_info
+from storylens.effects.weights import HeadWeights
 from storylens.engine.encode import EncodedStory, encode_stories
 from storylens.engine.record import Counter, RecordStats, record
 from storylens.lm import AttentionLM
 from storylens.table.accumulator import HeadScoreAccumulator
 from storylens.table.run_info import StoriesInfo, model_info
-from storylens.table.scores import HeadScores, score_table
+from storylens.table.scores import HeadScores, readable_weights, score_table
 from storylens.table.truth import TRUTH_STORIES
 from storylens.viz.explorer import write_explorer_for
 from storylens.viz.tokens import token_text
@@ -184,7 +192,8 @@ def _score_into(
     seconds = time.perf_counter() - t1
     timings = {"first_pass": round(t_names, 3), "scoring": round(seconds, 3)}
     backups, extra = _run_backups(lm, source, names, n_total, opts, acc, timings) if opts.backups else (None, None)
-    scores = score_table(acc, stats, None, lm.window, lm, extra)  # the induction test: once, after every story
+    weights = readable_weights(lm)
+    scores = score_table(acc, stats, None, lm.window, lm, extra, weights)  # the induction test: once, after every story
     audit = _run_audit(lm, audited, opts, timings) if audited else None
     summary = ScoreSummary(
         model=model_info(lm),
@@ -211,12 +220,29 @@ def _score_into(
         write_audit_csv(audit, tmp / "audit.csv")
     scores.to_csv(tmp / "heads.csv")
     scores.to_json(tmp / "heads.json")
+    _composition(weights, opts, tmp / "composition.csv")
     if acc.examples is not None:
         write_examples(acc.examples, lm, tmp / "examples.json")
     (tmp / "summary.json").write_text(summary.to_json(), encoding="utf-8")
     title = f"storylens explorer: {summary.model.display_name}"
     write_explorer_for(tmp, title=title, meta=summary.explorer_meta(opts.examples))
     return summary, scores
+
+
+def _composition(weights: HeadWeights | None, opts: ScoreOptions, path: Path) -> None:
+    """composition.csv (:mod:`storylens.circuits.composition`) where the model's weights are readable and the
+    pairs' products within :data:`~storylens.circuits.composition.COMPOSITION_BUDGET` or asked for; else a note."""
+    if weights is None:
+        return
+    cost = composition_cost(weights)
+    if cost > COMPOSITION_BUDGET and not opts.composition:
+        print(
+            f"storylens: note: composition.csv left out ({cost:.1e} multiplications for every pair of heads, past "
+            f"{COMPOSITION_BUDGET:.0e}); pass --composition to make it",
+            file=sys.stderr,
+        )
+        return
+    write_composition_csv(composition_scores(weights), path)
 
 
 def _settings(opts: ScoreOptions, exact: ExactPlan | None) -> dict:

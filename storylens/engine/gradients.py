@@ -65,17 +65,25 @@ def readout(lm: AttentionLM) -> Readout | None:
         head = getattr(module, "lm_head", None)
     if not isinstance(norm, nn.Module) or head is None or getattr(head, "bias", None) is not None:
         return None
+    known = norm_kind(norm)
+    if known is None:
+        return None
+    kind, gain, eps = known
+    return Readout(norm, kind, gain, eps, head.weight.detach())
+
+
+def norm_kind(norm: nn.Module) -> tuple[str, torch.Tensor, float] | None:
+    """A normalisation's kind (``"layer"``: LayerNorm, which centres; ``"rms"``: RMSNorm, which does not), its gain
+    ``[d_model]`` and its ``eps``; None for any other (Gemma's, whose gain is ``1 + weight``, among them)."""
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.Tensor):
         return None
     name = type(norm).__name__
     if isinstance(norm, nn.LayerNorm):
-        kind, eps = "layer", norm.eps
-    elif "RMSNorm" in name and not name.startswith("Gemma"):  # Gemma's gain is 1 + weight: left out
-        kind, eps = "rms", float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    else:
-        return None
-    return Readout(norm, kind, w.detach(), float(eps), head.weight.detach())
+        return "layer", w.detach(), float(norm.eps)
+    if "RMSNorm" in name and not name.startswith("Gemma"):
+        return "rms", w.detach(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return None
 
 
 @dataclass

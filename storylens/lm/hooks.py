@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -171,6 +171,40 @@ class AttentionLM:
         ``W_O^h`` (no bias), so that head ``h``'s share of the block's output at a query is
         ``z[..., h, :] @ W_O^h``."""
         raise StorylensError(f"{type(self).__name__}: no output projection weights to weigh attention by")
+
+    def projection_weights(self, layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block ``layer``'s query (``part`` ``"q"``), key (``"k"``) or value (``"v"``) projection per head:
+        ``[n, d_model, head_size]`` weights and ``[n, head_size]`` biases (None: it has none), ``n`` the query
+        heads for ``"q"`` and the key/value heads for ``"k"`` and ``"v"``, so that head ``h``'s query at a
+        position is ``x @ W[h] + b[h]``, ``x`` the block's normalised input (before rotary positions:
+        TransformerLens's ``W_Q``, ``W_K``, ``W_V`` of one block)."""
+        raise StorylensError(f"{type(self).__name__}: no query, key and value weights to read")
+
+    def token_embedding(self) -> torch.Tensor:
+        """``[vocab, d_model]``: the token embedding (``W_E``)."""
+        getter = getattr(self.module, "get_input_embeddings", None)
+        embedding = getter() if callable(getter) else None
+        if not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+            raise StorylensError(f"{type(self.module).__name__}: cannot find its token embedding")
+        return cast(torch.Tensor, embedding.weight)  # type: ignore[union-attr]
+
+    def position_embedding(self) -> torch.Tensor | None:
+        """``[window, d_model]``: learned absolute positions added to the tokens (``W_pos``); None where the
+        model has none (rotary or no positions)."""
+        base = getattr(self.module, "transformer", None) or getattr(self.module, "base_model", None) or self.module
+        wpe = getattr(base, "wpe", None) or getattr(base, "embed_positions", None)
+        weight = getattr(wpe, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
+
+    def attention_norm(self, layer: int) -> nn.Module | None:
+        """The normalisation block ``layer``'s attention reads its input through (None: not found)."""
+        blocks = self.blocks()
+        block = blocks[layer] if blocks is not None else None
+        for name in ("ln_1", "input_layernorm", "attention_norm", "ln_attn"):
+            norm = getattr(block, name, None)
+            if isinstance(norm, nn.Module):
+                return norm
+        return None
 
     def moving_unsupported(self) -> str | None:
         """Why this model's value vectors or output weights cannot be read (None: they can), so that

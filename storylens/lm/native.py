@@ -45,6 +45,15 @@ class NativeLM(AttentionLM):
         w = proj.weight  # [d_model, head * head_size]: y = z @ w.T
         return w.T.reshape(self.n_head, -1, w.shape[0])
 
+    def projection_weights(self, layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn = self.module.transformer.h[layer].attn
+        proj = cast(nn.Linear, getattr(attn, {"q": "query", "k": "key", "v": "value"}[part]))
+        w = proj.weight.T.reshape(proj.in_features, self.n_head, -1).transpose(0, 1)  # [head, d_model, head_size]
+        return w, None if proj.bias is None else proj.bias.reshape(self.n_head, -1)
+
+    def token_embedding(self) -> torch.Tensor:
+        return self.module.transformer.wte.weight
+
     def add_hook(self, name: str, fn: HookFn) -> RemovableHandle:
         self._parse_hook(name)
         return self.module.hook_points()[name].add_hook(fn)

@@ -207,6 +207,23 @@ class TransformersLM(AttentionLM):
         w = w if _is_conv1d(proj) else w.T  # [head * head_size, d_model]
         return w.reshape(self.n_head, -1, w.shape[1])
 
+    def projection_weights(self, layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module, kind = _projection(self._attn[layer], part)
+        n = self.n_head if part == "q" or kind != "own" else self.n_kv_head
+        w = cast(torch.Tensor, module.weight)
+        w = w if _is_conv1d(module) else w.T  # [d_model, out]
+        b = cast(torch.Tensor | None, getattr(module, "bias", None))
+        d = w.shape[0]
+        if kind == "qkv":  # GPT-2's c_attn: q | k | v side by side
+            third = w.shape[1] // 3
+            cut = slice("qkv".index(part) * third, ("qkv".index(part) + 1) * third)
+            w, b = w[:, cut], None if b is None else b[cut]
+        elif kind == "neox":  # per head: q, k, v
+            i = "qkv".index(part)
+            w = w.reshape(d, n, 3, -1)[:, :, i].reshape(d, -1)
+            b = None if b is None else b.reshape(n, 3, -1)[:, i].reshape(-1)
+        return w.reshape(d, n, -1).transpose(0, 1), None if b is None else b.reshape(n, -1)
+
     def can_stream(self) -> bool:
         return getattr(self.module.config, "_attn_implementation", None) == ATTENTION  # not switched since
 

@@ -298,6 +298,38 @@ INDUCTION_RANDOM = Column(
 )
 
 
+# what a head's weights say (storylens.effects.weights): columns of the model alone, no forward pass
+OV_COPYING = Column(
+    "ov_copying",
+    "OV copying score: raises (1) or lowers (-1) the logit of the token it reads",
+    "Re(sum l) / sum |l| over the eigenvalues l of the full OV circuit W_E W_V W_O W_U, the norms folded in "
+    "(Elhage et al. 2021, TransformerLens's copying score): 1 a head that copies, -1 one that suppresses; from "
+    "the weights",
+    frozenset((OVERVIEW,)),
+)
+
+
+QK_SAME_TOKEN = Column(
+    "qk_same_token",
+    "QK same-token preference: a token's score on its own kind, in standard deviations",
+    "the full QK circuit W_E W_Q (W_E W_K)^T over tokens alone: its diagonal's mean less every entry's mean, in "
+    "standard deviations of the entries; from the weights",
+    frozenset((OVERVIEW,)),
+)
+
+
+QK_PREVIOUS = Column(
+    "qk_previous",
+    "QK positional preference: the previous position from positions alone",
+    "the share of queries whose highest score in the positional QK circuit W_pos W_Q (W_pos W_K)^T is on the "
+    "previous position (models with learned positions; empty for rotary ones); from the weights",
+    frozenset((OVERVIEW,)),
+)
+
+
+WEIGHT_COLUMNS = (OV_COPYING, QK_SAME_TOKEN, QK_PREVIOUS)
+
+
 # what each head writes (storylens.looking.faithful), and the flag drawn from it: not detectors
 OUTPUT_NORM = Column("output_norm", "Output norm", "the mean size of what the head writes, over queries q >= 1")
 
@@ -467,13 +499,14 @@ def score_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
 def table_columns(detectors: Sequence[Detector]) -> tuple[Column, ...]:
     """Every column of the head table for ``detectors`` (after label, block, head), in order: the raw
     scores (:func:`score_columns`), their norm-weighted twins, the induction test on random tokens
-    (:mod:`storylens.looking.induction`), what each head writes, the sink and
+    (:mod:`storylens.looking.induction`), what its weights say (:mod:`storylens.effects.weights`), what each
+    head writes, the sink and
     context columns (:mod:`storylens.looking.sinks`), the causal columns (:mod:`storylens.effects.attribution`),
     the exact columns (:mod:`storylens.effects.exact`), the flag."""
     raw = score_columns(detectors)
     twins = (c.twin for c in raw if c.norm)
     return (
-        *raw, *twins, INDUCTION_RANDOM, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, *EXACT_COLUMNS,
+        *raw, *twins, INDUCTION_RANDOM, *WEIGHT_COLUMNS, OUTPUT_NORM, OUTPUT_SHARE, *SINK_COLUMNS, *CAUSAL_COLUMNS, *EXACT_COLUMNS,
         BACKUP_GAIN, BACKUP_GAIN_SE, FLAG,
     )  # fmt: skip
 

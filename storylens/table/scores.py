@@ -62,6 +62,7 @@ from storylens.core.frames import to_frame
 from storylens.core.heads import Head
 from storylens.core.schema import check_grid, check_schema, heads_schema, read_versioned, versioned
 from storylens.effects.exact import ExactPlan
+from storylens.effects.weights import HeadWeights, head_weights, weight_columns
 from storylens.engine.encode import CHUNK_STORIES, EncodedStory
 from storylens.engine.gradients import GRAPH_BYTES
 from storylens.engine.record import Measure, record
@@ -373,6 +374,15 @@ def head_flags(cols: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
     return dormant(norm, None if mean is None or se is None else (mean, se), cols.get(CONTEXT_SHARE.name))
 
 
+def readable_weights(lm: AttentionLM) -> HeadWeights | None:
+    """``lm``'s :class:`~storylens.effects.weights.HeadWeights`; None where its weights cannot be read as heads
+    (a structure storylens does not know, or no readout: the weight columns stay empty)."""
+    try:
+        return head_weights(lm)
+    except (StorylensError, ValueError):
+        return None
+
+
 def score_table(
     acc: HeadScoreAccumulator,
     stats,
@@ -380,14 +390,18 @@ def score_table(
     window: int,
     lm: AttentionLM | None = None,
     extra: Mapping[str, torch.Tensor] | None = None,
+    weights: HeadWeights | None = None,
 ) -> HeadScores:
     """The :class:`HeadScores` of a finished accumulator and the run's counts; with ``lm``, the induction
-    test on random tokens measured on it (the model's alone: the same however the stories were scored)."""
+    test on random tokens measured on it (the model's alone: the same however the stories were scored) and the
+    weight columns (``weights``: its weights already read)."""
     with_first = max_stories_prev is not None
     first = acc.first.get(PREV_TOKEN.name)
     mass = acc.means.get(NAME_MASS.name)
+    read = weights if weights is not None or lm is None else readable_weights(lm)
+    cols = {} if read is None else {k: v for k, v in weight_columns(read).items() if v is not None}
     return HeadScores(
-        heads=build_table(acc, with_first, None if lm is None else induction_random(lm), extra),
+        heads=build_table(acc, with_first, None if lm is None else induction_random(lm), {**cols, **(extra or {})}),
         n_stories=stats.n_stories,
         n_cut=stats.n_cut,
         n_main_character=stats.n_main_character,

@@ -184,3 +184,35 @@ def test_dla_equals_the_same_readout_of_transformerlens_cache(hf_folder, corpus_
     theirs = total / n
     assert ours.abs().max() > 0.05  # heads that move the next token's logit: the check has something to check
     assert (ours - theirs).abs().max().item() <= 1e-9 * ours.abs().max().item()
+
+
+def test_weight_scores_equal_transformerlens(shipped_model, hf_folder):
+    """Issue 59: Q/K/V composition (``all_composition_scores``) and the OV copying score (the eigenvalues of
+    ``W_E OV W_U``, TransformerLens's ``FactoredMatrix``) of every head equal storylens's on the same weights,
+    unprocessed (``fold=False``; TransformerLens's processing would rewrite them at float32), in float64.
+    Composition: each side is a few products of length at most ``d_model`` and Frobenius norms (TransformerLens's
+    through an SVD, storylens's through a QR), ``64 d_model u`` absolute a margin of several. Copying: the two
+    sides form ``W_O W_U W_E W_V`` in different orders (each entry off by at most ``vocab u`` of the product of
+    the factors' sizes, with margin 4), and an eigenvalue moves by at most the eigenvector matrix's condition
+    number times that (Bauer-Fike), the score by ``2 head_size`` such moves over ``sum |l|``: a bound per head."""
+    from storylens.circuits.composition import composition_scores
+    from storylens.effects.weights import head_weights, ov_copying
+
+    lm = load_lm(str(hf_folder), dtype=torch.float64)
+    w = head_weights(lm, fold=False)
+    b = boot(hf_folder, torch.float64)
+    u = 2.0**-53
+    ours = composition_scores(w)
+    for mode in "QKV":
+        theirs = b.all_composition_scores(mode).scores
+        assert (ours[mode.lower()] - theirs).abs().max() <= 64 * w.W_O.shape[-1] * u, mode
+    circuit = b.W_E @ b.OV @ b.W_U
+    eig = circuit.eigenvalues
+    theirs = eig.sum(-1).real / eig.abs().sum(-1)
+    small = w.W_O @ (w.W_U @ w.W_E) @ w.kv(w.W_V)
+    values, vectors = torch.linalg.eig(small)
+    kappa = torch.linalg.cond(vectors)  # [L, H]
+    sizes = w.W_O.norm(dim=(-2, -1)) * w.W_U.norm() * w.W_E.norm() * w.kv(w.W_V).norm(dim=(-2, -1))
+    moved = kappa * 4 * w.W_E.shape[0] * u * sizes
+    bound = 2 * small.shape[-1] * moved / values.abs().sum(-1)
+    assert ((ov_copying(w) - theirs).abs() <= bound).all()
