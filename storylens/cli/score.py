@@ -81,12 +81,10 @@ def add_parser(sub) -> None:
         "--address", default=None, type=ray_address, help="with --engine ray: join this cluster (default: a local Ray)"
     )
     s.add_argument("--detector", action="append", default=[], metavar="FILE", help="add a head detector (see report)")
-    s.add_argument(
-        "--composition",
-        action="store_true",
-        help="write composition.csv (Q/K/V composition between every pair of heads, from the weights) however many "
-        "multiplications it takes (default: where under 4e9, a fraction of a second to seconds)",
+    composition = (
+        "composition.csv (Q/K/V composition of every pair of heads) however long (default: under 4e9 products)"
     )
+    s.add_argument("--composition", action="store_true", help=f"write {composition}")
     add_examples(s)
     add_causal(
         s,

@@ -256,9 +256,10 @@ def test_built_in_and_user_detectors_are_one_kind(tmp_path):
     assert hs.shown(MORE) == ("duplicate_token", "induction", "first_mass", "opening", "induction_random")
     assert hs.shown(LESSON) == ("name_mass", "name_ratio", "prev_token", "prev_argmax", "prev4", "marker")
     assert "opening" in hs.shown(TRUTH) and "first_mass" not in hs.shown(TRUTH)
-    assert hs.shown(OVERVIEW)[-12:] == (
-        "norm_first_mass", "norm_opening", "induction_random", "output_share", "context_share", "atp_mean",
-        "atp_zero", "dla", "exact_mean", "exact_zero", "exact_resample", "backup_gain",
+    assert hs.shown(OVERVIEW)[-15:] == (
+        "norm_first_mass", "norm_opening", "induction_random", "ov_copying", "qk_same_token", "qk_previous",
+        "output_share", "context_share", "atp_mean", "atp_zero", "dla", "exact_mean", "exact_zero", "exact_resample",
+        "backup_gain",
     )  # fmt: skip
     assert hs.title("norm_marker", "the opening token (BOS)") == "Norm-weighted: attention on the opening token (BOS)"
     assert hs.title("opening").startswith("Detector opening")
