@@ -214,34 +214,3 @@ def test_ray_missing_is_one_line(files, tmp_path):
 
     assert install_hint("ray").startswith("pip install 'storylens[ray] @ git+https://")
     assert r.returncode == 1 and r.stderr.strip() == f"storylens: error: --engine ray needs Ray: {install_hint('ray')}"
-
-
-def test_the_weight_columns_and_composition_are_written(files, tmp_path, shipped_model, capsys, monkeypatch):
-    """Issue 59: heads.csv carries every head's weight columns (the same numbers as from the weights directly) and
-    composition.csv every pair of heads in rising blocks, the three scores from 0 to 1, strongest first; a model
-    past the composition budget gets a note instead, and --composition writes it anyway."""
-    import csv
-
-    from storylens.circuits import composition as comp
-    from storylens.effects.weights import head_weights, ov_copying
-    from storylens.lm import NativeLM
-
-    heads, _ = _score(tmp_path, "w", "--stories", str(files / "s.txt"), "--limit", "8")
-    copying = ov_copying(head_weights(NativeLM(shipped_model)))
-    for row in heads["heads"]:
-        assert row["ov_copying"] == pytest.approx(float(copying[row["block"] - 1, row["head"] - 1]), abs=1e-12)
-        assert -1 <= row["ov_copying"] <= 1 and row["qk_previous"] is not None
-    rows = list(csv.DictReader(open(tmp_path / "w" / "composition.csv")))
-    assert len(rows) == 16 * (6 * 5 // 2) and tuple(rows[0]) == comp.COMPOSITION_CSV
-    tops = [max(float(r[m]) for m in "qkv") for r in rows]
-    assert tops == sorted(tops, reverse=True) and all(0 <= float(r[m]) <= 1 for r in rows for m in "qkv")
-    assert all(int(r["reader"][1]) > int(r["writer"][1]) for r in rows)
-    import storylens.corpus.score as score_module
-
-    monkeypatch.setattr(score_module, "COMPOSITION_BUDGET", 1)
-    capsys.readouterr()
-    _score(tmp_path, "past", "--stories", str(files / "s.txt"), "--limit", "4")
-    assert "composition.csv left out" in capsys.readouterr().err
-    assert not (tmp_path / "past" / "composition.csv").exists()
-    _score(tmp_path, "asked", "--stories", str(files / "s.txt"), "--limit", "4", "--composition")
-    assert (tmp_path / "asked" / "composition.csv").exists()

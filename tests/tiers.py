@@ -11,6 +11,8 @@ SLOW = {
     "tests/test_any_model_notebook.py": "executes the practitioner's notebook, every cell, on a Llama it saves (~1 min)",
     "tests/analysis/test_crosscheck.py": "boots TransformerLens on the export and runs the whole quiz through it",
     "tests/analysis/test_weights.py": "five model families' weights, every pair's composition formed in float64",
+    "tests/analysis/test_why.py": "four model families' attention rebuilt from its terms, story by story, in float64",
+    "tests/test_syncs.py": "scores the quiz's first 48 stories four times over, counting every synchronising call",
     "tests/test_ray.py": "starts a real local Ray and its actors",
     "tests/test_ray_robust.py": "starts real local Rays, kills actors, holds a dead address",
     "tests/test_train.py": "trains real runs in subprocesses, kills and resumes them",

@@ -144,3 +144,41 @@ def test_a_head_built_to_copy_scores_one_and_one_built_to_suppress_minus_one(sig
     lm = _one_head_model(sign)
     score = float(ov_copying(head_weights(lm))[0, 0])
     assert abs(score - sign) <= 2 * 16 * 4 * 4096 * U, score
+
+
+def test_score_writes_the_weight_columns_and_composition(shipped_model, corpus_split, tmp_path, capsys, monkeypatch):
+    """heads.csv carries every head's weight columns (the same numbers as from the weights directly) and
+    composition.csv every pair of heads in rising blocks, the three scores from 0 to 1, strongest first; a model
+    past the composition budget gets a note instead, and --composition writes it anyway."""
+    import csv
+    import json
+
+    import storylens.corpus.score as score_module
+    from storylens.circuits.composition import COMPOSITION_CSV
+    from storylens.cli import main
+    from storylens.data.stories import EOT
+
+    source = tmp_path / "s.txt"
+    source.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:8]))
+
+    def score(name, *argv):
+        out = tmp_path / name
+        assert main(["score", "--stories", str(source), "--out", str(out), "--no-progress", *argv]) == 0
+        return out
+
+    out = score("w")
+    heads = json.loads((out / "heads.json").read_text())["heads"]
+    copying = ov_copying(head_weights(NativeLM(shipped_model)))
+    for row in heads:
+        assert row["ov_copying"] == pytest.approx(float(copying[row["block"] - 1, row["head"] - 1]), abs=1e-12)
+        assert -1 <= row["ov_copying"] <= 1 and row["qk_previous"] is not None
+    rows = list(csv.DictReader(open(out / "composition.csv")))
+    assert len(rows) == 16 * (6 * 5 // 2) and tuple(rows[0]) == COMPOSITION_CSV
+    tops = [max(float(r[m]) for m in "qkv") for r in rows]
+    assert tops == sorted(tops, reverse=True) and all(0 <= float(r[m]) <= 1 for r in rows for m in "qkv")
+    assert all(int(r["reader"][1]) > int(r["writer"][1]) for r in rows)
+    monkeypatch.setattr(score_module, "COMPOSITION_BUDGET", 1)
+    capsys.readouterr()
+    assert not (score("past", "--limit", "4") / "composition.csv").exists()
+    assert "composition.csv left out" in capsys.readouterr().err
+    assert (score("asked", "--limit", "4", "--composition") / "composition.csv").exists()
