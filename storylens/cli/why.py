@@ -8,7 +8,7 @@ from tqdm import tqdm
 from storylens.cli.options import add_model, add_no_progress, add_quiz_stories, load, out_path
 from storylens.core.errors import UsageError
 from storylens.core.heads import Head, parse_head_label
-from storylens.core.publish import publish_folder
+from storylens.core.publish import check_target_folder, publish_folder
 from storylens.data.names import name_vocabulary
 from storylens.engine.encode import encode_stories
 from storylens.lesson.inputs import lesson_data
@@ -44,6 +44,7 @@ def run(args) -> int:
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit: a whole number of stories, 1 or more (got {args.limit})")
     out = out_path(args.out)
+    check_target_folder(out, kind="why")  # before the model is loaded and the stories run
     lm = load(args)
     data = lesson_data(_quiz_folder(lm), args.stories)
     texts = list(data.quiz)[: args.limit]

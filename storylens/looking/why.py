@@ -65,7 +65,7 @@ class Writers:
 
 def _capture(lm: AttentionLM, ids: torch.Tensor, layer: int) -> dict:
     """One forward of ``ids [1, T]`` that keeps what the writers and the reader are made of."""
-    got: dict = {"z": {}, "mlp": {}, "attn": {}, "resid": {}}
+    got: dict = {"z": {}, "mlp": {}, "attn": {}, "resid": {}, "pattern": {}}
 
     def keep(kind: str):
         def fn(t: torch.Tensor, hook) -> None:
@@ -81,7 +81,6 @@ def _capture(lm: AttentionLM, ids: torch.Tensor, layer: int) -> dict:
             (f"blocks.{j}.hook_mlp_out", keep("mlp")),
         ]
     hooks.append((f"blocks.{layer}.attn.hook_pattern", keep("pattern")))
-    got["pattern"] = {}
     norm = lm.attention_norm(layer)
     handles = []
     if norm is not None:

@@ -33,26 +33,54 @@ def _color(value: float, top: float) -> str:
     return f"rgba({r},{g},{b},{a * 0.85:.3f})"
 
 
+def _digits(se: float | None) -> int:
+    """Decimals that show an error's first two digits (3 at least): no error printed as 0.000."""
+    if se is None or not math.isfinite(se) or se <= 0 or se >= 0.005:
+        return 3
+    return min(-math.floor(math.log10(se)) + 1, 8)
+
+
 def sentence(doc: Mapping, term: Mapping) -> str:
     """One term as a sentence (the form the issue asks for)."""
     return (
         f"{doc['head']} finds the {doc['positions']} keys because {term['query']} on the query meets "
-        f"{term['key']} on the key: {plus_minus(term['mean'], term['se'])} of the "
+        f"{term['key']} on the key: {plus_minus(term['mean'], term['se'], _digits(term['se']))} of the "
         f"{plus_minus(doc['total'], doc['total_se'])} logit contrast ({100 * term['share']:.0f} %)"
     )
 
 
+SHOWN_WRITERS = 24  # the table's rows and columns: past this many writers, the largest and one "other writers"
+
+
+def shown_terms(doc: Mapping) -> tuple[list[str], list[list[float]], list[list[float | None]]]:
+    """The writers, means and errors the table shows: every writer where there are at most :data:`SHOWN_WRITERS`;
+    else the ``SHOWN_WRITERS - 1`` whose terms are largest (a row's and a column's sizes together) and one "other
+    writers" row and column holding the rest's sum (exact; its error not known from the terms' own, so none)."""
+    writers, mean, se = list(doc["writers"]), doc["mean"], doc["se"]
+    if len(writers) <= SHOWN_WRITERS:
+        return writers, mean, se
+    size = [sum(abs(v) for v in mean[i]) + sum(abs(row[i]) for row in mean) for i in range(len(writers))]
+    kept = sorted(sorted(range(len(writers)), key=lambda i: -size[i])[: SHOWN_WRITERS - 1])
+    rest = [i for i in range(len(writers)) if i not in set(kept)]
+    groups = [[i] for i in kept] + [rest]
+    means = [[sum(mean[a][b] for a in ga for b in gb) for gb in groups] for ga in groups]
+    ses = [[se[ga[0]][gb[0]] if len(ga) == len(gb) == 1 else None for gb in groups] for ga in groups]
+    return [writers[i] for i in kept] + [f"{len(rest)} other writers"], means, ses
+
+
 def why_html(doc: Mapping, *, title: str) -> str:
     """The page for a why.json document ``doc``."""
-    writers = list(doc["writers"])
-    top = max((abs(v) for row in doc["mean"] for v in row), default=0.0)
+    writers, mean, se = shown_terms(doc)
+    top = max((abs(v) for row in mean for v in row), default=0.0)
     rows = []
-    for w, means, ses in zip(writers, doc["mean"], doc["se"]):
+    for w, means, ses in zip(writers, mean, se):
         cells = []
         for key, m, s in zip(writers, means, ses):
-            known = s is not None and math.isfinite(s)
-            text = f"{m:+.2f}" if known and abs(m) > 2 * s else f"({m:+.2f})"
-            cells.append({"color": _color(m, top), "title": f"{w} x {key}: {plus_minus(m, s)}", "text": text})
+            beyond = s is not None and math.isfinite(s) and abs(m) > 2 * s
+            text = f"{m:+.2f}" if beyond else f"({m:+.2f})"
+            cells.append(
+                {"color": _color(m, top), "title": f"{w} x {key}: {plus_minus(m, s, _digits(s))}", "text": text}
+            )
         rows.append({"writer": w, "cells": cells})
     headline = (
         f"{doc['head']}: the {doc['positions']} keys score {plus_minus(doc['total'], doc['total_se'])} above the "
@@ -68,6 +96,8 @@ def why_html(doc: Mapping, *, title: str) -> str:
         bound=f"{doc['check']['bound']:.1e}",
         top=[{"sentence": sentence(doc, t)} for t in doc["top"]],
         writers=writers,
+        folded=len(writers) < len(doc["writers"]),
+        all_writers=len(doc["writers"]),
         rows=rows,
         nonce=secrets.token_urlsafe(16),
         data=_json_for_script(dict(doc)),

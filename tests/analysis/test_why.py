@@ -88,3 +88,37 @@ def test_why_writes_its_files(tmp_path, capsys):
     capsys.readouterr()
     assert main(["why", "--head", "L9H1", "--limit", "2", "--out", str(tmp_path / "bad"), "--no-progress"]) == 1
     assert capsys.readouterr().err.strip() == "storylens: error: why: L9H1: the model has 6 blocks of 4 heads"
+
+
+def test_why_refuses_a_folder_another_command_wrote(tmp_path, corpus_split, capsys):
+    """--out is never a score run's folder nor the model folder being read: one line, and the folder as it was."""
+    from storylens.data.stories import EOT
+    from storylens.model.hub import SHIPPED_MODEL
+
+    source = tmp_path / "s.txt"
+    source.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:2]))
+    scored = tmp_path / "scored"
+    assert main(["score", "--stories", str(source), "--out", str(scored), "--no-progress"]) == 0
+    for target in (scored, SHIPPED_MODEL):
+        before = sorted(p.name for p in target.iterdir())
+        capsys.readouterr()
+        assert main(["why", "--head", "L4H2", "--limit", "2", "--out", str(target), "--no-progress"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("storylens: error: ") and "\n" not in err
+        assert sorted(p.name for p in target.iterdir()) == before
+
+
+def test_a_many_head_table_keeps_the_largest_writers_and_sums_the_rest():
+    """Past SHOWN_WRITERS writers (a 30 x 9 model has about 300) why.html's table keeps the largest and one
+    "other writers" row and column whose cells are the rest's exact sums (no error claimed there)."""
+    from storylens.viz.why import SHOWN_WRITERS, shown_terms
+
+    n = 40
+    torch.manual_seed(0)
+    mean = torch.randn(n, n, dtype=torch.float64)
+    mean[3, :] *= 50  # writer 3 the largest by far
+    doc = {"writers": [f"w{i}" for i in range(n)], "mean": mean.tolist(), "se": (mean.abs() / 10).tolist()}
+    writers, means, ses = shown_terms(doc)
+    assert len(writers) == SHOWN_WRITERS and "w3" in writers and writers[-1] == f"{n - SHOWN_WRITERS + 1} other writers"
+    assert abs(sum(map(sum, means)) - float(mean.sum())) <= 1e-9 * float(mean.abs().sum())
+    assert ses[-1][-1] is None and ses[0][0] is not None
