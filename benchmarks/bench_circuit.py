@@ -9,9 +9,10 @@
 * **llama-30x9** and **gpt2-small**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576
   wide) and a GPT-2 of GPT-2 small's shape (12 x 12 heads, 768 wide), storylens's tokenizer, ``--llama-pairs``
   pairs of 21 to 35 tokens, and one story of 2,000 tokens (the shipped quiz run together) under zero ablation:
-  the edges (grouped, and what ungrouping would give), EAP's and EAP-IG's time against a bare forward, one
-  edge-patched pass (a faithfulness point: a seeded random circuit of 5 % of the edges) against a bare forward,
-  and the peak memory each adds above the model (``ru_maxrss`` of a fresh process per method) against the size
+  the edges (grouped, and what ungrouping would give), EAP's and EAP-IG's time against a bare forward, a
+  faithfulness curve (seeded random circuits at MIB's ten sizes, each run exactly, and the corrupt run they share:
+  the target is about ten forwards) against a bare forward,
+  and the peak memory each adds above the model (the resident peak from a reset, a fresh process per method) against the size
   of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_record import build  # noqa: E402
 
 from storylens.circuits.edges import METHODS, Graph, eap_scores, edge_mask, graph_of  # noqa: E402
-from storylens.circuits.faithfulness import edge_metrics, faithfulness  # noqa: E402
+from storylens.circuits.faithfulness import PERCENTAGES, edge_metrics, faithfulness  # noqa: E402
 from storylens.circuits.stories import edge_batch, loss_batch, zero_values  # noqa: E402
 from storylens.data.sources import open_source  # noqa: E402
 from storylens.effects.patching import PAIR_SETS, encode_pairs, pair_batches, read_pairs  # noqa: E402
@@ -79,8 +79,8 @@ def _llama_pairs(lm, n: int):
 
 
 def _random_circuit(lm, share: float = 0.05) -> torch.Tensor:
-    """A seeded random circuit of ``share`` of the edges: nearly every receiver cut from a set of its own, so an
-    edge-patched pass needs a copy per receiver (a typical mid-sized circuit; the empty and the whole one need one)."""
+    """A seeded random circuit of ``share`` of the edges: nearly every receiver cut from a set of its own (where the
+    model's structure is not read, an edge-patched pass then needs a copy of the batch per receiver)."""
     mask = edge_mask(graph_of(lm))
     keep = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)) < share
     return keep & mask
@@ -105,19 +105,35 @@ def llama_one(folder: str, what: str, n: int) -> dict:
     else:
         pairs = _llama_pairs(lm, n)
         fwd = min(_forward_time(lm, pairs) for _ in range(2))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _reset_peak()
     t = time.perf_counter()
+    curve = [_random_circuit(lm, share) for share in PERCENTAGES]
     if what == "patched":
-        edge_metrics(lm, pairs, [_random_circuit(lm)])
+        edge_metrics(lm, pairs, curve)
     elif what == "story":
         edge_batch(lm, ids, valid, zero_values(lm), "eap", 1)
     elif what == "story-patched":
-        loss_batch(lm, ids, valid, zero_values(lm), _random_circuit(lm)[None])
+        loss_batch(lm, ids, valid, zero_values(lm), torch.stack(curve))
     else:
         eap_scores(lm, pairs, method=what, steps=STEPS)
     took = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"over_forward": took / fwd, "peak_above_mb": (peak - base) / 1024}
+    return {"over_forward": took / fwd, "peak_above_mb": (_status_kb("VmHWM") - base) / 1024}
+
+
+def _status_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """The resident size now (kB), the peak reset to it (``5`` to /proc/self/clear_refs: Linux's way), so that
+    what a run adds is measured from the model and a forward as they stand, not from the loader's own peak (which
+    ``ru_maxrss`` keeps and which hid every run's peak below it)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
 
 
 def shape(kind: str, n: int, base: Path) -> dict:

@@ -1,6 +1,6 @@
 """The circuit page's figures, from a run of storylens circuit (never typed in):
 
-    storylens circuit --out circuit-run
+    storylens circuit --out circuit-run --second-pairs names-paraphrased
     storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --out circuit-stories
     python benchmarks/bench_circuit.py --json benchmarks/circuit.json
     storylens circuit --stories storylens/pretrained/tiny-storyteller/quiz.txt.gz --limit 40 \
@@ -75,6 +75,14 @@ def shipped(path: str) -> str:
         lines += ["", f"Stability over {s.resamples} bootstrap resamples of the {rows}: Jaccard {s.jaccard:.3f} (sd "
                   f"{s.jaccard_sd:.3f}) with the {s.kept}-edge circuit; {s.core} edges found in every resample keep f "
                   f"{round(s.core_f, 3) + 0.0:+.3f}."]  # fmt: skip
+    if r.second is not None:
+        t = r.second
+        spread = "" if t.jaccard_sd is None else f" (sd {t.jaccard_sd:.3f} over {t.resamples} resamples of it)"
+        lines += ["", f"Found again on a second file of pairs (`--second-pairs names-paraphrased`: {t.source}, "
+                  f"{t.pairs} pairs of the same behaviour in ten other stories). {t.verdict} Its {t.kept}-edge circuit "
+                  f"has Jaccard {t.jaccard:.3f}{spread} with this one; the {t.shared} edges both hold keep f "
+                  f"{round(t.shared_f, 3) + 0.0:+.3f} on the first pairs, and its own circuit "
+                  f"{round(t.second_f, 3) + 0.0:+.3f}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -102,9 +110,9 @@ def cost(path: str) -> str:
     names = {
         "eap": "EAP",
         "eap-ig-inputs": "EAP-IG (inputs)",
-        "patched": "one edge-patched pass (a faithfulness point: a random 5 % circuit)",
+        "patched": "a faithfulness curve: 10 random circuits at MIB's sizes, each run exactly (target: about 10)",
         "story": "EAP on one story",
-        "story-patched": "one edge-patched pass on it",
+        "story-patched": "the faithfulness curve on it",
     }
     for kind, intro in what.items():
         if kind not in bench:

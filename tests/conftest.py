@@ -40,6 +40,7 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups to send whole files to one worker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = item.nodeid

@@ -13,6 +13,8 @@ SLOW = {
     "tests/analysis/test_weights.py": "five model families' weights, every pair's composition formed in float64",
     "tests/analysis/test_why.py": "four model families' attention rebuilt from its terms, story by story, in float64",
     "tests/test_syncs.py": "scores the quiz's first 48 stories four times over, counting every synchronising call",
+    "tests/test_report.py": "storylens report end to end over the whole quiz (a 40 s report), every file and section of it",
+    "tests/test_score.py": "storylens score over every corpus format, and a killed run resumed, each over the quiz",
     "tests/test_ray.py": "starts a real local Ray and its actors",
     "tests/test_ray_robust.py": "starts real local Rays, kills actors, holds a dead address",
     "tests/test_train.py": "trains real runs in subprocesses, kills and resumes them",

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads
 from storylens.core.errors import StorylensError
 from storylens.effects.patching import BATCH_PAIRS, Pair, mean_se, pair_batches, pair_metric
+from storylens.engine.gradients import BlockCost
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
-
-KINDS = ("q", "k", "v")  # a head's inputs
 
 
 @dataclass(frozen=True)
@@ -121,38 +122,45 @@ def _names(lm: AttentionLM) -> dict[str, list[str]]:
 
 
 def writer_outputs(
-    lm: AttentionLM, seen: dict, minus: dict | None = None, at: slice = slice(None), up: int | None = None
+    lm: AttentionLM,
+    seen: dict,
+    minus: dict | None = None,
+    at: slice = slice(None),
+    up: int | None = None,
+    writer_first: bool = False,
 ) -> torch.Tensor:
-    """``[batch, pos, writer, d_model]``: what every writer put into the residual stream on one run (less what it
-    put in on the run ``minus``), filled in place, block by block; ``at`` only those positions, ``up`` only the
-    first writers. The only buffer of that size (:class:`_Delta` keeps it within :data:`DIFF_BYTES`)."""
+    """``[batch, pos, writer, d_model]`` (``writer_first``: ``[batch, writer, pos, d_model]``, so that one
+    writer's outputs over the positions are one row for a matrix product): what every writer put into the
+    residual stream on one run (less what it put in on the run ``minus``), filled in place, block by block; ``at``
+    only those positions, ``up`` only the first writers. The only buffer of that size (:class:`_Delta` keeps it
+    within :data:`DIFF_BYTES`)."""
     x = seen["pre"][0][:, at]
     graph = graph_of(lm)
     up = len(graph.writers) if up is None else up
-    out = torch.empty(*x.shape[:2], up, x.shape[-1], dtype=x.dtype, device=x.device)
+    b, p, d = x.shape
+    buf = torch.empty(*((b, up, p, d) if writer_first else (b, p, up, d)), dtype=x.dtype, device=x.device)
+    out = buf if writer_first else buf.permute(0, 2, 1, 3)  # [batch, writer, pos, d_model] either way below
 
     def get(kind: str, layer: int) -> torch.Tensor:
         t = seen[kind][layer][:, at]
         return t if minus is None else t - minus[kind][layer][:, at]
 
     with torch.no_grad():
-        out[:, :, 0] = get("pre", 0)
+        out[:, 0] = get("pre", 0)
         for layer in range(lm.n_layer):
             first = 1 + layer * (lm.n_head + 1)
             if first >= up:
                 break
             w_o = lm.head_output_weights(layer).detach().to(x.dtype)  # [head, d_head, d_model]
             heads = min(lm.n_head, up - first)
-            out[:, :, first : first + heads] = torch.einsum(
-                "bphd,hdm->bphm", get("z", layer)[:, :, :heads], w_o[:heads]
-            )
+            out[:, first : first + heads] = torch.einsum("bphd,hdm->bhpm", get("z", layer)[:, :, :heads], w_o[:heads])
             if first + lm.n_head < up:
-                out[:, :, first + lm.n_head] = get("mlp", layer)
-    return out
+                out[:, first + lm.n_head] = get("mlp", layer)
+    return buf
 
 
 class _Delta:
-    """The writers' ablated-minus-run outputs of one batch, ``[batch, pos, writer, d_model]``, handed out by
+    """The writers' ablated-minus-run outputs of one batch, ``[batch, writer, pos, d_model]``, handed out by
     position slices: held whole where that fits :data:`DIFF_BYTES`, else made again slice by slice (no buffer of
     that size is ever held whole: one 2,000-token story on a 30-block model would need 1.4 GB)."""
 
@@ -162,16 +170,17 @@ class _Delta:
         self.batch, self.positions = x.shape[0], x.shape[1]
         per_position = self.batch * len(graph_of(lm).writers) * x.shape[-1] * x.element_size()
         self.step = max(1, min(self.positions, (DIFF_BYTES if budget is None else budget) // max(per_position, 1)))
-        self.whole = writer_outputs(lm, ablated, minus=run) if self.step == self.positions else None
+        whole = self.step == self.positions
+        self.whole = writer_outputs(lm, ablated, minus=run, writer_first=True) if whole else None
 
     def slices(self, up: int):
-        """``(positions, [batch, slice, up, d_model])`` covering every position."""
+        """``(positions, [batch, up, slice, d_model])`` covering every position."""
         for t0 in range(0, self.positions, self.step):
             at = slice(t0, min(t0 + self.step, self.positions))
             if self.whole is not None:
-                yield at, self.whole[:, :, :up]
+                yield at, self.whole[:, :up]
             else:
-                yield at, writer_outputs(self.lm, self.ablated, minus=self.run, at=at, up=up)
+                yield at, writer_outputs(self.lm, self.ablated, minus=self.run, at=at, up=up, writer_first=True)
 
 
 Metric = Callable[[torch.Tensor], torch.Tensor]  # the logits [batch, pos, vocab] -> the metric per row [batch]
@@ -213,9 +222,10 @@ def run_pass(
     (without a graph: :data:`WRITTEN`, what the writers' outputs are made of)."""
     names = {k: v for k, v in _names(lm).items() if kinds is None or k in kinds}
     seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in names}
-    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
+    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}, "mlp_in": {}}
     hooks = [(n, _keeper(kind, seen, leaves, grad, edit)) for kind, ns in names.items() for n in ns]
-    with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks):
+    mlp = mlp_input_leaves(lm, range(lm.n_layer), seen, leaves) if grad else contextlib.nullcontext()
+    with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks), mlp:
         logits = lm.forward(ids)
         assert logits is not None
         value = metric(logits)
@@ -224,6 +234,7 @@ def run_pass(
             raise StorylensError(f"{lm.name}: the hook points {', '.join(missing)} did not fire in every block")
         if grad:
             outputs = [t for k in (*KINDS, "mlp") for t in seen[k].values()] + list(leaves["post"].values())
+            outputs += list(leaves["mlp_in"].values())
             value.sum().backward(inputs=outputs, retain_graph=True)  # each receiver's own path: below
     seen["leaves"] = leaves  # type: ignore[assignment]
     return value.detach(), seen
@@ -241,7 +252,7 @@ def _block_graph(lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit, layer
     first), its receivers' hooks as :func:`run_pass` sets them (one block's), and backpropagated: from the metric
     for the last block (``up`` None), else from ``up``, the metric's gradient on the block's output."""
     seen: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _names(lm)}
-    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}}
+    leaves: dict[str, dict[int, torch.Tensor]] = {"pre": {}, "attn": {}, "post": {}, "mlp_in": {}}
     top = up is None
     names = {kind: [n for n in ns if n.startswith(f"blocks.{layer}.")] for kind, ns in _names(lm).items()}
     hooks = [(n, _keeper(kind, seen, leaves, True, edit)) for kind, ns in names.items() for n in ns]
@@ -253,7 +264,8 @@ def _block_graph(lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit, layer
 
     if not top:
         hooks.append((f"blocks.{layer}.hook_resid_post", stop))
-    with torch.enable_grad(), lm.hooks(hooks), lm.skip_blocks(layer, before) if layer else contextlib.nullcontext():
+    skip = lm.skip_blocks(layer, before) if layer else contextlib.nullcontext()
+    with torch.enable_grad(), lm.hooks(hooks), skip, mlp_input_leaves(lm, range(layer, layer + 1), seen, leaves):
         grads: torch.Tensor | None = None
         try:
             logits = lm.forward(ids)
@@ -262,23 +274,41 @@ def _block_graph(lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit, layer
         except _Stop:
             value, grads = got["out"], up
         outputs = [seen[k][layer] for k in (*KINDS, "mlp")] + [leaves["pre"][layer]] + list(leaves["post"].values())
+        outputs += list(leaves["mlp_in"].values())
         torch.autograd.backward(value, grad_tensors=grads, inputs=outputs, retain_graph=True)
     seen["leaves"] = leaves  # type: ignore[assignment]
     return seen
 
 
+_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, BlockCost] = weakref.WeakKeyDictionary()
+
+
+def _block_cost(lm: AttentionLM, blocks: list[torch.nn.Module], ids: torch.Tensor) -> BlockCost:
+    """What one block's graph holds (:class:`~storylens.engine.gradients.BlockCost`), measured once a model."""
+    if lm.module not in _COSTS:
+        _COSTS[lm.module] = BlockCost.measure(lm, blocks, ids[:1, : min(16, ids.shape[1])].clone())
+    return _COSTS[lm.module]
+
+
+def _graph_fits(lm: AttentionLM, blocks: list[torch.nn.Module], ids: torch.Tensor) -> bool:
+    """Whether every block's graph on ``ids`` fits :data:`CIRCUIT_GRAPH_BYTES`: then the gradient pass is one
+    forward with a graph and one backward, not a forward and every block run again."""
+    return lm.n_layer * _block_cost(lm, blocks, ids).batch(ids) <= CIRCUIT_GRAPH_BYTES
+
+
 def gradient_blocks(
     lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit=None
 ) -> tuple[dict, torch.Tensor, Iterator[tuple[int, torch.Tensor]]]:
-    """The gradient pass, one block's graph at a time: ``(run, g_logits, blocks)``: the run's hook tensors (as
+    """The gradient pass, one block's graph at a time (where the whole model's fits :data:`CIRCUIT_GRAPH_BYTES`, or its
+    blocks are not known: one graph, one backward): ``(run, g_logits, blocks)``: the run's hook tensors (as
     :func:`run_pass` keeps them, without a graph), the logits receiver's gradient ``[batch, pos, d_model]``, and
     ``(layer, [batch, pos, receiver, d_model])`` from the last block to the first (each block run again from what
     the block before returned, kept by one forward pass without a graph). A model whose blocks are not known
     (:meth:`~storylens.lm.AttentionLM.blocks` None) gets one graph through the whole model."""
     blocks = lm.blocks()
-    if blocks is None or len(blocks) != lm.n_layer:
+    if blocks is None or len(blocks) != lm.n_layer or _graph_fits(lm, blocks, ids):
         _, run = run_pass(lm, ids, metric, grad=True, edit=edit)
-        grads = ((layer, _receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))
+        grads = ((layer, receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))
         return run, run["leaves"]["post"][0].grad, grads
     with lm.keep_block_outputs(range(lm.n_layer)) as kept:
         _, run = run_pass(lm, ids, metric, grad=False, edit=edit, kinds=WRITTEN)
@@ -288,7 +318,7 @@ def gradient_blocks(
     def walk() -> Iterator[tuple[int, torch.Tensor]]:
         here = last
         for layer in reversed(range(lm.n_layer)):
-            yield layer, _receiver_grads(lm, here, layer)
+            yield layer, receiver_grads(lm, here, layer)
             if layer:
                 up = here["leaves"]["pre"][layer].grad
                 here = _block_graph(lm, ids, metric, edit, layer - 1, kept.get(layer - 2), up)
@@ -296,44 +326,46 @@ def gradient_blocks(
     return run, last["leaves"]["post"][0].grad, walk()
 
 
-def _receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
-    """``[batch, pos, receiver, d_model]``: block ``layer``'s receivers' gradients ``g_v`` (the module docstring)."""
-    leaves = seen["leaves"]
-    out = []
-    for kind in KINDS:
-        t = seen[kind][layer]  # [batch, pos, head or kv head, d_head], its .grad the metric's
-        for h in range(t.shape[2]):
-            g = torch.zeros_like(t)
-            g[:, :, h] = t.grad[:, :, h]
-            (x,) = torch.autograd.grad(t, leaves["pre"][layer], grad_outputs=g, retain_graph=True)
-            out.append(x)
-    mlp = seen["mlp"][layer]
-    (x,) = torch.autograd.grad(mlp, leaves["attn"][layer], grad_outputs=mlp.grad, retain_graph=True, allow_unused=True)
-    if x is None:  # a parallel block: the MLP reads the block's input
-        (x,) = torch.autograd.grad(mlp, leaves["pre"][layer], grad_outputs=mlp.grad, retain_graph=True)
-    out.append(x)
-    return torch.stack(out, 2)
-
-
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
 DIFF_BYTES = 256 << 20  # the writers' difference buffer a batch may hold: pairs per batch chosen to fit
+GRAD_SUM_BYTES = 512 << 20  # EAP-IG's receivers' gradients summed over its passes, held where they fit
+CIRCUIT_GRAPH_BYTES = 256 << 20  # the whole model's graph (autograd's saved tensors) a batch may hold
 IG_STEPS = 5  # EAP-IG's integration steps by default (Hanna et al. 2024 use 5 on GPT-2's greater-than)
 
 
 def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict) -> list:
-    """Where each gradient is taken (EAP-IG's code): ``eap`` the clean run; ``eap-ig-inputs`` the input moved from
-    the corrupt one to the clean one, ``k / steps`` of the way for ``k = 0 .. steps - 1``; ``eap-ig-activations``
-    each node in turn (the input, a block's heads together, an MLP) moved so, ``k = 1 .. steps``."""
-    if method == "eap":
-        return [None]
+    """Where each gradient is taken (EAP-IG's code): ``eap-ig-inputs`` the input moved from the corrupt one to the
+    clean one, ``k / steps`` of the way for ``k = 0 .. steps - 1``; ``eap-ig-activations`` each node in turn (the
+    input, a block's heads together, an MLP) moved so, ``k = 1 .. steps``. One ``(kind, block, shifts)`` a node:
+    the shift to add to that hook's tensor at each step, ``[steps * batch, ...]`` (step-major), for one gradient
+    pass over the batch repeated ``steps`` times."""
     nodes = [("pre", 0)] + [(kind, layer) for layer in range(lm.n_layer) for kind in ("z", "mlp")]
     ks = range(steps) if method == "eap-ig-inputs" else range(1, steps + 1)
     nodes = nodes[:1] if method == "eap-ig-inputs" else nodes
     out = []
     for kind, layer in nodes:
         diff = (corrupt[kind][layer] - clean[kind][layer]).detach()
-        out += [(kind, layer, (1 - k / steps) * diff) for k in ks]
+        out.append((kind, layer, torch.cat([(1 - k / steps) * diff for k in ks])))
     return out
+
+
+def _repeated(metric: Metric, rows: int) -> Metric:
+    """``metric`` on a batch repeated (step-major): each repeat's rows get the metric of the batch's rows."""
+    return lambda logits: torch.cat([metric(part) for part in logits.split(rows)])
+
+
+def _folded(g: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[repeats * rows, ...]`` summed over the repeats: ``[rows, ...]``."""
+    return g.reshape(-1, rows, *g.shape[1:]).sum(0)
+
+
+def _products(d: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[batch, writer, receiver]`` float64: ``d`` ``[batch, writer, pos, d_model]`` against ``g`` ``[batch, pos,
+    receiver, d_model]``, summed over positions and width: one batched matrix product (the writers' rows are laid
+    out whole; an einsum over ``[batch, pos, writer, d_model]`` was five times slower on a CPU)."""
+    b, w, p, m = d.shape
+    g = g.permute(0, 2, 1, 3).reshape(b, -1, p * m)  # [batch, receiver, pos * d_model]: a copy, receivers are few
+    return torch.bmm(d.reshape(b, w, p * m), g.transpose(1, 2)).double().cpu()
 
 
 def _contract(lm: AttentionLM, graph: Graph, g_logits: torch.Tensor, grads, delta: _Delta) -> torch.Tensor:
@@ -346,10 +378,10 @@ def _contract(lm: AttentionLM, graph: Graph, g_logits: torch.Tensor, grads, delt
         up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
         cols = slice(layer * per_block, (layer + 1) * per_block)
         for at, d in delta.slices(up):
-            scores[:, :up, cols] += torch.einsum("bpwd,bprd->bwr", d, g[:, at]).double().cpu()
+            scores[:, :up, cols] += _products(d, g[:, at])
         del g
     for at, d in delta.slices(len(graph.writers)):
-        scores[:, :, -1] += torch.einsum("bpwd,bpd->bw", d, g_logits[:, at]).double().cpu()
+        scores[:, :, -1:] += _products(d, g_logits[:, at, None])
     return scores
 
 
@@ -367,10 +399,56 @@ def batch_scores(
     delta = _Delta(lm, ablated, clean)
     edits = _edits(lm, method, steps, clean, ablated)
     scores = torch.zeros(ids.shape[0], len(graph.writers), len(graph.receivers), dtype=torch.float64)
-    for e in edits:  # one gradient pass at a time
-        _, g_logits, grads = gradient_blocks(lm, ids, metric, edit=e)
-        scores += _contract(lm, graph, g_logits, grads, delta)
-    return scores / len(edits)
+    rows, each = ids.shape[0], _steps_at_once(lm, ids, steps)
+    summed = _GradSums(lm, ids) if _GradSums.fits(lm, ids) else None
+    for kind, layer, shifts in edits:  # a node's steps, as many at once as one graph holds
+        for k in range(0, steps, each):
+            n = min(each, steps - k)
+            e = (kind, layer, shifts[k * rows : (k + n) * rows])
+            _, g_logits, grads = gradient_blocks(lm, ids.repeat(n, 1), _repeated(metric, rows), edit=e)
+            folded = ((block, _folded(g, rows)) for block, g in grads)
+            if summed is not None:  # the scores are linear in the gradients: summed first, contracted once
+                summed.add(_folded(g_logits, rows), folded)
+            else:
+                scores += _contract(lm, graph, _folded(g_logits, rows), folded, delta)
+    if summed is not None and summed.logits is not None:
+        scores = _contract(lm, graph, summed.logits, summed.blocks(), delta)
+    return scores / (len(edits) * steps)
+
+
+class _GradSums:
+    """Every receiver's gradient summed over EAP-IG's gradient passes, ``[batch, pos, receiver, d_model]`` a
+    block, where that fits :data:`GRAD_SUM_BYTES` (then one contraction with the differences a batch, not one a
+    pass)."""
+
+    def __init__(self, lm: AttentionLM, ids: torch.Tensor):
+        self.logits: torch.Tensor | None = None
+        self.sums: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def fits(lm: AttentionLM, ids: torch.Tensor) -> bool:
+        d_model = lm.head_output_weights(0).shape[-1]
+        receivers = len(graph_of(lm).receivers)
+        return ids.numel() * receivers * d_model * torch.finfo(lm.dtype).bits // 8 <= GRAD_SUM_BYTES
+
+    def add(self, g_logits: torch.Tensor, grads) -> None:
+        self.logits = g_logits if self.logits is None else self.logits.add_(g_logits)
+        for layer, g in grads:
+            self.sums[layer] = g if layer not in self.sums else self.sums[layer].add_(g)
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for layer in sorted(self.sums, reverse=True):
+            yield layer, self.sums.pop(layer)
+
+
+def _steps_at_once(lm: AttentionLM, ids: torch.Tensor, steps: int) -> int:
+    """EAP-IG's steps of one node taken in one gradient pass over the batch repeated: as many as keep the whole
+    model's graph within :data:`CIRCUIT_GRAPH_BYTES` (one pass with a graph and one backward
+    each, the contraction once), else one (block by block)."""
+    blocks = lm.blocks()
+    if blocks is None or len(blocks) != lm.n_layer or not _graph_fits(lm, blocks, ids):
+        return 1
+    return max(1, min(steps, int(CIRCUIT_GRAPH_BYTES // max(lm.n_layer * _block_cost(lm, blocks, ids).batch(ids), 1))))
 
 
 def _given(ablated: dict, run: dict) -> dict:
@@ -388,11 +466,17 @@ def edge_mask(graph: Graph) -> torch.Tensor:
 
 def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int) -> int:
     """Pairs per batch: at most ``batch_size``, and as many as keep ``[batch, pos, writer, d_model]`` within
-    :data:`DIFF_BYTES` (at least one)."""
+    :data:`DIFF_BYTES` and the whole model's graph within :data:`CIRCUIT_GRAPH_BYTES` (at least one; where one
+    pair's graph does not fit, the gradient pass holds one block's at a time)."""
     tokens = max(len(p.clean_ids) for p in pairs)
     d_model = lm.head_output_weights(0).shape[-1]
     per_pair = tokens * len(graph_of(lm).writers) * d_model * torch.finfo(lm.dtype).bits // 8
-    return max(1, min(batch_size, DIFF_BYTES // max(per_pair, 1)))
+    fit = DIFF_BYTES // max(per_pair, 1)
+    blocks = lm.blocks()
+    if blocks is not None and len(blocks) == lm.n_layer:
+        graph = lm.n_layer * _block_cost(lm, blocks, torch.tensor([pairs[0].clean_ids])).batch(torch.zeros(1, tokens))
+        fit = min(fit, int(CIRCUIT_GRAPH_BYTES // max(graph, 1)))
+    return max(1, min(batch_size, fit))
 
 
 def eap_scores(

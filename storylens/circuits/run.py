@@ -9,7 +9,7 @@ import csv
 import io
 import itertools
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from storylens.circuits.edges import IG_STEPS, EdgeScores, Graph, eap_scores
 from storylens.circuits.faithfulness import Faithfulness, faithfulness, top_circuit
 from storylens.circuits.oracle import ORACLE_EDGES, Oracle, edge_oracle
-from storylens.circuits.stability import RESAMPLES, Stability, stability
+from storylens.circuits.stability import RESAMPLES, SecondPairs, Stability, second_pairs, stability
 from storylens.core.errors import StorylensError
 from storylens.core.figures import csv_cell, plus_minus
 from storylens.core.frames import to_frame
@@ -71,6 +71,7 @@ class CircuitResult(Plain):
     edges: list[EdgeRow]
     oracle: Oracle | None
     stability: Stability | None
+    second: SecondPairs | None = None  # the circuit found again on a second file of pairs (--second-pairs)
 
     def to_pandas(self):
         """One row per edge (a pandas DataFrame)."""
@@ -80,8 +81,10 @@ class CircuitResult(Plain):
 def run_circuit(
     model: ModelLike, pairs: list[Pair], *, method: str = "eap", ig_steps: int = IG_STEPS, oracle: int = ORACLE_EDGES,
     resamples: int = RESAMPLES, seed: int = 0, batch_size: int = BATCH_PAIRS, progress=None,
+    second: tuple[str, list[Pair]] | None = None,
 ) -> CircuitResult:  # fmt: skip
-    """The whole run (the module docstring); ``progress(step)`` told of each step's start."""
+    """The whole run (the module docstring); ``progress(step)`` told of each step's start; ``second``: a second
+    file of pairs for the same behaviour (its name, its pairs), on which the circuit is found again."""
     lm = wrap(model)
     say = progress or (lambda step: None)
     say("edge scores")
@@ -97,10 +100,16 @@ def run_circuit(
         if resamples and size and len(pairs) > 1  # resamples of one pair are that pair: nothing to compare
         else None
     )
+    again = None
+    if second is not None and size:
+        say("second pairs")
+        other = eap_scores(lm, second[1], method=method, steps=ig_steps, batch_size=batch_size)
+        again = second_pairs(lm, pairs, scores, second[1], other, size, source=second[0], resamples=resamples,
+                             seed=seed, batch_size=batch_size)  # fmt: skip
     head = dict(task="pairs", ablation="corrupt", pairs=len(pairs), stories=None, tokens=None,
                 metric="logit(answer) - logit(wrong) at the last position",
                 verdict=task_verdict(f.clean, f.clean_se, len(pairs)))  # fmt: skip
-    return assemble(lm, scores, f, audit, stable, method=method, ig_steps=ig_steps, **head)
+    return assemble(lm, scores, f, audit, stable, method=method, ig_steps=ig_steps, second=again, **head)
 
 
 def smallest_faithful(f: Faithfulness) -> int | None:
@@ -110,7 +119,7 @@ def smallest_faithful(f: Faithfulness) -> int | None:
 
 def assemble(
     lm: AttentionLM, scores: EdgeScores, f: Faithfulness, audit: Oracle | None, stable: Stability | None, *,
-    method: str, ig_steps: int, **head,
+    method: str, ig_steps: int, second: SecondPairs | None = None, **head,
 ) -> CircuitResult:  # fmt: skip
     """The result of a run from its parts (``head``: the task's fields: ``task`` .. ``metric``, ``verdict``)."""
     size = smallest_faithful(f)
@@ -126,7 +135,7 @@ def assemble(
         model=lm.name, method=method, ig_steps=None if method == "eap" else ig_steps, clean_metric=f.clean,
         clean_metric_se=f.clean_se, corrupt_metric=f.corrupt, corrupt_metric_se=f.corrupt_se, n_layer=lm.n_layer,
         n_head=lm.n_head, n_kv_head=lm.n_kv_head, n_edges=scores.graph.n_edges, faithfulness=f, circuit_size=size,
-        circuit_f=None if at is None else f.f[at], edges=rows, oracle=audit, stability=stable, **head,
+        circuit_f=None if at is None else f.f[at], edges=rows, oracle=audit, stability=stable, second=second, **head,
     )  # fmt: skip
 
 
@@ -154,7 +163,8 @@ def load_circuit(folder: str | Path) -> CircuitResult:
     path = Path(folder)
     path = path / "circuit.json" if path.is_dir() else path
     doc = read_versioned(path, "not a folder storylens circuit wrote", "circuit")
-    if missing := [f.name for f in fields(CircuitResult) if f.name not in doc]:
+    required = [f.name for f in fields(CircuitResult) if f.default is MISSING]  # later fields: optional
+    if missing := [name for name in required if name not in doc]:
         raise StorylensError(f"{path}: not a storylens circuit.json (missing {', '.join(missing)})")
     _check_shape(doc, str(path))
     try:
@@ -273,4 +283,12 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
             f"stability over {s.resamples} resamples of the {result.task}: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
             f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {round(s.core_f, 3) + 0.0:+.3f}"
         )
+    if result.second is not None:
+        t = result.second
+        spread = "" if t.jaccard_sd is None else f" (sd {t.jaccard_sd:.3f} over {t.resamples} resamples of it)"
+        out += [
+            f"on the second pairs ({t.source}, {t.pairs} pairs): {t.verdict}",
+            f"  its {t.kept}-edge circuit: Jaccard {t.jaccard:.3f}{spread} with this one's; the {t.shared} edges both "
+            f"hold keep f {round(t.shared_f, 3) + 0.0:+.3f} here, its own circuit f {round(t.second_f, 3) + 0.0:+.3f}",
+        ]
     return out

@@ -1,6 +1,7 @@
 """A circuit's stability: the circuit of a given size found again on bootstrap resamples of the pairs (the
 Jaccard index of the edge sets with the whole set's circuit, and the core found in every resample with its
-faithfulness)."""
+faithfulness), and on a second file of pairs for the same behaviour (a paraphrase of the task: the circuits
+found this way change under resampling and paraphrase, arXiv 2510.00845)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from storylens.circuits.edges import EdgeScores, Graph
 from storylens.circuits.faithfulness import edge_metrics, prune
 from storylens.core.plain import Plain
-from storylens.effects.patching import Pair
+from storylens.effects.patching import Pair, mean_se, task_verdict
 from storylens.lm import ModelLike
 
 RESAMPLES = 50  # bootstrap resamples of the pairs for stability
@@ -72,3 +73,49 @@ def stability(
     every = ~scores.mean.isnan()
     m = edge_metrics(model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size).mean(1)
     return stability_of(n, whole, jac, core, float((m[0] - m[1]) / (m[2] - m[1])))
+
+
+@dataclass(frozen=True)
+class SecondPairs(Plain):
+    """The circuit of the same size (``n`` asked, pruned) found on a second file of pairs (``source``, ``pairs``;
+    whether the model does that task, ``verdict``, first): its Jaccard index with the first file's circuit, and its
+    spread over ``resamples`` bootstrap resamples of the second file; the edges both circuits hold (``shared``) and
+    the faithfulness on the first file's pairs of that shared part and of the second file's circuit."""
+
+    source: str
+    pairs: int
+    verdict: str
+    kept: int
+    jaccard: float
+    jaccard_sd: float | None  # None without resamples
+    resamples: int
+    shared: int
+    shared_f: float
+    second_f: float
+
+
+def second_pairs(
+    model: ModelLike, pairs: Sequence[Pair], scores: EdgeScores, other_pairs: Sequence[Pair], other: EdgeScores,
+    n: int, *, source: str, resamples: int = RESAMPLES, seed: int = 0, batch_size: int = 32,
+) -> SecondPairs:  # fmt: skip
+    """The module docstring: ``other`` the edge scores on ``other_pairs`` by the same method. Two patched passes
+    over the second file (whether the model does it) and three over the first (the shared part, the second
+    circuit, the ends)."""
+    graph = scores.graph
+    gen = torch.Generator().manual_seed(seed)
+    rows = other.per_pair.shape[0]
+    draws = [torch.randint(0, rows, (rows,), generator=gen) for _ in range(resamples if rows > 1 else 0)]
+    mine, theirs = prune(graph, _top(scores.mean, n)), prune(graph, _top(other.mean, n))
+    jac = resampled(graph, scores.mean, (other.per_pair[d].mean(0) for d in draws), n)[1] if draws else []
+    union = (mine | theirs).sum().item()
+    shared = mine & theirs
+    every = ~scores.mean.isnan()
+    m = edge_metrics(model, pairs, [shared, theirs, torch.zeros_like(every), every], batch_size=batch_size).mean(1)
+    clean, se = mean_se(edge_metrics(model, other_pairs, [every], batch_size=batch_size)[0])
+    sd = float(torch.tensor(jac, dtype=torch.float64).std()) if len(jac) > 1 else None
+    return SecondPairs(
+        source=source, pairs=len(other_pairs), verdict=task_verdict(float(clean), float(se), len(other_pairs)),
+        kept=int(theirs.sum()), jaccard=(mine & theirs).sum().item() / union if union else 1.0, jaccard_sd=sd,
+        resamples=len(jac), shared=int(shared.sum()), shared_f=float((m[0] - m[2]) / (m[3] - m[2])),
+        second_f=float((m[1] - m[2]) / (m[3] - m[2])),
+    )  # fmt: skip

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from storylens.circuits.edge_patch import Away, patch_edges
 from storylens.circuits.edges import Metric, batch_scores, run_pass
-from storylens.circuits.faithfulness import Away, patch_edges
 from storylens.core.batching import length_batches, pad_batch, valid_mask
 from storylens.core.errors import StorylensError
 from storylens.engine.accumulate import pooled_ratio

@@ -57,6 +57,13 @@ def add_parser(sub) -> None:
         metavar="N",
         help=f"stability: the smallest faithful circuit found again on N bootstrap resamples of the pairs or stories (default {RESAMPLES}; 0: none)",
     )
+    p.add_argument(
+        "--second-pairs",
+        default=None,
+        metavar="FILE",
+        help="stability: a second pairs file (or shipped task) for the same behaviour, a paraphrase say: the circuit "
+        "of the same size found on it, its Jaccard index with this one's and what the edges both hold keep",
+    )
     p.add_argument("--seed", type=int, default=0, help="the oracle's random edges and the resamples (default 0)")
     add_model(p)
     add_no_progress(p)
@@ -106,6 +113,8 @@ def _check(args) -> None:
     check_seed(args.seed)
     if args.stories is not None and args.pairs != "names":  # the corpus form's options: storylens.cli.rules
         raise UsageError("--pairs and --stories: one task or the other, not both")
+    if args.stories is not None and args.second_pairs is not None:
+        raise UsageError("--second-pairs: only with a task of pairs, not --stories")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit: a whole number, 1 or more (got {args.limit})")
 
@@ -117,8 +126,10 @@ def run(args) -> int:
     if args.stories is not None:
         return _run_stories(args, out)
     source, rows = task_rows(args)  # bad lines refused before the model loads
+    second = task_rows(args, args.second_pairs) if args.second_pairs is not None else None
     model = load(args)
     pairs = encode_pairs(model, rows, source.name)
+    again = None if second is None else (second[0].name, encode_pairs(model, second[1], second[0].name))
 
     def say(step: str) -> None:
         if not args.no_progress:
@@ -127,7 +138,7 @@ def run(args) -> int:
     with progress_command("circuit"):
         result = run_circuit(
             model, pairs, method=args.method, ig_steps=args.ig_steps, oracle=args.oracle, resamples=args.resamples, seed=args.seed,
-            progress=say,
+            progress=say, second=again,
         )  # fmt: skip
     page = circuit_html(result.to_dict(), title=f"storylens circuit: {result.model}", pairs=pair_patterns(model, pairs))
     write_circuit(out, result, page, d_model=wrap(model).head_output_weights(0).shape[-1])

@@ -258,11 +258,13 @@ def add_pairs(p: argparse.ArgumentParser) -> None:
         default="names",
         help='a .jsonl file, one {"clean", "corrupt", "answer", "wrong"} object a line, or a task shipped with '
         "storylens: names (the default: the main character's name, introduced once and needed again; the name "
-        "changed at its introduction in the corrupt story) or indirect-object (who gave what to whom)",
+        "changed at its introduction in the corrupt story), names-paraphrased (the same behaviour in ten other "
+        "stories and names: a second file for --second-pairs) or indirect-object (who gave what to whom)",
     )
 
 
-def task_rows(args) -> tuple[Path, list[dict]]:
-    """``--pairs``'s file and its lines, each checked (a bad line refused before the model loads)."""
-    source = PAIR_SETS.get(args.pairs, Path(args.pairs))
+def task_rows(args, pairs: str | None = None) -> tuple[Path, list[dict]]:
+    """``--pairs``'s file (or ``pairs``) and its lines, each checked (a bad line refused before the model loads)."""
+    name = args.pairs if pairs is None else pairs
+    source = PAIR_SETS.get(name, Path(name))
     return source, read_pairs(source)

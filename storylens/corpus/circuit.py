@@ -328,7 +328,7 @@ def _measured(lm: AttentionLM, source, out: Path, opts: StoryCircuitOptions) -> 
         core_losses = RowSums(passes.saved["core"]).t["losses"][:, 1]
         m = [pooled_mean(x, n)[0] for x in (core_losses, empty, clean)]
         stable = stability_of(size, whole, jac, core, (m[0] - m[1]) / (m[2] - m[1]))
-    head = dict(
+    head: dict = dict(
         task="stories", ablation=opts.ablation, pairs=None, stories=int(len(n)), tokens=int(n.sum()),
         metric="summed next-token loss, pooled per predicted token (nats)",
         verdict=story_verdict(f.clean, f.clean_se, f.corrupt, f.corrupt_se, opts.ablation),

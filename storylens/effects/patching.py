@@ -52,7 +52,12 @@ BATCH_PAIRS = 32
 # the tasks shipped: the lesson's own behaviour, the main character's name (the default), and indirect objects
 NAME_PAIRS = Path(__file__).resolve().parent.parent / "data" / "name_pairs.jsonl"
 EXAMPLE_PAIRS = Path(__file__).resolve().parent.parent / "data" / "example_pairs.jsonl"
-PAIR_SETS = {"names": NAME_PAIRS, "indirect-object": EXAMPLE_PAIRS}  # --pairs's names for them
+NAME_PARAPHRASES = NAME_PAIRS.with_name("name_pairs_paraphrased.jsonl")  # the same behaviour in other stories
+PAIR_SETS = {
+    "names": NAME_PAIRS,
+    "names-paraphrased": NAME_PARAPHRASES,
+    "indirect-object": EXAMPLE_PAIRS,
+}  # --pairs's names for them
 
 
 # ---------------------------------------------------------------- pairs

@@ -86,6 +86,61 @@ def test_none_is_the_clean_run_every_edge_the_corrupt_one_and_one_edge_the_edit_
         assert (row - clean).abs().max() > 1e-12, label  # the edge moved the metric
 
 
+def test_the_one_copy_pass_is_the_pass_with_copies(tiny, task_pairs, monkeypatch):
+    """On the four families the edge-patched pass runs one copy of the batch (each head's query, key and value made
+    from its own input beside the run, the MLP's input replaced at its norm) and equals the pass that carries a
+    copy per distinct receiver input, on random circuits of every size: the same float64 sums in another order
+    (about 1e-14); bound 1e-9."""
+    from storylens.circuits import edge_patch
+
+    lm, pairs = tiny, task_pairs
+    (b,) = pair_batches(lm, pairs)
+    away = edge_patch_away(lm, b)
+    mask = ~eap_scores(lm, pairs).mean.isnan()
+    rows = []
+    real = lm.forward
+    monkeypatch.setattr(lm, "forward", lambda ids, **k: rows.append(ids.shape[0]) or real(ids, **k))
+    metric = lambda x: pair_metric(x, b)  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    for share in (0.05, 0.3, 0.8):
+        cut = (torch.rand(mask.shape, generator=gen) > share) & mask
+        rows.clear()
+        fast = edge_patch.patch_edges(lm, b.clean, metric, cut, away)
+        assert rows == [b.clean.shape[0]]  # one copy, and no second pass with copies
+        slow = edge_patch._copied(lm, b.clean, metric, cut, away)
+        assert rows[-1] > b.clean.shape[0]  # the copies pass carried copies: the two differ in kind
+        assert (fast - slow).abs().max().item() <= 1e-9, share
+    assert lm.module not in edge_patch._COPIES
+
+
+def test_a_misread_structure_falls_back_to_copies(tiny, task_pairs, monkeypatch):
+    """Where the attention norm is not what the block reads through (here: an identity put in its place), the run's
+    first head rebuilt from it is not the model's: the pass is made again with copies, the same figure, and the
+    model keeps the copies."""
+    import weakref
+
+    from storylens.circuits import edge_patch
+
+    lm, pairs = tiny, task_pairs
+    (b,) = pair_batches(lm, pairs)
+    monkeypatch.setattr(edge_patch, "_COPIES", weakref.WeakSet())
+    monkeypatch.setattr(lm, "attention_norm", lambda layer: torch.nn.Identity())
+    away, metric = edge_patch_away(lm, b), (lambda x: pair_metric(x, b))
+    cut = ~eap_scores(lm, pairs).mean.isnan()
+    cut[0] = False  # the input's edges kept: the rest cut
+    got = edge_patch.patch_edges(lm, b.clean, metric, cut, away)
+    assert lm.module in edge_patch._COPIES
+    assert (got - edge_patch._copied(lm, b.clean, metric, cut, away)).abs().max().item() == 0
+
+
+def edge_patch_away(lm, b):
+    from storylens.circuits.edges import run_pass, writer_outputs
+
+    _, seen = run_pass(lm, b.corrupt, lambda x: pair_metric(x, b), grad=False)
+    corrupt = writer_outputs(lm, seen)
+    return lambda i, a: a - corrupt[:, :, i].to(a.dtype)
+
+
 def test_pruning_keeps_edges_on_a_path_from_the_input_to_the_logits():
     g = Graph(2, 2, 2)
     w, rc = g.writers, g.receivers  # input, L1H1, L1H2, M1, L2H1, L2H2, M2
@@ -133,7 +188,7 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     pairs.write_text("".join(json.dumps({k: r[k] for k in keys}) + "\n" for r in read_pairs(NAME_PAIRS)[:4]))
     out = tmp_path / "c"
     argv = ["circuit", "--pairs", str(pairs), "--out", str(out), "--oracle", "2", "--resamples", "3", "--no-progress",
-            "--method", "eap-ig-inputs", "--ig-steps", "2"]  # fmt: skip
+            "--method", "eap-ig-inputs", "--ig-steps", "2", "--second-pairs", "names-paraphrased"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("The model does this task") and "CPR" in printed and "oracle: 4 edges" in printed
@@ -156,6 +211,28 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     assert "default-src 'none'" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
     assert main(["circuit", "--out", str(tmp_path / "d"), "--oracle", "-1"]) == 2
     assert main(["circuit", "--out", str(tmp_path / "d"), "--ig-steps", "0"]) == 2
+    # the circuit found again on the paraphrased task: the model does it, and the figures are the run's own
+    t = back.second
+    assert t is not None and (t.source, t.pairs) == ("name_pairs_paraphrased.jsonl", 40) and t.resamples == 3
+    assert t.verdict.startswith("The model does this task") and 0 <= t.jaccard <= 1 and t.shared <= t.kept
+    assert f"on the second pairs (name_pairs_paraphrased.jsonl, 40 pairs): {t.verdict}" in printed
+    stories = ["circuit", "--stories", "x.txt", "--second-pairs", "names", "--out", str(tmp_path / "e")]
+    assert main(stories) == 2 and "--second-pairs: only with a task of pairs" in capsys.readouterr().err
+
+
+def test_the_same_pairs_twice_find_the_same_circuit(shipped_model):
+    """A second file that is the first: Jaccard 1 with no spread to speak of aside (its resamples differ), every
+    edge shared, and the shared part's faithfulness is the circuit's own."""
+    from storylens.circuits.stability import second_pairs
+    from storylens.effects.patching import encode_pairs
+    from storylens.lm import NativeLM
+
+    lm = NativeLM(shipped_model)
+    pairs = encode_pairs(lm, read_pairs(NAME_PAIRS)[:6], NAME_PAIRS.name)
+    scores = eap_scores(lm, pairs)
+    t = second_pairs(lm, pairs, scores, pairs, scores, 20, source="same", resamples=0)
+    assert t.jaccard == 1.0 and t.shared == t.kept > 0 and t.jaccard_sd is None
+    assert t.shared_f == t.second_f and t.verdict.startswith("The model does this task")
 
 
 def test_no_eap_ig_export_for_grouped_key_value_heads():

@@ -6,7 +6,8 @@ output after the opening token, reaching only that receiver), taken with autogra
 (test_edges's ``_along``); edge patching with nothing ablated is the clean run, and with everything ablated it is
 the run with every writer (the input, each head's ``hook_z``, each MLP) replaced by its ablated value after the
 opening token, made here with hooks of the test's own. The same float64 chain rule in another order: rounding of
-sums of a few thousand products, about 1e-14 of the figure; the bound is 1e-9 of it."""
+sums of a few thousand products, about 1e-14 of the figure; the bound is 1e-9 of it. Llama's RMSNorm runs in float64
+for the derivative (test_edges's docstring)."""
 
 import pytest
 import torch
@@ -70,6 +71,7 @@ def _ablated_minus_clean(lm, ids, values, writer):
 
 
 @pytest.mark.parametrize("ablation", ["mean", "zero"])
+@pytest.mark.usefixtures("float64_rms")
 def test_a_story_edge_score_is_the_loss_derivative_along_that_edge_alone(tiny, batch, ablation):
     lm, (ids, valid, _) = tiny, batch
     values = _values(lm, batch, ablation)

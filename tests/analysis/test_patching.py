@@ -364,19 +364,24 @@ def test_the_name_task_tokenises_as_required_and_the_shipped_model_does_it(shipp
     Under the shipped tokenizer the two differ at exactly one token, the answer's in clean and the wrong
     one's in corrupt. The shipped model does the task: every pair's clean metric is above zero, and their
     mean beyond two standard errors; `patch` says so first, and of the indirect-object pairs it says not."""
-    from storylens.effects.patching import NAME_PAIRS, task_verdict
+    from storylens.effects.patching import NAME_PAIRS, NAME_PARAPHRASES, task_verdict
     from storylens.lm import NativeLM
 
     lm = NativeLM(shipped_model)
-    pairs = encode_pairs(lm, read_pairs(NAME_PAIRS), NAME_PAIRS.name)
-    assert len(pairs) >= 40 and len({(p.clean, p.corrupt) for p in pairs}) == len(pairs)
-    for p in pairs:
-        differ = [i for i, (a, b) in enumerate(zip(p.clean_ids, p.corrupt_ids)) if a != b]
-        assert len(differ) == 1 and (p.clean_ids[differ[0]], p.corrupt_ids[differ[0]]) == (p.answer_id, p.wrong_id)
-        assert p.clean_ids.count(p.answer_id) == 1 and p.wrong_id not in p.clean_ids  # introduced once, needed again
-    r = patch_heads(lm, pairs, exact=0)
-    assert min(x.clean_metric for x in r.per_pair) > 0 > max(x.corrupt_metric for x in r.per_pair)
-    assert r.clean_metric > 2 * r.clean_metric_se
+    texts = {}
+    for source in (NAME_PAIRS, NAME_PARAPHRASES):  # the task, and its paraphrase (other stories, other names)
+        pairs = encode_pairs(lm, read_pairs(source), source.name)
+        assert len(pairs) >= 40 and len({(p.clean, p.corrupt) for p in pairs}) == len(pairs)
+        for p in pairs:
+            differ = [i for i, (a, b) in enumerate(zip(p.clean_ids, p.corrupt_ids)) if a != b]
+            assert len(differ) == 1 and (p.clean_ids[differ[0]], p.corrupt_ids[differ[0]]) == (p.answer_id, p.wrong_id)
+            # introduced once, needed again
+            assert p.clean_ids.count(p.answer_id) == 1 and p.wrong_id not in p.clean_ids
+        r = patch_heads(lm, pairs, exact=0)
+        assert min(x.clean_metric for x in r.per_pair) > 0 > max(x.corrupt_metric for x in r.per_pair)
+        assert r.clean_metric > 2 * r.clean_metric_se
+        texts[source] = {p.clean.split(" One")[0].split(" named")[0] for p in pairs}
+    assert not texts[NAME_PAIRS] & texts[NAME_PARAPHRASES]  # no story opening shared: a paraphrase
     assert task_verdict(r.clean_metric, r.clean_metric_se, r.pairs).startswith("The model does this task")
     assert task_verdict(-1.0, 0.2, 20).startswith("The model does not do this task")
     assert task_verdict(-0.7, 0.7, 20).startswith("Whether the model does this task is unclear")
