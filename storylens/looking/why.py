@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from storylens.core.errors import StorylensError
+from storylens.core.errors import StorylensError, UsageError
 from storylens.core.figures import csv_cell
 from storylens.core.heads import Head, head_label
 from storylens.core.schema import check_schema, schema, versioned
@@ -52,7 +52,7 @@ from storylens.lm import AttentionLM, NativeLM
 from storylens.viz.why import why_html
 
 F64 = torch.float64
-POSITIONS = ("name", "prev", "first", "induction")
+POSITIONS = ("name", "prev", "first", "induction", "custom")  # custom: the pairs a file names (read_pairs_at)
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,8 @@ def _scale(
 
 def chosen_pairs(story: EncodedStory, lm: AttentionLM, positions: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The (query, key) pairs ``positions`` names in one story: ``[P]`` queries and ``[P]`` keys, queries >= 1."""
-    if positions not in POSITIONS:
-        raise StorylensError(f"why: --positions {positions!r}: one of {', '.join(POSITIONS)}")
+    if positions not in POSITIONS or positions == "custom":
+        raise StorylensError(f"why: --positions {positions!r}: one of {', '.join(POSITIONS[:-1])} (custom: a file)")
     batch = batch_of([story], lm.marker_id, "cpu")
     T = batch.ids.shape[1]
     q = torch.arange(T)[:, None]
@@ -279,6 +279,43 @@ def chosen_pairs(story: EncodedStory, lm: AttentionLM, positions: str) -> tuple[
         chosen = Masks(batch, F64).induction_keys[0] & (q >= 1)
     at = chosen.nonzero()
     return at[:, 0], at[:, 1]
+
+
+def _custom(pairs: list[tuple[int, int]], length: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One story's custom pairs as :func:`chosen_pairs` gives its own, checked against the story's length."""
+    for q, _ in pairs:
+        if q >= length:
+            raise StorylensError(f"why: story {index + 1} has {length} tokens (the marker first); no query {q}")
+    got = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+    return got[:, 0], got[:, 1]
+
+
+def read_pairs_at(path: Path) -> dict[int, list[tuple[int, int]]]:
+    """``--at FILE``: one JSON object a line, ``{"story": N, "query": Q, "key": K}``: the quiz story ``N``
+    (counting from 1, as the report numbers them), token positions counting from 0 at the opening marker, ``1 <=
+    Q``, ``0 <= K <= Q`` (a head sees no later key). Returns the pairs by the story's index from 0; a bad line
+    refused naming it."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot be read as text ({type(e).__name__})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            story, q, k = (row[key] for key in ("story", "query", "key"))
+        except (json.JSONDecodeError, TypeError, KeyError):
+            raise UsageError(f'{path}:{n}: not a {{"story": N, "query": Q, "key": K}} object') from None
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (story, q, k)):
+            raise UsageError(f"{path}:{n}: story, query and key must be whole numbers")
+        if story < 1 or q < 1 or not 0 <= k <= q:
+            raise UsageError(f"{path}:{n}: needs story >= 1, query >= 1 and 0 <= key <= query (got {story}, {q}, {k})")
+        out.setdefault(story - 1, []).append((q, k))
+    if not out:
+        raise UsageError(f"{path}: no pairs")
+    return out
 
 
 def contrast(r: Reader, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -321,18 +358,27 @@ class WhyResult:
 
 
 def explain(
-    lm: AttentionLM, head: Head, stories: Sequence[EncodedStory], positions: str = "name", progress=None
-) -> WhyResult:
+    lm: AttentionLM, head: Head, stories: Sequence[EncodedStory], positions: str = "name", progress=None,
+    at: dict[int, list[tuple[int, int]]] | None = None,
+) -> WhyResult:  # fmt: skip
     """Head ``head``'s query-key attribution for ``positions`` over ``stories`` (encoded; those without such a
-    pair are passed over), one forward each; ``progress``: called with each story done."""
+    pair are passed over), one forward each; ``progress``: called with each story done; ``at``: with
+    ``positions`` "custom", the (query, key) pairs of each story by its index in ``stories``
+    (:func:`read_pairs_at`)."""
+    if positions == "custom" and at is None:
+        raise StorylensError("why: --positions custom needs the pairs (--at FILE)")
     if not (0 <= head.layer < lm.n_layer and 0 <= head.head < lm.n_head):
         raise StorylensError(f"why: {head.label}: the model has {lm.n_layer} blocks of {lm.n_head} heads")
     sums: tuple[torch.Tensor, ...] | None = None
     names: tuple[str, ...] = ()
     n = pairs = 0
     gap, bound, scale = 0.0, math.inf, math.nan
-    for story in stories:
-        queries, keys = chosen_pairs(story, lm, positions)
+    for i, story in enumerate(stories):
+        if positions == "custom":
+            assert at is not None
+            queries, keys = _custom(at.get(i, []), len(story.ids), i)
+        else:
+            queries, keys = chosen_pairs(story, lm, positions)
         if progress is not None:
             progress(story)
         if not len(queries):

@@ -23,6 +23,7 @@ SAID = {
     "prev": "queries and the position just before each",
     "first": "queries and position 0 (the opening token)",
     "induction": "queries and the token after an earlier copy of each one's token",
+    "custom": "the (query, key) pairs a file names",
 }
 
 

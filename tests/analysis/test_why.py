@@ -122,3 +122,46 @@ def test_a_many_head_table_keeps_the_largest_writers_and_sums_the_rest():
     assert len(writers) == SHOWN_WRITERS and "w3" in writers and writers[-1] == f"{n - SHOWN_WRITERS + 1} other writers"
     assert abs(sum(map(sum, means)) - float(mean.sum())) <= 1e-9 * float(mean.abs().sum())
     assert ses[-1][-1] is None and ses[0][0] is not None
+
+
+def test_custom_pairs_that_are_the_previous_tokens_explain_as_prev_does(shipped_model, corpus_split, tmp_path, capsys):
+    """--positions custom with a file naming each story's (q, q - 1) pairs gives the figures --positions prev
+    gives (the same pairs, the same sums in the same order: equal); the file's mistakes are one line, exit 2,
+    before the model loads."""
+    from storylens.looking.why import read_pairs_at
+
+    lm = NativeLM(shipped_model)
+    stories = encode_stories(lm, corpus_split.quiz[:3], name_vocabulary(corpus_split.quiz))
+    at = tmp_path / "at.jsonl"
+    at.write_text("".join(json.dumps({"story": i + 1, "query": q, "key": q - 1}) + "\n"
+                          for i, s in enumerate(stories) for q in range(1, len(s.ids))))  # fmt: skip
+    prev = explain(lm, Head(4, 0), stories, "prev")
+    custom = explain(lm, Head(4, 0), stories, "custom", at=read_pairs_at(at))
+    assert torch.equal(prev.mean, custom.mean) and prev.pairs == custom.pairs and custom.positions == "custom"
+    out = str(tmp_path / "w")
+    cases = [
+        (["--positions", "custom"], "--at FILE and --positions custom go together"),
+        (["--at", str(at)], "--at FILE and --positions custom go together"),
+        (["--positions", "custom", "--at", str(tmp_path / "none.jsonl")], "cannot be read as text"),
+    ]
+    bad = tmp_path / "bad.jsonl"
+    for line, said in [('{"story": 1, "query": 3, "key": 4}', "0 <= key <= query"),
+                       ('{"story": 1, "query": 2}', 'not a {"story": N, "query": Q, "key": K} object'),
+                       ('{"story": 1.5, "query": 2, "key": 1}', "whole numbers")]:  # fmt: skip
+        bad.write_text(line + "\n")
+        capsys.readouterr()
+        assert main(["why", "--head", "L5H1", "--positions", "custom", "--at", str(bad), "--out", out]) == 2
+        assert said in capsys.readouterr().err and not (tmp_path / "w").exists()
+    for extra, said in cases:
+        capsys.readouterr()
+        assert main(["why", "--head", "L5H1", *extra, "--out", out]) == 2, extra
+        assert said in capsys.readouterr().err
+    far = tmp_path / "far.jsonl"
+    far.write_text('{"story": 9, "query": 2, "key": 1}\n')
+    assert main(["why", "--head", "L5H1", "--positions", "custom", "--at", str(far), "--limit", "3", "--out", out]) == 2
+    assert "story 9 asked; 3 quiz stories are read" in capsys.readouterr().err
+    assert main(["why", "--head", "L5H1", "--positions", "custom", "--at", str(at), "--limit", "3", "--out", out,
+                 "--no-progress"]) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "w" / "why.json").read_text())
+    check_schema(doc, schema("why"), "why.json")
+    assert doc["positions"] == "custom" and doc["pairs"] == prev.pairs
