@@ -1,6 +1,7 @@
 """Shared fixtures: the real shipped model and the real quiz (corpus from ../shared)."""
 
 import os
+from collections import Counter
 
 import pytest
 from tiers import ONE_WORKER, SLOW
@@ -38,14 +39,27 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist would send the files with the most tests first, so a long file of one test (the wheel, a
+        # notebook) started last and the other worker sat idle; the order below is kept instead
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups to send whole files to one worker
 def pytest_collection_modifyitems(config, items):
+    """Marks each test slow (tests/tiers.py) and groups a file's tests on one worker; then orders the files for
+    the two workers: the slow ones first, longest first as tiers.SLOW lists them, then the rest by their number
+    of tests, most first, so that the run ends on short files on both workers."""
+    rank = {prefix: i for i, prefix in enumerate(SLOW)}
+    group_of, slow_rank = {}, {}
     for item in items:
         where = item.nodeid
         for prefix, why in SLOW.items():
             if where.startswith(prefix):
                 item.add_marker(pytest.mark.slow(reason=why))
+                slow_rank[item] = rank[prefix]
         path = where.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(ONE_WORKER.get(path, path)))
+        group_of[item] = ONE_WORKER.get(path, path)
+        item.add_marker(pytest.mark.xdist_group(group_of[item]))
+    sizes = Counter(group_of.values())
+    items.sort(key=lambda it: (0, slow_rank[it], 0) if it in slow_rank else (1, 0, -sizes[group_of[it]]))
