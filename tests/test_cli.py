@@ -237,4 +237,4 @@ def test_a_new_command_is_one_file(tmp_path, monkeypatch):
     (pkg / "nameless.py").write_text("POSITION = 30\n\ndef add_parser(sub):\n    pass\n")
     with pytest.raises(TypeError, match="defines COMMAND"):
         discover([str(pkg)], "probe_cli")
-    assert COMMAND_ORDER == tuple(m.COMMAND for m in COMMANDS) and len(COMMANDS) == 13
+    assert COMMAND_ORDER == tuple(m.COMMAND for m in COMMANDS) and len(COMMANDS) == 14

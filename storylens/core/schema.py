@@ -21,7 +21,17 @@ from storylens.core.files import MAX_RESULT_BYTES, parse_json, read_text
 
 SCHEMA_KEY = "schema_version"
 SCHEMA_VERSION = 1
-SCHEMAS = ("heads", "examples", "summary-score", "summary-report", "patch", "circuit", "timeline-entry", "why")
+SCHEMAS = (
+    "heads",
+    "examples",
+    "summary-score",
+    "summary-report",
+    "patch",
+    "circuit",
+    "timeline-entry",
+    "why",
+    "writes",
+)
 
 
 def versioned(doc: dict) -> dict:

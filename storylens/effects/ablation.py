@@ -269,12 +269,13 @@ def _losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -
     ).to(torch.float64)
 
 
-def _name_other_sums(lm: AttentionLM, ids: torch.Tensor, scored: torch.Tensor, name_sel: torch.Tensor) -> torch.Tensor:
-    """``[name loss sum, other loss sum]`` (float64, CPU) of one forward pass over ``ids``."""
+def _name_other_sums(lm: AttentionLM, ids: torch.Tensor, scored: torch.Tensor, is_name: torch.Tensor) -> torch.Tensor:
+    """``[batch, 2]`` float64 on the CPU: each story's summed name and other losses in one forward pass over ``ids``."""
     logits = lm.forward(ids)
     assert logits is not None  # logits=True
-    ce = _losses(logits, ids[:, 1:], scored)
-    return torch.stack([ce[name_sel].sum(), ce[~name_sel].sum()]).cpu()
+    ce = torch.zeros(scored.shape, dtype=torch.float64, device=ids.device)
+    ce[scored] = _losses(logits, ids[:, 1:], scored)
+    return torch.stack([(ce * is_name).sum(1), (ce * (scored & ~is_name)).sum(1)], 1).cpu()
 
 
 def _name_positions(
@@ -294,7 +295,6 @@ def _name_positions(
     return is_name
 
 
-@torch.inference_mode()
 def ablation_losses(
     lm: AttentionLM,
     stories_ids: Sequence[Sequence[int]],
@@ -310,14 +310,34 @@ def ablation_losses(
     Returns ``({"baseline" | f"{label}/{mode}": tensor([name_sum, other_sum])}, n_name, n_other)``
     with float64 sums. ``name_starts[i]``: positions of story i's mention first tokens.
     """
+    sums, counts = ablation_story_losses(
+        lm, stories_ids, name_starts, conditions, means=means, batch_size=batch_size, progress=progress
+    )
+    return {k: v.sum(0) for k, v in sums.items()}, int(counts[:, 0].sum()), int(counts[:, 1].sum())
+
+
+@torch.inference_mode()
+def ablation_story_losses(
+    lm: AttentionLM,
+    stories_ids: Sequence[Sequence[int]],
+    name_starts: Sequence[Iterable[int]],
+    conditions: Sequence[Condition],
+    *,
+    means=None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`ablation_losses` story by story, for errors over stories: ``({"baseline" | f"{label}/{mode}":
+    [story, 2]}, counts [story, 2])``, each story's summed name and other losses and its number of name and
+    other positions (float64, stories in the order given)."""
     _check_stories(lm, stories_ids)
     if len(name_starts) != len(stories_ids):
         raise StorylensError(f"name_starts: {len(name_starts)} entries for {len(stories_ids)} stories")
-    device = lm.device
-    sums = {"baseline": torch.zeros(2, dtype=torch.float64)}
+    device, S = lm.device, len(stories_ids)
+    sums = {"baseline": torch.zeros(S, 2, dtype=torch.float64)}
     for c in conditions:
-        sums[f"{c.label}/{c.mode}"] = torch.zeros(2, dtype=torch.float64)
-    n_name = n_other = 0
+        sums[f"{c.label}/{c.mode}"] = torch.zeros(S, 2, dtype=torch.float64)
+    counts = torch.zeros(S, 2, dtype=torch.float64)
     batches = length_batches([len(s) for s in stories_ids], batch_size, BATCH_TOKENS)
     starts = {
         c: min((h.layer for h in normalise_heads(lm, c.heads)), default=0) for c in conditions
@@ -325,25 +345,23 @@ def ablation_losses(
     carried = sorted({layer - 1 for layer in starts.values() if layer > 0})  # kept from the baseline
     bar = None
     if progress:
-        bar = tqdm(total=len(stories_ids), unit="story", desc="ablations", disable=None)  # None: terminals only
-    lines = ProgressLines("ablating heads", len(stories_ids), enabled=progress)  # off a terminal, instead
+        bar = tqdm(total=S, unit="story", desc="ablations", disable=None)  # None: terminals only
+    lines = ProgressLines("ablating heads", S, enabled=progress)  # off a terminal, instead
     with eval_mode(lm.module):
         try:
             for idx in batches:
                 ids, valid = _pad([stories_ids[i] for i in idx], lm.marker_id, device)
-                T = ids.shape[1]
                 scored = valid[:, 1:]  # prediction at t is scored against t + 1
-                is_name = _name_positions(idx, stories_ids, name_starts, T, device)
-                name_sel = is_name[scored]  # over the scored positions, in order
-                n_name += int(name_sel.sum())
-                n_other += int((~name_sel).sum())
+                is_name = _name_positions(idx, stories_ids, name_starts, ids.shape[1], device) & scored
+                rows = torch.tensor(idx)
+                counts[rows] = torch.stack([is_name.sum(1), (scored & ~is_name).sum(1)], 1).cpu().to(torch.float64)
                 with lm.keep_block_outputs(carried) as kept:
-                    sums["baseline"] += _name_other_sums(lm, ids, scored, name_sel)
+                    sums["baseline"][rows] = _name_other_sums(lm, ids, scored, is_name)
                 for c in conditions:
                     start = starts[c]
                     skip = lm.skip_blocks(start, kept[start - 1]) if start - 1 in kept else contextlib.nullcontext()
                     with skip, ablate_heads(lm, c.heads, c.mode, means):
-                        sums[f"{c.label}/{c.mode}"] += _name_other_sums(lm, ids, scored, name_sel)
+                        sums[f"{c.label}/{c.mode}"][rows] = _name_other_sums(lm, ids, scored, is_name)
                 del kept
                 if bar is not None:
                     bar.update(len(idx))
@@ -351,7 +369,7 @@ def ablation_losses(
         finally:
             if bar is not None:
                 bar.close()
-    return sums, n_name, n_other
+    return sums, counts
 
 
 def single_head_conditions(lm: AttentionLM, modes: Sequence[str] = MODES, heads=None) -> list[Condition]:

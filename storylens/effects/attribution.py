@@ -46,7 +46,7 @@ import torch
 from storylens.core.errors import StorylensError
 from storylens.engine.accumulate import RatioAccumulator, cauchy_slack, pooled_ratio
 from storylens.engine.encode import StoryBatch
-from storylens.engine.gradients import GRAPH_BYTES, Gradients
+from storylens.engine.gradients import GRAPH_BYTES, Gradients, Readout
 from storylens.engine.record import Needs
 
 CAUSAL_COLUMNS = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "dla", "dla_se")
@@ -279,6 +279,16 @@ def _vocab_mean(W: torch.Tensor) -> torch.Tensor:
     )
 
 
+def readout_rows(r: Readout, tokens: torch.Tensor) -> torch.Tensor:
+    """``[len(tokens), d_model]`` float64: each token's direction before the final norm's frozen scale, its
+    unembedding less the vocabulary's mean, times the norm's gain, centred for a LayerNorm (as the norm centres
+    what it is given). A vector ``x`` written into the last residual stream at a position whose norm divides by
+    ``s`` moves the token's logit, against the vocabulary's mean, by ``x . row / s``."""
+    W = r.unembed  # [V, d_model]
+    rows = (_f64(W[tokens.to(W.device)]) - _vocab_mean(W)) * _f64(r.gain)
+    return rows - rows.mean(-1, keepdim=True) if r.kind == "layer" else rows
+
+
 def _readout(g: Gradients, predicted: torch.Tensor) -> _Readout | None:
     """The batch's :class:`_Readout` (None: DLA unreadable), in :func:`_wide` of the model's dtype on
     the head outputs' device; the rows formed in float64."""
@@ -288,10 +298,7 @@ def _readout(g: Gradients, predicted: torch.Tensor) -> _Readout | None:
     ids = g.batch.ids
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)  # [B, T]: the next token
     tokens, index = torch.unique(nxt.cpu(), return_inverse=True)  # [U], [B, T]
-    W = r.unembed  # [V, d_model]
-    rows = (_f64(W[tokens.to(W.device)]) - _vocab_mean(W)) * _f64(r.gain)  # [U, d_model]
-    if r.kind == "layer":
-        rows = rows - rows.mean(-1, keepdim=True)
+    rows = readout_rows(r, tokens)  # [U, d_model]
     factor = predicted.to(rows.device) / _f64(g.scale)  # [B, T]
     dt, dev = _wide(g.z.dtype), g.z.device
     return _Readout(rows.to(dt).to(dev), index.to(dev), factor.to(dt).to(dev))

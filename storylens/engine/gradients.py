@@ -193,7 +193,12 @@ def _scale(read: Readout | None, held: dict[str, torch.Tensor]) -> torch.Tensor 
     """The final norm's divisor ``[B, T]`` float64, frozen at the run's value (from its input)."""
     if read is None or "x" not in held:
         return None
-    x = held["x"].to(torch.float64)
+    return norm_scale(read, held["x"])
+
+
+def norm_scale(read: Readout, x: torch.Tensor) -> torch.Tensor:
+    """``[..., pos]`` float64: what the final norm divides ``x [..., pos, d_model]`` (its input) by."""
+    x = x.to(torch.float64)
     spread = x.var(-1, unbiased=False) if read.kind == "layer" else x.pow(2).mean(-1)
     return (spread + read.eps).sqrt()
 

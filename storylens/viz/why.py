@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import jinja2
 
-from storylens.core.figures import plus_minus
+from storylens.core.figures import plus_minus, sign_claimed
 from storylens.viz.widget import _json_for_script, _static
 
 _ENV = jinja2.Environment(
@@ -42,11 +42,18 @@ def _digits(se: float | None) -> int:
 
 
 def sentence(doc: Mapping, term: Mapping) -> str:
-    """One term as a sentence (the form the issue asks for)."""
+    """One term as a sentence (the form the issue asks for). A term within two standard errors of 0 (or with no
+    error: one story) is not claimed as a reason: the sentence says so instead."""
+    said = plus_minus(term["mean"], term["se"], _digits(term["se"]))
+    contrast = f"{plus_minus(doc['total'], doc['total_se'])} logit contrast"
+    if not sign_claimed(term["mean"], term["se"]):
+        return (
+            f"{doc['head']}: {term['query']} on the query with {term['key']} on the key, {said} of the {contrast}, "
+            "is not told apart from 0 (within two standard errors, or no error from one story)"
+        )
     return (
         f"{doc['head']} finds the {doc['positions']} keys because {term['query']} on the query meets "
-        f"{term['key']} on the key: {plus_minus(term['mean'], term['se'], _digits(term['se']))} of the "
-        f"{plus_minus(doc['total'], doc['total_se'])} logit contrast ({100 * term['share']:.0f} %)"
+        f"{term['key']} on the key: {said} of the {contrast} ({100 * term['share']:.0f} %)"
     )
 
 

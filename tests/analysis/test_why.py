@@ -165,3 +165,15 @@ def test_custom_pairs_that_are_the_previous_tokens_explain_as_prev_does(shipped_
     doc = json.loads((tmp_path / "w" / "why.json").read_text())
     check_schema(doc, schema("why"), "why.json")
     assert doc["positions"] == "custom" and doc["pairs"] == prev.pairs
+
+
+def test_a_term_within_two_errors_is_not_given_as_a_reason():
+    """why.html's and the command's sentences claim a term as a reason only beyond two standard errors."""
+    from storylens.viz.why import sentence
+
+    doc = {"head": "L4H2", "positions": "name", "total": 2.0, "total_se": 0.1}
+    strong = {"query": "L2H1", "key": "tok", "mean": 1.0, "se": 0.1, "share": 0.5}
+    assert "finds the name keys because L2H1 on the query meets tok on the key" in sentence(doc, strong)
+    for weak in ({**strong, "mean": 0.15}, {**strong, "se": None}):
+        said = sentence(doc, weak)
+        assert "because" not in said and "not told apart from 0" in said
