@@ -6,6 +6,8 @@ section can be asked for by name; a bad name is one line. The shipped model's de
 section (tests/test_report.py checks its page and summary)."""
 
 import json
+import re
+from html import unescape as html_unescape
 
 import pytest
 import torch
@@ -107,3 +109,42 @@ def test_a_bad_section_is_one_line_and_writes_nothing(files, tmp_path, capsys):
 def test_storylens_own_model_keeps_every_section(shipped_model):
     assert default_sections(wrap(shipped_model)) == tuple(SECTIONS)
     assert ReportOptions(sections=("heads", "overview")).sections == ("overview", "heads")
+
+
+def test_why_cards_explain_the_strongest_heads_and_link_their_writers(files, tmp_path, capsys):
+    """--why N on the shipped model (8 short quiz stories): the strongest name, previous-token and induction heads each explained over the first N stories (a
+    card on the page, a why folder each whose why.json passes its schema); every writer head in a why page links
+    to its page in the report's explorer, nothing else does; a bad N is one line, exit 2."""
+    from storylens.viz.why import shown_terms
+
+    out = tmp_path / "why"
+    argv = ["report", "--quiz", str(files / "quiz.txt"), "--no-progress", "--sections", "overview,heads"]
+    assert main([*argv, "--why", "2", "--out", str(out)]) == 0  # the shipped model: its top heads read earlier heads
+    doc = json.loads((out / "summary.json").read_text())
+    validate(doc)
+    heads = json.loads((out / "heads.json").read_text())["heads"]
+    cards = doc["why"]
+    assert [c["column"] for c in cards] == ["name_mass", "prev_token", "induction"]
+    page = html_unescape((out / "report.html").read_text())
+    assert any(c["page"] for c in cards)
+    shown: set[str] = set()
+    for c in cards:
+        best = max(heads, key=lambda h: h[c["column"]] if h[c["column"]] is not None else -1)
+        assert c["head"] == best["label"] and c["stories"] <= 2
+        if c["page"] is None:  # none of its pairs in two short stories: said on the page, no figure
+            assert c["note"] and c["note"] in page and c["total"] is None
+            continue
+        why = json.loads((out / c["page"]).with_name("why.json").read_text())
+        jsonschema.validators.validator_for(schema("why"))(schema("why")).validate(why)
+        assert why["head"] == c["head"] and why["positions"] == c["positions"]
+        assert f'href="{c["page"]}"' in page and f'href="explore.html#{c["head"]}"' in page
+        html = (out / c["page"]).read_text()
+        linked = set(re.findall(r'href="\.\./\.\./explore\.html#([^"]+)"', html))
+        table = shown_terms(why)[0]  # past 24 writers, the largest (the rest summed in one row)
+        assert linked == {w for w in table if re.fullmatch(r"L\d+H\d+", w)}
+        assert bool(linked) == (why["layer"] > 0)  # a head past the first block reads earlier heads
+        shown.update(linked)
+    assert shown  # some writer head linked
+    capsys.readouterr()
+    assert main([*argv, "--why", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "--why" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -35,6 +35,15 @@ def add_parser(sub) -> None:
     add_examples(r)
     add_causal(r)
     r.add_argument(
+        "--why",
+        type=int,
+        default=0,
+        metavar="N",
+        help="explain the strongest name, previous-token and induction heads by their query-key terms over the first "
+        "N quiz stories (a card each on report.html, their pages in why/; about a second a story and head on a 2-core "
+        "CPU for the shipped model; default 0: none)",
+    )
+    r.add_argument(
         "--truth-stories",
         type=int,
         default=None,
@@ -130,6 +139,7 @@ def run(args) -> int:
         truth_stories=args.truth_stories,
         over_budget=args.over_budget,
         sections=None if args.sections is None else parse_sections(args.sections),
+        why=args.why,
     )
     out = out_path(args.out)
     check_target_folder(out, kind="report")  # before the model or any story: a bad --out costs nothing

@@ -38,6 +38,13 @@ def add_parser(sub) -> None:
         "from 1; token positions from 0 at the opening marker; 0 <= K <= Q)",
     )
     p.add_argument("--out", required=True, help="output folder: why.json, why.csv, why.html")
+    p.add_argument(
+        "--explorer",
+        default=None,
+        metavar="HREF",
+        help="the address, from the output folder, of a score or report run's explore.html: each writer head in "
+        "why.html links to its page there (e.g. ../scored/explore.html)",
+    )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N quiz stories")
     add_quiz_stories(p)
     add_model(p)
@@ -68,7 +75,7 @@ def run(args) -> int:
     ) as bar:
         result = explain(lm, head, stories, args.positions, progress=lambda s: bar.update(1), at=at)
     with publish_folder(out, "why") as tmp:
-        doc = write_why(result, lm.name, tmp)
+        doc = write_why(result, lm.name, tmp, explorer=args.explorer)
     print(
         f"{doc['head']}: {doc['positions']} keys score {result.total:+.3f} above the average key ({result.stories} stories)"
     )

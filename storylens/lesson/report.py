@@ -64,6 +64,7 @@ from storylens.lesson.inputs import LessonData, lesson_data
 from storylens.lesson.page import CHECK_STORIES, CHECK_TOKENS, PRACTITIONER, SECTIONS, report_html
 from storylens.lesson.summary import ReportSummary
 from storylens.lesson.tables import report_summary
+from storylens.lesson.why_cards import why_cards
 from storylens.lm import AttentionLM, ModelLike, NativeLM, load_lm, wrap
 from storylens.looking.detectors import BUILTIN_DETECTORS, Detector
 from storylens.looking.position import PositionControlAccumulator
@@ -123,6 +124,7 @@ class ReportOptions:
     (None: as many as their budget allows), refused past the budget unless ``over_budget``;
     ``causal``: every head's AtP and DLA in the scoring pass (:mod:`storylens.effects.attribution`), its
     gradient pass holding at most ``graph_memory`` MiB of kept graphs;
+    ``why``: the why cards' quiz stories (:mod:`storylens.lesson.why_cards`; 0: no cards);
     ``sections``: the page's sections (:data:`SECTIONS`; None: :func:`default_sections`), a section
     left out not computed where it costs anything (the leakage check, the numerical checks, the
     ablations) and its keys left out of summary.json."""
@@ -145,6 +147,7 @@ class ReportOptions:
     causal: bool = False
     graph_memory: int = GRAPH_BYTES >> 20
     sections: tuple[str, ...] | None = None
+    why: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detectors", tuple(self.detectors))
@@ -157,6 +160,8 @@ class ReportOptions:
             raise UsageError(f"--truth-stories: a whole number, 0 or more (got {t!r})")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size: must be at least 1 (got {self.batch_size})")
+        if isinstance(self.why, bool) or not isinstance(self.why, int) or self.why < 0:
+            raise UsageError(f"--why: a whole number of quiz stories, 0 or more (got {self.why!r})")
         if self.prev_limit < 0:
             raise UsageError(f"--prev-limit: must be 0 or more (got {self.prev_limit})")
         if not self.word.strip() or len(self.word.split()) != 1:
@@ -254,6 +259,9 @@ def _build_report(out: Path, model: ModelLike | None, opts: ReportOptions) -> Re
             summary.audit = _audit(lm, scores, encoded, opts, timings)
             if summary.faithfulness is not None:  # AtP for every head, exact where audited, in the truth table
                 summary.faithfulness = _truth_with_atp(summary.faithfulness, scores, summary.audit)
+        if opts.why:
+            with _timer(timings, "why"):
+                summary.why = why_cards(lm, scores, encoded[: opts.why], tmp, progress=opts.progress)
         _write_tables(tmp, lm, scores, summary, opts)
         timings["total_before_html"] = round(time.perf_counter() - t_start, 3)
         summary.timings_s = timings

@@ -24,6 +24,7 @@ from storylens.data.leakage import LeakageStats
 from storylens.effects.audit import Audit
 from storylens.lesson.beyond import BeyondSummary
 from storylens.lesson.checks import Check
+from storylens.lesson.why_cards import WhyCard
 from storylens.table.run_info import ModelInfo, StoriesInfo
 from storylens.table.truth import Truth
 
@@ -157,6 +158,7 @@ class ReportSummary(Plain):
     beyond: BeyondSummary | None = None  # only with --beyond (no key in JSON without it)
     faithfulness: Truth | None = None  # where heads look, what they move (no key when not run)
     audit: Audit | None = None  # AtP against exact ablation (with --causal; no key when not run)
+    why: list[WhyCard] | None = None  # the top heads' query-key terms (with --why; no key when not run)
     sections: list[str] | None = None  # the report's sections run (storylens.lesson.report.SECTIONS)
     timings_s: dict[str, float] = field(default_factory=dict)
 
@@ -165,7 +167,7 @@ class ReportSummary(Plain):
         no key for a part not run."""
         d = super().to_dict()
         order = ["model", "quiz", "leakage", "name_heads", "previous_token", "marker", "story_shown"]
-        order += ["number_to_reproduce", "numerics", "beyond", "faithfulness", "audit", "sections", "timings_s"]
+        order += ["number_to_reproduce", "numerics", "beyond", "faithfulness", "audit", "why", "sections", "timings_s"]
         return versioned({k: d[k] for k in order if d[k] is not None})
 
     def to_json(self) -> str:

@@ -450,8 +450,9 @@ def why_document(result: WhyResult, model: str) -> dict:
 WHY_CSV = ("query_writer", "key_writer", "mean", "se", "share")
 
 
-def write_why(result: WhyResult, model: str, folder: Path) -> dict:
-    """why.json, why.csv (one row per term, largest first) and why.html into ``folder``; the document."""
+def write_why(result: WhyResult, model: str, folder: Path, explorer: str | None = None) -> dict:
+    """why.json, why.csv (one row per term, largest first) and why.html into ``folder``; the document. ``explorer``:
+    an explore.html's address from ``folder``, whose head pages the writer heads link to."""
     doc = why_document(result, model)
     check_schema(doc, schema("why"), "why.json")
     (folder / "why.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
@@ -462,5 +463,5 @@ def write_why(result: WhyResult, model: str, folder: Path) -> dict:
         for q, k, m, s in result.top(W * W):
             out.writerow((q, k, f"{m:.6g}", csv_cell(s), f"{m / result.total:.6g}" if result.total else ""))
     title = f"storylens why: {result.head.label} of {model}"
-    (folder / "why.html").write_text(why_html(doc, title=title), encoding="utf-8")
+    (folder / "why.html").write_text(why_html(doc, title=title, explorer=explorer), encoding="utf-8")
     return doc

@@ -7,8 +7,9 @@ and ``&`` escaped."""
 from __future__ import annotations
 
 import math
+import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jinja2
 
@@ -76,9 +77,22 @@ def shown_terms(doc: Mapping) -> tuple[list[str], list[list[float]], list[list[f
     return [writers[i] for i in kept] + [f"{len(rest)} other writers"], means, ses
 
 
-def why_html(doc: Mapping, *, title: str) -> str:
-    """The page for a why.json document ``doc``."""
+HEAD_WRITER = re.compile(r"^L[1-9][0-9]*H[1-9][0-9]*$")
+
+
+def writer_links(writers: Sequence[str], explorer: str | None) -> dict[str, str]:
+    """Each writer that is a head, to its own page: ``explorer#L2H1`` (an explore.html, which opens the head its
+    address names); none without an explorer."""
+    if not explorer:
+        return {}
+    return {w: f"{explorer}#{w}" for w in writers if HEAD_WRITER.match(w)}
+
+
+def why_html(doc: Mapping, *, title: str, explorer: str | None = None) -> str:
+    """The page for a why.json document ``doc``; ``explorer``: the address of an explore.html (relative to the page)
+    whose head pages the writer heads link to."""
     writers, mean, se = shown_terms(doc)
+    links = writer_links(writers, explorer)
     top = max((abs(v) for row in mean for v in row), default=0.0)
     rows = []
     for w, means, ses in zip(writers, mean, se):
@@ -102,7 +116,14 @@ def why_html(doc: Mapping, *, title: str) -> str:
         pairs=doc["pairs"],
         gap=f"{doc['check']['gap']:.1e}",
         bound=f"{doc['check']['bound']:.1e}",
-        top=[{"sentence": sentence(doc, t)} for t in doc["top"]],
+        top=[
+            {
+                "sentence": sentence(doc, t),
+                "links": [(w, links[w]) for w in dict.fromkeys((t["query"], t["key"])) if w in links],
+            }
+            for t in doc["top"]
+        ],
+        links=links,
         writers=writers,
         folded=len(writers) < len(doc["writers"]),
         all_writers=len(doc["writers"]),

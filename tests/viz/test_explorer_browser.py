@@ -291,3 +291,13 @@ def test_every_view_saves_as_png_and_svg(page, run):
         img = Image.open(io.BytesIO(png))
         assert img.width > 100 and img.height > 40 and len(img.convert("RGB").getcolors(1 << 24)) > 2, view
     assert page.errors == [] and page.requests == []
+
+
+def test_an_address_naming_a_head_opens_its_page(page, run):
+    """explore.html#L2H3 (why.html's writer heads and the report's why cards link so) opens that head's page."""
+    out, heads, _ = run
+    label = heads[len(heads) // 2]["label"]
+    page.goto((out / "explore.html").as_uri() + "#" + label)
+    page.wait_for_selector('.sle-root[data-ready="1"]', timeout=30_000)
+    assert page.get_attribute(".sle-root", "data-head") == label
+    assert page.errors == [] and page.requests == []

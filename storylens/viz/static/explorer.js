@@ -756,7 +756,16 @@
     v.root.appendChild(v.ui.detail);
     applyTable(v);
     chooseColumn(v, v.state.column);
+    fromHash(v);
+    window.addEventListener("hashchange", function () { fromHash(v); });
     v.root.dataset.ready = "1";
+  }
+
+  /* explore.html#L4H2 opens that head's page (why.html's writers and the report's cards link here). */
+  function fromHash(v) {
+    var want = decodeURIComponent((window.location.hash || "").slice(1));
+    var r = v.heads.filter(function (x) { return x.label === want; })[0];
+    if (r) { select(v, r); if (v.ui.detail.scrollIntoView) { v.ui.detail.scrollIntoView(); } }
   }
 
   window.StorylensExplorer = { mount: mount, parseFilter: parseFilter };
