@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.readme_tables import update
-from storylens.circuits.run import ENOUGH, load_circuit
+from storylens.circuits.run import ENOUGH, f_text, load_circuit
 
 
 def shipped(path: str) -> str:
@@ -74,15 +74,15 @@ def shipped(path: str) -> str:
         s = r.stability
         lines += ["", f"Stability over {s.resamples} bootstrap resamples of the {rows}: Jaccard {s.jaccard:.3f} (sd "
                   f"{s.jaccard_sd:.3f}) with the {s.kept}-edge circuit; {s.core} edges found in every resample keep f "
-                  f"{round(s.core_f, 3) + 0.0:+.3f}."]  # fmt: skip
+                  f"{f_text(s.core_f, s.core_f_se)}."]  # fmt: skip
     if r.second is not None:
         t = r.second
         spread = "" if t.jaccard_sd is None else f" (sd {t.jaccard_sd:.3f} over {t.resamples} resamples of it)"
         lines += ["", f"Found again on a second file of pairs (`--second-pairs names-paraphrased`: {t.source}, "
                   f"{t.pairs} pairs of the same behaviour in ten other stories). {t.verdict} Its {t.kept}-edge circuit "
                   f"has Jaccard {t.jaccard:.3f}{spread} with this one; the {t.shared} edges both hold keep f "
-                  f"{round(t.shared_f, 3) + 0.0:+.3f} on the first pairs, and its own circuit "
-                  f"{round(t.second_f, 3) + 0.0:+.3f}."]  # fmt: skip
+                  f"{f_text(t.shared_f, t.shared_f_se)} on the first pairs, and its own circuit "
+                  f"{f_text(t.second_f, t.second_f_se)}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -150,7 +150,7 @@ def compared(paths: list[str]) -> str:
         at = f.percentages.index(0.01)
         rho = "n/a" if o is None or o.rho is None else f"{o.rho:.3f} ({len(o.disagree)} of {len(o.rows)})"
         jac = "n/a" if st is None else f"{st.jaccard:.3f} (sd {st.jaccard_sd:.3f})"
-        core = "n/a" if st is None else f"{round(st.core_f, 3) + 0.0:+.3f} ({st.core} edges)"
+        core = "n/a" if st is None else f"{f_text(st.core_f, st.core_f_se)} ({st.core} edges)"
         method = r.method + ("" if r.ig_steps is None else f" ({r.ig_steps} steps)")
         lines.append(
             f"| {method} | {r.stories:,} | {f.cpr:.3f} ± {f.cpr_se:.3f} | {f.cmd:.3f} ± {f.cmd_se:.3f} | "

@@ -238,6 +238,11 @@ def write_circuit(out: str | Path, result: CircuitResult, page: str, d_model: in
     return Path(out)
 
 
+def f_text(f: float, se: float | None) -> str:
+    """A faithfulness with its bootstrap error where there is one."""
+    return plus_minus(round(f, 3) + 0.0, se) if se is not None else f"{round(f, 3) + 0.0:+.3f}"
+
+
 def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
     """What ``storylens circuit`` prints: whether the model does the task first, then the curve, the circuit."""
     f = result.faithfulness
@@ -281,7 +286,7 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
         s = result.stability
         out.append(
             f"stability over {s.resamples} resamples of the {result.task}: Jaccard {s.jaccard:.3f} (sd {s.jaccard_sd:.3f}) "
-            f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {round(s.core_f, 3) + 0.0:+.3f}"
+            f"with the {s.kept}-edge circuit; {s.core} edges in every resample, keeping f {f_text(s.core_f, s.core_f_se)}"
         )
     if result.second is not None:
         t = result.second
@@ -289,6 +294,6 @@ def circuit_lines(result: CircuitResult, top: int = 12) -> list[str]:
         out += [
             f"on the second pairs ({t.source}, {t.pairs} pairs): {t.verdict}",
             f"  its {t.kept}-edge circuit: Jaccard {t.jaccard:.3f}{spread} with this one's; the {t.shared} edges both "
-            f"hold keep f {round(t.shared_f, 3) + 0.0:+.3f} here, its own circuit f {round(t.second_f, 3) + 0.0:+.3f}",
+            f"hold keep f {f_text(t.shared_f, t.shared_f_se)} here, its own circuit f {f_text(t.second_f, t.second_f_se)}",
         ]
     return out

@@ -32,6 +32,24 @@ class Stability(Plain):
     jaccard_sd: float | None  # None from one resample
     core: int
     core_f: float
+    core_f_se: float | None = None  # over bootstrap resamples of the pairs (None: one pair; absent in older files)
+
+
+def f_with_se(m: torch.Tensor, circuit: int, empty: int, full: int, gen: torch.Generator, resamples: int = RESAMPLES):
+    """Faithfulness ``(m(C) - m(empty)) / (m(model) - m(empty))`` from per-pair metrics ``m [condition, pair]`` (rows
+    ``circuit``, ``empty``, ``full``), and its standard error over bootstrap resamples of the pairs (the spread of
+    the ratio recomputed on each; None from one pair)."""
+
+    def f(rows: torch.Tensor) -> float:
+        mean = rows.mean(-1)
+        return float((mean[circuit] - mean[empty]) / (mean[full] - mean[empty]))
+
+    n = m.shape[1]
+    if n < 2:
+        return f(m), None
+    boot = torch.tensor([f(m[:, torch.randint(0, n, (n,), generator=gen)]) for _ in range(resamples)])
+    finite = boot[boot.isfinite()]
+    return f(m), (float(finite.std()) if len(finite) > 1 else None)
 
 
 def _top(mean: torch.Tensor, n: int) -> torch.Tensor:
@@ -54,10 +72,12 @@ def resampled(graph: Graph, mean: torch.Tensor, resamples, n: int) -> tuple[torc
     return whole, jac, torch.stack(found).all(0)
 
 
-def stability_of(n: int, whole: torch.Tensor, jac: list[float], core: torch.Tensor, core_f: float) -> Stability:
+def stability_of(
+    n: int, whole: torch.Tensor, jac: list[float], core: torch.Tensor, core_f: float, core_f_se: float | None = None
+) -> Stability:
     js = torch.tensor(jac, dtype=torch.float64)
     sd = float(js.std()) if len(jac) > 1 else None
-    return Stability(n, int(whole.sum()), len(jac), float(js.mean()), sd, int(core.sum()), core_f)
+    return Stability(n, int(whole.sum()), len(jac), float(js.mean()), sd, int(core.sum()), core_f, core_f_se)
 
 
 def stability(
@@ -71,8 +91,8 @@ def stability(
     draws = (torch.randint(0, rows, (rows,), generator=gen) for _ in range(resamples))
     whole, jac, core = resampled(scores.graph, scores.mean, (scores.per_pair[d].mean(0) for d in draws), n)
     every = ~scores.mean.isnan()
-    m = edge_metrics(model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size).mean(1)
-    return stability_of(n, whole, jac, core, float((m[0] - m[1]) / (m[2] - m[1])))
+    m = edge_metrics(model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size)
+    return stability_of(n, whole, jac, core, *f_with_se(m, 0, 1, 2, gen, resamples))
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,8 @@ class SecondPairs(Plain):
     shared: int
     shared_f: float
     second_f: float
+    shared_f_se: float | None = None  # over bootstrap resamples of the first file's pairs (None: one pair)
+    second_f_se: float | None = None
 
 
 def second_pairs(
@@ -110,12 +132,13 @@ def second_pairs(
     union = (mine | theirs).sum().item()
     shared = mine & theirs
     every = ~scores.mean.isnan()
-    m = edge_metrics(model, pairs, [shared, theirs, torch.zeros_like(every), every], batch_size=batch_size).mean(1)
+    m = edge_metrics(model, pairs, [shared, theirs, torch.zeros_like(every), every], batch_size=batch_size)
+    (shared_f, shared_se), (second_f, second_se) = (f_with_se(m, c, 2, 3, gen, resamples) for c in (0, 1))
     clean, se = mean_se(edge_metrics(model, other_pairs, [every], batch_size=batch_size)[0])
     sd = float(torch.tensor(jac, dtype=torch.float64).std()) if len(jac) > 1 else None
     return SecondPairs(
         source=source, pairs=len(other_pairs), verdict=task_verdict(float(clean), float(se), len(other_pairs)),
         kept=int(theirs.sum()), jaccard=(mine & theirs).sum().item() / union if union else 1.0, jaccard_sd=sd,
-        resamples=len(jac), shared=int(shared.sum()), shared_f=float((m[0] - m[2]) / (m[3] - m[2])),
-        second_f=float((m[1] - m[2]) / (m[3] - m[2])),
+        resamples=len(jac), shared=int(shared.sum()), shared_f=shared_f, second_f=second_f, shared_f_se=shared_se,
+        second_f_se=second_se,
     )  # fmt: skip

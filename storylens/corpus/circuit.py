@@ -28,10 +28,10 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from storylens.circuits.edges import IG_STEPS, EdgeScores, edge_mask, graph_of
-from storylens.circuits.faithfulness import PERCENTAGES, curve_of, pooled_mean, top_circuit
+from storylens.circuits.faithfulness import PERCENTAGES, curve_of, top_circuit
 from storylens.circuits.oracle import ORACLE_EDGES, oracle_choice, oracle_of, without_each
 from storylens.circuits.run import CircuitResult, assemble, smallest_faithful, write_circuit
-from storylens.circuits.stability import RESAMPLES, resampled, stability_of
+from storylens.circuits.stability import RESAMPLES, f_with_se, resampled, stability_of
 from storylens.circuits.stories import (
     ABLATIONS,
     STORY_METHODS,
@@ -326,8 +326,10 @@ def _measured(lm: AttentionLM, source, out: Path, opts: StoryCircuitOptions) -> 
         whole, jac, core = resampled(graph, scores.mean, sums.resampled(), size)
         passes.run("core", {**job, "circuits": core[None]}, _sums(RowSums))
         core_losses = RowSums(passes.saved["core"]).t["losses"][:, 1]
-        m = [pooled_mean(x, n)[0] for x in (core_losses, empty, clean)]
-        stable = stability_of(size, whole, jac, core, (m[0] - m[1]) / (m[2] - m[1]))
+        gen = torch.Generator().manual_seed(opts.seed)  # stories' summed losses: the token counts cancel in f
+        stable = stability_of(
+            size, whole, jac, core, *f_with_se(torch.stack([core_losses, empty, clean]), 0, 1, 2, gen)
+        )
     head: dict = dict(
         task="stories", ablation=opts.ablation, pairs=None, stories=int(len(n)), tokens=int(n.sum()),
         metric="summed next-token loss, pooled per predicted token (nats)",

@@ -215,6 +215,8 @@ def test_the_command_writes_what_its_schema_says_and_reads_back(shipped_model, t
     t = back.second
     assert t is not None and (t.source, t.pairs) == ("name_pairs_paraphrased.jsonl", 40) and t.resamples == 3
     assert t.verdict.startswith("The model does this task") and 0 <= t.jaccard <= 1 and t.shared <= t.kept
+    assert t.shared_f_se is not None and t.second_f_se is not None and back.stability.core_f_se is not None
+    assert f"f {t.shared_f:+.3f} ± {t.shared_f_se:.3f} here" in printed  # each f with its bootstrap error
     assert f"on the second pairs (name_pairs_paraphrased.jsonl, 40 pairs): {t.verdict}" in printed
     stories = ["circuit", "--stories", "x.txt", "--second-pairs", "names", "--out", str(tmp_path / "e")]
     assert main(stories) == 2 and "--second-pairs: only with a task of pairs" in capsys.readouterr().err
@@ -233,6 +235,23 @@ def test_the_same_pairs_twice_find_the_same_circuit(shipped_model):
     t = second_pairs(lm, pairs, scores, pairs, scores, 20, source="same", resamples=0)
     assert t.jaccard == 1.0 and t.shared == t.kept > 0 and t.jaccard_sd is None
     assert t.shared_f == t.second_f and t.verdict.startswith("The model does this task")
+    assert t.shared_f_se is None  # no resamples, no error claimed
+
+
+def test_a_faithfulness_error_is_the_spread_of_its_bootstrap():
+    """Each pair's circuit metric half way from the empty circuit's to the model's: f is 1/2 on every resample, so
+    its error is 0 (to float64 rounding); pairs that disagree give a positive one; one pair gives none."""
+    from storylens.circuits.stability import f_with_se
+
+    gen = torch.Generator().manual_seed(0)
+    empty, full = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64) + 5
+    f, se = f_with_se(torch.stack([(empty + full) / 2, empty, full]), 0, 1, 2, gen)
+    assert f == pytest.approx(0.5, abs=1e-12) and se is not None and se <= 1e-12
+    f, se = f_with_se(
+        torch.stack([empty + torch.rand(8, dtype=torch.float64) * (full - empty), empty, full]), 0, 1, 2, gen
+    )
+    assert 0 < f < 1 and se is not None and se > 0
+    assert f_with_se(torch.stack([empty, empty, full])[:, :1], 0, 1, 2, gen)[1] is None
 
 
 def test_no_eap_ig_export_for_grouped_key_value_heads():
