@@ -25,6 +25,7 @@ SLOW = {  # the order the workers take them in: the longest first, as far as I c
     "tests/viz/test_viz_browser.py": "a real headless Chromium",
     "tests/test_syncs.py": "scores the quiz's first 48 stories four times over, counting every synchronising call",
     "tests/analysis/test_why.py": "four model families' attention rebuilt from its terms, story by story, in float64",
+    "tests/analysis/test_writes.py": "four families' writes in float64, and the shipped model ablated by both rankings",
     "tests/analysis/test_weights.py": "five model families' weights, every pair's composition formed in float64",
 }
 
