@@ -45,14 +45,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench(lm, n: int) -> dict:
+def bench(lm, n: int, name: str) -> dict:
     quiz = load_split().quiz
     texts = list(quiz[:n])
     stories = encode_stories(lm, texts, name_vocabulary(quiz))
     score_heads(lm, stories[:2], progress=False)  # warm-up
     score = _timed(lambda: score_heads(lm, stories, progress=False))
     head = Head(lm.n_layer - 1, 0)
-    out = {"model": lm.name, "stories": n, "heads": lm.n_layer * lm.n_head, "score_s": round(score, 3)}
+    out = {"model": name, "stories": n, "heads": lm.n_layer * lm.n_head, "score_s": round(score, 3)}
     for positions in ("name", "prev"):
         t = _timed(lambda positions=positions: explain(lm, head, stories, positions))
         out[f"why_{positions}_s"] = round(t, 3)
@@ -69,9 +69,10 @@ def main() -> None:
     ap.add_argument("--stories", type=int, default=200)
     ap.add_argument("--llama-stories", type=int, default=20)
     args = ap.parse_args()
-    rows = [bench(load_lm(None), args.stories)]
+    rows = [bench(load_lm(None), args.stories, "Tiny Storyteller (shipped)")]
     with tempfile.TemporaryDirectory() as tmp:
-        rows.append(bench(load_lm(build("llama-30x9", Path(tmp))), args.llama_stories))
+        llama = load_lm(build("llama-30x9", Path(tmp)))
+        rows.append(bench(llama, args.llama_stories, "Llama 30 x 9, seeded random (bench_record.build)"))
     doc = {
         "cpu": _cpu(),
         "threads": torch.get_num_threads(),

@@ -40,8 +40,8 @@ def add_parser(sub) -> None:
         default=0,
         metavar="N",
         help="explain the strongest name, previous-token and induction heads by their query-key terms over the first "
-        "N quiz stories (a card each on report.html, their pages in why/; about a second a story and head on a 2-core "
-        "CPU for the shipped model; default 0: none)",
+        "N quiz stories (a card each on report.html, their pages in why/; one forward a story and head, batches of "
+        "one, so several times the scoring pass: benchmarks/bench_why.py; default 0: none)",
     )
     r.add_argument(
         "--truth-stories",
