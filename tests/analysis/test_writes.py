@@ -56,7 +56,7 @@ def _direct(lm, story):
 
         total, name = (torch.zeros(L, lm.n_head, dtype=torch.float64) for _ in "tn")
         for layer in range(L):
-            w_o = lm.head_output_weights(layer)
+            w_o = lm.head_output_weights(layer).detach()
             H, G = lm.n_head, got["v"][layer].shape[1]
             for h in range(H):
                 total[layer, h] = logit(got["z"][layer][t, h] @ w_o[h])
