@@ -64,7 +64,7 @@ def run(args) -> int:
     data = lesson_data(_quiz_folder(lm), args.stories)
     texts = list(data.quiz)[: args.limit]
     stories = encode_stories(lm, texts, name_vocabulary(data.quiz))
-    result = compare_writes(lm, texts, stories, ks=ks, mode=args.mode, progress=not args.no_progress)
+    result = compare_writes(lm, stories, ks=ks, mode=args.mode, progress=not args.no_progress)
     with publish_folder(out, "writes") as tmp:
         write_writes(result, lm.name, tmp)
     print("\n".join(describe(result)))

@@ -63,9 +63,14 @@ class WriteScores:
 
     def top(self, k: int) -> list[Head]:
         """The ``k`` heads that write most toward the name from the name (largest ``write_name`` first)."""
-        L, H = self.name.shape
-        order = torch.argsort(self.name.flatten(), descending=True, stable=True)[:k]
-        return [Head(int(i) // H, int(i) % H) for i in order]
+        return top_heads(self.name, k)
+
+
+def top_heads(values: torch.Tensor, k: int) -> list[Head]:
+    """The ``k`` heads with the largest ``values [layer, head]``, largest first (ties in block-major order)."""
+    H = values.shape[1]
+    order = torch.argsort(values.flatten(), descending=True, stable=True)[:k]
+    return [Head(int(i) // H, int(i) % H) for i in order]
 
 
 def name_queries(story: EncodedStory) -> list[int]:

@@ -22,7 +22,7 @@ from storylens.core.figures import csv_cell
 from storylens.core.heads import Head
 from storylens.core.schema import check_schema, schema, versioned
 from storylens.effects.ablation import Condition, ablation_story_losses, group_label, head_output_means
-from storylens.effects.writes import WRITE_COLUMNS, WriteScores, write_scores
+from storylens.effects.writes import WRITE_COLUMNS, WriteScores, top_heads, write_scores
 from storylens.engine.accumulate import RatioAccumulator
 from storylens.engine.encode import EncodedStory
 from storylens.engine.ranks import rank_correlation
@@ -68,12 +68,6 @@ class WriteComparison:
         return next(c for c in self.cuts if c.ranking == ranking and c.k == k)
 
 
-def _ranked(values: torch.Tensor, k: int) -> tuple[Head, ...]:
-    H = values.shape[1]
-    order = torch.argsort(values.flatten(), descending=True, stable=True)[:k]
-    return tuple(Head(int(i) // H, int(i) % H) for i in order)
-
-
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     rho = rank_correlation(a.flatten().tolist(), b.flatten().tolist())
     return math.nan if rho is None else float(rho)
@@ -89,7 +83,6 @@ def _increase(cond: torch.Tensor, base: torch.Tensor, counts: torch.Tensor, col:
 
 def compare_writes(
     lm: AttentionLM,
-    texts: Sequence[str],
     stories: Sequence[EncodedStory],
     *,
     ks: Sequence[int] = (1, 2, 4, 8),
@@ -97,7 +90,7 @@ def compare_writes(
     batch_size: int = 8,
     progress: bool = False,
 ) -> WriteComparison:
-    """The comparison over ``stories`` (``texts`` encoded, e.g. the quiz): the write-aware scores, the name mass
+    """The comparison over ``stories`` (encoded, e.g. the quiz's): the write-aware scores, the name mass
     (:func:`~storylens.table.scores.score_heads`), and ``len(ks) * 2`` ablations, each one forward over the
     stories with a main character (``progress``: a bar for each of the three passes)."""
     n_heads = lm.n_layer * lm.n_head
@@ -111,7 +104,7 @@ def compare_writes(
     mass = torch.tensor([math.nan if v is None else v for v in column], dtype=torch.float64).view(lm.n_layer, -1)
     kept = [s for s in stories if s.mention_starts]
     plan = [
-        (r, k, Condition(f"{r}{k}", _ranked(writes.name if r == "write" else mass, k), mode))
+        (r, k, Condition(f"{r}{k}", tuple(top_heads(writes.name if r == "write" else mass, k)), mode))
         for k in ks
         for r in RANKINGS
     ]

@@ -96,7 +96,7 @@ def test_ranking_by_what_heads_write_finds_heads_whose_removal_costs_the_name(sh
     lm = NativeLM(shipped_model)
     texts = list(corpus_split.quiz[:60])
     stories = encode_stories(lm, texts, name_vocabulary(texts))
-    r = compare_writes(lm, texts, stories, ks=(1, 2))
+    r = compare_writes(lm, stories, ks=(1, 2))
     assert [h.label for h in r.cut("write", 2).heads] == [h.label for h in r.writes.top(2)]
     assert r.cut("mass", 1).heads[0] == max(
         ((layer, h) for layer in range(lm.n_layer) for h in range(lm.n_head)), key=lambda lh: r.name_mass[lh]
@@ -119,3 +119,21 @@ def test_the_command_writes_its_files_and_refuses_bad_k_before_loading(tmp_path,
     rows = (out / "writes.csv").read_text().splitlines()
     assert len(rows) == 1 + len(doc["heads"]) == 25
     assert (out / "writes.png").stat().st_size > 10_000 and (out / "writes.svg").exists()
+
+
+def test_the_command_refuses_a_folder_another_command_wrote(tmp_path, corpus_split, capsys):
+    """--out is never a score run's folder nor the model folder being read: one line, and the folder as it was."""
+    from storylens.data.stories import EOT
+    from storylens.model.hub import SHIPPED_MODEL
+
+    source = tmp_path / "s.txt"
+    source.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:2]))
+    scored = tmp_path / "scored"
+    assert main(["score", "--stories", str(source), "--out", str(scored), "--no-progress"]) == 0
+    for target in (scored, SHIPPED_MODEL):
+        before = sorted(p.name for p in target.iterdir())
+        capsys.readouterr()
+        assert main(["writes", "--limit", "2", "--out", str(target), "--no-progress"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("storylens: error: ") and "\n" not in err
+        assert sorted(p.name for p in target.iterdir()) == before
