@@ -475,3 +475,40 @@ def test_rounded_weights_are_pythons_round_bit_for_bit():
         assert rounded(x) == [[round(float(v), WEIGHT_DECIMALS)] for v in x[:, 0].tolist()], dtype
     x64 = w[:4000].to(torch.float64).reshape(4, -1)
     assert rounded(x64) == [[round(v, WEIGHT_DECIMALS) for v in row] for row in x64.tolist()]
+
+
+@pytest.mark.parametrize("per_story", [None, 1, 3])
+def test_select_top_by_groups_equals_the_pairwise_definition(per_story):
+    """select_top finds the repeated (story, query) slots and each story's count by sorting; the definition is
+    pairwise (a slot is dropped when an earlier kept one has its query, or its story's quota is full): on random
+    rows with many repeats, ties and empty slots, the same slots in the same order."""
+    from storylens.looking.example_select import SPLIT, select_top
+
+    gen = torch.Generator().manual_seed(7)
+    R, M, k = 6, 40, 12
+    value = torch.randint(0, 5, (R, M), generator=gen).double()  # ties everywhere
+    value[torch.rand(R, M, generator=gen) < 0.2] = -float("inf")  # empty slots
+    ints = torch.randint(0, 4, (R, M, 3), generator=gen)  # stories 0-3, queries 0-3: repeats everywhere
+    floats = torch.cat([value[..., None], torch.rand(R, M, 2, generator=gen).double()], -1)
+
+    def pairwise(sq: torch.Tensor, real: torch.Tensor, story: torch.Tensor) -> torch.Tensor:
+        before = torch.ones(M, M, dtype=torch.bool).tril(-1)  # [i, j]: j sorts before i
+        keep = real & ~((sq[:, :, None] == sq[:, None, :]) & real[:, None, :] & before).any(-1)
+        if per_story is not None:
+            keep &= ((story[:, :, None] == story[:, None, :]) & keep[:, None, :] & before).sum(-1) < per_story
+        return keep
+
+    got = select_top(floats, ints, k, per_story)
+    real = value.isfinite()
+    sq = ints[..., 0] * SPLIT + ints[..., 1]
+    by = sq.argsort(dim=-1, stable=True)
+    order = by.gather(-1, torch.where(real, -value, torch.inf).gather(-1, by).argsort(dim=-1, stable=True))
+    o_sq, o_real, o_story = sq.gather(-1, order), real.gather(-1, order), ints[..., 0].gather(-1, order)
+    keep = pairwise(o_sq, o_real, o_story)
+    keep &= keep.cumsum(-1) <= k
+    for r in range(R):
+        slots = order[r][keep[r]]
+        n = len(slots)
+        assert 0 < n <= k
+        assert torch.equal(got[1][r, :n], ints[r, slots]) and torch.equal(got[0][r, :n], floats[r, slots])
+        assert (got[0][r, n:, 0] == -float("inf")).all()

@@ -182,12 +182,24 @@ def test_a_control_store_that_dies_ends_the_run_in_one_line(stories_file, tmp_pa
     argv = [sys.executable, "-m", "storylens", *score(big, tmp_path / "out", "--workers", "1")]
     p = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
     me = psutil.Process(p.pid)
-    deadline, gcs = time.time() + 300, None
-    while gcs is None and time.time() < deadline and p.poll() is None:
+
+    def child(part: str) -> psutil.Process | None:
+        for c in me.children(recursive=True):
+            try:
+                if part in " ".join(c.cmdline()):
+                    return c
+            except psutil.Error:  # gone between the listing and the look
+                pass
+        return None
+
+    # The GCS is killed once an actor is at work, not at a fixed time after the GCS appears: on a loaded machine
+    # the node may still be starting then, and the run ends on "cannot start a local Ray" instead (a CI failure).
+    deadline, gcs, actor = time.time() + 300, None, None
+    while actor is None and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)
-        gcs = next((c for c in me.children(recursive=True) if "gcs_server" in " ".join(c.cmdline())), None)
-    assert gcs is not None, "no GCS started"
-    time.sleep(5)  # the actors at work
+        gcs, actor = child("gcs_server"), child("MapWorker")
+    assert gcs is not None and actor is not None, "no GCS or no scoring actor started"
+    time.sleep(2)  # the actor at work
     gcs.kill()
     _, err = p.communicate(timeout=300)
     lines = [x for x in err.strip().splitlines() if x.strip()]

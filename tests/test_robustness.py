@@ -536,7 +536,8 @@ def test_exit_codes_follow_the_convention(tmp_path, capsys):
     from storylens.data.stories import default_corpus_path
 
     big = tmp_path / "big.txt"
-    big.write_text("".join(f"{s}\n{EOT}\n" for s in read_stories(default_corpus_path())[-200:]))
+    # 1,000 stories: long enough after the first checkpoint that the signal lands in the run on a loaded machine
+    big.write_text("".join(f"{s}\n{EOT}\n" for s in read_stories(default_corpus_path())[-1000:]))
     ckpt = tmp_path / "o.checkpoint.json"
     p = subprocess.Popen(
         [sys.executable, "-m", "storylens", *_score(tmp_path / "o", "--stories", str(big), "--checkpoint-every", "1")],
@@ -548,6 +549,7 @@ def test_exit_codes_follow_the_convention(tmp_path, capsys):
     deadline = time.time() + 120
     while not ckpt.exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
+    assert p.poll() is None, f"the run ended (exit {p.returncode}) before a checkpoint was seen"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.strip().splitlines() == ["storylens: interrupted"], err

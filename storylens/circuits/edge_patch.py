@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from storylens.circuits.edges import Graph, Metric, graph_of
+from storylens.circuits.edges import Graph, Metric, edge_mask, graph_of
 from storylens.circuits.receivers import MLP_NORMS
 from storylens.core.errors import StorylensError
 from storylens.lm import AttentionLM, Hook
@@ -368,3 +368,35 @@ def patch_edges(lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: tor
         return _copied(lm, ids, metric, ablated, away)
     assert logits is not None
     return metric(logits).double()
+
+
+@torch.no_grad()
+def circuit_metrics(
+    lm: AttentionLM,
+    ids: torch.Tensor,
+    metric: Metric,
+    circuits: list[torch.Tensor],
+    away: Away,
+    ablated_run: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
+    True in it) ablated, each distinct circuit run once: one that keeps every edge is the run itself (a bare
+    forward), one that keeps none is the ablated run (``ablated_run``, its metric ``[batch]``, where the caller made
+    it; else patched like any other). The curve's smallest sizes often prune to nothing and its largest keeps all."""
+    mask = edge_mask(graph_of(lm))
+    done: dict[bytes, torch.Tensor] = {}
+    out = []
+    for c in circuits:
+        c = c.cpu() & mask
+        key = c.flatten().numpy().tobytes()
+        if key not in done:
+            if torch.equal(c, mask):
+                logits = lm.forward(ids)
+                assert logits is not None
+                done[key] = metric(logits).double()
+            elif ablated_run is not None and not c.any():
+                done[key] = ablated_run.double()
+            else:
+                done[key] = patch_edges(lm, ids, metric, ~c, away)
+        out.append(done[key].cpu())
+    return torch.stack(out)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.edge_patch import Away, patch_edges
-from storylens.circuits.edges import EdgeScores, Graph, Metric, fitting_pairs, run_pass, writer_outputs
+from storylens.circuits.edge_patch import Away, circuit_metrics
+from storylens.circuits.edges import WRITTEN, EdgeScores, Graph, Metric, fitting_pairs, run_pass, writer_outputs
 from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
 from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, pair_batches, pair_metric
@@ -31,11 +31,12 @@ PERCENTAGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB
 BOOTSTRAP = 1000  # resamples of the pairs for the errors of f, CPR and CMD
 
 
-def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> Away:
-    """Each writer's output less its output on the corrupt prompts."""
-    _, seen = run_pass(lm, b.corrupt, metric, grad=False)
+def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, torch.Tensor]:
+    """Each writer's output less its output on the corrupt prompts, and the metric of that corrupt run (what the
+    circuit with no edge gives)."""
+    value, seen = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
     corrupt = writer_outputs(lm, seen)  # [batch, pos, writer, d_model]
-    return lambda i, a: a - corrupt[:, :, i].to(a.dtype)
+    return (lambda i, a: a - corrupt[:, :, i].to(a.dtype)), value
 
 
 def edge_metrics(
@@ -49,8 +50,8 @@ def edge_metrics(
     out = []
     for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size)):
         metric = functools.partial(pair_metric, b=b)
-        away = _corrupt_away(lm, b, metric)
-        out.append(torch.stack([patch_edges(lm, b.clean, metric, ~c, away).cpu() for c in circuits]))
+        away, corrupt = _corrupt_away(lm, b, metric)
+        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt))
     return torch.cat(out, 1)
 
 

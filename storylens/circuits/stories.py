@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from storylens.circuits.edge_patch import Away, patch_edges
+from storylens.circuits.edge_patch import Away, circuit_metrics
 from storylens.circuits.edges import Metric, batch_scores, run_pass
 from storylens.core.batching import length_batches, pad_batch, valid_mask
 from storylens.core.errors import StorylensError
@@ -177,7 +177,7 @@ def loss_batch(
     receiver]`` bool) ablated."""
     metric = story_metric(ids, valid)
     away = _away(lm, values, ids.device)
-    return torch.stack([patch_edges(lm, ids, metric, ~c, away).cpu() for c in circuits])
+    return circuit_metrics(lm, ids, metric, list(circuits), away)
 
 
 def clean_losses(lm: AttentionLM, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,30 @@ def taken_rows(take: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return fi.clamp(max=n - 1), fi < n
 
 
+def _groups(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key [R, M]`` stably sorted per row: the order, and where each group of equal keys starts in it."""
+    idx = key.argsort(dim=-1, stable=True)  # equal keys keep their order: a group's first is its earliest
+    k = key.gather(-1, idx)
+    start = torch.ones_like(k, dtype=torch.bool)
+    start[:, 1:] = k[:, 1:] != k[:, :-1]
+    return idx, start
+
+
+def _first_of_group(key: torch.Tensor) -> torch.Tensor:
+    """``[R, M]`` bool: True where no earlier slot of the row has the same key."""
+    idx, start = _groups(key)
+    return torch.empty_like(start).scatter_(-1, idx, start)
+
+
+def _kept_before_in_group(key: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[R, M]``: how many earlier slots of the row with the same key are kept."""
+    idx, start = _groups(key)
+    kept = keep.gather(-1, idx).long()
+    before = kept.cumsum(-1) - kept  # kept slots earlier in the sorted row
+    first = torch.where(start, torch.arange(key.shape[1], device=key.device), 0).cummax(-1).values  # group start
+    return torch.empty_like(before).scatter_(-1, idx, before - before.gather(-1, first))
+
+
 def select_top(
     floats: torch.Tensor, ints: torch.Tensor, k: int, per_story: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,12 +245,12 @@ def select_top(
     down = torch.where(real, -value, math.inf).gather(-1, by).argsort(dim=-1, stable=True)
     order = by.gather(-1, down)  # [R, M]: the slots best first
     sq, real, story = sq.gather(-1, order), real.gather(-1, order), ints[..., 0].gather(-1, order)
-    before = torch.ones(M, M, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j sorts before i
-    twice = ((sq[:, :, None] == sq[:, None, :]) & real[:, None, :] & before).any(-1)  # [R, M]
-    keep = real & ~twice
+    # The real slots come first in this order (the empty ones sort last), so a real slot is seen before when an
+    # earlier slot has its (story, query): it is not the first of its group. Groups by a stable sort: O(M log M)
+    # per row, where the pairwise [R, M, M] comparison this replaced took 30 s and gigabytes at k in the thousands.
+    keep = real & _first_of_group(sq)
     if per_story is not None:  # how many of its story sort before it (those skipped change nothing)
-        ahead = ((story[:, :, None] == story[:, None, :]) & keep[:, None, :] & before).sum(-1)
-        keep &= ahead < per_story
+        keep &= _kept_before_in_group(story, keep) < per_story
     keep &= keep.cumsum(-1) <= k
     at = torch.where(keep, torch.arange(M, device=dev), M).sort(-1).values[:, :k]  # [R, k]; M: empty
     slot = order.gather(-1, at.clamp(max=M - 1))

@@ -80,6 +80,11 @@ def test_none_is_the_clean_run_every_edge_the_corrupt_one_and_one_edge_the_edit_
         clean, corrupt = pair_metric(lm.forward(b.clean), b), pair_metric(lm.forward(b.corrupt), b)
     assert (got[0] - clean).abs().max() <= 1e-9 and (got[1] - corrupt).abs().max() <= 1e-9
     assert (clean - corrupt).abs().min() > 1e-6  # the two ends differ: a real test of both
+    from storylens.circuits import edge_patch  # edge_metrics takes the two ends from bare runs: patched, the same
+
+    away, metric = edge_patch_away(lm, b), (lambda x: pair_metric(x, b))
+    assert (edge_patch.patch_edges(lm, b.clean, metric, ~every, away) - clean).abs().max() <= 1e-9
+    assert (edge_patch.patch_edges(lm, b.clean, metric, every, away) - corrupt).abs().max() <= 1e-9
     for (layer, h, receiver, label), row in zip(cases, got[2:]):
         want = _by_hand(lm, b, layer, h, receiver)
         assert (row - want).abs().max() <= 1e-9, label
@@ -111,6 +116,24 @@ def test_the_one_copy_pass_is_the_pass_with_copies(tiny, task_pairs, monkeypatch
         assert rows[-1] > b.clean.shape[0]  # the copies pass carried copies: the two differ in kind
         assert (fast - slow).abs().max().item() <= 1e-9, share
     assert lm.module not in edge_patch._COPIES
+
+
+def test_each_distinct_circuit_is_patched_once_and_the_two_ends_not_at_all(tiny, task_pairs, monkeypatch):
+    """The curve's circuits repeat (its smallest sizes prune to nothing, its largest keeps every edge): each
+    distinct one is patched once; every edge kept is a bare forward, none the corrupt run already made."""
+    from storylens.circuits import edge_patch
+
+    lm, pairs = tiny, task_pairs
+    every = ~eap_scores(lm, pairs).mean.isnan()
+    some = every & (torch.rand(every.shape, generator=torch.Generator().manual_seed(1)) < 0.5)
+    want = edge_metrics(lm, pairs, [some])[0]
+    calls = []
+    real = edge_patch.patch_edges
+    monkeypatch.setattr(edge_patch, "patch_edges", lambda *a: calls.append(1) or real(*a))
+    got = edge_metrics(lm, pairs, [every, torch.zeros_like(every), some, some.clone(), every])
+    assert len(calls) == len(pair_batches(lm, pairs))  # `some` once per batch, nothing else
+    assert torch.equal(got[2], want) and torch.equal(got[3], want) and torch.equal(got[0], got[4])
+    assert (got[0] - got[1]).abs().min() > 1e-6
 
 
 def test_a_misread_structure_falls_back_to_copies(tiny, task_pairs, monkeypatch):
