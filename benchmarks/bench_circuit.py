@@ -11,7 +11,8 @@
   pairs of 21 to 35 tokens, and one story of 2,000 tokens (the shipped quiz run together) under zero ablation:
   the edges (grouped, and what ungrouping would give), EAP's and EAP-IG's time against a bare forward, a
   faithfulness curve (seeded random circuits at MIB's ten sizes, each run exactly, and the corrupt run they share:
-  the target is about ten forwards) against a bare forward,
+  the target is about ten forwards; random circuits cut nearly every receiver from a set of its own, the costliest
+  case) and the curve ``circuit`` runs (EAP's top circuits at those sizes, pruned) against a bare forward,
   and the peak memory each adds above the model (the resident peak from a reset, a fresh process per method) against the size
   of the ``[batch, pos, writers, d_model]`` difference buffer EAP-IG's code holds whole.
 """
@@ -105,11 +106,15 @@ def llama_one(folder: str, what: str, n: int) -> dict:
     else:
         pairs = _llama_pairs(lm, n)
         fwd = min(_forward_time(lm, pairs) for _ in range(2))
+    scores = eap_scores(lm, pairs) if what == "curve" else None  # the circuits the curve runs, not timed
     base = _reset_peak()
     t = time.perf_counter()
     curve = [_random_circuit(lm, share) for share in PERCENTAGES]
     if what == "patched":
         edge_metrics(lm, pairs, curve)
+    elif what == "curve":
+        assert scores is not None
+        faithfulness(lm, pairs, scores)
     elif what == "story":
         edge_batch(lm, ids, valid, zero_values(lm), "eap", 1)
     elif what == "story-patched":
@@ -155,7 +160,7 @@ def shape(kind: str, n: int, base: Path) -> dict:
     }
     out["story_tokens"] = min(STORY_TOKENS, lm.window)  # GPT-2 small's window is 1,024
     out["story_buffer_mb"] = out["story_tokens"] * len(g.writers) * d_model * 4 / 2**20
-    for what in ("eap", "eap-ig-inputs", "patched", "story", "story-patched"):
+    for what in ("eap", "eap-ig-inputs", "patched", "curve", "story", "story-patched"):
         cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         out[what] = res

@@ -111,6 +111,7 @@ def cost(path: str) -> str:
         "eap": "EAP",
         "eap-ig-inputs": "EAP-IG (inputs)",
         "patched": "a faithfulness curve: 10 random circuits at MIB's sizes, each run exactly (target: about 10)",
+        "curve": "the curve `circuit` runs: EAP's top circuits at MIB's sizes, pruned, each run exactly",
         "story": "EAP on one story",
         "story-patched": "the faithfulness curve on it",
     }

@@ -400,7 +400,7 @@ def batch_scores(
     edits = _edits(lm, method, steps, clean, ablated)
     scores = torch.zeros(ids.shape[0], len(graph.writers), len(graph.receivers), dtype=torch.float64)
     rows, each = ids.shape[0], _steps_at_once(lm, ids, steps)
-    summed = _GradSums(lm, ids) if _GradSums.fits(lm, ids) else None
+    summed = _GradSums() if _GradSums.fits(lm, ids) else None
     for kind, layer, shifts in edits:  # a node's steps, as many at once as one graph holds
         for k in range(0, steps, each):
             n = min(each, steps - k)
@@ -421,7 +421,7 @@ class _GradSums:
     block, where that fits :data:`GRAD_SUM_BYTES` (then one contraction with the differences a batch, not one a
     pass)."""
 
-    def __init__(self, lm: AttentionLM, ids: torch.Tensor):
+    def __init__(self) -> None:
         self.logits: torch.Tensor | None = None
         self.sums: dict[int, torch.Tensor] = {}
 
@@ -446,9 +446,10 @@ def _steps_at_once(lm: AttentionLM, ids: torch.Tensor, steps: int) -> int:
     model's graph within :data:`CIRCUIT_GRAPH_BYTES` (one pass with a graph and one backward
     each, the contraction once), else one (block by block)."""
     blocks = lm.blocks()
-    if blocks is None or len(blocks) != lm.n_layer or not _graph_fits(lm, blocks, ids):
+    if blocks is None or len(blocks) != lm.n_layer:
         return 1
-    return max(1, min(steps, int(CIRCUIT_GRAPH_BYTES // max(lm.n_layer * _block_cost(lm, blocks, ids).batch(ids), 1))))
+    graph = lm.n_layer * _block_cost(lm, blocks, ids).batch(ids)  # the whole model's graph on the batch once
+    return 1 if graph > CIRCUIT_GRAPH_BYTES else max(1, min(steps, int(CIRCUIT_GRAPH_BYTES // max(graph, 1))))
 
 
 def _given(ablated: dict, run: dict) -> dict:
