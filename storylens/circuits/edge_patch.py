@@ -63,6 +63,9 @@ class _EdgePatcher:
         self.kept = sorted({i for _, idx in self.plans for i in idx})  # the writers whose own diff a receiver needs
         self.rows = {w: i for i, w in enumerate(self.kept)}  # writer -> its row of buf
         self.buf: torch.Tensor | None = None  # [kept writers, batch, pos, d_model]: their diffs, filled in order
+        # the running sum is read only by a receiver made from "every diff but some" (a small circuit's); without one
+        # (every edge but a few: the oracle, a large circuit) only the kept writers' diffs are made
+        self.summed = any(mode == "kept" for mode, _ in self.plans)
 
     def _cut(self, receiver: int) -> tuple[bool, ...]:
         return tuple(self.ablated[: self.graph.upstream(receiver), receiver].tolist())
@@ -125,6 +128,33 @@ class _EdgePatcher:
     def _first(self, layer: int) -> int:
         return layer * _per_block(self.graph)
 
+    def _wanted(self, i: int) -> bool:
+        """Whether writer ``i``'s diff is read: into the running sum, or alone by a receiver."""
+        return self.summed or i in self.rows
+
+    def _add(self, a: torch.Tensor) -> None:
+        """The next writer's output ``a``: its diff added (:meth:`_add_diff`) where it is read, else only counted."""
+        if self._wanted(self.written):
+            self._add_diff(self.away(self.written, a))
+        else:
+            self.written += 1
+
+    def _total(self, like: torch.Tensor) -> torch.Tensor:
+        """The running sum of the diffs (where no receiver reads it, ``like``: a stand-in never read)."""
+        return like if self.before is None else self.before
+
+    def _head_diffs(self, z: torch.Tensor, w_o: torch.Tensor) -> None:
+        """A block's heads' outputs from ``z`` ``[batch, pos, head, d_head]``, each diff added where it is read
+        (only those heads' outputs are made)."""
+        start = self.written
+        heads = [h for h in range(z.shape[2]) if self._wanted(start + h)]
+        out = torch.einsum("bphd,hdm->bphm", z[:, :, heads], w_o[heads]) if heads else None
+        for j, h in enumerate(heads):
+            assert out is not None
+            self.written = start + h  # _add_diff files the diff under writer `written`
+            self._add_diff(self.away(start + h, out[:, :, j]))
+        self.written = start + z.shape[2]
+
     def _add_diff(self, d: torch.Tensor) -> None:
         """Writer ``self.written``'s diff: into the running total, and kept alone only where a receiver needs it
         (so a small circuit, or every edge but a few, never holds ``[batch, pos, writer, d_model]``)."""
@@ -140,13 +170,12 @@ class _EdgePatcher:
         b, layer = self.b, hook.layer
         x0 = x[:b]
         if layer == 0:
-            self._add_diff(self.away(0, x0))
+            self._add(x0)
         self.x0 = x0
-        assert self.before is not None
         copies = [x0] * self.copies
         slots, first = self.slots[layer], self._first(layer)
         firsts = {s: first + r for r, s in reversed(list(enumerate(slots[:-1]))) if s}  # a receiver per copy
-        for s, x in zip(firsts, self._inputs(x0, list(firsts.values()), self.before)):
+        for s, x in zip(firsts, self._inputs(x0, list(firsts.values()), self._total(x0))):
             copies[s] = x
         return torch.cat(copies, 0)  # the MLP's copy: its input comes through hook_attn_out
 
@@ -173,20 +202,17 @@ class _EdgePatcher:
 
     def z(self, z: torch.Tensor, hook: Hook) -> None:
         w_o = self.lm.head_output_weights(hook.layer).to(z.dtype)
-        out = torch.einsum("bphd,hdm->bphm", z[: self.b], w_o)
-        start = self.written
-        for h in range(out.shape[2]):
-            self._add_diff(self.away(start + h, out[:, :, h]))
+        self._head_diffs(z[: self.b], w_o)
 
     def attn_out(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         b, m = self.b, self.slots[hook.layer][-1]
         if not m:
             return x
-        assert self.x0 is not None and self.before is not None
+        assert self.x0 is not None
         mid = self.x0 + x[:b]
         x = x.clone()
         x[m * b : (m + 1) * b] = (
-            self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self.before) - self.x0
+            self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self._total(mid)) - self.x0
         )
         return x
 
@@ -195,12 +221,11 @@ class _EdgePatcher:
         if m:
             x = x.clone()
             x[:b] = x[m * b : (m + 1) * b]
-        self._add_diff(self.away(self.written, x[:b]))
+        self._add(x[:b])
         return x
 
     def resid_post(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
-        assert self.before is not None
-        return self._input(x[: self.b], len(self.graph.receivers) - 1, self.before)  # the run alone to the logits
+        return self._input(x[: self.b], len(self.graph.receivers) - 1, self._total(x[: self.b]))  # the run alone
 
     def hooks(self) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
@@ -239,12 +264,11 @@ class _ProjectedPatcher(_EdgePatcher):
     def resid_pre(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         layer = hook.layer
         if layer == 0:
-            self._add_diff(self.away(0, x))
+            self._add(x)
         self.x0, self.normed = x, {}
         slots, first = self.slots[layer], self._first(layer)
         firsts = {s: first + r for r, s in reversed(list(enumerate(slots[:-1]))) if s}  # a receiver per copy
-        assert self.before is not None
-        for s, y in zip(firsts, self._inputs(x, list(firsts.values()), self.before)):
+        for s, y in zip(firsts, self._inputs(x, list(firsts.values()), self._total(x))):
             self.normed[s] = self.norms[layer](y)
         if layer == 0:
             self.normed[0] = self.norms[0](x)  # for the check in _project
@@ -285,9 +309,9 @@ class _ProjectedPatcher(_EdgePatcher):
     def attn_out(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         self.mlp_input = None
         if self.slots[hook.layer][-1]:
-            assert self.x0 is not None and self.before is not None
+            assert self.x0 is not None
             mid = self.x0 + x
-            self.mlp_input = (mid, self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self.before))
+            self.mlp_input = (mid, self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self._total(mid)))
         return x
 
     def mlp_norm(self, module: torch.nn.Module, args: tuple) -> tuple | None:
@@ -303,12 +327,11 @@ class _ProjectedPatcher(_EdgePatcher):
 
     def mlp_out(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         self.failed = self.failed or self.mlp_input is not None  # its norm never read the MLP receiver's input
-        self._add_diff(self.away(self.written, x))
+        self._add(x)
         return x
 
     def resid_post(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
-        assert self.before is not None
-        return self._input(x, len(self.graph.receivers) - 1, self.before)
+        return self._input(x, len(self.graph.receivers) - 1, self._total(x))
 
 
 def _rebuilt(got: torch.Tensor, normed: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
