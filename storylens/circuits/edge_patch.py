@@ -135,9 +135,8 @@ class _EdgePatcher:
     def _add(self, a: torch.Tensor) -> None:
         """The next writer's output ``a``: its diff added (:meth:`_add_diff`) where it is read, else only counted."""
         if self._wanted(self.written):
-            self._add_diff(self.away(self.written, a))
-        else:
-            self.written += 1
+            self._add_diff(self.written, self.away(self.written, a))
+        self.written += 1
 
     def _total(self, like: torch.Tensor) -> torch.Tensor:
         """The running sum of the diffs (where no receiver reads it, ``like``: a stand-in never read)."""
@@ -151,20 +150,18 @@ class _EdgePatcher:
         out = torch.einsum("bphd,hdm->bphm", z[:, :, heads], w_o[heads]) if heads else None
         for j, h in enumerate(heads):
             assert out is not None
-            self.written = start + h  # _add_diff files the diff under writer `written`
-            self._add_diff(self.away(start + h, out[:, :, j]))
+            self._add_diff(start + h, self.away(start + h, out[:, :, j]))
         self.written = start + z.shape[2]
 
-    def _add_diff(self, d: torch.Tensor) -> None:
-        """Writer ``self.written``'s diff: into the running total, and kept alone only where a receiver needs it
-        (so a small circuit, or every edge but a few, never holds ``[batch, pos, writer, d_model]``)."""
+    def _add_diff(self, i: int, d: torch.Tensor) -> None:
+        """Writer ``i``'s diff: into the running total, and kept alone only where a receiver needs it (so a small
+        circuit, or every edge but a few, never holds ``[batch, pos, writer, d_model]``)."""
         self.before = d.clone() if self.before is None else self.before.add_(d)
-        row = self.rows.get(self.written)
+        row = self.rows.get(i)
         if row is not None:
             if self.buf is None:
                 self.buf = torch.empty(len(self.kept), *d.shape, dtype=d.dtype, device=d.device)
             self.buf[row] = d
-        self.written += 1
 
     def resid_pre(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         b, layer = self.b, hook.layer

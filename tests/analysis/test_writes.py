@@ -7,6 +7,7 @@ on the shipped model, and the command writes what its schema accepts."""
 import json
 
 import torch
+from cli_lines import refuses_others_folders
 
 from storylens.cli import main
 from storylens.core.schema import check_schema, schema
@@ -123,17 +124,4 @@ def test_the_command_writes_its_files_and_refuses_bad_k_before_loading(tmp_path,
 
 def test_the_command_refuses_a_folder_another_command_wrote(tmp_path, corpus_split, capsys):
     """--out is never a score run's folder nor the model folder being read: one line, and the folder as it was."""
-    from storylens.data.stories import EOT
-    from storylens.model.hub import SHIPPED_MODEL
-
-    source = tmp_path / "s.txt"
-    source.write_text("".join(f"{s}\n{EOT}\n" for s in corpus_split.quiz[:2]))
-    scored = tmp_path / "scored"
-    assert main(["score", "--stories", str(source), "--out", str(scored), "--no-progress"]) == 0
-    for target in (scored, SHIPPED_MODEL):
-        before = sorted(p.name for p in target.iterdir())
-        capsys.readouterr()
-        assert main(["writes", "--limit", "2", "--out", str(target), "--no-progress"]) == 1
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("storylens: error: ") and "\n" not in err
-        assert sorted(p.name for p in target.iterdir()) == before
+    refuses_others_folders(capsys, tmp_path, corpus_split.quiz, ["writes", "--limit", "2", "--no-progress"])
