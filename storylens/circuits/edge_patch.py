@@ -4,12 +4,16 @@ the exact runs behind :mod:`storylens.circuits.faithfulness` and :mod:`storylens
 A circuit ``C`` is a set of edges; every edge outside it carries the corrupt run's value.
 Each receiver ``v`` then reads ``x_v = x - sum_{u -> v not in C} (a[u] - a_corrupt[u])``: the residual stream of
 this run less, for each ablated edge into it, the writer's output in this run against its output on the
-corrupt prompt (EAP-IG's ``evaluate_graph``). Every head's query, key and value input and every MLP's input
-can differ, so one forward pass carries ``1 + R`` copies of each pair along the batch (``R`` a block's
-receivers): the first is the run; at each block, copy ``r`` gets receiver ``r``'s input at ``hook_resid_pre``
-(the MLP's copy its input through ``hook_attn_out``), and the run takes from it only that receiver's output
-(its head's slice of ``hook_q``/``hook_k``/``hook_v``, or ``hook_mlp_out``); the logits read the run's last
-residual, edited alike. With no edge ablated this is the clean run; with every edge ablated, the corrupt one.
+corrupt prompt (EAP-IG's ``evaluate_graph``). Where most edges into ``v`` are ablated it reads, equally,
+``x_v = base_v + sum_{u -> v in C} (a[u] - a_corrupt[u])``, ``base_v`` the residual stream with every edge
+ablated (:class:`Bases`: the same for every circuit of a batch, made once by :func:`ablated_bases`); a receiver
+cut from everything reads ``base_v`` itself, and its head's query, key or value is the one made once from it.
+
+Every head's query, key and value input and every MLP's input can differ, so one forward pass carries ``1 + R``
+copies of each pair along the batch (``R`` a block's receivers): the first is the run; at each block, copy ``r``
+gets receiver ``r``'s input at ``hook_resid_pre`` (the MLP's copy its input through ``hook_attn_out``), and the run
+takes from it only that receiver's output (its head's slice of ``hook_q``/``hook_k``/``hook_v``, or
+``hook_mlp_out``); the logits read the run's last residual, edited alike. With no edge ablated this is the clean run; with every edge ablated, the corrupt one.
 
 **One copy where the model's structure is read** (:class:`_ProjectedPatcher`, what runs on GPT-2, GPT-Neo, Llama
 and the native model): a head's query, key or value is its input through the block's attention norm (the module
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,28 +39,139 @@ from storylens.core.errors import StorylensError
 from storylens.lm import AttentionLM, Hook
 
 Away = Callable[[int, torch.Tensor], torch.Tensor]  # writer, its output here -> that output less its ablated value
-DENSE_SHARE = 5  # receivers' inputs made by one matrix product once a fifth of the kept diffs are used (else adds)
+PROJ_BYTES = 256 << 20  # the heads' projections of the ablated stream a batch may keep (else made again per run)
 
 
 def _per_block(graph: Graph) -> int:
     return graph.n_head + 2 * graph.n_kv + 1
 
 
+def _dense(adds: int, receivers: int, rows: int) -> bool:
+    """Whether ``receivers``' inputs, ``adds`` diffs in all, are cheaper by one matrix product over ``rows`` diffs
+    than by additions: the product reads each row once (about a sixth of an addition's pass, which reads two
+    tensors and writes one) and does a multiply-add per receiver on it (about a 24th each, on two CPU cores;
+    measured side by side against other splits on the 30 x 9 Llama and GPT-2 small)."""
+    return 6 * adds >= (4 + receivers) * rows
+
+
+def _hooks(owner: _BaseHooks | _EdgePatcher, n_layer: int, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
+    """``owner``'s methods named ``kinds`` on every block's hook point of that kind (``q``, ``k``, ``v`` and ``z``
+    the attention's), and its ``resid_post`` on the last block's output."""
+    out: list[tuple[str, object]] = []
+    for i in range(n_layer):
+        out += [(f"blocks.{i}.{'attn.' if len(k) == 1 else ''}hook_{k}", getattr(owner, k)) for k in kinds]
+    return out + [(f"blocks.{n_layer - 1}.hook_resid_post", owner.resid_post)]
+
+
+@dataclass
+class Bases:
+    """The residual stream with every edge ablated (the module docstring's ``base_v``), at the three places
+    receivers read it: each block's input ``pre`` and its middle ``mid`` (the MLP's), and the last block's output
+    ``post`` (the logits'), each ``[batch, pos, d_model]``; ``proj`` per block the heads' ``q``, ``k`` and ``v`` made
+    from ``pre`` ``[batch, pos, n, d_head]`` (empty where not kept: the model's structure not read, or over
+    :data:`PROJ_BYTES`); ``metric`` the run's own (no edge ablated) ``[batch]``; ``spare`` the diffs' buffer the runs
+    on these bases pass on to the next (a fresh one each run is a page fault per 4 kB written)."""
+
+    pre: list[torch.Tensor]
+    mid: list[torch.Tensor]
+    post: torch.Tensor
+    proj: list[dict[str, torch.Tensor]]
+    metric: torch.Tensor
+    spare: torch.Tensor | None = None
+
+
+class _BaseHooks:
+    """The hooks of the pass that makes :class:`Bases`: the run, each place's residual less every writer's diff
+    so far (``away``)."""
+
+    def __init__(self, lm: AttentionLM, away: Away, norms: list[torch.nn.Module] | None):
+        self.lm, self.away, self.norms = lm, away, norms
+        self.written = 0
+        self.total: torch.Tensor | None = None  # the sum of every diff so far
+        self.x0: torch.Tensor | None = None
+        self.pre: list[torch.Tensor] = []
+        self.mid: list[torch.Tensor] = []
+        self.post: torch.Tensor | None = None
+        self.proj: list[dict[str, torch.Tensor]] = []
+
+    def _add(self, d: torch.Tensor) -> None:
+        self.total = d.clone() if self.total is None else self.total.add_(d)
+        self.written += 1
+
+    def _less(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.total is not None
+        return x - self.total.to(x.dtype)
+
+    def resid_pre(self, x: torch.Tensor, hook: Hook) -> None:
+        if hook.layer == 0:
+            self._add(self.away(0, x))
+        self.x0 = x
+        self.pre.append(self._less(x))
+        if self.norms is not None:
+            normed = self.norms[hook.layer](self.pre[-1])
+            made = {}
+            for part in "qkv":
+                w, bias = self.lm.projection_weights(hook.layer, part)  # [n, d_model, d_head], [n, d_head]
+                y = torch.einsum("bpm,nmd->bpnd", normed, w.to(normed.dtype))
+                made[part] = y if bias is None else y + bias.to(y.dtype)
+            self.proj.append(made)
+
+    def z(self, z: torch.Tensor, hook: Hook) -> None:
+        w_o = self.lm.head_output_weights(hook.layer).to(z.dtype)
+        out = torch.einsum("bphd,hdm->bphm", z, w_o)
+        for h in range(out.shape[2]):
+            self._add(self.away(self.written, out[:, :, h]))
+
+    def attn_out(self, x: torch.Tensor, hook: Hook) -> None:
+        assert self.x0 is not None
+        self.mid.append(self._less(self.x0 + x))
+
+    def mlp_out(self, x: torch.Tensor, hook: Hook) -> None:
+        self._add(self.away(self.written, x))
+
+    def resid_post(self, x: torch.Tensor, hook: Hook) -> None:
+        self.post = self._less(x)
+
+    def hooks(self) -> list[tuple[str, object]]:
+        return _hooks(self, self.lm.n_layer, ("resid_pre", "z", "attn_out", "mlp_out"))
+
+
+def _proj_bytes(lm: AttentionLM, ids: torch.Tensor) -> int:
+    """The bytes of :attr:`Bases.proj` on ``ids``: every block's query, key and value heads at every position."""
+    g = graph_of(lm)
+    d_head = lm.head_output_weights(0).shape[1]
+    return lm.n_layer * ids.numel() * (g.n_head + 2 * g.n_kv) * d_head * torch.finfo(lm.dtype).bits // 8
+
+
+@torch.no_grad()
+def ablated_bases(lm: AttentionLM, ids: torch.Tensor, metric: Metric, away: Away) -> Bases:
+    """:class:`Bases` of a batch ``ids``: one run of the model with nothing ablated, each place's residual stream
+    less the sum of every writer's ``away`` before it (a bias, the same in either run, stays in)."""
+    norms = _norms(lm)
+    keep = norms is not None and _proj_bytes(lm, ids) <= PROJ_BYTES
+    hooks = _BaseHooks(lm, away, norms[0] if keep and norms is not None else None)
+    with lm.hooks(hooks.hooks()):  # type: ignore[arg-type]
+        logits = lm.forward(ids)
+    assert logits is not None and hooks.post is not None
+    return Bases(hooks.pre, hooks.mid, hooks.post, hooks.proj, metric(logits).double())
+
+
 class _EdgePatcher:
     """The hooks of one edge-patched pass over a batch of ``b`` rows (the module docstring): ``ablated``
     ``[writer, receiver]`` (True: the edge carries the ablated value), ``away(i, a)`` writer ``i``'s output ``a``
-    ``[batch, pos, d_model]`` in this run less its ablated value (on the corrupt prompt, or its mean).
+    ``[batch, pos, d_model]`` in this run less its ablated value (on the corrupt prompt, or its mean), ``bases``
+    the residual stream with every edge ablated (None where no receiver reads it: :func:`needs_bases`).
 
     Receivers of a block whose ablated edges are the same read the same input, so they share a copy, and one
     with none ablated reads the run itself (copy 0): a small circuit (most receivers cut from everything) or
     every edge but one (the oracle) needs two or three copies, not one per receiver. :attr:`copies` is the most
-    any block needs; a block needing fewer fills the rest with the run's input."""
+    any block needs; a block needing fewer fills the rest with the run's input. Only the diffs some receiver
+    reads are made."""
 
-    def __init__(self, lm: AttentionLM, ablated: torch.Tensor, away: Away, b: int):
-        self.lm, self.graph, self.b = lm, graph_of(lm), b
+    def __init__(self, lm: AttentionLM, ablated: torch.Tensor, away: Away, b: int, bases: Bases | None):
+        self.lm, self.graph, self.b, self.bases = lm, graph_of(lm), b, bases
         self.ablated, self.away = ablated.cpu(), away
         self.written = 0  # writers whose output this pass has seen
-        self.before: torch.Tensor | None = None  # the sum of every diff so far
         self.x0: torch.Tensor | None = None  # the run's block input
         self.slots = [self._slots(layer) for layer in range(lm.n_layer)]  # per block: receiver -> copy (0: the run)
         self.copies = 1 + max(max(s) for s in self.slots)
@@ -63,16 +179,15 @@ class _EdgePatcher:
         self.kept = sorted({i for _, idx in self.plans for i in idx})  # the writers whose own diff a receiver needs
         self.rows = {w: i for i, w in enumerate(self.kept)}  # writer -> its row of buf
         self.buf: torch.Tensor | None = None  # [kept writers, batch, pos, d_model]: their diffs, filled in order
-        # the running sum is read only by a receiver made from "every diff but some" (a small circuit's); without one
-        # (every edge but a few: the oracle, a large circuit) only the kept writers' diffs are made
-        self.summed = any(mode == "kept" for mode, _ in self.plans)
+        self.cut_rows = self.ablated[self.kept].float()  # [kept writers, receiver]: 1 where the edge is ablated
 
     def _cut(self, receiver: int) -> tuple[bool, ...]:
         return tuple(self.ablated[: self.graph.upstream(receiver), receiver].tolist())
 
     def _plan(self, receiver: int) -> tuple[str, list[int]]:
         """How ``receiver``'s input is made: ``("none", [])`` nothing ablated; ``("cut", writers)`` the run's less
-        those writers' diffs; ``("kept", writers)`` the run's less every upstream diff but those (fewer to add)."""
+        those writers' diffs; ``("kept", writers)`` the base (every edge ablated) and those writers' diffs (fewer
+        to add; none: the base itself)."""
         cut = self._cut(receiver)
         n_cut = sum(cut)
         if n_cut == 0:
@@ -80,6 +195,17 @@ class _EdgePatcher:
         if n_cut <= len(cut) - n_cut:
             return "cut", [i for i, c in enumerate(cut) if c]
         return "kept", [i for i, c in enumerate(cut) if not c]
+
+    def _base(self, where: str, layer: int = 0) -> torch.Tensor | None:
+        """The stream with every edge ablated at block ``layer``'s input (``pre``) or middle (``mid``), or the
+        end (``post``); None where no receiver reads it."""
+        if self.bases is None:
+            return None
+        return self.bases.post if where == "post" else getattr(self.bases, where)[layer]
+
+    def _alone(self, receiver: int) -> bool:
+        """Whether ``receiver`` is cut from every writer: it reads the base itself."""
+        return self.plans[receiver] == ("kept", [])
 
     def _slots(self, layer: int) -> list[int]:
         """Block ``layer``'s receivers' copies: 0 where nothing into it is ablated, else one copy per distinct set
@@ -93,60 +219,64 @@ class _EdgePatcher:
         out.append(0 if not any(self._cut(first + per - 1)) else len(seen) + 1)
         return out
 
-    def _input(self, x: torch.Tensor, receiver: int, total: torch.Tensor) -> torch.Tensor:
-        """``x`` less the ablated edges' differences into ``receiver`` (``total``: every upstream writer's summed)."""
-        return self._inputs(x, [receiver], total)[0]
+    def _input(self, x: torch.Tensor, receiver: int, base: torch.Tensor | None) -> torch.Tensor:
+        """``x`` less the ablated edges' differences into ``receiver`` (``base``: the stream there with every edge
+        ablated)."""
+        return self._inputs(x, [receiver], base)[0]
 
-    def _inputs(self, x: torch.Tensor, receivers: list[int], total: torch.Tensor) -> list[torch.Tensor]:
-        """:meth:`_input` of each of ``receivers``: the kept writers' diffs they add or take off, weighed by one
-        matrix product over the rows of :attr:`buf` filled so far (a loop of additions cost a pass over
-        ``[batch, pos, d_model]`` per edge)."""
+    def _inputs(self, x: torch.Tensor, receivers: list[int], base: torch.Tensor | None) -> list[torch.Tensor]:
+        """:meth:`_input` of each of ``receivers``: the kept writers' diffs they take off ``x`` or add to ``base``,
+        weighed by one matrix product over the rows of :attr:`buf` filled so far (a loop of additions cost a pass
+        over ``[batch, pos, d_model]`` per edge)."""
         plans = [self.plans[r] for r in receivers]
         k = bisect.bisect_left(self.kept, self.written)  # the kept writers seen so far: a prefix of the rows
-        dense = k and sum(len(idx) for _, idx in plans) * DENSE_SHARE >= len(receivers) * k
+        dense = k and _dense(sum(len(idx) for _, idx in plans), len(receivers), k)
         if dense:
             assert self.buf is not None
-            coef = torch.zeros(len(receivers), k, dtype=self.buf.dtype, device=self.buf.device)
-            for j, (mode, idx) in enumerate(plans):
-                coef[j, [self.rows[i] for i in idx]] = -1.0 if mode == "cut" else 1.0
+            cut = self.cut_rows[:k, receivers].T  # [receiver, k]: every row k is upstream of these receivers
+            by_cut = torch.tensor([m == "cut" for m, _ in plans], dtype=torch.bool)[:, None]
+            coef = torch.where(by_cut, -cut, 1.0 - cut)
+            coef = coef.to(device=self.buf.device, dtype=self.buf.dtype)
             sums = (coef @ self.buf[:k].reshape(k, -1)).view(len(receivers), *self.buf.shape[1:])
         out = []
         for j, (mode, idx) in enumerate(plans):
             if mode == "none":
                 out.append(x)
                 continue
+            start = x if mode == "cut" else base
+            assert start is not None  # a receiver made from the base: needs_bases said so
+            if not idx:
+                out.append(start.to(x.dtype))
+                continue
             if dense:
-                part = sums[j]
-            else:
-                part = torch.zeros_like(total)
-                for i in idx:
-                    assert self.buf is not None
-                    part.add_(self.buf[self.rows[i]], alpha=-1.0 if mode == "cut" else 1.0)
-            out.append(x + (part if mode == "cut" else part - total).to(x.dtype))
+                out.append(start.to(x.dtype) + sums[j].to(x.dtype))
+                continue
+            assert self.buf is not None
+            sign = -1.0 if mode == "cut" else 1.0
+            y = torch.add(start, self.buf[self.rows[idx[0]]], alpha=sign)
+            for i in idx[1:]:
+                y.add_(self.buf[self.rows[i]], alpha=sign)
+            out.append(y.to(x.dtype))
         return out
 
     def _first(self, layer: int) -> int:
         return layer * _per_block(self.graph)
 
-    def _wanted(self, i: int) -> bool:
-        """Whether writer ``i``'s diff is read: into the running sum, or alone by a receiver."""
-        return self.summed or i in self.rows
+    def _mlp(self, layer: int) -> int:
+        """Block ``layer``'s MLP receiver."""
+        return self._first(layer) + _per_block(self.graph) - 1
 
     def _add(self, a: torch.Tensor) -> None:
-        """The next writer's output ``a``: its diff added (:meth:`_add_diff`) where it is read, else only counted."""
-        if self._wanted(self.written):
+        """The next writer's output ``a``: its diff kept where a receiver reads it, else only counted."""
+        if self.written in self.rows:
             self._add_diff(self.written, self.away(self.written, a))
         self.written += 1
 
-    def _total(self, like: torch.Tensor) -> torch.Tensor:
-        """The running sum of the diffs (where no receiver reads it, ``like``: a stand-in never read)."""
-        return like if self.before is None else self.before
-
     def _head_diffs(self, z: torch.Tensor, w_o: torch.Tensor) -> None:
-        """A block's heads' outputs from ``z`` ``[batch, pos, head, d_head]``, each diff added where it is read
+        """A block's heads' outputs from ``z`` ``[batch, pos, head, d_head]``, each diff kept where it is read
         (only those heads' outputs are made)."""
         start = self.written
-        heads = [h for h in range(z.shape[2]) if self._wanted(start + h)]
+        heads = [h for h in range(z.shape[2]) if start + h in self.rows]
         out = torch.einsum("bphd,hdm->bphm", z[:, :, heads], w_o[heads]) if heads else None
         for j, h in enumerate(heads):
             assert out is not None
@@ -154,14 +284,18 @@ class _EdgePatcher:
         self.written = start + z.shape[2]
 
     def _add_diff(self, i: int, d: torch.Tensor) -> None:
-        """Writer ``i``'s diff: into the running total, and kept alone only where a receiver needs it (so a small
-        circuit, or every edge but a few, never holds ``[batch, pos, writer, d_model]``)."""
-        self.before = d.clone() if self.before is None else self.before.add_(d)
-        row = self.rows.get(i)
-        if row is not None:
-            if self.buf is None:
-                self.buf = torch.empty(len(self.kept), *d.shape, dtype=d.dtype, device=d.device)
-            self.buf[row] = d
+        """Writer ``i``'s diff, kept in its row of :attr:`buf` (so a small circuit, or every edge but a few, never
+        holds ``[batch, pos, writer, d_model]``)."""
+        if self.buf is None:
+            n, spare = len(self.kept), None if self.bases is None else self.bases.spare
+            if spare is None or len(spare) < n or spare.shape[1:] != d.shape or spare.dtype != d.dtype:
+                if self.bases is not None:
+                    self.bases.spare = None  # let go of a smaller one first
+                spare = torch.empty(n, *d.shape, dtype=d.dtype, device=d.device)
+                if self.bases is not None:
+                    self.bases.spare = spare
+            self.buf = spare[:n]
+        self.buf[self.rows[i]] = d
 
     def resid_pre(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         b, layer = self.b, hook.layer
@@ -172,7 +306,7 @@ class _EdgePatcher:
         copies = [x0] * self.copies
         slots, first = self.slots[layer], self._first(layer)
         firsts = {s: first + r for r, s in reversed(list(enumerate(slots[:-1]))) if s}  # a receiver per copy
-        for s, x in zip(firsts, self._inputs(x0, list(firsts.values()), self._total(x0))):
+        for s, x in zip(firsts, self._inputs(x0, list(firsts.values()), self._base("pre", layer))):
             copies[s] = x
         return torch.cat(copies, 0)  # the MLP's copy: its input comes through hook_attn_out
 
@@ -208,9 +342,7 @@ class _EdgePatcher:
         assert self.x0 is not None
         mid = self.x0 + x[:b]
         x = x.clone()
-        x[m * b : (m + 1) * b] = (
-            self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self._total(mid)) - self.x0
-        )
+        x[m * b : (m + 1) * b] = self._input(mid, self._mlp(hook.layer), self._base("mid", hook.layer)) - self.x0
         return x
 
     def mlp_out(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
@@ -222,25 +354,16 @@ class _EdgePatcher:
         return x
 
     def resid_post(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
-        return self._input(x[: self.b], len(self.graph.receivers) - 1, self._total(x[: self.b]))  # the run alone
+        return self._input(x[: self.b], len(self.graph.receivers) - 1, self._base("post"))  # the run alone
 
     def hooks(self) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
-        for i in range(self.lm.n_layer):
-            out += [
-                (f"blocks.{i}.hook_resid_pre", self.resid_pre),
-                (f"blocks.{i}.attn.hook_q", self.q),
-                (f"blocks.{i}.attn.hook_k", self.k),
-                (f"blocks.{i}.attn.hook_v", self.v),
-                (f"blocks.{i}.attn.hook_z", self.z),
-                (f"blocks.{i}.hook_attn_out", self.attn_out),
-                (f"blocks.{i}.hook_mlp_out", self.mlp_out),
-            ]
-        return out + [(f"blocks.{self.lm.n_layer - 1}.hook_resid_post", self.resid_post)]
+        return _hooks(self, self.lm.n_layer, ("resid_pre", "q", "k", "v", "z", "attn_out", "mlp_out"))
 
 
-def _copied(lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: torch.Tensor, away: Away) -> torch.Tensor:
-    patcher = _EdgePatcher(lm, ablated, away, ids.shape[0])
+def _copied(
+    lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: torch.Tensor, away: Away, bases: Bases | None
+) -> torch.Tensor:
+    patcher = _EdgePatcher(lm, ablated, away, ids.shape[0], bases)
     with lm.hooks(patcher.hooks()):  # type: ignore[arg-type]
         logits = lm.forward(ids.repeat(patcher.copies, 1))
     assert logits is not None
@@ -249,10 +372,19 @@ def _copied(lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: torch.T
 
 class _ProjectedPatcher(_EdgePatcher):
     """The same edge-patched pass with one copy of the batch (the module docstring): receivers of a block that share
-    a cut share one normalised input, from which each head's slice of the projection is made."""
+    a cut share one normalised input, from which each head's slice of the projection is made; a head cut from
+    everything takes its slice of the base's (:attr:`Bases.proj`, where kept)."""
 
-    def __init__(self, lm: AttentionLM, ablated: torch.Tensor, away: Away, b: int, norms: list[torch.nn.Module]):
-        super().__init__(lm, ablated, away, b)
+    def __init__(
+        self,
+        lm: AttentionLM,
+        ablated: torch.Tensor,
+        away: Away,
+        b: int,
+        bases: Bases | None,
+        norms: list[torch.nn.Module],
+    ):
+        super().__init__(lm, ablated, away, b, bases)
         self.copies, self.norms = 1, norms
         self.normed: dict[int, torch.Tensor] = {}  # copy -> this block's input for it, normalised
         self.mlp_input: tuple[torch.Tensor, torch.Tensor] | None = None  # (the run's, the MLP receiver's)
@@ -265,7 +397,9 @@ class _ProjectedPatcher(_EdgePatcher):
         self.x0, self.normed = x, {}
         slots, first = self.slots[layer], self._first(layer)
         firsts = {s: first + r for r, s in reversed(list(enumerate(slots[:-1]))) if s}  # a receiver per copy
-        for s, y in zip(firsts, self._inputs(x, list(firsts.values()), self._total(x))):
+        if self.bases is not None and self.bases.proj:
+            firsts = {s: r for s, r in firsts.items() if not self._alone(r)}
+        for s, y in zip(firsts, self._inputs(x, list(firsts.values()), self._base("pre", layer))):
             self.normed[s] = self.norms[layer](y)
         if layer == 0:
             self.normed[0] = self.norms[0](x)  # for the check in _project
@@ -283,10 +417,16 @@ class _ProjectedPatcher(_EdgePatcher):
             and not _rebuilt(x[:, :, 0], self.normed[0], w[0], None if bias is None else bias[0])
         ):
             self.failed = True
-        heads = [i for i, s in enumerate(slots) if s]
-        if not heads:
+        heads = [i for i, s in enumerate(slots) if s and s in self.normed]
+        alone = [i for i, s in enumerate(slots) if s and s not in self.normed]  # cut from everything: the base's
+        if not heads and not alone:
             return x
         x = x.clone()
+        if alone:
+            assert self.bases is not None
+            x[:, :, alone] = self.bases.proj[hook.layer][part][:, :, alone].to(x.dtype)
+        if not heads:
+            return x
         ins = torch.stack([self.normed[slots[i]] for i in heads]).flatten(1, 2)  # [heads, batch * pos, d_model]
         y = torch.bmm(ins, w[heads]).view(len(heads), *x.shape[:2], -1)  # each head from its own input
         if bias is not None:
@@ -308,7 +448,7 @@ class _ProjectedPatcher(_EdgePatcher):
         if self.slots[hook.layer][-1]:
             assert self.x0 is not None
             mid = self.x0 + x
-            self.mlp_input = (mid, self._input(mid, self._first(hook.layer) + len(self.slots[0]) - 1, self._total(mid)))
+            self.mlp_input = (mid, self._input(mid, self._mlp(hook.layer), self._base("mid", hook.layer)))
         return x
 
     def mlp_norm(self, module: torch.nn.Module, args: tuple) -> tuple | None:
@@ -328,7 +468,7 @@ class _ProjectedPatcher(_EdgePatcher):
         return x
 
     def resid_post(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
-        return self._input(x, len(self.graph.receivers) - 1, self._total(x))
+        return self._input(x, len(self.graph.receivers) - 1, self._base("post"))
 
 
 def _rebuilt(got: torch.Tensor, normed: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -367,15 +507,33 @@ def _norms(lm: AttentionLM) -> tuple[list[torch.nn.Module], list[torch.nn.Module
     return attn, mlp  # type: ignore[return-value]
 
 
+def needs_bases(graph: Graph, ablated: torch.Tensor) -> bool:
+    """Whether a run with the edges ``ablated`` ``[writer, receiver]`` reads :class:`Bases`: some receiver is cut
+    from more of its writers than it keeps (every edge but a few, the oracle's runs, reads none)."""
+    mask = edge_mask(graph)
+    cut = (ablated.cpu() & mask).sum(0)
+    return bool((2 * cut > mask.sum(0)).any())
+
+
 @torch.no_grad()
-def patch_edges(lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: torch.Tensor, away: Away) -> torch.Tensor:
+def patch_edges(
+    lm: AttentionLM,
+    ids: torch.Tensor,
+    metric: Metric,
+    ablated: torch.Tensor,
+    away: Away,
+    bases: Bases | None = None,
+) -> torch.Tensor:
     """``metric`` ``[batch]`` (float64) on ``ids`` with the edges ``ablated`` ``[writer, receiver]`` carrying
-    their ablated values (``away``: :class:`_EdgePatcher`): with one copy of the batch where the model's structure
-    is read (:class:`_ProjectedPatcher`), else a copy per distinct receiver input."""
+    their ablated values (``away``: :class:`_EdgePatcher`; ``bases``: :func:`ablated_bases`'s, made here where not
+    given and read): with one copy of the batch where the model's structure is read (:class:`_ProjectedPatcher`), else a
+    copy per distinct receiver input."""
+    if bases is None and needs_bases(graph_of(lm), ablated):
+        bases = ablated_bases(lm, ids, metric, away)
     norms = _norms(lm)
     if norms is None:
-        return _copied(lm, ids, metric, ablated, away)
-    patcher = _ProjectedPatcher(lm, ablated, away, ids.shape[0], norms[0])
+        return _copied(lm, ids, metric, ablated, away, bases)
+    patcher = _ProjectedPatcher(lm, ablated, away, ids.shape[0], bases, norms[0])
     handles = [n.register_forward_pre_hook(patcher.mlp_norm) for n in norms[1]]
     try:
         with lm.hooks(patcher.hooks()):  # type: ignore[arg-type]
@@ -385,7 +543,7 @@ def patch_edges(lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablated: tor
             h.remove()
     if patcher.failed:
         _COPIES.add(lm.module)
-        return _copied(lm, ids, metric, ablated, away)
+        return _copied(lm, ids, metric, ablated, away, bases)
     assert logits is not None
     return metric(logits).double()
 
@@ -400,23 +558,32 @@ def circuit_metrics(
     ablated_run: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
-    True in it) ablated, each distinct circuit run once: one that keeps every edge is the run itself (a bare
-    forward), one that keeps none is the ablated run (``ablated_run``, its metric ``[batch]``, where the caller made
-    it; else patched like any other). The curve's smallest sizes often prune to nothing and its largest keeps all."""
-    mask = edge_mask(graph_of(lm))
+    True in it) ablated, each distinct circuit run once, on one :class:`Bases` made for them all where any reads it
+    (whose pass is the run itself: a circuit that keeps every edge takes its metric); one that keeps none is the ablated run
+    (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other). The curve's
+    smallest sizes often prune to nothing and its largest keeps all."""
+    graph = graph_of(lm)
+    mask = edge_mask(graph)
+    kept = [c.cpu() & mask for c in circuits]
+    keys = [c.flatten().numpy().tobytes() for c in kept]
+    every = [torch.equal(c, mask) for c in kept]
+    patched = [not e and (ablated_run is None or bool(c.any())) for c, e in zip(kept, every)]
+    read = any(p and needs_bases(graph, ~c) for c, p in zip(kept, patched))
+    bases = ablated_bases(lm, ids, metric, away) if read else None
     done: dict[bytes, torch.Tensor] = {}
-    out = []
-    for c in circuits:
-        c = c.cpu() & mask
-        key = c.flatten().numpy().tobytes()
-        if key not in done:
-            if torch.equal(c, mask):
+    for c, key, e, p in zip(kept, keys, every, patched):
+        if key in done:
+            continue
+        if p:
+            done[key] = patch_edges(lm, ids, metric, ~c, away, bases)
+        elif e:
+            if bases is None:
                 logits = lm.forward(ids)
                 assert logits is not None
                 done[key] = metric(logits).double()
-            elif ablated_run is not None and not c.any():
-                done[key] = ablated_run.double()
             else:
-                done[key] = patch_edges(lm, ids, metric, ~c, away)
-        out.append(done[key].cpu())
-    return torch.stack(out)
+                done[key] = bases.metric
+        else:
+            assert ablated_run is not None
+            done[key] = ablated_run.double()
+    return torch.stack([done[key].cpu() for key in keys])

@@ -38,7 +38,6 @@ from storylens.circuits.stories import (
     EdgeSums,
     MeanSums,
     RowSums,
-    clean_losses,
     edge_batch,
     loss_batch,
     story_batches,
@@ -126,9 +125,9 @@ def chunk_job(lm: AttentionLM, job: dict, start: int, texts: list[str]) -> dict[
     losses = torch.zeros(len(stories), 1 + len(circuits), dtype=torch.float64)
     n = torch.zeros(len(stories), dtype=torch.float64)
     seen = torch.zeros(len(stories), dtype=torch.bool)
+    every = edge_mask(graph_of(lm))[None]  # the clean run: the pass that makes the circuits' bases
     for rows, ids, valid in story_batches(lm, stories, size):
-        losses[rows, 0] = clean_losses(lm, ids, valid)
-        losses[rows, 1:] = loss_batch(lm, ids, valid, job["values"], circuits).T
+        losses[rows] = loss_batch(lm, ids, valid, job["values"], torch.cat([every, circuits.to(torch.bool)])).T
         n[rows] = valid[:, 1:].sum(1).to(torch.float64).cpu()
         seen[rows] = True
     return {"losses": losses[seen], "n": n[seen]}  # in story order
