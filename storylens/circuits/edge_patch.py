@@ -47,10 +47,11 @@ def _per_block(graph: Graph) -> int:
 
 
 def _dense(adds: int, receivers: int, rows: int) -> bool:
-    """Whether ``receivers``' inputs, ``adds`` diffs in all, are cheaper by one matrix product over ``rows`` diffs
-    than by additions: the product reads each row once (about a sixth of an addition's pass, which reads two
-    tensors and writes one) and does a multiply-add per receiver on it (about a 24th each, on two CPU cores;
-    measured side by side against other splits on the 30 x 9 Llama and GPT-2 small)."""
+    """Whether ``receivers``' inputs, ``adds`` diffs in all, are made by one matrix product over ``rows`` diffs
+    rather than by additions: the product once the additions are at least ``(4 + receivers) / 6`` of its rows (a
+    row read costs about two thirds of an addition's pass, each receiver's multiply-adds on it about a sixth). Of
+    the splits tried side by side on the 30 x 9 Llama and GPT-2 small (this; the product from a fifth of the rows a
+    receiver, the old rule; only from twice the additions; always) it was the fastest on both."""
     return 6 * adds >= (4 + receivers) * rows
 
 
