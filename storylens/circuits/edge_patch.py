@@ -13,7 +13,8 @@ Every head's query, key and value input and every MLP's input can differ, so one
 copies of each pair along the batch (``R`` a block's receivers): the first is the run; at each block, copy ``r``
 gets receiver ``r``'s input at ``hook_resid_pre`` (the MLP's copy its input through ``hook_attn_out``), and the run
 takes from it only that receiver's output (its head's slice of ``hook_q``/``hook_k``/``hook_v``, or
-``hook_mlp_out``); the logits read the run's last residual, edited alike. With no edge ablated this is the clean run; with every edge ablated, the corrupt one.
+``hook_mlp_out``); the logits read the run's last residual, edited alike. With no edge ablated this is the clean
+run; with every edge ablated, the corrupt one.
 
 **One copy where the model's structure is read** (:class:`_ProjectedPatcher`, what runs on GPT-2, GPT-Neo, Llama
 and the native model): a head's query, key or value is its input through the block's attention norm (the module
@@ -288,13 +289,14 @@ class _EdgePatcher:
         """Writer ``i``'s diff, kept in its row of :attr:`buf` (so a small circuit, or every edge but a few, never
         holds ``[batch, pos, writer, d_model]``)."""
         if self.buf is None:
-            n, spare = len(self.kept), None if self.bases is None else self.bases.spare
+            n, held = len(self.kept), self.bases
+            spare = None if held is None else held.spare
             if spare is None or len(spare) < n or spare.shape[1:] != d.shape or spare.dtype != d.dtype:
-                if self.bases is not None:
-                    self.bases.spare = None  # let go of a smaller one first
+                if held is not None:
+                    held.spare = None  # a smaller one let go of before the new one is made
                 spare = torch.empty(n, *d.shape, dtype=d.dtype, device=d.device)
-                if self.bases is not None:
-                    self.bases.spare = spare
+            if held is not None:
+                held.spare = spare
             self.buf = spare[:n]
         self.buf[self.rows[i]] = d
 
@@ -527,8 +529,8 @@ def patch_edges(
 ) -> torch.Tensor:
     """``metric`` ``[batch]`` (float64) on ``ids`` with the edges ``ablated`` ``[writer, receiver]`` carrying
     their ablated values (``away``: :class:`_EdgePatcher`; ``bases``: :func:`ablated_bases`'s, made here where not
-    given and read): with one copy of the batch where the model's structure is read (:class:`_ProjectedPatcher`), else a
-    copy per distinct receiver input."""
+    given and read): with one copy of the batch where the model's structure is read (:class:`_ProjectedPatcher`),
+    else a copy per distinct receiver input."""
     if bases is None and needs_bases(graph_of(lm), ablated):
         bases = ablated_bases(lm, ids, metric, away)
     norms = _norms(lm)
@@ -560,9 +562,9 @@ def circuit_metrics(
 ) -> torch.Tensor:
     """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
     True in it) ablated, each distinct circuit run once, on one :class:`Bases` made for them all where any reads it
-    (whose pass is the run itself: a circuit that keeps every edge takes its metric); one that keeps none is the ablated run
-    (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other). The curve's
-    smallest sizes often prune to nothing and its largest keeps all."""
+    (whose pass is the run itself: a circuit that keeps every edge takes its metric); one that keeps none is the
+    ablated run (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other).
+    The curve's smallest sizes often prune to nothing and its largest keeps all."""
     graph = graph_of(lm)
     mask = edge_mask(graph)
     kept = [c.cpu() & mask for c in circuits]
