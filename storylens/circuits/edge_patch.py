@@ -43,10 +43,6 @@ Away = Callable[[int, torch.Tensor], torch.Tensor]  # writer, its output here ->
 PROJ_BYTES = 256 << 20  # the heads' projections of the ablated stream a batch may keep (else made again per run)
 
 
-def _per_block(graph: Graph) -> int:
-    return graph.n_head + 2 * graph.n_kv + 1
-
-
 def _dense(adds: int, receivers: int, rows: int) -> bool:
     """Whether ``receivers``' inputs, ``adds`` diffs in all, are made by one matrix product over ``rows`` diffs
     rather than by additions: the product once the additions are at least ``(4 + receivers) / 6`` of its rows (a
@@ -212,7 +208,7 @@ class _EdgePatcher:
     def _slots(self, layer: int) -> list[int]:
         """Block ``layer``'s receivers' copies: 0 where nothing into it is ablated, else one copy per distinct set
         of ablated edges (the MLP's always its own: its input comes through ``hook_attn_out``)."""
-        first, per = self._first(layer), _per_block(self.graph)
+        first, per = self._first(layer), self.graph.per_block
         seen: dict[tuple[bool, ...], int] = {}
         out = []
         for r in range(per - 1):
@@ -262,11 +258,11 @@ class _EdgePatcher:
         return out
 
     def _first(self, layer: int) -> int:
-        return layer * _per_block(self.graph)
+        return layer * self.graph.per_block
 
     def _mlp(self, layer: int) -> int:
         """Block ``layer``'s MLP receiver."""
-        return self._first(layer) + _per_block(self.graph) - 1
+        return self._first(layer) + self.graph.per_block - 1
 
     def _add(self, a: torch.Tensor) -> None:
         """The next writer's output ``a``: its diff kept where a receiver reads it, else only counted."""

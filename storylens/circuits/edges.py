@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads
+from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads, receiver_grads_at
 from storylens.core.errors import StorylensError
 from storylens.effects.patching import BATCH_PAIRS, Pair, mean_se, pair_batches, pair_metric
 from storylens.engine.gradients import BlockCost
@@ -71,9 +71,14 @@ class Graph:
     def receivers(self) -> list[str]:
         return [r for layer in range(self.n_layer) for r in self.receivers_of(layer)] + ["logits"]
 
+    @property
+    def per_block(self) -> int:
+        """A block's receivers: its query, key and value inputs and its MLP's."""
+        return self.n_head + 2 * self.n_kv + 1
+
     def upstream(self, receiver: int) -> int:
         """How many writers (a prefix of :attr:`writers`) receiver number ``receiver`` reads."""
-        per_block = 2 * self.n_kv + self.n_head + 1
+        per_block = self.per_block
         layer, i = divmod(receiver, per_block)
         if layer == self.n_layer:  # the logits
             return len(self.writers)
@@ -330,6 +335,8 @@ METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
 DIFF_BYTES = 256 << 20  # the writers' difference buffer a batch may hold: pairs per batch chosen to fit
 GRAD_SUM_BYTES = 512 << 20  # EAP-IG's receivers' gradients summed over its passes, held where they fit
 CIRCUIT_GRAPH_BYTES = 256 << 20  # the whole model's graph (autograd's saved tensors) a batch may hold
+CONTRACT_BYTES = 32 << 20  # the receivers' gradients the contraction holds for a slice of positions
+CONTRACT_GROUPS = 6  # matrix products a slice: groups of blocks, the rectangles around the triangle of edges
 IG_STEPS = 5  # EAP-IG's integration steps by default (Hanna et al. 2024 use 5 on GPT-2's greater-than)
 
 
@@ -373,7 +380,7 @@ def _contract(lm: AttentionLM, graph: Graph, g_logits: torch.Tensor, grads, delt
     (``grads``: :func:`gradient_blocks`'), one block's receivers at a time (each against the writers it can read),
     summed over position slices."""
     scores = torch.zeros(delta.batch, len(graph.writers), len(graph.receivers), dtype=torch.float64)
-    per_block = 2 * lm.n_kv_head + lm.n_head + 1
+    per_block = graph.per_block
     for layer, g in grads:  # g [batch, pos, receivers, d_model]
         up = graph.upstream(layer * per_block + per_block - 1)  # its MLP's writers: the most of the block
         cols = slice(layer * per_block, (layer + 1) * per_block)
@@ -385,6 +392,43 @@ def _contract(lm: AttentionLM, graph: Graph, g_logits: torch.Tensor, grads, delt
     return scores
 
 
+Piece = Callable[[int, slice, torch.Tensor], bool]  # block, positions, out: its receivers' gradients put there
+
+
+def _contract_chunked(graph: Graph, g_logits: torch.Tensor, piece: Piece, delta: _Delta) -> torch.Tensor | None:
+    """:func:`_contract`'s scores, a slice of positions at a time, where the differences are held whole and every
+    block's receivers' gradients can be made at any positions (``piece(block, positions, out)`` puts them into
+    ``out`` ``[receiver, batch, pos, d_model]``, False where it cannot): the slice's differences against every
+    receiver's gradient there, per pair in :data:`CONTRACT_GROUPS` matrix products over groups of blocks (each
+    group's receivers against the writers its last reads; the few products of a writer with a receiver that does
+    not read it are dropped by the mask). A block at a time reads every earlier writer's differences from memory
+    once a block; here once a slice for all of them. At most :data:`CONTRACT_BYTES` of gradients are held."""
+    if delta.whole is None:
+        return None
+    d = delta.whole  # [batch, writer, pos, d_model]
+    b, w, p, m = d.shape
+    n_recv, per_block = len(graph.receivers), graph.per_block
+    step = max(1, min(p, CONTRACT_BYTES // max(b * n_recv * m * d.element_size(), 1)))
+    bounds = [round(graph.n_layer * i / CONTRACT_GROUPS) for i in range(CONTRACT_GROUPS + 1)]
+    groups = [
+        (x * per_block, n_recv if y == graph.n_layer else y * per_block) for x, y in zip(bounds, bounds[1:]) if y > x
+    ]
+    scores = torch.zeros(b, w, n_recv, dtype=torch.float64, device=d.device)
+    for t0 in range(0, p, step):
+        at = slice(t0, min(t0 + step, p))
+        g = torch.empty(n_recv, b, at.stop - t0, m, dtype=d.dtype, device=d.device)  # [receiver, batch, pos, d_model]
+        for layer in range(graph.n_layer):
+            if not piece(layer, at, g[layer * per_block : (layer + 1) * per_block]):
+                return None
+        g[-1] = g_logits[:, at]
+        for i in range(b):
+            dd, gg = d[i, :, at].reshape(w, -1), g[:, i].reshape(n_recv, -1)  # views: [writer | receiver, pos * d]
+            for c0, c1 in groups:
+                up = graph.upstream(c1 - 1)
+                scores[i, :up, c0:c1] += (dd[:up] @ gg[c0:c1].T).double()
+    return (scores * edge_mask(graph).to(scores.device)).cpu()
+
+
 def batch_scores(
     lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablate: Callable[[dict], dict], method: str, steps: int
 ) -> torch.Tensor:
@@ -393,7 +437,9 @@ def batch_scores(
     graph = graph_of(lm)
     if method == "eap":  # the gradient pass is the clean run: its activations are the clean ones
         run, g_logits, grads = gradient_blocks(lm, ids, metric)
-        return _contract(lm, graph, g_logits, grads, _Delta(lm, ablate(run), run))
+        delta = _Delta(lm, ablate(run), run)
+        chunked = _contract_chunked(graph, g_logits, functools.partial(receiver_grads_at, lm, run), delta)
+        return chunked if chunked is not None else _contract(lm, graph, g_logits, grads, delta)
     _, clean = run_pass(lm, ids, metric, grad=False)
     ablated = ablate(clean)
     delta = _Delta(lm, ablated, clean)
@@ -412,7 +458,8 @@ def batch_scores(
             else:
                 scores += _contract(lm, graph, _folded(g_logits, rows), folded, delta)
     if summed is not None and summed.logits is not None:
-        scores = _contract(lm, graph, summed.logits, summed.blocks(), delta)
+        chunked = _contract_chunked(graph, summed.logits, summed.at, delta)
+        scores = chunked if chunked is not None else _contract(lm, graph, summed.logits, summed.blocks(), delta)
     return scores / (len(edits) * steps)
 
 
@@ -435,6 +482,10 @@ class _GradSums:
         self.logits = g_logits if self.logits is None else self.logits.add_(g_logits)
         for layer, g in grads:
             self.sums[layer] = g if layer not in self.sums else self.sums[layer].add_(g)
+
+    def at(self, layer: int, at: slice, out: torch.Tensor) -> bool:
+        out.copy_(self.sums[layer][:, at].permute(2, 0, 1, 3))
+        return True
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         for layer in sorted(self.sums, reverse=True):
@@ -500,7 +551,7 @@ def eap_scores(
     per_pair = []
     for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
         metric = functools.partial(pair_metric, b=b)
-        _, corrupt = run_pass(lm, b.corrupt, metric, grad=False)
+        _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
         per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
     s = torch.cat(per_pair).masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]
     mean, se = mean_se(s)

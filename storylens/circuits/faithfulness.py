@@ -35,8 +35,8 @@ def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, 
     """Each writer's output less its output on the corrupt prompts, and the metric of that corrupt run (what the
     circuit with no edge gives)."""
     value, seen = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
-    corrupt = writer_outputs(lm, seen)  # [batch, pos, writer, d_model]
-    return (lambda i, a: a - corrupt[:, :, i].to(a.dtype)), value
+    corrupt = writer_outputs(lm, seen, writer_first=True)  # [batch, writer, pos, d_model]: a writer's rows whole
+    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value
 
 
 def edge_metrics(

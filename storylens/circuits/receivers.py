@@ -63,41 +63,73 @@ def mlp_input_leaves(lm: AttentionLM, layers: range, seen: dict, leaves: dict) -
             h.remove()
 
 
-def _norm_vjp(kind: str, gain: torch.Tensor, eps: float, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
-    """``[batch, pos, r, d_model]``: ``r`` vectors ``gy`` pulled back through a normalisation of ``x`` ``[batch, pos,
-    d_model]`` (``"layer"``: LayerNorm, ``"rms"``: RMSNorm, gain ``gain``), each as autograd would: with ``u = (x -
-    mean) / s`` (no mean for RMSNorm) and ``g = gy * gain``, ``(g - mean(g) - u * mean(g * u)) / s``. Worked in
-    float32 at least."""
-    work = torch.promote_types(x.dtype, torch.float32)
-    x, g = x.to(work), gy.to(work) * gain.to(work)
-    if kind == "layer":
-        x = x - x.mean(-1, keepdim=True)
-        g = g - g.mean(-1, keepdim=True)
-    s = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [batch, pos, 1]
-    u = (x / s)[:, :, None]  # [batch, pos, 1, d_model]
-    return ((g - u * (g * u).mean(-1, keepdim=True)) / s[:, :, None]).to(gy.dtype)
-
-
-def _projection_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor | None:
-    """``[batch, pos, q + k + v receivers, d_model]``: the query, key and value receivers' gradients of block
-    ``layer`` from the projections' weights, each head's slice alone, and the attention norm's Jacobian (one
-    projection's cost for all of them, where :func:`receiver_grads`'s autograd takes one per receiver); None
-    where the block's norm or projections are not of a kind read here."""
+def _pullback(lm: AttentionLM, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool, float] | None:
+    """Block ``layer``'s query, key and value projections' weights, every head's slice, ``[q + k + v receivers,
+    d_head, d_model]``, with the attention norm's gain folded in (and, for a LayerNorm, centred along the width:
+    ``g - mean(g)`` of the pulled-back gradient is then made by the product), whether the norm centres, its
+    ``eps``; None where the norm or the projections are not of a kind read here."""
     norm = lm.attention_norm(layer)
     known = norm_kind(norm) if norm is not None else None
     if known is None:
         return None
+    kind, gain, eps = known
     try:
-        weights = [lm.projection_weights(layer, kind)[0] for kind in KINDS]  # [n, d_model, d_head] each
+        w = torch.cat([lm.projection_weights(layer, k)[0] for k in KINDS]).detach()  # [r, d_model, d_head]
     except StorylensError:
         return None
-    parts = []
-    for kind, w in zip(KINDS, weights):
-        g = seen[kind][layer].grad  # [batch, pos, n, d_head]: the metric's gradient on that projection
-        if g is None or g.shape[2] != w.shape[0]:
-            return None
-        parts.append(torch.einsum("bpnh,ndh->bpnd", g, w.detach().to(g.dtype)))
-    return _norm_vjp(*known, seen["pre"][layer].detach(), torch.cat(parts, 2))
+    w = (w.to(dtype) * gain.to(dtype)[None, :, None]).transpose(1, 2)  # [r, d_head, d_model]
+    centred = kind == "layer"
+    return (w - w.mean(-1, keepdim=True) if centred else w).contiguous(), centred, eps
+
+
+def _projection_grads(
+    lm: AttentionLM, seen: dict, layer: int, at: slice = slice(None), out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``[q + k + v receivers, batch, pos, d_model]`` (into ``out`` where given): the query, key and value
+    receivers' gradients of block ``layer`` at positions ``at``, each head's projection's gradient pulled back
+    through its own slice of the weights and the attention norm as autograd would: with ``u = (x - mean) / s`` (no
+    mean for RMSNorm) and ``g`` the gradient through the weights times the gain (centred for a LayerNorm), ``(g - u *
+    mean(g * u)) / s`` (one projection's cost for all of them, where :func:`receiver_grads`'s autograd takes one per
+    receiver). Worked in float32 at least; ``1 / s`` taken on the projections' gradients, before the product. None
+    where the block's norm or projections are not of a kind read here."""
+    grads = [seen[kind][layer].grad for kind in KINDS]  # [batch, pos, n, d_head]: the metric's on each projection
+    if any(g is None for g in grads):
+        return None
+    x = seen["pre"][layer][:, at].detach()
+    work = torch.promote_types(x.dtype, torch.float32)
+    kept = seen.setdefault("pullback", {})  # made once a run, not once a slice of positions
+    folded = kept[layer] if layer in kept else kept.setdefault(layer, _pullback(lm, layer, work))
+    if folded is None or folded[0].shape[0] != sum(g.shape[2] for g in grads):
+        return None
+    w, centred, eps = folded  # [r, d_head, d_model]
+    b, p, d = x.shape
+    x = x.to(work).reshape(b * p, d)
+    if centred:
+        x = x - x.mean(-1, keepdim=True)
+    s = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [batch * pos, 1]
+    u = x / s
+    gq = torch.cat([g[:, at] for g in grads], 2).to(work).reshape(b * p, -1, w.shape[1]) / s[..., None]
+    gq = gq.transpose(0, 1)  # [r, batch * pos, d_head]
+    direct = out is not None and out.dtype == work and out.is_contiguous()
+    g = torch.bmm(gq, w, out=out.view(len(w), b * p, d)) if direct else torch.bmm(gq, w)  # type: ignore[union-attr]
+    g.addcmul_(u, (g * u).sum(-1, keepdim=True), value=-1 / d)  # less u * mean(g * u), all over s
+    g = g.view(len(w), b, p, d)
+    if out is not None and not direct:
+        out.copy_(g)
+    return g.to(grads[0].dtype) if out is None else out
+
+
+def receiver_grads_at(lm: AttentionLM, seen: dict, layer: int, at: slice, out: torch.Tensor) -> bool:
+    """:func:`receiver_grads` at positions ``at`` alone, into ``out`` ``[receiver, batch, pos, d_model]``, from
+    what the one backward left (the projections' gradients, the MLP's own leaf); False where a receiver would
+    need autograd."""
+    own = seen["leaves"]["mlp_in"].get(layer)
+    if own is None or own.grad is None or "q" not in seen:
+        return False
+    if _projection_grads(lm, seen, layer, at, out[:-1]) is None:
+        return False
+    out[-1] = own.grad[:, at]
+    return True
 
 
 def receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
@@ -106,7 +138,7 @@ def receiver_grads(lm: AttentionLM, seen: dict, layer: int) -> torch.Tensor:
     out = []
     fast = _projection_grads(lm, seen, layer)
     if fast is not None:
-        out = list(fast.unbind(2))
+        out = list(fast.unbind(0))
     for kind in KINDS if fast is None else ():
         t = seen[kind][layer]  # [batch, pos, head or kv head, d_head], its .grad the metric's
         for h in range(t.shape[2]):

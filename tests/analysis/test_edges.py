@@ -118,17 +118,26 @@ def test_every_receiver_gradient_comes_from_the_one_backward(tiny, task_pairs, m
 @pytest.mark.parametrize("method", ["eap", "eap-ig-inputs"])
 def test_the_ways_of_holding_the_graph_give_the_same_scores(tiny, task_pairs, monkeypatch, method):
     """The whole model's graph at once, EAP-IG's steps together and its gradients summed before one contraction
-    (what fits the budgets) against one block's graph at a time, a step a pass and a contraction a pass (budgets
-    of nothing): the same float64 sums in another order; bound 1e-9 of the largest score."""
+    (what fits the budgets), contracted over every position at once and a position at a time, against one block's
+    graph at a time, a step a pass and a contraction a pass, block by block (budgets of nothing): the same float64
+    sums in another order; bound 1e-9 of the largest score."""
     from storylens.circuits import edges
 
+    real, used = edges._contract_chunked, []
+    monkeypatch.setattr(edges, "_contract_chunked", lambda *a: used.append(real(*a)) or used[-1])
     held = eap_scores(tiny, task_pairs, method=method, steps=3)
     assert edges._steps_at_once(tiny, torch.tensor([task_pairs[0].clean_ids]), 3) == 3  # all at once
+    monkeypatch.setattr(edges, "CONTRACT_BYTES", 0)  # a slice of one position at a time
+    sliced = eap_scores(tiny, task_pairs, method=method, steps=3)
+    assert used and all(u is not None for u in used)  # both contracted over slices of positions
     monkeypatch.setattr(edges, "CIRCUIT_GRAPH_BYTES", 0)
     monkeypatch.setattr(edges, "GRAD_SUM_BYTES", 0)
+    used.clear()
     blockwise = eap_scores(tiny, task_pairs, method=method, steps=3)
+    assert not any(u is not None for u in used)  # block by block
     scale = held.mean.abs().nan_to_num(0).max().item()
-    assert (held.per_pair - blockwise.per_pair).nan_to_num(0).abs().max().item() <= 1e-9 * scale
+    for other in (sliced, blockwise):
+        assert (held.per_pair - other.per_pair).nan_to_num(0).abs().max().item() <= 1e-9 * scale
 
 
 def test_the_scores_into_a_receiver_sum_to_the_derivative_along_the_whole_difference(tiny, task_pairs):
