@@ -1,0 +1,131 @@
+"""Where ``storylens circuit``'s time goes on a shape of ``bench_circuit.py``: EAP's stages and each circuit size of
+the faithfulness curve, timed in one process as multiples of the model's bare forward over the same batches:
+
+    python benchmarks/profile_circuit.py [--shape llama-30x9 | gpt2-small] [--pairs 64] [--rounds 3]
+
+* **EAP, per stage** (every batch of ``eap_scores``): the corrupt run, the gradient pass (the clean run with a
+  graph and its backward), the writers' differences, and the contraction of the differences with the receivers'
+  gradients, a slice of positions at a time and (beside it, on the same tensors, in turns first and second: the
+  first after the backward runs slower) one block at a time;
+* **the curve, per size** (the first four batches): the pass that makes the stream with every edge ablated, and
+  the edge-patched run of EAP's top circuit at each of MIB's sizes (the smallest prune to few edges, the largest
+  keeps half of them), with how many of the receivers keep any edge and how many blocks' MLPs and attentions
+  have one.
+
+Each figure is the minimum over ``--rounds``, the forward's too. A tool for finding what to speed up, not a
+benchmark: the ratios users compare are ``bench_circuit.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_circuit import _llama_pairs  # noqa: E402
+from bench_record import build  # noqa: E402
+
+from storylens.circuits import edge_patch, edges, faithfulness  # noqa: E402
+from storylens.circuits.receivers import receiver_grads, receiver_grads_at  # noqa: E402
+from storylens.effects.patching import pair_batches, pair_metric  # noqa: E402
+from storylens.lm import load_lm  # noqa: E402
+
+
+def _timed(times: dict, key: object, fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    times.setdefault(key, []).append(time.perf_counter() - t)
+    return out
+
+
+def eap_stages(lm, pairs, rounds: int) -> dict[str, float]:
+    graph = edges.graph_of(lm)
+    batches = pair_batches(lm, pairs, edges.fitting_pairs(lm, pairs, 32))
+    times: dict = {}
+    for r in range(rounds):
+        per: dict = {}
+        for b in batches:
+            metric = functools.partial(pair_metric, b=b)
+            _, corrupt = _timed(per, "corrupt run", edges.run_pass, lm, b.corrupt, metric, False, kinds=edges.WRITTEN)
+            run, g_logits, _ = _timed(per, "gradient pass", edges.gradient_blocks, lm, b.clean, metric)
+            delta = _timed(per, "differences", edges._Delta, lm, corrupt, run)
+            piece = functools.partial(receiver_grads_at, lm, run)
+            blocks = ((layer, receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))
+            ways = [
+                ("contraction, slices", edges._contract_chunked, graph, g_logits, piece, delta),
+                ("contraction, block by block", edges._contract, lm, graph, g_logits, blocks, delta),
+            ]
+            for key, fn, *args in ways if r % 2 else ways[::-1]:  # the first after the backward pays more
+                _timed(per, key, fn, *args)
+        with torch.no_grad():
+            _timed(per, "forward", lambda: [lm.forward(b.clean) for b in pair_batches(lm, pairs)])
+        for k, v in per.items():
+            times.setdefault(k, []).append(sum(v))
+    fwd = min(times.pop("forward"))
+    print(f"EAP on {len(pairs)} pairs, {len(batches)} batches, forward {fwd:.2f} s (32 pairs a batch)")
+    out = {k: min(v) / fwd for k, v in times.items()}
+    for k, v in out.items():
+        print(f"  {k:30} {v:5.2f}x forward")
+    return out
+
+
+def curve_sizes(lm, pairs, rounds: int) -> dict[str, float]:
+    graph = edges.graph_of(lm)
+    scores = edges.eap_scores(lm, pairs)
+    circuits = [faithfulness.top_circuit(scores, int(p * graph.n_edges)) for p in faithfulness.PERCENTAGES[:-1]]
+    batches = pair_batches(lm, pairs, edges.fitting_pairs(lm, pairs, 32))[:4]
+    made = []
+    for b in batches:
+        metric = functools.partial(pair_metric, b=b)
+        away, _ = faithfulness._corrupt_away(lm, b, metric)
+        made.append((b, metric, away, edge_patch.ablated_bases(lm, b.clean, metric, away)))
+    times: dict = {}
+    for _ in range(rounds):
+        with torch.no_grad():
+            _timed(times, "forward", lambda: [lm.forward(b.clean) for b, *_ in made])
+        _timed(times, "stream", lambda: [edge_patch.ablated_bases(lm, b.clean, m, a) for b, m, a, _ in made])
+        for p, c in zip(faithfulness.PERCENTAGES, circuits):
+            ablated = ~c & edges.edge_mask(graph)
+            t = time.perf_counter()
+            for b, m, a, s in made:
+                edge_patch.patch_edges(lm, b.clean, m, ablated, a, s)
+            times.setdefault(p, []).append(time.perf_counter() - t)
+    fwd = min(times.pop("forward"))
+    print(f"the curve's runs on {len(made)} batches (forward {fwd:.2f} s)")
+    print(f"  {'the ablated stream (and the clean metric)':44} {min(times.pop('stream')) / fwd:5.2f}x forward")
+    out = {}
+    per = graph.per_block
+    for (p, v), c in zip(times.items(), circuits):
+        live = [c[:, i * per : (i + 1) * per] for i in range(graph.n_layer)]
+        mlps, attns = sum(bool(x[:, -1].any()) for x in live), sum(bool(x[:, :-1].any()) for x in live)
+        out[f"{p:.1%}"] = min(v) / fwd
+        print(
+            f"  {p:6.1%} ({int(c.sum()):6,} edges; receivers with one {int(c.any(0).sum()):3}/{len(graph.receivers)}; "
+            f"MLPs {mlps:2}/{graph.n_layer}, attentions {attns:2}/{graph.n_layer}) {min(v) / fwd:5.2f}x forward"
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=("llama-30x9", "gpt2-small"), default="llama-30x9")
+    ap.add_argument("--pairs", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        lm = load_lm(str(build(args.shape, Path(tmp))))
+        pairs = _llama_pairs(lm, args.pairs)
+        eap_stages(lm, pairs, args.rounds)
+        curve_sizes(lm, pairs, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
