@@ -85,8 +85,10 @@ def curve_sizes(lm, pairs, rounds: int) -> dict[str, float]:
     made = []
     for b in batches:
         metric = functools.partial(pair_metric, b=b)
-        away, _ = faithfulness._corrupt_away(lm, b, metric)
-        made.append((b, metric, away, edge_patch.ablated_bases(lm, b.clean, metric, away)))
+        away, _, outputs = faithfulness._corrupt_away(lm, b, metric)
+        bases = edge_patch.ablated_bases(lm, b.clean, metric, away)
+        bases.outputs = outputs  # as circuit_metrics gives them: a counterfactual's
+        made.append((b, metric, away, bases))
     times: dict = {}
     for _ in range(rounds):
         with torch.no_grad():

@@ -28,8 +28,9 @@ attention to the last bit; where either fails the pass is made again with copies
 from __future__ import annotations
 
 import bisect
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,10 @@ class Bases:
     ``post`` (the logits'), each ``[batch, pos, d_model]``; ``proj`` per block the heads' ``q``, ``k`` and ``v`` made
     from ``pre`` ``[batch, pos, n, d_head]`` (empty where not kept: the model's structure not read, or over
     :data:`PROJ_BYTES`); ``metric`` the run's own (no edge ablated) ``[batch]``; ``spare`` the diffs' buffer the runs
-    on these bases pass on to the next (a fresh one each run is a page fault per 4 kB written)."""
+    on these bases pass on to the next (a fresh one each run is a page fault per 4 kB written); ``outputs(i)``
+    writer ``i``'s output on this stream ``[batch, pos, d_model]`` where the caller knows it (a counterfactual
+    ablation's: the corrupt run's own outputs; not a mean's or zero's), so that an MLP cut from every edge, whose
+    output that is, is not run."""
 
     pre: list[torch.Tensor]
     mid: list[torch.Tensor]
@@ -76,6 +80,7 @@ class Bases:
     proj: list[dict[str, torch.Tensor]]
     metric: torch.Tensor
     spare: torch.Tensor | None = None
+    outputs: Callable[[int], torch.Tensor] | None = None
 
 
 class _BaseHooks:
@@ -514,6 +519,35 @@ def needs_bases(graph: Graph, ablated: torch.Tensor) -> bool:
     return bool((2 * cut > mask.sum(0)).any())
 
 
+@contextlib.contextmanager
+def _skipped_mlps(lm: AttentionLM, patcher: _ProjectedPatcher) -> Iterator[None]:
+    """Inside: each MLP cut from every edge returns its output on the stream with every edge ablated (its input),
+    where the bases know it (:attr:`Bases.outputs`), instead of being run (an instance ``forward``, as
+    :meth:`~storylens.lm.AttentionLM.skip_blocks` sets; its hooks still fire). The curve's smallest circuits cut
+    most MLPs so."""
+    bases, blocks = patcher.bases, lm.blocks() or []
+    outputs = None if bases is None else bases.outputs
+    mlps = [getattr(b, "mlp", None) for b in blocks] if outputs is not None else []
+    skipped = [
+        (m, layer)
+        for layer, m in enumerate(mlps)
+        if isinstance(m, torch.nn.Module) and "forward" not in m.__dict__ and patcher._alone(patcher._mlp(layer))
+    ]
+    writer = patcher.graph.n_head + 1  # the writers a block adds: its heads and its MLP
+
+    def given(i: int) -> Callable[..., torch.Tensor]:
+        assert outputs is not None
+        return lambda *args, **kwargs: outputs(i)
+
+    try:
+        for m, layer in skipped:
+            m.forward = given((layer + 1) * writer)
+        yield
+    finally:
+        for m, _ in skipped:
+            del m.forward
+
+
 @torch.no_grad()
 def patch_edges(
     lm: AttentionLM,
@@ -535,7 +569,7 @@ def patch_edges(
     patcher = _ProjectedPatcher(lm, ablated, away, ids.shape[0], bases, norms[0])
     handles = [n.register_forward_pre_hook(patcher.mlp_norm) for n in norms[1]]
     try:
-        with lm.hooks(patcher.hooks()):  # type: ignore[arg-type]
+        with lm.hooks(patcher.hooks()), _skipped_mlps(lm, patcher):  # type: ignore[arg-type]
             logits = lm.forward(ids)
     finally:
         for h in handles:
@@ -555,11 +589,13 @@ def circuit_metrics(
     circuits: list[torch.Tensor],
     away: Away,
     ablated_run: torch.Tensor | None = None,
+    ablated_outputs: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
     True in it) ablated, each distinct circuit run once, on one :class:`Bases` made for them all where any reads it
     (whose pass is the run itself: a circuit that keeps every edge takes its metric); one that keeps none is the
-    ablated run (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other).
+    ablated run (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other);
+    ``ablated_outputs``: :attr:`Bases.outputs`, where the ablation is a counterfactual run's.
     The curve's smallest sizes often prune to nothing and its largest keeps all."""
     graph = graph_of(lm)
     mask = edge_mask(graph)
@@ -569,6 +605,8 @@ def circuit_metrics(
     patched = [not e and (ablated_run is None or bool(c.any())) for c, e in zip(kept, every)]
     read = any(p and needs_bases(graph, ~c) for c, p in zip(kept, patched))
     bases = ablated_bases(lm, ids, metric, away) if read else None
+    if bases is not None:
+        bases.outputs = ablated_outputs
     done: dict[bytes, torch.Tensor] = {}
     for c, key, e, p in zip(kept, keys, every, patched):
         if key in done:

@@ -14,7 +14,7 @@ bootstrap standard error over the pairs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +31,13 @@ PERCENTAGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB
 BOOTSTRAP = 1000  # resamples of the pairs for the errors of f, CPR and CMD
 
 
-def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, torch.Tensor]:
-    """Each writer's output less its output on the corrupt prompts, and the metric of that corrupt run (what the
-    circuit with no edge gives)."""
+def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, torch.Tensor, Callable]:
+    """Each writer's output less its output on the corrupt prompts, the metric of that corrupt run (what the
+    circuit with no edge gives), and each writer's output on it (what it writes on the stream with every edge
+    ablated, which is that run's: :attr:`~storylens.circuits.edge_patch.Bases.outputs`)."""
     value, seen = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
     corrupt = writer_outputs(lm, seen, writer_first=True)  # [batch, writer, pos, d_model]: a writer's rows whole
-    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value
+    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value, (lambda i: corrupt[:, i])
 
 
 def edge_metrics(
@@ -50,8 +51,8 @@ def edge_metrics(
     out = []
     for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size)):
         metric = functools.partial(pair_metric, b=b)
-        away, corrupt = _corrupt_away(lm, b, metric)
-        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt))
+        away, corrupt, outputs = _corrupt_away(lm, b, metric)
+        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, outputs))
     return torch.cat(out, 1)
 
 

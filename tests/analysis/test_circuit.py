@@ -203,6 +203,48 @@ def test_the_stream_with_every_edge_ablated_is_the_corrupt_run(tiny, task_pairs,
     assert all((x - y).abs().max() <= 1e-9 for x, y in zip(shared, made))
 
 
+def test_an_mlp_cut_from_every_edge_takes_the_corrupt_runs_output(tiny, task_pairs):
+    """Under a counterfactual ablation an MLP cut from every edge reads the corrupt run's stream (the test above),
+    so its output is the corrupt run's: taken from that run, not run again. Float64, against the same circuits with
+    every MLP run: the MLP on a stream equal to the corrupt one within about 1e-14 against its corrupt output, the
+    same function of the same values; bound 1e-9 of the metric. Only the MLPs cut from everything are skipped,
+    and the model's own forward is back afterwards."""
+    from storylens.circuits import edge_patch, faithfulness
+    from storylens.circuits.edges import edge_mask, graph_of
+
+    lm, pairs = tiny, task_pairs
+    (b,) = pair_batches(lm, pairs)
+    metric = lambda x: pair_metric(x, b)  # noqa: E731
+    away, corrupt, outputs = faithfulness._corrupt_away(lm, b, metric)
+    graph = graph_of(lm)
+    mask, per = edge_mask(graph), graph.per_block
+    keep = (torch.rand(mask.shape, generator=torch.Generator().manual_seed(3)) < 0.1) & mask
+    keep[:, per - 1] = False  # block 1's MLP cut from every edge
+    keep[0, 2 * per - 1] = True  # block 2's keeps the input's
+    keep[:, -1] = mask[:, -1]  # the logits read every writer: the metric sees what the blocks did
+    ran: dict[int, bool] = {}
+    mlps = [blk.mlp for blk in lm.blocks()]
+
+    def seen(i):
+        def hook(module, args, out):
+            ran[i] = "forward" not in module.__dict__  # an instance forward: skipped (the last pass: the circuit's)
+
+        return hook
+
+    handles = [m.register_forward_hook(seen(i)) for i, m in enumerate(mlps)]
+    try:
+        taken = edge_patch.circuit_metrics(lm, b.clean, metric, [keep], away, corrupt, outputs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == {i: bool(keep[:, (i + 1) * per - 1].any()) for i in range(lm.n_layer)}  # run where it keeps one
+    assert not ran[0] and ran[1]
+    assert not any("forward" in m.__dict__ for m in mlps)
+    run = edge_patch.circuit_metrics(lm, b.clean, metric, [keep], away, corrupt)
+    assert (taken - run).abs().max().item() <= 1e-9 * max(1.0, run.abs().max().item())
+    assert (run - corrupt.double()).abs().max().item() > 1e-6  # a circuit that keeps something: a real comparison
+
+
 def edge_patch_away(lm, b):
     from storylens.circuits.edges import run_pass, writer_outputs
 
