@@ -28,9 +28,8 @@ attention to the last bit; where either fails the pass is made again with copies
 from __future__ import annotations
 
 import bisect
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +69,7 @@ class Bases:
     from ``pre`` ``[batch, pos, n, d_head]`` (empty where not kept: the model's structure not read, or over
     :data:`PROJ_BYTES`); ``metric`` the run's own (no edge ablated) ``[batch]``; ``spare`` the diffs' buffer the runs
     on these bases pass on to the next (a fresh one each run is a page fault per 4 kB written); ``outputs(i)``
-    writer ``i``'s output on this stream ``[batch, pos, d_model]`` where the caller knows it (a counterfactual
-    ablation's: the corrupt run's own outputs; not a mean's or zero's), so that an MLP cut from every edge, whose
-    output that is, is not run."""
+    writer ``i``'s output on this stream where known (a counterfactual's: the corrupt run's; no mean's or zero's)."""
 
     pre: list[torch.Tensor]
     mid: list[torch.Tensor]
@@ -223,8 +220,7 @@ class _EdgePatcher:
         return out
 
     def _input(self, x: torch.Tensor, receiver: int, base: torch.Tensor | None) -> torch.Tensor:
-        """``x`` less the ablated edges' differences into ``receiver`` (``base``: the stream there with every edge
-        ablated)."""
+        """``x`` less the ablated edges' diffs into ``receiver`` (``base``: the stream there, every edge ablated)."""
         return self._inputs(x, [receiver], base)[0]
 
     def _inputs(self, x: torch.Tensor, receivers: list[int], base: torch.Tensor | None) -> list[torch.Tensor]:
@@ -265,8 +261,7 @@ class _EdgePatcher:
     def _first(self, layer: int) -> int:
         return layer * self.graph.per_block
 
-    def _mlp(self, layer: int) -> int:
-        """Block ``layer``'s MLP receiver."""
+    def _mlp(self, layer: int) -> int:  # block ``layer``'s MLP receiver
         return self._first(layer) + self.graph.per_block - 1
 
     def _add(self, a: torch.Tensor) -> None:
@@ -519,33 +514,12 @@ def needs_bases(graph: Graph, ablated: torch.Tensor) -> bool:
     return bool((2 * cut > mask.sum(0)).any())
 
 
-@contextlib.contextmanager
-def _skipped_mlps(lm: AttentionLM, patcher: _ProjectedPatcher) -> Iterator[None]:
-    """Inside: each MLP cut from every edge returns its output on the stream with every edge ablated (its input),
-    where the bases know it (:attr:`Bases.outputs`), instead of being run (an instance ``forward``, as
-    :meth:`~storylens.lm.AttentionLM.skip_blocks` sets; its hooks still fire). The curve's smallest circuits cut
-    most MLPs so."""
-    bases, blocks = patcher.bases, lm.blocks() or []
-    outputs = None if bases is None else bases.outputs
-    mlps = [getattr(b, "mlp", None) for b in blocks] if outputs is not None else []
-    skipped = [
-        (m, layer)
-        for layer, m in enumerate(mlps)
-        if isinstance(m, torch.nn.Module) and "forward" not in m.__dict__ and patcher._alone(patcher._mlp(layer))
-    ]
-    writer = patcher.graph.n_head + 1  # the writers a block adds: its heads and its MLP
-
-    def given(i: int) -> Callable[..., torch.Tensor]:
-        assert outputs is not None
-        return lambda *args, **kwargs: outputs(i)
-
-    try:
-        for m, layer in skipped:
-            m.forward = given((layer + 1) * writer)
-        yield
-    finally:
-        for m, _ in skipped:
-            del m.forward
+def _given_mlps(patcher: _ProjectedPatcher) -> dict[int, torch.Tensor]:
+    """The MLPs cut from every edge, each with its output on the stream with every edge ablated, its input, where
+    the bases know it (:attr:`Bases.outputs`): not run (the curve's smallest circuits cut most MLPs so)."""
+    outputs, per = None if patcher.bases is None else patcher.bases.outputs, patcher.graph.n_head + 1
+    alone = [layer for layer in range(patcher.graph.n_layer) if patcher._alone(patcher._mlp(layer))]
+    return {} if outputs is None else {layer: outputs((layer + 1) * per) for layer in alone}  # M{layer + 1}
 
 
 @torch.no_grad()
@@ -569,7 +543,7 @@ def patch_edges(
     patcher = _ProjectedPatcher(lm, ablated, away, ids.shape[0], bases, norms[0])
     handles = [n.register_forward_pre_hook(patcher.mlp_norm) for n in norms[1]]
     try:
-        with lm.hooks(patcher.hooks()), _skipped_mlps(lm, patcher):  # type: ignore[arg-type]
+        with lm.hooks(patcher.hooks()), lm.given_mlp_outputs(_given_mlps(patcher)):  # type: ignore[arg-type]
             logits = lm.forward(ids)
     finally:
         for h in handles:
