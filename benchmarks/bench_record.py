@@ -78,21 +78,23 @@ BREAKDOWN = ("maps", "maps and inputs", "recording", "recording and examples")
 MEMORY_TOKENS = (1000, 2000, 3000)
 
 
-def build(kind: str, folder: Path) -> Path:
-    """A seeded random model of ``kind`` saved in ``folder/kind`` (made once)."""
+def build(kind: str, folder: Path, vocab: int | None = None) -> Path:
+    """A seeded random model of ``kind`` saved in ``folder/kind`` (made once), its vocabulary the shipped
+    tokenizer's or ``vocab`` rows (the real model's: SmolLM's 49,152, GPT-2's 50,257; the rows past the
+    tokenizer's never read, the output head its real size)."""
     import torch
     import transformers
 
     from storylens.model.hub import load_model
 
-    out = folder / kind
+    out = folder / (kind if vocab is None else f"{kind}-v{vocab}")
     if (out / "config.json").exists():
         return out
     native = load_model().tokenizer
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=native, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
     )
-    vocab, marker = native.get_vocab_size(), tok.bos_token_id
+    vocab, marker = vocab or native.get_vocab_size(), tok.bos_token_id
     if kind == "llama-30x9":
         cfg = transformers.LlamaConfig(
             hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

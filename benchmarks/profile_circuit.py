@@ -1,7 +1,12 @@
 """Where ``storylens circuit``'s time goes on a shape of ``bench_circuit.py``: EAP's stages and each circuit size of
 the faithfulness curve, timed in one process as multiples of the model's bare forward over the same batches:
 
-    python benchmarks/profile_circuit.py [--shape llama-30x9 | gpt2-small] [--pairs 64] [--rounds 3]
+    python benchmarks/profile_circuit.py [--shape llama-30x9 | gpt2-small] [--pairs 64] [--rounds 3] [--vocab N]
+
+* **the output head where the metric reads it**: a forward with the logits at each pair's last position alone
+  (what every pass of ``circuit`` and ``patch`` runs, :class:`~storylens.effects.patching.PairMetric`), and EAP's
+  scores so against EAP's with the logits at every position. The shapes take the shipped tokenizer's 4,096-row
+  vocabulary, whose head is small; ``--vocab 49152`` (SmolLM's) or ``50257`` (GPT-2's) gives the real one;
 
 * **EAP, per stage** (every batch of ``eap_scores``): the corrupt run, the gradient pass (the clean run with a
   graph and its backward), the writers' differences, and the contraction of the differences with the receivers'
@@ -35,7 +40,7 @@ from bench_record import build  # noqa: E402
 
 from storylens.circuits import edge_patch, edges, faithfulness  # noqa: E402
 from storylens.circuits.receivers import receiver_grads, receiver_grads_at  # noqa: E402
-from storylens.effects.patching import pair_batches, pair_metric  # noqa: E402
+from storylens.effects.patching import PairMetric, pair_batches  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 
@@ -53,7 +58,7 @@ def eap_stages(lm, pairs, rounds: int) -> dict[str, float]:
     for r in range(rounds):
         per: dict = {}
         for b in batches:
-            metric = functools.partial(pair_metric, b=b)
+            metric = PairMetric(b)
             _, corrupt = _timed(per, "corrupt run", edges.run_pass, lm, b.corrupt, metric, False, kinds=edges.WRITTEN)
             run, g_logits, _ = _timed(per, "gradient pass", edges.gradient_blocks, lm, b.clean, metric)
             delta = _timed(per, "differences", edges._Delta, lm, corrupt, run)
@@ -84,7 +89,7 @@ def curve_sizes(lm, pairs, rounds: int) -> dict[str, float]:
     batches = pair_batches(lm, pairs, edges.fitting_pairs(lm, pairs, 32))[:4]
     made = []
     for b in batches:
-        metric = functools.partial(pair_metric, b=b)
+        metric = PairMetric(b)
         away, _, outputs = faithfulness._corrupt_away(lm, b, metric)
         bases = edge_patch.ablated_bases(lm, b.clean, metric, away)
         bases.outputs = outputs  # as circuit_metrics gives them: a counterfactual's
@@ -116,15 +121,42 @@ def curve_sizes(lm, pairs, rounds: int) -> dict[str, float]:
     return out
 
 
+def output_head(lm, pairs, rounds: int) -> None:
+    batches = pair_batches(lm, pairs, edges.fitting_pairs(lm, pairs, 32))
+
+    class Everywhere(PairMetric):  # the same metric, the logits made at every position
+        def __init__(self, b):
+            self.b = b
+
+    times: dict = {}
+    for r in range(rounds):
+        with torch.no_grad():
+            _timed(times, "forward", lambda: [lm.forward(b.clean) for b in batches])
+            _timed(times, "at", lambda: [lm.forward(b.clean, logits=b.last) for b in batches])
+        for key, metric in [("eap at", PairMetric), ("eap everywhere", Everywhere)][:: 1 if r % 2 else -1]:
+            edges.PairMetric = metric  # what eap_scores builds each batch's metric with
+            _timed(times, key, edges.eap_scores, lm, pairs)
+        edges.PairMetric = PairMetric
+    fwd = min(times["forward"])
+    vocab = lm.module.get_output_embeddings().weight.shape[0]
+    print(f"the output head ({vocab:,} rows) at the last positions alone, {len(batches)} batches")
+    print(f"  forward                         {min(times['at']) / fwd:5.2f}x the forward with every position's")
+    print(
+        f"  EAP                             {min(times['eap at']) / min(times['eap everywhere']):5.2f}x EAP with every position's"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("llama-30x9", "gpt2-small"), default="llama-30x9")
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=None, help="the vocabulary's rows (default: the tokenizer's)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        lm = load_lm(str(build(args.shape, Path(tmp))))
+        lm = load_lm(str(build(args.shape, Path(tmp), args.vocab)))
         pairs = _llama_pairs(lm, args.pairs)
+        output_head(lm, pairs, args.rounds)
         eap_stages(lm, pairs, args.rounds)
         curve_sizes(lm, pairs, args.rounds)
 

@@ -229,3 +229,35 @@ def test_a_bad_hook_name_names_the_ones_there_are(tiny):
         with pytest.raises(StorylensError, match="hook_resid_pre") as e:
             tiny.add_hook(bad, lambda x, hook: None)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["native", "tiny"])
+def test_the_logits_at_one_position_a_row_are_the_whole_run_s_there(which, native, tiny, monkeypatch):
+    """``forward(ids, logits=at)`` is row ``i``'s logits at position ``at[i]`` ``[batch, 1, vocab]``: equal, in
+    float64, to the whole run's there with the same hook on the last block's output, the output head run at the
+    positions asked for alone; a model that does not take transformers' ``logits_to_keep`` gives the same from
+    every position's logits."""
+    lm = native if which == "native" else tiny
+    ids = _ids(lm).repeat(3, 1)
+    at = torch.tensor([ids.shape[1] - 1, 3, ids.shape[1] - 1])
+    shift = torch.linspace(-1, 1, lm.head_output_weights(0).shape[-1], dtype=torch.float64)
+    last = f"blocks.{lm.n_layer - 1}.hook_resid_post"
+    head = lm.module.lm_head if which == "native" else lm.module.get_output_embeddings()
+    rows: list[int] = []
+    handle = head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        with lm.hooks([(last, lambda x, hook: x + shift)]), torch.no_grad():
+            whole = lm.forward(ids)
+            got = lm.forward(ids, logits=at)
+            assert rows == [ids.numel(), 3 if which == "native" else 2 * 3]  # two distinct positions, every row
+            if which == "tiny":
+                monkeypatch.setattr(lm, "_keeps", False)
+                every = lm.forward(ids, logits=at)
+    finally:
+        handle.remove()
+    want = whole[torch.arange(3), at][:, None]
+    assert got.shape == (3, 1, whole.shape[-1])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert not torch.equal(got[0], got[1])  # two positions, not one
+    if which == "tiny":
+        assert torch.equal(every, want)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.edges import Graph, Metric, edge_mask, graph_of
+from storylens.circuits.edges import Graph, Metric, edge_mask, graph_of, logits_of
 from storylens.circuits.receivers import MLP_NORMS
 from storylens.core.errors import StorylensError
 from storylens.lm import AttentionLM, Hook
@@ -151,8 +151,8 @@ def ablated_bases(lm: AttentionLM, ids: torch.Tensor, metric: Metric, away: Away
     keep = norms is not None and _proj_bytes(lm, ids) <= PROJ_BYTES
     hooks = _BaseHooks(lm, away, norms[0] if keep and norms is not None else None)
     with lm.hooks(hooks.hooks()):  # type: ignore[arg-type]
-        logits = lm.forward(ids)
-    assert logits is not None and hooks.post is not None
+        logits = logits_of(lm, ids, metric)
+    assert hooks.post is not None
     return Bases(hooks.pre, hooks.mid, hooks.post, hooks.proj, metric(logits).double())
 
 
@@ -364,8 +364,7 @@ def _copied(
 ) -> torch.Tensor:
     patcher = _EdgePatcher(lm, ablated, away, ids.shape[0], bases)
     with lm.hooks(patcher.hooks()):  # type: ignore[arg-type]
-        logits = lm.forward(ids.repeat(patcher.copies, 1))
-    assert logits is not None
+        logits = logits_of(lm, ids.repeat(patcher.copies, 1), metric, patcher.copies)
     return metric(logits[: ids.shape[0]]).double()
 
 
@@ -544,14 +543,13 @@ def patch_edges(
     handles = [n.register_forward_pre_hook(patcher.mlp_norm) for n in norms[1]]
     try:
         with lm.hooks(patcher.hooks()), lm.given_mlp_outputs(_given_mlps(patcher)):  # type: ignore[arg-type]
-            logits = lm.forward(ids)
+            logits = logits_of(lm, ids, metric)
     finally:
         for h in handles:
             h.remove()
     if patcher.failed:
         _COPIES.add(lm.module)
         return _copied(lm, ids, metric, ablated, away, bases)
-    assert logits is not None
     return metric(logits).double()
 
 
@@ -589,9 +587,7 @@ def circuit_metrics(
             done[key] = patch_edges(lm, ids, metric, ~c, away, bases)
         elif e:
             if bases is None:
-                logits = lm.forward(ids)
-                assert logits is not None
-                done[key] = metric(logits).double()
+                done[key] = metric(logits_of(lm, ids, metric)).double()
             else:
                 done[key] = bases.metric
         else:

@@ -34,7 +34,7 @@ import torch
 
 from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads, receiver_grads_at
 from storylens.core.errors import StorylensError
-from storylens.effects.patching import BATCH_PAIRS, Pair, mean_se, pair_batches, pair_metric
+from storylens.effects.patching import BATCH_PAIRS, Pair, PairMetric, mean_se, pair_batches
 from storylens.engine.gradients import BlockCost
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 
@@ -191,6 +191,16 @@ class _Delta:
 Metric = Callable[[torch.Tensor], torch.Tensor]  # the logits [batch, pos, vocab] -> the metric per row [batch]
 
 
+def logits_of(lm: AttentionLM, ids: torch.Tensor, metric: Metric, repeats: int = 1) -> torch.Tensor:
+    """``lm``'s logits on ``ids`` (``repeats`` copies of a batch, stacked) where ``metric`` reads them: at one
+    position a row where it says which (``metric.at`` ``[batch]``: :class:`~storylens.effects.patching.PairMetric`,
+    the output head then a product over the vocabulary at one position, not every one), else everywhere."""
+    at = getattr(metric, "at", None)
+    logits = lm.forward(ids, logits=True if at is None else at.repeat(repeats))
+    assert logits is not None
+    return logits
+
+
 def _keeper(kind: str, seen: dict, leaves: dict, grad: bool, edit) -> Callable:
     """A hook keeping ``kind``'s tensor in ``seen`` as the model used it, ``edit`` applied first; with ``grad`` a
     zero leaf added at a residual point (``leaves``), or the tensor's gradient retained."""
@@ -231,9 +241,7 @@ def run_pass(
     hooks = [(n, _keeper(kind, seen, leaves, grad, edit)) for kind, ns in names.items() for n in ns]
     mlp = mlp_input_leaves(lm, range(lm.n_layer), seen, leaves) if grad else contextlib.nullcontext()
     with torch.enable_grad() if grad else torch.no_grad(), lm.hooks(hooks), mlp:
-        logits = lm.forward(ids)
-        assert logits is not None
-        value = metric(logits)
+        value = metric(logits_of(lm, ids, metric))
         missing = [k for k, v in seen.items() if len(v) != len(names[k])]
         if missing:
             raise StorylensError(f"{lm.name}: the hook points {', '.join(missing)} did not fire in every block")
@@ -273,9 +281,7 @@ def _block_graph(lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit, layer
     with torch.enable_grad(), lm.hooks(hooks), skip, mlp_input_leaves(lm, range(layer, layer + 1), seen, leaves):
         grads: torch.Tensor | None = None
         try:
-            logits = lm.forward(ids)
-            assert logits is not None
-            value = metric(logits).sum()
+            value = metric(logits_of(lm, ids, metric)).sum()
         except _Stop:
             value, grads = got["out"], up
         outputs = [seen[k][layer] for k in (*KINDS, "mlp")] + [leaves["pre"][layer]] + list(leaves["post"].values())
@@ -356,9 +362,18 @@ def _edits(lm: AttentionLM, method: str, steps: int, clean: dict, corrupt: dict)
     return out
 
 
-def _repeated(metric: Metric, rows: int) -> Metric:
-    """``metric`` on a batch repeated (step-major): each repeat's rows get the metric of the batch's rows."""
-    return lambda logits: torch.cat([metric(part) for part in logits.split(rows)])
+class _Repeated:
+    """``metric`` on a batch of ``rows`` repeated ``n`` times (step-major): each repeat's rows get the metric of the
+    batch's rows; it reads the logits where ``metric`` does (:func:`logits_of`)."""
+
+    def __init__(self, metric: Metric, rows: int, n: int):
+        self.metric, self.rows = metric, rows
+        at = getattr(metric, "at", None)
+        if at is not None:
+            self.at = at.repeat(n)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.metric(part) for part in logits.split(self.rows)])
 
 
 def _folded(g: torch.Tensor, rows: int) -> torch.Tensor:
@@ -451,7 +466,7 @@ def batch_scores(
         for k in range(0, steps, each):
             n = min(each, steps - k)
             e = (kind, layer, shifts[k * rows : (k + n) * rows])
-            _, g_logits, grads = gradient_blocks(lm, ids.repeat(n, 1), _repeated(metric, rows), edit=e)
+            _, g_logits, grads = gradient_blocks(lm, ids.repeat(n, 1), _Repeated(metric, rows, n), edit=e)
             folded = ((block, _folded(g, rows)) for block, g in grads)
             if summed is not None:  # the scores are linear in the gradients: summed first, contracted once
                 summed.add(_folded(g_logits, rows), folded)
@@ -550,7 +565,7 @@ def eap_scores(
     graph = graph_of(lm)
     per_pair = []
     for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
-        metric = functools.partial(pair_metric, b=b)
+        metric = PairMetric(b)
         _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
         per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
     s = torch.cat(per_pair).masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]

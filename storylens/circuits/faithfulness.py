@@ -13,7 +13,6 @@ bootstrap standard error over the pairs.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from storylens.circuits.edge_patch import Away, circuit_metrics
 from storylens.circuits.edges import WRITTEN, EdgeScores, Graph, Metric, fitting_pairs, run_pass, writer_outputs
 from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
-from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, pair_batches, pair_metric
+from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, PairMetric, pair_batches
 from storylens.engine.accumulate import pooled_ratio
 from storylens.lm import AttentionLM, ModelLike, wrap
 
@@ -50,7 +49,7 @@ def edge_metrics(
         raise StorylensError("circuit: no pairs")
     out = []
     for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size)):
-        metric = functools.partial(pair_metric, b=b)
+        metric = PairMetric(b)
         away, corrupt, outputs = _corrupt_away(lm, b, metric)
         out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, outputs))
     return torch.cat(out, 1)

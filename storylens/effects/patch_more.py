@@ -105,7 +105,7 @@ def _patched(lm: AttentionLM, b: PairBatch, heads: Sequence[Head], z_corrupt) ->
         return z
 
     with lm.hooks([(f"blocks.{layer}.attn.hook_z", patch) for layer in by_layer]):
-        logits = lm.forward(b.clean)
+        logits = lm.forward(b.clean, logits=b.last)
     assert logits is not None
     return pair_metric(logits, b).double()
 

@@ -235,9 +235,21 @@ def pair_batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS
 
 
 def pair_metric(logits: torch.Tensor, b: PairBatch) -> torch.Tensor:
-    """``logit(answer) - logit(wrong)`` at each pair's last position: ``[batch]``."""
-    rows = logits[torch.arange(logits.shape[0], device=logits.device), b.last]  # [batch, vocab]
+    """``logit(answer) - logit(wrong)`` at each pair's last position: ``[batch]``, from the logits ``[batch, pos,
+    vocab]`` or those at the last positions alone ``[batch, 1, vocab]`` (:class:`PairMetric`)."""
+    rows = logits[:, 0] if logits.shape[1] == 1 else logits[torch.arange(logits.shape[0], device=logits.device), b.last]
     return rows.gather(1, b.answer[:, None])[:, 0] - rows.gather(1, b.wrong[:, None])[:, 0]
+
+
+class PairMetric:
+    """:func:`pair_metric` on ``b``, a metric that says where it reads the logits: ``at`` ``[batch]``, each pair's
+    last position (so the output head runs there alone: :meth:`~storylens.lm.AttentionLM.forward`)."""
+
+    def __init__(self, b: PairBatch):
+        self.b, self.at = b, b.last
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return pair_metric(logits, self.b)
 
 
 def _hook_names(lm: AttentionLM) -> list[str]:
@@ -254,7 +266,7 @@ def _run_keep(lm: AttentionLM, ids: torch.Tensor, b: PairBatch) -> tuple[torch.T
         zs[hook.layer] = z.detach().clone()
 
     with lm.keep_block_outputs(range(lm.n_layer)) as kept, lm.hooks([(n, keep) for n in _hook_names(lm)]):
-        logits = lm.forward(ids)
+        logits = lm.forward(ids, logits=b.last)  # the output head at the last positions alone
         assert logits is not None
         metric = pair_metric(logits, b).double()
     if len(zs) != lm.n_layer:
@@ -277,7 +289,7 @@ def _atp(lm: AttentionLM, b: PairBatch, z_corrupt: Sequence[torch.Tensor]) -> tu
         return z + delta
 
     with torch.enable_grad(), lm.hooks([(n, add) for n in _hook_names(lm)]):
-        logits = lm.forward(b.clean)
+        logits = lm.forward(b.clean, logits=b.last)
         assert logits is not None
         if len(deltas) != lm.n_layer:
             raise StorylensError(
@@ -308,7 +320,7 @@ def _exact(lm: AttentionLM, b: PairBatch, heads: Sequence[Head], z_corrupt, kept
             lm.skip_blocks(layer, kept[layer - 1]) if layer > 0 else contextlib.nullcontext(),
             lm.hooks([(f"blocks.{layer}.attn.hook_z", patch)]),
         ):
-            logits = lm.forward(b.clean)
+            logits = lm.forward(b.clean, logits=b.last)
         assert logits is not None
         out[:, j] = pair_metric(logits, b).double() - clean_metric
     return out

@@ -232,10 +232,14 @@ class AttentionLM:
         return contextlib.nullcontext()
 
     # --- running
-    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
+    def forward(
+        self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool | torch.Tensor = True
+    ) -> torch.Tensor | None:
         """Run ``ids [batch, tokens]`` (stories padded at the end). ``record_attention=True`` makes
-        every ``hook_pattern`` fire; ``logits=False`` may skip the output head. Returns the logits
-        ``[batch, tokens, vocab]`` or None."""
+        every ``hook_pattern`` fire; ``logits=False`` may skip the output head; ``logits`` a tensor ``at``
+        ``[batch]`` of positions: the output head runs at one position a row, ``at[i]`` of row ``i`` (a metric
+        read at one place: the head is a product over the whole vocabulary). Returns the logits ``[batch,
+        tokens, vocab]`` (``[batch, 1, vocab]`` with ``at``) or None."""
         raise NotImplementedError
 
     def blocks(self) -> list[nn.Module] | None:

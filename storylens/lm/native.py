@@ -58,8 +58,13 @@ class NativeLM(AttentionLM):
         self._parse_hook(name)
         return self.module.hook_points()[name].add_hook(fn)
 
-    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
-        out = self.module(ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits)
+    def forward(
+        self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool | torch.Tensor = True
+    ) -> torch.Tensor | None:
+        at = logits if isinstance(logits, torch.Tensor) else None
+        out = self.module(
+            ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits is not False, at=at
+        )
         return out.logits
 
     def blocks(self) -> list[nn.Module] | None:

@@ -198,6 +198,7 @@ class TransformersLM(AttentionLM):
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
         self._attn = [_attention_of(layer) for layer in self.layers]
         self._taps = attach(self._attn)  # each attention module's consumer (storylens.lm.attention)
+        self._keeps: bool | None = None  # whether the model takes logits_to_keep (found on first use)
         self._proj = [_output_projection(a) for a in self._attn]
         self._value: list[tuple[nn.Module, str]] | None = None  # found when hook_v is first asked for
 
@@ -280,12 +281,31 @@ class TransformersLM(AttentionLM):
 
         return self._proj[layer].register_forward_pre_hook(z)
 
-    def forward(self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool = True) -> torch.Tensor | None:
+    def forward(
+        self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool | torch.Tensor = True
+    ) -> torch.Tensor | None:
         with self._fused(not record_attention):
+            if isinstance(logits, torch.Tensor):
+                return self._logits_at(ids, logits)
             if not logits:  # the decoder only: no output head (for a 50k vocabulary, the largest tensor by far)
                 getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
                 return None
             return self.module(input_ids=ids, use_cache=False).logits
+
+    def _logits_at(self, ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """``[batch, 1, vocab]``: row ``i``'s logits at position ``at[i]``, the output head run at those positions
+        only where the model takes transformers' ``logits_to_keep`` (else everywhere, then taken)."""
+        keep = torch.unique(at)  # sorted
+        if self._keeps is None:
+            try:
+                self._keeps = "logits_to_keep" in inspect.signature(self.module.forward).parameters
+            except (TypeError, ValueError):
+                self._keeps = False
+        extra = {"logits_to_keep": keep} if self._keeps else {}
+        out = self.module(input_ids=ids, use_cache=False, **extra).logits  # [batch, kept or tokens, vocab]
+        rows = torch.arange(len(at), device=out.device)
+        where = torch.searchsorted(keep, at) if out.shape[1] == len(keep) else at  # kept, or every position
+        return out[rows, where.to(out.device)][:, None]
 
     def fused(self) -> AbstractContextManager:
         return self._fused(True)

@@ -117,8 +117,7 @@ class KVCache:
     for ``capacity`` tokens (generation knows how many it will make), so appending is a
     copy into place, not a new tensor per step; it grows by doubling if it runs out.
     ``kv_computed`` counts the token positions whose key and value were computed (once
-    per position, all blocks).
-    """
+    per position, all blocks)."""
 
     def __init__(self, n_layer: int, capacity: int | None = None):
         self.capacity = capacity
@@ -221,8 +220,7 @@ class HookPoint(nn.Identity):
     block (``layer``, from 0), so one hook function serves every block: :meth:`add_hook` calls
     ``fn(tensor, hook)`` with this point as ``hook`` (TransformerLens's convention), and a tensor
     ``fn`` returns replaces the activation. ``hook_pattern`` fires only on the explicit path
-    (``record_attention=True``): the fused kernel never forms the probabilities.
-    """
+    (``record_attention=True``): the fused kernel never forms the probabilities."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -448,6 +446,7 @@ class GPT(Direct):
         kv_cache: KVCache | None = None,
         compute_logits: bool = True,
         keep_patterns: bool = True,
+        at: torch.Tensor | None = None,
     ) -> GPTOutput:
         """``record_attention=True`` takes the explicit path, whose probabilities are returned as
         ``patterns`` (one ``[batch, head, query, key]`` per block) and passed to each block's
@@ -455,7 +454,7 @@ class GPT(Direct):
         outlives its block (how :func:`storylens.analysis.score_heads` streams).
         ``compute_logits=False`` returns no logits and stops after the last block's attention:
         its MLP and the output head feed only the logits (for callers that read attention or the
-        KV cache)."""
+        KV cache). ``at`` ``[batch]``: the logits at one position a row only, ``[batch, 1, vocab]``."""
         B, T = idx.shape
         past = len(kv_cache) if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -476,6 +475,8 @@ class GPT(Direct):
             kv_cache.kv_computed += T
         if not compute_logits:
             return GPTOutput(logits=None, patterns=patterns)
+        if at is not None:  # [batch, 1, n_embd]: one position a row (no loss: that needs every one)
+            x = x[torch.arange(B, device=x.device), at.to(x.device)][:, None]
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
