@@ -1,13 +1,15 @@
 """``storylens circuit``'s methods on the shipped model, and their cost on the 30 x 9 Llama shape, side by side:
 
-    python benchmarks/bench_circuit.py [--json benchmarks/circuit.json] [--llama-pairs 64]
+    python benchmarks/bench_circuit.py [--json benchmarks/circuit.json] [--llama-pairs 64] [--vocab real|tokenizer]
 
 * **shipped**: on the name task (``--pairs names``) and the indirect-object pairs, for each of ``eap``,
   ``eap-ig-inputs`` and ``eap-ig-activations`` (5 steps): the faithfulness curve of its top circuits (each run
   exactly), CPR and CMD with their bootstrap errors, and its time against one bare forward pass over the same
   pairs, timed in the same run;
 * **llama-30x9** and **gpt2-small**: a seeded random Llama of the 30 x 9-head shape with 3 key/value heads (576
-  wide) and a GPT-2 of GPT-2 small's shape (12 x 12 heads, 768 wide), storylens's tokenizer, ``--llama-pairs``
+  wide) and a GPT-2 of GPT-2 small's shape (12 x 12 heads, 768 wide), storylens's tokenizer with the real
+  models' vocabularies (SmolLM's 49,152 rows, GPT-2's 50,257: the output head its real size; ``--vocab
+  tokenizer``: the tokenizer's 4,096), ``--llama-pairs``
   pairs of 21 to 35 tokens, and one story of 2,000 tokens (the shipped quiz run together) under zero ablation:
   the edges (grouped, and what ungrouping would give), EAP's and EAP-IG's time against a bare forward, a
   faithfulness curve (seeded random circuits at MIB's ten sizes, each run exactly, and the corrupt run they share:
@@ -42,6 +44,7 @@ from storylens.effects.patching import PAIR_SETS, encode_pairs, pair_batches, re
 from storylens.lm import load_lm  # noqa: E402
 
 STEPS = 5
+VOCABS = {"llama-30x9": 49152, "gpt2-small": 50257}  # the real models' (SmolLM-135M's, GPT-2's)
 STORY_TOKENS = 2000  # one long story: the corpus form's memory where the difference buffer is largest
 QUIZ = Path(__file__).resolve().parents[1] / "storylens/pretrained/tiny-storyteller/quiz.txt.gz"
 
@@ -141,10 +144,10 @@ def _reset_peak() -> int:
     return _status_kb("VmRSS")
 
 
-def shape(kind: str, n: int, base: Path) -> dict:
-    """``kind`` of bench_record's random models (``llama-30x9``, ``gpt2-small``): the edges, and each run's
-    time and memory in a fresh process."""
-    folder = build(kind, base)
+def shape(kind: str, n: int, base: Path, vocab: int | None) -> dict:
+    """``kind`` of bench_record's random models (``llama-30x9``, ``gpt2-small``) with ``vocab`` rows (None: the
+    tokenizer's): the edges, and each run's time and memory in a fresh process."""
+    folder = build(kind, base, vocab)
     lm = load_lm(str(folder))
     g = graph_of(lm)
     pairs = _llama_pairs(lm, n)
@@ -157,6 +160,7 @@ def shape(kind: str, n: int, base: Path) -> dict:
         "edges": g.n_edges,
         "edges_ungrouped": Graph(g.n_layer, g.n_head, g.n_head).n_edges,
         "difference_buffer_mb": buffer,
+        "vocab": int(lm.module.get_output_embeddings().weight.shape[0]),
     }
     out["story_tokens"] = min(STORY_TOKENS, lm.window)  # GPT-2 small's window is 1,024
     out["story_buffer_mb"] = out["story_tokens"] * len(g.writers) * d_model * 4 / 2**20
@@ -182,6 +186,7 @@ def main() -> None:
     p.add_argument("--llama-pairs", type=int, default=64)
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--shapes-only", action="store_true", help="only the random models' costs, into --json as it is")
+    p.add_argument("--vocab", choices=("real", "tokenizer"), default="real", help="the random models' vocabularies")
     args = p.parse_args()
     if args.one:
         folder, what, n = args.one
@@ -196,7 +201,7 @@ def main() -> None:
             "shipped": shipped(),
         }
         for kind in ("llama-30x9", "gpt2-small"):
-            result[kind] = shape(kind, args.llama_pairs, Path(tmp))
+            result[kind] = shape(kind, args.llama_pairs, Path(tmp), VOCABS[kind] if args.vocab == "real" else None)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -86,6 +86,10 @@ def shipped(path: str) -> str:
     return "\n".join(lines)
 
 
+def _vocab(m: dict) -> str:
+    return f"a {m['vocab']:,}-row vocabulary (the output head its size), " if "vocab" in m else ""
+
+
 def cost(path: str) -> str:
     bench = json.loads(Path(path).read_text())
     lines = [
@@ -123,7 +127,7 @@ def cost(path: str) -> str:
         grouped = f" ({ungrouped:,} if its key/value heads were ungrouped)" if ungrouped != m["edges"] else ""
         lines += [
             "",
-            f"{intro}, {m['pairs']} pairs of up to {m['tokens']} tokens, and one story of {m.get('story_tokens', 0):,} "
+            f"{intro}, {_vocab(m)}{m['pairs']} pairs of up to {m['tokens']} tokens, and one story of {m.get('story_tokens', 0):,} "
             f"tokens: {m['edges']:,} edges{grouped}. The whole `[batch, pos, writers, d_model]` difference buffer "
             f"would be {m['difference_buffer_mb']:,.0f} MB for the pairs and {m.get('story_buffer_mb', 0):,.0f} MB "
             "for the story; storylens holds at most 256 MiB of it at once.",
