@@ -297,10 +297,7 @@ class TransformersLM(AttentionLM):
         only where the model takes transformers' ``logits_to_keep`` (else everywhere, then taken)."""
         keep = torch.unique(at)  # sorted
         if self._keeps is None:
-            try:
-                self._keeps = "logits_to_keep" in inspect.signature(self.module.forward).parameters
-            except (TypeError, ValueError):
-                self._keeps = False
+            self._keeps = "logits_to_keep" in self._forward_params()
         extra = {"logits_to_keep": keep} if self._keeps else {}
         out = self.module(input_ids=ids, use_cache=False, **extra).logits  # [batch, kept or tokens, vocab]
         rows = torch.arange(len(at), device=out.device)
@@ -320,17 +317,20 @@ class TransformersLM(AttentionLM):
     def blocks(self) -> list[nn.Module] | None:
         return list(self.layers)
 
+    def _forward_params(self) -> Mapping[str, inspect.Parameter]:
+        """The model's ``forward``'s parameters (none where its signature cannot be read)."""
+        try:
+            return inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            return {}
+
     def _new_cache(self) -> dict:
         """The keyword argument that hands the model an explicit, empty ``DynamicCache`` (filled in
         place): ``cache`` from transformers 5.24 (``past_key_values`` is deprecated there), else
         ``past_key_values``."""
         from transformers import DynamicCache
 
-        try:
-            params: Mapping[str, inspect.Parameter] = inspect.signature(self.module.forward).parameters
-        except (TypeError, ValueError):
-            params = {}
-        name = "cache" if "cache" in params else "past_key_values"
+        name = "cache" if "cache" in self._forward_params() else "past_key_values"
         try:
             cache = DynamicCache(config=self.module.config)  # per-layer kinds (sliding windows) from the config
         except TypeError:  # transformers before DynamicCache(config=)
