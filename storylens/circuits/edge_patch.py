@@ -28,19 +28,14 @@ attention to the last bit; where either fails the pass is made again with copies
 from __future__ import annotations
 
 import bisect
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from storylens.circuits.bases import Away, Bases, ablated_bases, block_hooks, mark_misread, norms_of
 from storylens.circuits.edges import Graph, Metric, edge_mask, graph_of, logits_of
-from storylens.circuits.receivers import MLP_NORMS
-from storylens.core.errors import StorylensError
 from storylens.lm import AttentionLM, Hook
 
-Away = Callable[[int, torch.Tensor], torch.Tensor]  # writer, its output here -> that output less its ablated value
-PROJ_BYTES = 256 << 20  # the heads' projections of the ablated stream a batch may keep (else made again per run)
+__all__ = ["Away", "Bases", "ablated_bases", "circuit_metrics", "needs_bases", "patch_edges"]
 
 
 def _dense(adds: int, receivers: int, rows: int) -> bool:
@@ -50,110 +45,6 @@ def _dense(adds: int, receivers: int, rows: int) -> bool:
     the splits tried side by side on the 30 x 9 Llama and GPT-2 small (this; the product from a fifth of the rows a
     receiver, the old rule; only from twice the additions; always) it was the fastest on both."""
     return 6 * adds >= (4 + receivers) * rows
-
-
-def _hooks(owner: _BaseHooks | _EdgePatcher, n_layer: int, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
-    """``owner``'s methods named ``kinds`` on every block's hook point of that kind (``q``, ``k``, ``v`` and ``z``
-    the attention's), and its ``resid_post`` on the last block's output."""
-    out: list[tuple[str, object]] = []
-    for i in range(n_layer):
-        out += [(f"blocks.{i}.{'attn.' if len(k) == 1 else ''}hook_{k}", getattr(owner, k)) for k in kinds]
-    return out + [(f"blocks.{n_layer - 1}.hook_resid_post", owner.resid_post)]
-
-
-@dataclass
-class Bases:
-    """The residual stream with every edge ablated (the module docstring's ``base_v``), at the three places
-    receivers read it: each block's input ``pre`` and its middle ``mid`` (the MLP's), and the last block's output
-    ``post`` (the logits'), each ``[batch, pos, d_model]``; ``proj`` per block the heads' ``q``, ``k`` and ``v`` made
-    from ``pre`` ``[batch, pos, n, d_head]`` (empty where not kept: the model's structure not read, or over
-    :data:`PROJ_BYTES`); ``metric`` the run's own (no edge ablated) ``[batch]``; ``spare`` the diffs' buffer the runs
-    on these bases pass on to the next (a fresh one each run is a page fault per 4 kB written); ``outputs(i)``
-    writer ``i``'s output on this stream where known (a counterfactual's: the corrupt run's; no mean's or zero's)."""
-
-    pre: list[torch.Tensor]
-    mid: list[torch.Tensor]
-    post: torch.Tensor
-    proj: list[dict[str, torch.Tensor]]
-    metric: torch.Tensor
-    spare: torch.Tensor | None = None
-    outputs: Callable[[int], torch.Tensor] | None = None
-
-
-class _BaseHooks:
-    """The hooks of the pass that makes :class:`Bases`: the run, each place's residual less every writer's diff
-    so far (``away``)."""
-
-    def __init__(self, lm: AttentionLM, away: Away, norms: list[torch.nn.Module] | None):
-        self.lm, self.away, self.norms = lm, away, norms
-        self.written = 0
-        self.total: torch.Tensor | None = None  # the sum of every diff so far
-        self.x0: torch.Tensor | None = None
-        self.pre: list[torch.Tensor] = []
-        self.mid: list[torch.Tensor] = []
-        self.post: torch.Tensor | None = None
-        self.proj: list[dict[str, torch.Tensor]] = []
-
-    def _add(self, d: torch.Tensor) -> None:
-        self.total = d.clone() if self.total is None else self.total.add_(d)
-        self.written += 1
-
-    def _less(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.total is not None
-        return x - self.total.to(x.dtype)
-
-    def resid_pre(self, x: torch.Tensor, hook: Hook) -> None:
-        if hook.layer == 0:
-            self._add(self.away(0, x))
-        self.x0 = x
-        self.pre.append(self._less(x))
-        if self.norms is not None:
-            normed = self.norms[hook.layer](self.pre[-1])
-            made = {}
-            for part in "qkv":
-                w, bias = self.lm.projection_weights(hook.layer, part)  # [n, d_model, d_head], [n, d_head]
-                y = torch.einsum("bpm,nmd->bpnd", normed, w.to(normed.dtype))
-                made[part] = y if bias is None else y + bias.to(y.dtype)
-            self.proj.append(made)
-
-    def z(self, z: torch.Tensor, hook: Hook) -> None:
-        w_o = self.lm.head_output_weights(hook.layer).to(z.dtype)
-        out = torch.einsum("bphd,hdm->bphm", z, w_o)
-        for h in range(out.shape[2]):
-            self._add(self.away(self.written, out[:, :, h]))
-
-    def attn_out(self, x: torch.Tensor, hook: Hook) -> None:
-        assert self.x0 is not None
-        self.mid.append(self._less(self.x0 + x))
-
-    def mlp_out(self, x: torch.Tensor, hook: Hook) -> None:
-        self._add(self.away(self.written, x))
-
-    def resid_post(self, x: torch.Tensor, hook: Hook) -> None:
-        self.post = self._less(x)
-
-    def hooks(self) -> list[tuple[str, object]]:
-        return _hooks(self, self.lm.n_layer, ("resid_pre", "z", "attn_out", "mlp_out"))
-
-
-def _proj_bytes(lm: AttentionLM, ids: torch.Tensor) -> int:
-    """The bytes of :attr:`Bases.proj` on ``ids``: every block's query, key and value heads at every position."""
-    g = graph_of(lm)
-    d_head = lm.head_output_weights(0).shape[1]
-    return lm.n_layer * ids.numel() * (g.n_head + 2 * g.n_kv) * d_head * torch.finfo(lm.dtype).bits // 8
-
-
-@torch.no_grad()
-def ablated_bases(lm: AttentionLM, ids: torch.Tensor, metric: Metric, away: Away) -> Bases:
-    """:class:`Bases` of a batch ``ids``: one run of the model with nothing ablated, each place's residual stream
-    less the sum of every writer's ``away`` before it (a bias, the same in either run, stays in)."""
-    norms = _norms(lm)
-    keep = norms is not None and _proj_bytes(lm, ids) <= PROJ_BYTES
-    hooks = _BaseHooks(lm, away, norms[0] if keep and norms is not None else None)
-    with lm.hooks(hooks.hooks()):  # type: ignore[arg-type]
-        logits = logits_of(lm, ids, metric)
-    assert hooks.post is not None
-    return Bases(hooks.pre, hooks.mid, hooks.post, hooks.proj, metric(logits).double())
 
 
 class _EdgePatcher:
@@ -275,10 +166,10 @@ class _EdgePatcher:
         (only those heads' outputs are made)."""
         start = self.written
         heads = [h for h in range(z.shape[2]) if start + h in self.rows]
-        out = torch.einsum("bphd,hdm->bphm", z[:, :, heads], w_o[heads]) if heads else None
+        out = torch.einsum("bphd,hdm->hbpm", z[:, :, heads], w_o[heads]) if heads else None
         for j, h in enumerate(heads):
             assert out is not None
-            self._add_diff(start + h, self.away(start + h, out[:, :, j]))
+            self._add_diff(start + h, self.away(start + h, out[j]))
         self.written = start + z.shape[2]
 
     def _add_diff(self, i: int, d: torch.Tensor) -> None:
@@ -356,7 +247,7 @@ class _EdgePatcher:
         return self._input(x[: self.b], len(self.graph.receivers) - 1, self._base("post"))  # the run alone
 
     def hooks(self) -> list[tuple[str, object]]:
-        return _hooks(self, self.lm.n_layer, ("resid_pre", "q", "k", "v", "z", "attn_out", "mlp_out"))
+        return block_hooks(self, self.lm.n_layer, ("resid_pre", "q", "k", "v", "z", "attn_out", "mlp_out"))
 
 
 def _copied(
@@ -385,6 +276,11 @@ class _ProjectedPatcher(_EdgePatcher):
         super().__init__(lm, ablated, away, b, bases)
         self.copies, self.norms = 1, norms
         self.normed: dict[int, torch.Tensor] = {}  # copy -> this block's input for it, normalised
+        # the blocks past the first with a head's input patched: there the model's own projections are not run
+        # (lm.unrun_projections), every head is made here, those of the run from the input they would have read
+        self.unrun_wanted = [i for i in range(1, lm.n_layer) if any(self.slots[i][:-1])]
+        self.unrun: set[int] = set()
+        self.inputs: dict[int, torch.Tensor] = {}  # block -> the run's normalised input, its projections'
         self.mlp_input: tuple[torch.Tensor, torch.Tensor] | None = None  # (the run's, the MLP receiver's)
         self.failed = False
 
@@ -405,7 +301,8 @@ class _ProjectedPatcher(_EdgePatcher):
 
     def _project(self, x: torch.Tensor, hook: Hook, part: str, offset: int) -> torch.Tensor:
         slots = self.slots[hook.layer][offset : offset + x.shape[2]]
-        if not any(slots) and hook.layer:
+        unrun = hook.layer in self.unrun  # x not made by the model: every head is made here
+        if not any(slots) and hook.layer and not unrun:
             return x
         w, bias = self.lm.projection_weights(hook.layer, part)  # [n, d_model, d_head], [n, d_head]
         w = w.to(x.dtype)
@@ -417,9 +314,16 @@ class _ProjectedPatcher(_EdgePatcher):
             self.failed = True
         heads = [i for i, s in enumerate(slots) if s and s in self.normed]
         alone = [i for i, s in enumerate(slots) if s and s not in self.normed]  # cut from everything: the base's
-        if not heads and not alone:
+        if not heads and not alone and not unrun:
             return x
-        x = x.clone()
+        if unrun:  # the run's own heads from the input the projection was given, one product
+            own = [i for i, s in enumerate(slots) if not s]
+            if own:
+                y = self.inputs[hook.layer] @ w[own].transpose(0, 1).flatten(1)  # [batch, pos, own * d_head]
+                y = y.view(*x.shape[:2], len(own), -1)
+                x[:, :, own] = y if bias is None else y + bias[own].to(y.dtype)
+        else:
+            x = x.clone()
         if alone:
             assert self.bases is not None
             x[:, :, alone] = self.bases.proj[hook.layer][part][:, :, alone].to(x.dtype)
@@ -482,29 +386,6 @@ def _rebuilt(got: torch.Tensor, normed: torch.Tensor, w: torch.Tensor, bias: tor
     return bool(((got - mine).abs() <= 4 * (normed.shape[-1] + 1) * u * size + torch.finfo(got.dtype).tiny).all())
 
 
-_COPIES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose structure the one-copy pass misread
-
-
-def _norms(lm: AttentionLM) -> tuple[list[torch.nn.Module], list[torch.nn.Module]] | None:
-    """Every block's attention norm and MLP norm (:data:`~storylens.circuits.edges.MLP_NORMS`), where the
-    projections' weights can be read; None where not."""
-    blocks = lm.blocks()
-    if blocks is None or len(blocks) != lm.n_layer or lm.module in _COPIES:
-        return None
-    attn = [lm.attention_norm(layer) for layer in range(lm.n_layer)]
-    mlp = [
-        next((getattr(b, n) for n in MLP_NORMS if isinstance(getattr(b, n, None), torch.nn.Module)), None)
-        for b in blocks
-    ]
-    try:
-        lm.projection_weights(0, "q")
-    except StorylensError:
-        return None
-    if any(n is None for n in attn) or any(n is None for n in mlp):
-        return None
-    return attn, mlp  # type: ignore[return-value]
-
-
 def needs_bases(graph: Graph, ablated: torch.Tensor) -> bool:
     """Whether a run with the edges ``ablated`` ``[writer, receiver]`` reads :class:`Bases`: some receiver is cut
     from more of its writers than it keeps (every edge but a few, the oracle's runs, reads none)."""
@@ -536,19 +417,23 @@ def patch_edges(
     else a copy per distinct receiver input."""
     if bases is None and needs_bases(graph_of(lm), ablated):
         bases = ablated_bases(lm, ids, metric, away)
-    norms = _norms(lm)
+    norms = norms_of(lm)
     if norms is None:
         return _copied(lm, ids, metric, ablated, away, bases)
     patcher = _ProjectedPatcher(lm, ablated, away, ids.shape[0], bases, norms[0])
     handles = [n.register_forward_pre_hook(patcher.mlp_norm) for n in norms[1]]
     try:
-        with lm.hooks(patcher.hooks()), lm.given_mlp_outputs(_given_mlps(patcher)):  # type: ignore[arg-type]
+        with (
+            lm.hooks(patcher.hooks()),  # type: ignore[arg-type]
+            lm.given_mlp_outputs(_given_mlps(patcher)),
+            lm.unrun_projections(patcher.unrun_wanted, patcher.inputs) as patcher.unrun,
+        ):
             logits = logits_of(lm, ids, metric)
     finally:
         for h in handles:
             h.remove()
     if patcher.failed:
-        _COPIES.add(lm.module)
+        mark_misread(lm)
         return _copied(lm, ids, metric, ablated, away, bases)
     return metric(logits).double()
 
@@ -561,14 +446,15 @@ def circuit_metrics(
     circuits: list[torch.Tensor],
     away: Away,
     ablated_run: torch.Tensor | None = None,
-    ablated_outputs: Callable[[int], torch.Tensor] | None = None,
+    stream: Bases | None = None,
 ) -> torch.Tensor:
     """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
-    True in it) ablated, each distinct circuit run once, on one :class:`Bases` made for them all where any reads it
-    (whose pass is the run itself: a circuit that keeps every edge takes its metric); one that keeps none is the
-    ablated run (``ablated_run``, its metric ``[batch]``, where the caller made it; else patched like any other);
-    ``ablated_outputs``: :attr:`Bases.outputs`, where the ablation is a counterfactual run's.
-    The curve's smallest sizes often prune to nothing and its largest keeps all."""
+    True in it) ablated, each distinct circuit run once, on one :class:`Bases` for them all where any reads it:
+    ``stream`` where the caller has them (a counterfactual's: :func:`corrupt_stream`), else made by
+    :func:`ablated_bases` (whose pass is the run itself: a circuit that keeps every edge takes its metric, else a
+    forward gives it); one that keeps none is the ablated run (``ablated_run``, its metric ``[batch]``, where the
+    caller made it; else patched like any other). The curve's smallest sizes often prune to nothing and its largest
+    keeps all."""
     graph = graph_of(lm)
     mask = edge_mask(graph)
     kept = [c.cpu() & mask for c in circuits]
@@ -576,9 +462,7 @@ def circuit_metrics(
     every = [torch.equal(c, mask) for c in kept]
     patched = [not e and (ablated_run is None or bool(c.any())) for c, e in zip(kept, every)]
     read = any(p and needs_bases(graph, ~c) for c, p in zip(kept, patched))
-    bases = ablated_bases(lm, ids, metric, away) if read else None
-    if bases is not None:
-        bases.outputs = ablated_outputs
+    bases = (stream or ablated_bases(lm, ids, metric, away)) if read else None
     done: dict[bytes, torch.Tensor] = {}
     for c, key, e, p in zip(kept, keys, every, patched):
         if key in done:
@@ -586,7 +470,7 @@ def circuit_metrics(
         if p:
             done[key] = patch_edges(lm, ids, metric, ~c, away, bases)
         elif e:
-            if bases is None:
+            if bases is None or bases.metric is None:
                 done[key] = metric(logits_of(lm, ids, metric)).double()
             else:
                 done[key] = bases.metric

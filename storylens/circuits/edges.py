@@ -205,10 +205,14 @@ def _keeper(kind: str, seen: dict, leaves: dict, grad: bool, edit) -> Callable:
     """A hook keeping ``kind``'s tensor in ``seen`` as the model used it, ``edit`` applied first; with ``grad`` a
     zero leaf added at a residual point (``leaves``), or the tensor's gradient retained."""
 
-    def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor:
+    def keep(x: torch.Tensor, hook: Hook) -> torch.Tensor | None:
         layer = hook.layer if kind != "post" else 0
-        if edit is not None and edit[:2] == (kind, layer):
+        edited = edit is not None and edit[:2] == (kind, layer)
+        if edited:
             x = x + edit[2].to(x.dtype)
+        elif not grad:  # kept as it is: the model's own tensor, not put back (a fused projection is not rebuilt)
+            seen[kind][layer] = x
+            return None
         if grad and kind in leaves:
             leaf = torch.zeros_like(x, requires_grad=True)
             leaves[kind][layer] = leaf
@@ -531,18 +535,20 @@ def edge_mask(graph: Graph) -> torch.Tensor:
     return mask
 
 
-def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int) -> int:
+def fitting_pairs(lm: AttentionLM, pairs: list[Pair], batch_size: int, graph: bool = True) -> int:
     """Pairs per batch: at most ``batch_size``, and as many as keep ``[batch, pos, writer, d_model]`` within
-    :data:`DIFF_BYTES` and the whole model's graph within :data:`CIRCUIT_GRAPH_BYTES` (at least one; where one
-    pair's graph does not fit, the gradient pass holds one block's at a time)."""
+    :data:`DIFF_BYTES` and, with ``graph`` (a gradient pass), the whole model's graph within
+    :data:`CIRCUIT_GRAPH_BYTES` (at least one; where one pair's graph does not fit, the gradient pass holds one
+    block's at a time). The exact runs hold no graph: their batches are the larger, and a run's fixed costs (its
+    hooks, a small product per block) are spread over more pairs."""
     tokens = max(len(p.clean_ids) for p in pairs)
     d_model = lm.head_output_weights(0).shape[-1]
     per_pair = tokens * len(graph_of(lm).writers) * d_model * torch.finfo(lm.dtype).bits // 8
     fit = DIFF_BYTES // max(per_pair, 1)
     blocks = lm.blocks()
-    if blocks is not None and len(blocks) == lm.n_layer:
-        graph = lm.n_layer * _block_cost(lm, blocks, torch.tensor([pairs[0].clean_ids])).batch(torch.zeros(1, tokens))
-        fit = min(fit, int(CIRCUIT_GRAPH_BYTES // max(graph, 1)))
+    if graph and blocks is not None and len(blocks) == lm.n_layer:
+        held = lm.n_layer * _block_cost(lm, blocks, torch.tensor([pairs[0].clean_ids])).batch(torch.zeros(1, tokens))
+        fit = min(fit, int(CIRCUIT_GRAPH_BYTES // max(held, 1)))
     return max(1, min(batch_size, fit))
 
 

@@ -13,13 +13,14 @@ bootstrap standard error over the pairs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from storylens.circuits.edge_patch import Away, circuit_metrics
-from storylens.circuits.edges import WRITTEN, EdgeScores, Graph, Metric, fitting_pairs, run_pass, writer_outputs
+from storylens.circuits.bases import Away, Bases, corrupt_stream
+from storylens.circuits.edge_patch import circuit_metrics
+from storylens.circuits.edges import EdgeScores, Graph, Metric, fitting_pairs
 from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
 from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, PairMetric, pair_batches
@@ -30,13 +31,12 @@ PERCENTAGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB
 BOOTSTRAP = 1000  # resamples of the pairs for the errors of f, CPR and CMD
 
 
-def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, torch.Tensor, Callable]:
+def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, torch.Tensor, Bases]:
     """Each writer's output less its output on the corrupt prompts, the metric of that corrupt run (what the
-    circuit with no edge gives), and each writer's output on it (what it writes on the stream with every edge
-    ablated, which is that run's: :attr:`~storylens.circuits.edge_patch.Bases.outputs`)."""
-    value, seen = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
-    corrupt = writer_outputs(lm, seen, writer_first=True)  # [batch, writer, pos, d_model]: a writer's rows whole
-    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value, (lambda i: corrupt[:, i])
+    circuit with no edge gives), and the stream with every edge ablated, which is that run's
+    (:func:`~storylens.circuits.edge_patch.corrupt_stream`)."""
+    value, corrupt, stream = corrupt_stream(lm, b.corrupt, metric)  # [batch, writer, pos, d_model]
+    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value, stream
 
 
 def edge_metrics(
@@ -48,10 +48,10 @@ def edge_metrics(
     if not pairs:
         raise StorylensError("circuit: no pairs")
     out = []
-    for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size)):
+    for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size, graph=False)):
         metric = PairMetric(b)
-        away, corrupt, outputs = _corrupt_away(lm, b, metric)
-        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, outputs))
+        away, corrupt, stream = _corrupt_away(lm, b, metric)
+        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, stream))
     return torch.cat(out, 1)
 
 

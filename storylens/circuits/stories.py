@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from storylens.circuits.edge_patch import Away, circuit_metrics
+from storylens.circuits.bases import Away
+from storylens.circuits.edge_patch import circuit_metrics
 from storylens.circuits.edges import Metric, batch_scores, run_pass
 from storylens.core.batching import length_batches, pad_batch, valid_mask
 from storylens.core.errors import StorylensError

@@ -300,6 +300,44 @@ class AttentionLM:
                 else:
                     b.forward = old
 
+    def projection_modules(self, layer: int) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        """Block ``layer``'s query, key and value projections, each with the parts its output holds (``("q",)``
+        for a projection of its own, ``("q", "k", "v")`` for one that makes all three: GPT-2's ``c_attn``, GPT-NeoX's
+        ``query_key_value``); empty where they are not known."""
+        return []
+
+    @contextlib.contextmanager
+    def unrun_projections(self, layers: Iterable[int], inputs: dict[int, torch.Tensor]) -> Iterator[set[int]]:
+        """Inside: the query, key and value projections of each block of ``layers`` do not run; each returns an
+        uninitialised tensor of its output's shape and keeps its input (the normalised block input) in
+        ``inputs[layer]``, for its hooks (``hook_q``, ``hook_k``, ``hook_v``, which still fire) to fill every head
+        of. Yields the blocks so treated: those whose projections are known (:meth:`projection_modules`)."""
+        found: dict[nn.Module, tuple[int, int]] = {}  # module -> (block, its output's width)
+        done = set()
+        for layer in layers:
+            modules = self.projection_modules(layer)
+            if not modules or any("forward" in m.__dict__ for m, _ in modules):
+                continue
+            for module, parts in modules:
+                weights = [self.projection_weights(layer, p)[0] for p in parts]  # [n, d_model, head_size] each
+                found[module] = (layer, sum(w.shape[0] * w.shape[2] for w in weights))
+            done.add(layer)
+
+        def unrun(layer: int, width: int) -> Callable[..., torch.Tensor]:
+            def forward(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+                inputs[layer] = x
+                return x.new_empty(*x.shape[:-1], width)
+
+            return forward
+
+        try:
+            for module, (layer, width) in found.items():  # an instance attribute: nn.Module.__call__ runs it instead
+                module.forward = unrun(layer, width)
+            yield done
+        finally:
+            for module in found:
+                module.__dict__.pop("forward", None)
+
     @contextlib.contextmanager
     def given_mlp_outputs(self, outputs: dict[int, torch.Tensor]) -> Iterator[None]:
         """Inside: the MLP of each block in ``outputs`` returns that tensor ``[batch, pos, d_model]`` instead of

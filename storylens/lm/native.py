@@ -51,6 +51,10 @@ class NativeLM(AttentionLM):
         w = proj.weight.T.reshape(proj.in_features, self.n_head, -1).transpose(0, 1)  # [head, d_model, head_size]
         return w, None if proj.bias is None else proj.bias.reshape(self.n_head, -1)
 
+    def projection_modules(self, layer: int) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        attn = self.module.get_submodule(f"transformer.h.{layer}.attn")
+        return [(attn.get_submodule(name), (part,)) for name, part in (("query", "q"), ("key", "k"), ("value", "v"))]
+
     def token_embedding(self) -> torch.Tensor:
         return self.module.transformer.wte.weight
 

@@ -225,6 +225,13 @@ class TransformersLM(AttentionLM):
             b = None if b is None else b.reshape(n, 3, -1)[:, i].reshape(-1)
         return w.reshape(d, n, -1).transpose(0, 1), None if b is None else b.reshape(n, -1)
 
+    def projection_modules(self, layer: int) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        found: dict[nn.Module, tuple[str, ...]] = {}
+        for part in "qkv":
+            module, _ = _projection(self._attn[layer], part)
+            found[module] = (*found.get(module, ()), part)
+        return list(found.items())
+
     def can_stream(self) -> bool:
         return getattr(self.module.config, "_attn_implementation", None) == ATTENTION  # not switched since
 

@@ -93,18 +93,30 @@ def test_none_is_the_clean_run_every_edge_the_corrupt_one_and_one_edge_the_edit_
 
 def test_the_one_copy_pass_is_the_pass_with_copies(tiny, task_pairs, monkeypatch):
     """On the four families the edge-patched pass runs one copy of the batch (each head's query, key and value made
-    from its own input beside the run, the MLP's input replaced at its norm) and equals the pass that carries a
-    copy per distinct receiver input, on random circuits of every size: the same float64 sums in another order
-    (about 1e-14); bound 1e-9."""
+    from its own input beside the run, the MLP's input replaced at its norm; in every block past the first the
+    model's own projections not run, each head made beside it) and equals the pass that carries a copy per distinct
+    receiver input, on random circuits of every size: the same float64 sums in another order (about 1e-14); bound
+    1e-9."""
+    import contextlib
+
+    from storylens.circuits import bases as stream
     from storylens.circuits import edge_patch
 
     lm, pairs = tiny, task_pairs
     (b,) = pair_batches(lm, pairs)
     away = edge_patch_away(lm, b)
     mask = ~eap_scores(lm, pairs).mean.isnan()
-    rows = []
-    real = lm.forward
+    rows, unrun = [], []
+    real, unrun_real = lm.forward, lm.unrun_projections
     monkeypatch.setattr(lm, "forward", lambda ids, **k: rows.append(ids.shape[0]) or real(ids, **k))
+
+    @contextlib.contextmanager
+    def seen_unrun(layers, inputs):
+        with unrun_real(layers, inputs) as done:
+            unrun.append(done)
+            yield done
+
+    monkeypatch.setattr(lm, "unrun_projections", seen_unrun)
     metric = lambda x: pair_metric(x, b)  # noqa: E731
     bases = edge_patch.ablated_bases(lm, b.clean, metric, away)
     gen = torch.Generator().manual_seed(0)
@@ -113,26 +125,31 @@ def test_the_one_copy_pass_is_the_pass_with_copies(tiny, task_pairs, monkeypatch
         rows.clear()
         fast = edge_patch.patch_edges(lm, b.clean, metric, cut, away, bases)
         assert rows == [b.clean.shape[0]]  # one copy, and no second pass with copies
+        assert unrun[-1] == set(range(1, lm.n_layer))  # random cuts patch a head of every block
         slow = edge_patch._copied(lm, b.clean, metric, cut, away, bases)
         assert rows[-1] > b.clean.shape[0]  # the copies pass carried copies: the two differ in kind
         assert (fast - slow).abs().max().item() <= 1e-9, share
-    assert lm.module not in edge_patch._COPIES
+    assert lm.module not in stream.COPIES
 
 
 def test_each_distinct_circuit_is_patched_once_and_the_two_ends_not_at_all(tiny, task_pairs, monkeypatch):
     """The curve's circuits repeat (its smallest sizes prune to nothing, its largest keeps every edge): each
-    distinct one is patched once; every edge kept is a bare forward, none the corrupt run already made."""
+    distinct one is patched once; every edge kept is a bare forward, none the corrupt run already made. The stream
+    with every edge ablated is that corrupt run's own: no pass of its own, so a batch costs three forwards here."""
     from storylens.circuits import edge_patch
 
     lm, pairs = tiny, task_pairs
     every = ~eap_scores(lm, pairs).mean.isnan()
     some = every & (torch.rand(every.shape, generator=torch.Generator().manual_seed(1)) < 0.5)
     want = edge_metrics(lm, pairs, [some])[0]
-    calls = []
-    real = edge_patch.patch_edges
+    calls, runs = [], []
+    real, forward = edge_patch.patch_edges, lm.forward
     monkeypatch.setattr(edge_patch, "patch_edges", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(edge_patch, "ablated_bases", None)  # a pass of its own would fail
+    monkeypatch.setattr(lm, "forward", lambda ids, **k: runs.append(1) or forward(ids, **k))
     got = edge_metrics(lm, pairs, [every, torch.zeros_like(every), some, some.clone(), every])
     assert len(calls) == len(pair_batches(lm, pairs))  # `some` once per batch, nothing else
+    assert len(runs) == 3 * len(calls)  # the corrupt run, the clean one, `some`'s
     assert torch.equal(got[2], want) and torch.equal(got[3], want) and torch.equal(got[0], got[4])
     assert (got[0] - got[1]).abs().min() > 1e-6
 
@@ -143,18 +160,19 @@ def test_a_misread_structure_falls_back_to_copies(tiny, task_pairs, monkeypatch)
     model keeps the copies."""
     import weakref
 
+    from storylens.circuits import bases as stream
     from storylens.circuits import edge_patch
 
     lm, pairs = tiny, task_pairs
     (b,) = pair_batches(lm, pairs)
-    monkeypatch.setattr(edge_patch, "_COPIES", weakref.WeakSet())
+    monkeypatch.setattr(stream, "COPIES", weakref.WeakSet())
     monkeypatch.setattr(lm, "attention_norm", lambda layer: torch.nn.Identity())
     away, metric = edge_patch_away(lm, b), (lambda x: pair_metric(x, b))
     cut = ~eap_scores(lm, pairs).mean.isnan()
     cut[0] = False  # the input's edges kept: the rest cut
     bases = edge_patch.ablated_bases(lm, b.clean, metric, away)
     got = edge_patch.patch_edges(lm, b.clean, metric, cut, away, bases)
-    assert lm.module in edge_patch._COPIES
+    assert lm.module in stream.COPIES
     assert (got - edge_patch._copied(lm, b.clean, metric, cut, away, bases)).abs().max().item() == 0
 
 
@@ -165,6 +183,7 @@ def test_the_stream_with_every_edge_ablated_is_the_corrupt_run(tiny, task_pairs,
     tens of terms of order 1 in another order (about 1e-14); bound 1e-9. Runs that reuse the bases' spare buffer
     give what fresh bases give, to the bit, and runs where the projections are not kept (made per run) the same
     within 1e-9; a run that cuts only a few edges (every receiver made from the run) does not need them."""
+    from storylens.circuits import bases as stream
     from storylens.circuits import edge_patch
 
     lm, pairs = tiny, task_pairs
@@ -198,7 +217,7 @@ def test_the_stream_with_every_edge_ablated_is_the_corrupt_run(tiny, task_pairs,
     assert bases.spare is not None
     fresh = [edge_patch.patch_edges(lm, b.clean, metric, c, away) for c in cuts]
     assert all(torch.equal(x, y) for x, y in zip(shared, fresh))
-    monkeypatch.setattr(edge_patch, "PROJ_BYTES", 0)
+    monkeypatch.setattr(stream, "PROJ_BYTES", 0)
     made = [edge_patch.patch_edges(lm, b.clean, metric, c, away) for c in cuts]
     assert all((x - y).abs().max() <= 1e-9 for x, y in zip(shared, made))
 
@@ -215,7 +234,7 @@ def test_an_mlp_cut_from_every_edge_takes_the_corrupt_runs_output(tiny, task_pai
     lm, pairs = tiny, task_pairs
     (b,) = pair_batches(lm, pairs)
     metric = lambda x: pair_metric(x, b)  # noqa: E731
-    away, corrupt, outputs = faithfulness._corrupt_away(lm, b, metric)
+    away, corrupt, stream = faithfulness._corrupt_away(lm, b, metric)
     graph = graph_of(lm)
     mask, per = edge_mask(graph), graph.per_block
     keep = (torch.rand(mask.shape, generator=torch.Generator().manual_seed(3)) < 0.1) & mask
@@ -233,7 +252,7 @@ def test_an_mlp_cut_from_every_edge_takes_the_corrupt_runs_output(tiny, task_pai
 
     handles = [m.register_forward_hook(seen(i)) for i, m in enumerate(mlps)]
     try:
-        taken = edge_patch.circuit_metrics(lm, b.clean, metric, [keep], away, corrupt, outputs)
+        taken = edge_patch.circuit_metrics(lm, b.clean, metric, [keep], away, corrupt, stream)
     finally:
         for h in handles:
             h.remove()
