@@ -12,7 +12,9 @@ the faithfulness curve, timed in one process as multiples of the model's bare fo
   graph and its backward), the writers' differences, and the contraction of the differences with the receivers'
   gradients, a slice of positions at a time and (beside it, on the same tensors, in turns first and second: the
   first after the backward runs slower) one block at a time;
-* **the curve, per size** (the first four batches): the pass that makes the stream with every edge ablated, and
+* **the curve, per size** (the first four of its batches, which hold no graph): the corrupt run with the stream
+  with every edge ablated kept from it (as ``edge_metrics`` runs it with pairs; beside it, the pass of its own that
+  makes that stream under a mean or zero ablation), and
   the edge-patched run of EAP's top circuit at each of MIB's sizes (the smallest prune to few edges, the largest
   keeps half of them), with how many of the receivers keep any edge and how many blocks' MLPs and attentions
   have one.

@@ -35,8 +35,6 @@ from storylens.circuits.bases import Away, Bases, ablated_bases, block_hooks, ma
 from storylens.circuits.edges import Graph, Metric, edge_mask, graph_of, logits_of
 from storylens.lm import AttentionLM, Hook
 
-__all__ = ["Away", "Bases", "ablated_bases", "circuit_metrics", "needs_bases", "patch_edges"]
-
 
 def _dense(adds: int, receivers: int, rows: int) -> bool:
     """Whether ``receivers``' inputs, ``adds`` diffs in all, are made by one matrix product over ``rows`` diffs
