@@ -36,11 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_record import build  # noqa: E402
 
-from storylens.circuits.edges import METHODS, Graph, eap_scores, edge_mask, graph_of  # noqa: E402
+from storylens.circuits import prefix  # noqa: E402
+from storylens.circuits.edges import METHODS, Graph, eap_scores, edge_mask, fitting_pairs, graph_of  # noqa: E402
 from storylens.circuits.faithfulness import PERCENTAGES, edge_metrics, faithfulness  # noqa: E402
+from storylens.circuits.prefix import shared_start, start_ordered  # noqa: E402
 from storylens.circuits.stories import edge_batch, loss_batch, zero_values  # noqa: E402
 from storylens.data.sources import open_source  # noqa: E402
-from storylens.effects.patching import PAIR_SETS, encode_pairs, pair_batches, read_pairs  # noqa: E402
+from storylens.effects.patching import BATCH_PAIRS, PAIR_SETS, encode_pairs, pair_batches, read_pairs  # noqa: E402
 from storylens.lm import load_lm  # noqa: E402
 
 STEPS = 5
@@ -50,7 +52,9 @@ QUIZ = Path(__file__).resolve().parents[1] / "storylens/pretrained/tiny-storytel
 
 
 def _forward_time(lm, pairs) -> float:
-    batches = pair_batches(lm, pairs)
+    """A bare forward over ``pairs``'s clean prompts, batched in the order the circuit's runs batch them (pairs alike
+    together: less padding for both, so the ratio is not the sorting's)."""
+    batches = pair_batches(lm, start_ordered(pairs)[0])
     with torch.no_grad():
         t = time.perf_counter()
         for b in batches:
@@ -102,6 +106,8 @@ def llama_one(folder: str, what: str, n: int) -> dict:
     """In a fresh process: one method's time against a bare forward and the peak memory it adds (``story`` and
     ``story-patched``: on one story of ``STORY_TOKENS`` tokens instead of the pairs, under zero ablation)."""
     lm = load_lm(folder)
+    what, _, whole = what.partition(":")
+    prefix.SHARE = not whole  # ":whole": every run over the whole prompts, the shared start not run once
     if what.startswith("story"):
         ids, valid = _long_story(lm, min(STORY_TOKENS, lm.window))
         with torch.no_grad():
@@ -161,10 +167,11 @@ def shape(kind: str, n: int, base: Path, vocab: int | None) -> dict:
         "edges_ungrouped": Graph(g.n_layer, g.n_head, g.n_head).n_edges,
         "difference_buffer_mb": buffer,
         "vocab": int(lm.module.get_output_embeddings().weight.shape[0]),
+        "shared_share": _shared_share(lm, pairs),
     }
     out["story_tokens"] = min(STORY_TOKENS, lm.window)  # GPT-2 small's window is 1,024
     out["story_buffer_mb"] = out["story_tokens"] * len(g.writers) * d_model * 4 / 2**20
-    for what in ("eap", "eap-ig-inputs", "patched", "curve", "story", "story-patched"):
+    for what in ("eap", "eap:whole", "eap-ig-inputs", "patched", "curve", "curve:whole", "story", "story-patched"):
         cmd = [sys.executable, __file__, "--one", str(folder), what, str(n)]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         out[what] = res
@@ -172,6 +179,13 @@ def shape(kind: str, n: int, base: Path, vocab: int | None) -> dict:
         print(f"{kind} {what:14} {res['over_forward']:7.1f}x forward, peak +{res['peak_above_mb']:.0f} MB "
               f"(the whole difference buffer: {whole:.0f} MB)", flush=True)  # fmt: skip
     return out
+
+
+def _shared_share(lm, pairs) -> float:
+    """The share of the curve's batches' tokens (padding included) in a start their pairs share, run once."""
+    ordered = start_ordered(pairs)[0]
+    batches = pair_batches(lm, ordered, fitting_pairs(lm, ordered, BATCH_PAIRS, graph=False))
+    return sum(shared_start(b) * len(b.clean) for b in batches) / sum(b.clean.numel() for b in batches)
 
 
 def _timed(fn) -> float:

@@ -113,9 +113,11 @@ def cost(path: str) -> str:
     }
     names = {
         "eap": "EAP",
+        "eap:whole": "EAP, every run over the whole prompts (their shared start not run once)",
         "eap-ig-inputs": "EAP-IG (inputs)",
         "patched": "a faithfulness curve: 10 random circuits at MIB's sizes, each run exactly (target: about 10)",
         "curve": "the curve `circuit` runs: EAP's top circuits at MIB's sizes, pruned, each run exactly",
+        "curve:whole": "the same curve, every run over the whole prompts",
         "story": "EAP on one story",
         "story-patched": "the faithfulness curve on it",
     }
@@ -130,7 +132,12 @@ def cost(path: str) -> str:
             f"{intro}, {_vocab(m)}{m['pairs']} pairs of up to {m['tokens']} tokens, and one story of {m.get('story_tokens', 0):,} "
             f"tokens: {m['edges']:,} edges{grouped}. The whole `[batch, pos, writers, d_model]` difference buffer "
             f"would be {m['difference_buffer_mb']:,.0f} MB for the pairs and {m.get('story_buffer_mb', 0):,.0f} MB "
-            "for the story; storylens holds at most 256 MiB of it at once.",
+            "for the story; storylens holds at most 256 MiB of it at once."
+            + (
+                f" {m['shared_share']:.0%} of the pairs' batched tokens lie in a start the batch's pairs share, run once."
+                if "shared_share" in m
+                else ""
+            ),  # fmt: skip
             "",
             "| run | time (x a forward) | peak memory above the model and a forward |",
             "|---|---|---|",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from storylens.circuits.prefix import after_shared_start, start_ordered
 from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads, receiver_grads_at
 from storylens.core.errors import StorylensError
 from storylens.effects.patching import BATCH_PAIRS, Pair, PairMetric, mean_se, pair_batches
@@ -570,10 +571,12 @@ def eap_scores(
         )
     graph = graph_of(lm)
     per_pair = []
-    for b in pair_batches(lm, pairs, fitting_pairs(lm, pairs, batch_size)):
-        metric = PairMetric(b)
-        _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
-        per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
-    s = torch.cat(per_pair).masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]
+    ordered, back = start_ordered(pairs)  # pairs alike batched together
+    for whole in pair_batches(lm, ordered, fitting_pairs(lm, pairs, batch_size)):
+        with after_shared_start(lm, whole) as b:  # the start every pair shares run once: no difference there
+            metric = PairMetric(b)
+            _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
+            per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
+    s = torch.cat(per_pair)[back].masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]
     mean, se = mean_se(s)
     return EdgeScores(graph, s, mean, se)

@@ -21,6 +21,7 @@ import torch
 from storylens.circuits.bases import Away, Bases, corrupt_stream
 from storylens.circuits.edge_patch import circuit_metrics
 from storylens.circuits.edges import EdgeScores, Graph, Metric, fitting_pairs
+from storylens.circuits.prefix import after_shared_start, start_ordered
 from storylens.core.errors import StorylensError
 from storylens.core.plain import Plain
 from storylens.effects.patching import BATCH_PAIRS, Pair, PairBatch, PairMetric, pair_batches
@@ -48,11 +49,13 @@ def edge_metrics(
     if not pairs:
         raise StorylensError("circuit: no pairs")
     out = []
-    for b in pair_batches(lm, list(pairs), fitting_pairs(lm, list(pairs), batch_size, graph=False)):
-        metric = PairMetric(b)
-        away, corrupt, stream = _corrupt_away(lm, b, metric)
-        out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, stream))
-    return torch.cat(out, 1)
+    ordered, back = start_ordered(list(pairs))  # pairs alike batched together
+    for whole in pair_batches(lm, ordered, fitting_pairs(lm, ordered, batch_size, graph=False)):
+        with after_shared_start(lm, whole) as b:  # the start every pair shares run once: no difference there
+            metric = PairMetric(b)
+            away, corrupt, stream = _corrupt_away(lm, b, metric)
+            out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, stream))
+    return torch.cat(out, 1)[:, back]
 
 
 def prune(graph: Graph, keep: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,13 @@ HOOK_KINDS = ATTN_HOOKS + BLOCK_HOOKS
 _HOOK_NAME = re.compile(r"^blocks\.(\d+)\.(?:attn\.(" + "|".join(ATTN_HOOKS) + r")|(" + "|".join(BLOCK_HOOKS) + r"))$")
 
 
+def prefix_tiles(batch: int, rows: int) -> int:
+    """How many times a forward of ``batch`` rows tiles :meth:`AttentionLM.continuing`'s prefix of ``rows``."""
+    if batch % rows:
+        raise StorylensError(f"a forward of {batch} rows continues a prefix of {rows}: not a whole number of times")
+    return batch // rows
+
+
 class AttentionLM:
     """The interface (see the module docstring). Subclasses set the attributes in ``__init__``."""
 
@@ -103,6 +110,7 @@ class AttentionLM:
     vocab_size: int
     name: str
     source_folder: Path | None = None
+    _after: Any = None  # inside continuing(): the prefix's keys and values (:meth:`_prefill`'s)
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +249,25 @@ class AttentionLM:
         read at one place: the head is a product over the whole vocabulary). Returns the logits ``[batch,
         tokens, vocab]`` (``[batch, 1, vocab]`` with ``at``) or None."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def continuing(self, prefix: torch.Tensor) -> Iterator[bool]:
+        """Inside: every :meth:`forward` runs its ``ids`` as the tokens after ``prefix`` ``[batch, p]``, whose keys
+        and values are made here once (no graph; call it outside hooks): positions, hook tensors and ``logits``'s
+        positions count from the first token after it, and a batch of ``n`` times its rows reads it tiled, as
+        ``ids.repeat(n, 1)`` tiles. What a shared start of many runs costs once (edge patching's pairs share the
+        tokens before the first one they differ in). Yields False where the model keeps no cache here, and
+        forwards then run their ``ids`` alone."""
+        state = self._prefill(prefix) if prefix.shape[1] else None
+        old, self._after = self._after, state
+        try:
+            yield state is not None
+        finally:
+            self._after = old
+
+    def _prefill(self, prefix: torch.Tensor) -> Any:
+        """:meth:`continuing`'s keys and values of ``prefix``, in the subclass's own form; None: not kept here."""
+        return None
 
     def blocks(self) -> list[nn.Module] | None:
         """The decoder blocks in order, each called once per forward pass with what the block

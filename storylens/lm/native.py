@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError
-from storylens.lm.hooks import AttentionLM, HookFn
-from storylens.model.gpt import GPT, GenerationStep
+from storylens.lm.hooks import AttentionLM, HookFn, prefix_tiles
+from storylens.model.gpt import GPT, GenerationStep, KVCache
 from storylens.model.tokenizer import eot_id
 
 if TYPE_CHECKING:
@@ -66,10 +66,28 @@ class NativeLM(AttentionLM):
         self, ids: torch.Tensor, *, record_attention: bool = False, logits: bool | torch.Tensor = True
     ) -> torch.Tensor | None:
         at = logits if isinstance(logits, torch.Tensor) else None
+        cache = None
+        if self._after is not None:  # continuing(): a fresh cache holding the prefix, tiled to this batch
+            cache = KVCache.empty(self.n_layer)
+            for i, (k, v) in enumerate(self._after):
+                n = prefix_tiles(len(ids), k.shape[0])
+                cache.update(i, k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1))
         out = self.module(
-            ids, record_attention=record_attention, keep_patterns=False, compute_logits=logits is not False, at=at
+            ids,
+            record_attention=record_attention,
+            keep_patterns=False,
+            compute_logits=logits is not False,
+            at=at,
+            kv_cache=cache,
         )
         return out.logits
+
+    def _prefill(self, prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every block's keys and values of ``prefix`` ``[batch, head, p, head size]`` (the model's own cache)."""
+        cache = KVCache.empty(self.n_layer, capacity=prefix.shape[1])
+        with torch.no_grad():
+            self.module(prefix, keep_patterns=False, compute_logits=False, kv_cache=cache)
+        return [(k, v) for k, v in zip(cache.key, cache.value) if k is not None and v is not None]
 
     def blocks(self) -> list[nn.Module] | None:
         return list(self.module.transformer.h)

@@ -21,7 +21,7 @@ from storylens.lm.attention import NAME as ATTENTION
 from storylens.lm.attention import fused as fused_attention
 from storylens.lm.attention import register as register_attention
 from storylens.lm.attention import streaming as stream_attention
-from storylens.lm.hooks import AttentionLM, Hook, HookFn, HookSite
+from storylens.lm.hooks import AttentionLM, Hook, HookFn, HookSite, prefix_tiles
 from storylens.model.gpt import GenerationStep, sample_next
 
 if TYPE_CHECKING:
@@ -295,9 +295,9 @@ class TransformersLM(AttentionLM):
             if isinstance(logits, torch.Tensor):
                 return self._logits_at(ids, logits)
             if not logits:  # the decoder only: no output head (for a 50k vocabulary, the largest tensor by far)
-                getattr(self.module, "base_model", self.module)(input_ids=ids, use_cache=False)
+                getattr(self.module, "base_model", self.module)(input_ids=ids, **self._cache(len(ids)))
                 return None
-            return self.module(input_ids=ids, use_cache=False).logits
+            return self.module(input_ids=ids, **self._cache(len(ids))).logits
 
     def _logits_at(self, ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """``[batch, 1, vocab]``: row ``i``'s logits at position ``at[i]``, the output head run at those positions
@@ -306,7 +306,7 @@ class TransformersLM(AttentionLM):
         if self._keeps is None:
             self._keeps = "logits_to_keep" in self._forward_params()
         extra = {"logits_to_keep": keep} if self._keeps else {}
-        out = self.module(input_ids=ids, use_cache=False, **extra).logits  # [batch, kept or tokens, vocab]
+        out = self.module(input_ids=ids, **self._cache(len(ids)), **extra).logits  # [batch, kept or tokens, vocab]
         rows = torch.arange(len(at), device=out.device)
         where = torch.searchsorted(keep, at) if out.shape[1] == len(keep) else at  # kept, or every position
         return out[rows, where.to(out.device)][:, None]
@@ -330,6 +330,27 @@ class TransformersLM(AttentionLM):
             return inspect.signature(self.module.forward).parameters
         except (TypeError, ValueError):
             return {}
+
+    def _prefill(self, prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every block's keys and values of ``prefix`` ``[batch, kv head, p, head size]``, by a run of the decoder
+        (no output head) into transformers' own cache."""
+        kw = self._new_cache()
+        with torch.no_grad(), self._fused(True):
+            getattr(self.module, "base_model", self.module)(input_ids=prefix, use_cache=True, **kw)
+        (cache,) = kw.values()
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _cache(self, batch: int) -> dict:
+        """A forward's cache arguments: outside :meth:`continuing` none; inside a fresh ``DynamicCache`` holding its
+        prefix, tiled to ``batch`` rows (the prefix's own tensors are never appended to)."""
+        if self._after is None:
+            return {"use_cache": False}
+        kw = self._new_cache()
+        (cache,) = kw.values()
+        for i, (k, v) in enumerate(self._after):
+            n = prefix_tiles(batch, k.shape[0])
+            cache.update(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1), i)
+        return {"use_cache": True, **kw}
 
     def _new_cache(self) -> dict:
         """The keyword argument that hands the model an explicit, empty ``DynamicCache`` (filled in

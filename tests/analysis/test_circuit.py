@@ -438,3 +438,53 @@ def test_the_page_opens_offline_and_a_click_on_a_head_shows_its_attention(tmp_pa
         assert page.locator('#slc-maps [data-side="clean"] svg').count() == 1
         assert page.locator('#slc-maps [data-side="corrupt"] svg').count() == 1
     assert errors == [] and requests == []
+
+
+def test_a_forward_continuing_a_start_is_the_whole_forward_after_it(tiny, task_pairs):
+    """Inside ``lm.continuing(start)`` a forward of the tokens after it gives the whole forward's logits there (at
+    every position, or one a row), its hooks see those tokens alone, and a batch of twice the rows reads the start
+    tiled; float64, so the two differ by the rounding of sums made in another order alone."""
+    ids = pair_batches(tiny, task_pairs)[0].clean
+    p, at = 5, torch.tensor([ids.shape[1] - 1, 7, 9])[: len(ids)]
+    seen = []
+    with torch.no_grad():
+        whole, whole_at = tiny.forward(ids), tiny.forward(ids, logits=at)
+        with (
+            tiny.continuing(ids[:, :p]) as kept,
+            tiny.hooks([("blocks.1.hook_resid_pre", lambda x, h: seen.append(x))]),
+        ):
+            after, after_at = tiny.forward(ids[:, p:]), tiny.forward(ids[:, p:], logits=at - p)
+            tiled = tiny.forward(ids[:, p:].repeat(2, 1))
+    assert kept and {x.shape[1] for x in seen} == {ids.shape[1] - p}
+    scale = whole.abs().max()
+    torch.testing.assert_close(after, whole[:, p:], rtol=0, atol=1e-9 * scale)
+    torch.testing.assert_close(after_at, whole_at, rtol=0, atol=1e-9 * scale)
+    torch.testing.assert_close(tiled, whole[:, p:].repeat(2, 1, 1), rtol=0, atol=1e-9 * scale)
+
+
+def test_the_start_pairs_share_is_run_once_and_changes_nothing(tiny, monkeypatch):
+    """Pairs batched by where clean and corrupt first differ, each batch's shared start run once and every run after
+    it covering only the tokens past it, give the whole runs' edge scores and patched metrics, in the pairs' own
+    order; float64, so the two differ by the rounding of sums made in another order alone."""
+    from storylens.circuits import edges, prefix
+    from storylens.effects.patching import encode_pairs
+
+    pairs = encode_pairs(tiny, [read_pairs(NAME_PAIRS)[i] for i in (0, 8, 4)], NAME_PAIRS.name)
+    ordered, _ = prefix.start_ordered(pairs)
+    assert [p.line for p in ordered] != [p.line for p in pairs]  # the order moves: results must be put back
+    batches = pair_batches(tiny, ordered, 2)
+    assert all(prefix.shared_start(b) > 0 for b in batches)
+    lengths, forward, scored = [], tiny.forward, edges.batch_scores
+    monkeypatch.setattr(edges, "batch_scores", lambda lm, ids, *a: lengths.append(ids.shape[1]) or scored(lm, ids, *a))
+    shared = eap_scores(tiny, pairs, batch_size=2)
+    circuits = [top_circuit(shared, n) for n in (3, 30, 300)]
+    monkeypatch.setattr(tiny, "forward", lambda ids, **kw: lengths.append(ids.shape[1]) or forward(ids, **kw))
+    shared_m = edge_metrics(tiny, pairs, circuits, batch_size=2)
+    assert set(lengths) == {b.clean.shape[1] - prefix.shared_start(b) for b in batches}
+    monkeypatch.setattr(prefix, "SHARE", False)
+    whole = eap_scores(tiny, pairs, batch_size=2)
+    whole_m = edge_metrics(tiny, pairs, circuits, batch_size=2)
+    scale = whole.per_pair.nan_to_num().abs().max()
+    torch.testing.assert_close(shared.per_pair, whole.per_pair, rtol=0, atol=1e-9 * scale, equal_nan=True)
+    torch.testing.assert_close(shared_m, whole_m, rtol=0, atol=1e-9 * whole_m.abs().max())
+    assert not torch.equal(whole_m[:, 0], whole_m[:, 1])  # the pairs' metrics differ: an order mixed up would show
