@@ -1,6 +1,7 @@
 """``storylens circuit``'s methods on the shipped model, and their cost on the 30 x 9 Llama shape, side by side:
 
     python benchmarks/bench_circuit.py [--json benchmarks/circuit.json] [--llama-pairs 64] [--vocab real|tokenizer]
+        [--shapes-only | --shipped-only]
 
 * **shipped**: on the name task (``--pairs names``) and the indirect-object pairs, for each of ``eap``,
   ``eap-ig-inputs`` and ``eap-ig-activations`` (5 steps): the faithfulness curve of its top circuits (each run
@@ -201,10 +202,17 @@ def main() -> None:
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--shapes-only", action="store_true", help="only the random models' costs, into --json as it is")
     p.add_argument("--vocab", choices=("real", "tokenizer"), default="real", help="the random models' vocabularies")
+    p.add_argument("--shipped-only", action="store_true", help="only the shipped model's runs, into --json as it is")
     args = p.parse_args()
     if args.one:
         folder, what, n = args.one
         print(json.dumps(llama_one(folder, what, int(n))))
+        return
+    if args.shipped_only:
+        result = json.loads(Path(args.json).read_text()) if args.json else {}
+        result["shipped"] = shipped()
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return
     with tempfile.TemporaryDirectory() as tmp:
         old = json.loads(Path(args.json).read_text()) if args.shapes_only and args.json else {}

@@ -331,14 +331,21 @@ class TransformersLM(AttentionLM):
         except (TypeError, ValueError):
             return {}
 
-    def _prefill(self, prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _prefill(self, prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every block's keys and values of ``prefix`` ``[batch, kv head, p, head size]``, by a run of the decoder
-        (no output head) into transformers' own cache."""
+        (no output head) into transformers' own cache (its ``layers``, or in older transformers its
+        ``key_cache`` and ``value_cache``); None where the cache holds them in neither form."""
         kw = self._new_cache()
         with torch.no_grad(), self._fused(True):
             getattr(self.module, "base_model", self.module)(input_ids=prefix, use_cache=True, **kw)
         (cache,) = kw.values()
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        if hasattr(cache, "layers"):
+            kv = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+        else:
+            kv = list(zip(getattr(cache, "key_cache", []), getattr(cache, "value_cache", [])))
+        if len(kv) != self.n_layer or not all(isinstance(t, torch.Tensor) for pair in kv for t in pair):
+            return None
+        return kv  # type: ignore[return-value]
 
     def _cache(self, batch: int) -> dict:
         """A forward's cache arguments: outside :meth:`continuing` none; inside a fresh ``DynamicCache`` holding its
