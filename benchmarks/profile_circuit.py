@@ -19,7 +19,10 @@ the faithfulness curve, timed in one process as multiples of the model's bare fo
   keeps half of them), with how many of the receivers keep any edge and how many blocks' MLPs and attentions
   have one.
 
-Each figure is the minimum over ``--rounds``, the forward's too. A tool for finding what to speed up, not a
+Every stage runs over the whole prompts, as given (the pairs not sorted, the start a batch's pairs share not run
+once: ``storylens.circuits.prefix``, which ``bench_circuit.py``'s rows measure with and without), so each stage's
+share of a run is read on the same tokens as the forward's. Each figure is the minimum over ``--rounds``, the
+forward's too. A tool for finding what to speed up, not a
 benchmark: the ratios users compare are ``bench_circuit.py``'s.
 """
 
