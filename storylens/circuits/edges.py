@@ -572,7 +572,7 @@ def eap_scores(
     graph = graph_of(lm)
     per_pair = []
     ordered, back = start_ordered(pairs)  # pairs alike batched together
-    for whole in pair_batches(lm, ordered, fitting_pairs(lm, pairs, batch_size)):
+    for whole in pair_batches(lm, ordered, fitting_pairs(lm, ordered, batch_size)):
         with after_shared_start(lm, whole) as b:  # the start every pair shares run once: no difference there
             metric = PairMetric(b)
             _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)

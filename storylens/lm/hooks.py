@@ -90,13 +90,6 @@ HOOK_KINDS = ATTN_HOOKS + BLOCK_HOOKS
 _HOOK_NAME = re.compile(r"^blocks\.(\d+)\.(?:attn\.(" + "|".join(ATTN_HOOKS) + r")|(" + "|".join(BLOCK_HOOKS) + r"))$")
 
 
-def prefix_tiles(batch: int, rows: int) -> int:
-    """How many times a forward of ``batch`` rows tiles :meth:`AttentionLM.continuing`'s prefix of ``rows``."""
-    if batch % rows:
-        raise StorylensError(f"a forward of {batch} rows continues a prefix of {rows}: not a whole number of times")
-    return batch // rows
-
-
 class AttentionLM:
     """The interface (see the module docstring). Subclasses set the attributes in ``__init__``."""
 
@@ -266,8 +259,18 @@ class AttentionLM:
             self._after = old
 
     def _prefill(self, prefix: torch.Tensor) -> Any:
-        """:meth:`continuing`'s keys and values of ``prefix``, in the subclass's own form; None: not kept here."""
+        """:meth:`continuing`'s keys and values of ``prefix``, per block ``(key, value)`` with the batch first;
+        None: not kept here."""
         return None
+
+    def _tiled_start(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Inside :meth:`continuing`: its keys and values per block, tiled to a forward of ``batch`` rows (for a
+        fresh cache of that forward)."""
+        rows = self._after[0][0].shape[0]
+        if batch % rows:
+            raise StorylensError(f"a forward of {batch} rows continues a prefix of {rows}: not a whole number of times")
+        n = batch // rows
+        return [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in self._after]
 
     def blocks(self) -> list[nn.Module] | None:
         """The decoder blocks in order, each called once per forward pass with what the block

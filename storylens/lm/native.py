@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from storylens.core.errors import StorylensError
-from storylens.lm.hooks import AttentionLM, HookFn, prefix_tiles
+from storylens.lm.hooks import AttentionLM, HookFn
 from storylens.model.gpt import GPT, GenerationStep, KVCache
 from storylens.model.tokenizer import eot_id
 
@@ -69,9 +69,8 @@ class NativeLM(AttentionLM):
         cache = None
         if self._after is not None:  # continuing(): a fresh cache holding the prefix, tiled to this batch
             cache = KVCache.empty(self.n_layer)
-            for i, (k, v) in enumerate(self._after):
-                n = prefix_tiles(len(ids), k.shape[0])
-                cache.update(i, k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1))
+            for i, (k, v) in enumerate(self._tiled_start(len(ids))):
+                cache.update(i, k, v)
         out = self.module(
             ids,
             record_attention=record_attention,

@@ -21,7 +21,7 @@ from storylens.lm.attention import NAME as ATTENTION
 from storylens.lm.attention import fused as fused_attention
 from storylens.lm.attention import register as register_attention
 from storylens.lm.attention import streaming as stream_attention
-from storylens.lm.hooks import AttentionLM, Hook, HookFn, HookSite, prefix_tiles
+from storylens.lm.hooks import AttentionLM, Hook, HookFn, HookSite
 from storylens.model.gpt import GenerationStep, sample_next
 
 if TYPE_CHECKING:
@@ -354,9 +354,8 @@ class TransformersLM(AttentionLM):
             return {"use_cache": False}
         kw = self._new_cache()
         (cache,) = kw.values()
-        for i, (k, v) in enumerate(self._after):
-            n = prefix_tiles(batch, k.shape[0])
-            cache.update(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1), i)
+        for i, (k, v) in enumerate(self._tiled_start(batch)):
+            cache.update(k, v, i)
         return {"use_cache": True, **kw}
 
     def _new_cache(self) -> dict:
