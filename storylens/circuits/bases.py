@@ -12,12 +12,38 @@ from typing import Any
 
 import torch
 
-from storylens.circuits.edges import WRITTEN, Metric, graph_of, logits_of, run_pass, writer_outputs
+from storylens.circuits.edges import WRITTEN, Metric, graph_of, logits_of, run_pass
 from storylens.circuits.receivers import KINDS, MLP_NORMS
 from storylens.core.errors import StorylensError
 from storylens.lm import AttentionLM, Hook
 
-Away = Callable[[int, torch.Tensor], torch.Tensor]  # writer, its output here -> that output less its ablated value
+
+@dataclass
+class Away:
+    """Each writer's output in a run less its ablated value. ``away(i, a)``: the embedding's or an MLP's
+    (writer ``i``, its output ``a`` ``[batch, pos, d_model]``) less ``ablated(i)``; :meth:`heads`: block
+    ``layer``'s heads' mixed values ``z`` ``[batch, pos, head, d_head]`` less ``ablated_z(layer)``. A head writes
+    ``z_h @ W_O[h]``, linear in ``z_h``, so its output's difference is its ``z``'s through its own slice of ``W_O``:
+    made in one product from the block's ``z``, with no head's ablated output held. ``opening``: the first
+    position carries no difference (a story's opening token, never ablated)."""
+
+    ablated: Callable[[int], torch.Tensor]  # broadcast against [batch, pos, d_model]
+    ablated_z: Callable[[int], torch.Tensor]  # broadcast against [batch, pos, head, d_head]
+    opening: bool = False
+
+    def __call__(self, i: int, a: torch.Tensor) -> torch.Tensor:
+        return self._less(a, self.ablated(i))
+
+    def heads(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        return self._less(z, self.ablated_z(layer))
+
+    def _less(self, a: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        d = a - value.to(device=a.device, dtype=a.dtype)
+        if self.opening:
+            d[:, 0] = 0
+        return d
+
+
 PROJ_BYTES = 256 << 20  # the heads' projections of the ablated stream a batch may keep (else made again per run)
 
 
@@ -38,8 +64,8 @@ class Bases:
     from ``pre`` ``[batch, pos, n, d_head]`` (empty where not kept: the model's structure not read, or over
     :data:`PROJ_BYTES`); ``metric`` the run's own (no edge ablated) ``[batch]``, where the pass that made them ran
     it (:func:`ablated_bases`; not :func:`corrupt_stream`); ``spare`` the diffs' buffer the runs on these bases pass
-    on to the next (a fresh one each run is a page fault per 4 kB written); ``outputs(i)`` writer ``i``'s output on
-    this stream where known (a counterfactual's: the corrupt run's; no mean's or zero's)."""
+    on to the next (a fresh one each run is a page fault per 4 kB written); ``outputs(i)`` the embedding's or an MLP's
+    output (writer ``i``) on this stream where known (a counterfactual's: the corrupt run's; no mean's or zero's)."""
 
     pre: list[torch.Tensor]
     mid: list[torch.Tensor]
@@ -64,9 +90,10 @@ class _BaseHooks:
         self.post: torch.Tensor | None = None
         self.proj: list[dict[str, torch.Tensor]] = []
 
-    def _add(self, d: torch.Tensor) -> None:
+    def _add(self, d: torch.Tensor, writers: int = 1) -> None:
+        """``d``: the next ``writers``' diffs, summed."""
         self.total = d.clone() if self.total is None else self.total.add_(d)
-        self.written += 1
+        self.written += writers
 
     def _less(self, x: torch.Tensor) -> torch.Tensor:
         assert self.total is not None
@@ -88,9 +115,7 @@ class _BaseHooks:
 
     def z(self, z: torch.Tensor, hook: Hook) -> None:
         w_o = self.lm.head_output_weights(hook.layer).to(z.dtype)
-        out = torch.einsum("bphd,hdm->bphm", z, w_o)
-        for h in range(out.shape[2]):
-            self._add(self.away(self.written, out[:, :, h]))
+        self._add(torch.einsum("bphd,hdm->bpm", self.away.heads(hook.layer, z), w_o), z.shape[2])
 
     def attn_out(self, x: torch.Tensor, hook: Hook) -> None:
         assert self.x0 is not None
@@ -127,20 +152,26 @@ def ablated_bases(lm: AttentionLM, ids: torch.Tensor, metric: Metric, away: Away
 
 
 @torch.no_grad()
-def corrupt_stream(lm: AttentionLM, ids: torch.Tensor, metric: Metric) -> tuple[torch.Tensor, torch.Tensor, Bases]:
-    """A counterfactual's corrupt run on ``ids``: its metric ``[batch]``, every writer's output on it ``[batch,
-    writer, pos, d_model]``, and :class:`Bases` taken from it. With every edge ablated each receiver reads the
-    run's stream less every writer's run-minus-corrupt output before it, which is the corrupt run's own stream (the
-    stream is the writers' sum, biases alike in both), so the bases are that run's hook tensors: its block inputs,
-    middles, last output and heads' projections (where :func:`ablated_bases` would keep them), with no pass of their
-    own; their :attr:`~Bases.metric`, the clean run's, is left to whoever needs it."""
+def corrupt_stream(lm: AttentionLM, ids: torch.Tensor, metric: Metric) -> tuple[torch.Tensor, Away, Bases]:
+    """A counterfactual's corrupt run on ``ids``: its metric ``[batch]``, each writer's output less its output on
+    it (:class:`Away`, from the run's hook tensors: the embedding, every block's heads' ``z`` and MLP's output),
+    and :class:`Bases` taken from it. With every edge ablated each receiver reads the run's stream less every
+    writer's run-minus-corrupt output before it, which is the corrupt run's own stream (the stream is the writers'
+    sum, biases alike in both), so the bases are that run's hook tensors: its block inputs, middles, last output and
+    heads' projections (where :func:`ablated_bases` would keep them), with no pass of their own; their
+    :attr:`~Bases.metric`, the clean run's, is left to whoever needs it."""
     keep = norms_of(lm) is not None and _proj_bytes(lm, ids) <= PROJ_BYTES
     value, seen = run_pass(lm, ids, metric, grad=False, kinds=(*WRITTEN, "attn", "post", *(KINDS if keep else ())))
-    outputs = writer_outputs(lm, seen, writer_first=True)  # a writer's rows whole
+    per = lm.n_head + 1
+
+    def output(i: int) -> torch.Tensor:  # the embedding's or an MLP's (writer 1 + layer * per + n_head)
+        return seen["pre"][0] if i == 0 else seen["mlp"][(i - 1) // per]
+
     pre = [seen["pre"][i] for i in range(lm.n_layer)]
     mid = [x + seen["attn"][i] for i, x in enumerate(pre)]
     proj = [{k: seen[k][i] for k in KINDS} for i in range(lm.n_layer)] if keep else []
-    return value, outputs, Bases(pre, mid, seen["post"][0], proj, None, outputs=lambda i: outputs[:, i])
+    away = Away(output, lambda layer: seen["z"][layer])
+    return value, away, Bases(pre, mid, seen["post"][0], proj, None, outputs=output)
 
 
 COPIES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose structure the one-copy pass misread

@@ -159,31 +159,42 @@ class _EdgePatcher:
             self._add_diff(self.written, self.away(self.written, a))
         self.written += 1
 
-    def _head_diffs(self, z: torch.Tensor, w_o: torch.Tensor) -> None:
-        """A block's heads' outputs from ``z`` ``[batch, pos, head, d_head]``, each diff kept where it is read
-        (only those heads' outputs are made)."""
+    def _head_diffs(self, layer: int, z: torch.Tensor, w_o: torch.Tensor) -> None:
+        """Block ``layer``'s heads' diffs from their ``z`` ``[batch, pos, head, d_head]`` (:meth:`Away.heads`),
+        through their slices of ``W_O`` ``[head, d_head, d_model]`` straight into their rows of :attr:`buf` (those
+        some receiver reads: consecutive rows, as the kept writers are in order), one product."""
         start = self.written
         heads = [h for h in range(z.shape[2]) if start + h in self.rows]
-        out = torch.einsum("bphd,hdm->hbpm", z[:, :, heads], w_o[heads]) if heads else None
-        for j, h in enumerate(heads):
-            assert out is not None
-            self._add_diff(start + h, self.away(start + h, out[j]))
         self.written = start + z.shape[2]
+        if not heads:
+            return
+        dz = self.away.heads(layer, z)[:, :, heads]  # [batch, pos, kept heads, d_head]
+        b, p = dz.shape[:2]
+        buf = self._buffer((b, p, w_o.shape[-1]), dz)
+        first = self.rows[start + heads[0]]
+        out = buf[first : first + len(heads)].view(len(heads), b * p, -1)
+        with torch.no_grad():  # an exact run: no graph (out= takes none)
+            torch.bmm(dz.permute(2, 0, 1, 3).reshape(len(heads), b * p, -1), w_o[heads], out=out)
+
+    def _buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """:attr:`buf`, ``[kept writers, *shape]``, made at the first diff (the bases' spare passed on where it fits:
+        a fresh one each run is a page fault per 4 kB written)."""
+        if self.buf is None:
+            n, held = len(self.kept), self.bases
+            spare = None if held is None else held.spare
+            if spare is None or len(spare) < n or spare.shape[1:] != shape or spare.dtype != like.dtype:
+                if held is not None:
+                    held.spare = None  # a smaller one let go of before the new one is made
+                spare = torch.empty(n, *shape, dtype=like.dtype, device=like.device)
+            if held is not None:
+                held.spare = spare
+            self.buf = spare[:n]
+        return self.buf
 
     def _add_diff(self, i: int, d: torch.Tensor) -> None:
         """Writer ``i``'s diff, kept in its row of :attr:`buf` (so a small circuit, or every edge but a few, never
         holds ``[batch, pos, writer, d_model]``)."""
-        if self.buf is None:
-            n, held = len(self.kept), self.bases
-            spare = None if held is None else held.spare
-            if spare is None or len(spare) < n or spare.shape[1:] != d.shape or spare.dtype != d.dtype:
-                if held is not None:
-                    held.spare = None  # a smaller one let go of before the new one is made
-                spare = torch.empty(n, *d.shape, dtype=d.dtype, device=d.device)
-            if held is not None:
-                held.spare = spare
-            self.buf = spare[:n]
-        self.buf[self.rows[i]] = d
+        self._buffer(tuple(d.shape), d)[self.rows[i]] = d
 
     def resid_pre(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         b, layer = self.b, hook.layer
@@ -221,7 +232,7 @@ class _EdgePatcher:
 
     def z(self, z: torch.Tensor, hook: Hook) -> None:
         w_o = self.lm.head_output_weights(hook.layer).to(z.dtype)
-        self._head_diffs(z[: self.b], w_o)
+        self._head_diffs(hook.layer, z[: self.b], w_o)
 
     def attn_out(self, x: torch.Tensor, hook: Hook) -> torch.Tensor:
         b, m = self.b, self.slots[hook.layer][-1]

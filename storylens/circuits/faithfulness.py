@@ -36,8 +36,8 @@ def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, 
     """Each writer's output less its output on the corrupt prompts, the metric of that corrupt run (what the
     circuit with no edge gives), and the stream with every edge ablated, which is that run's
     (:func:`~storylens.circuits.bases.corrupt_stream`)."""
-    value, corrupt, stream = corrupt_stream(lm, b.corrupt, metric)  # [batch, writer, pos, d_model]
-    return (lambda i, a: a - corrupt[:, i].to(a.dtype)), value, stream
+    value, away, stream = corrupt_stream(lm, b.corrupt, metric)
+    return away, value, stream
 
 
 def edge_metrics(

@@ -141,20 +141,12 @@ def _ablator(values: dict[str, torch.Tensor]) -> Callable[[dict], dict]:
 
 
 def _away(lm: AttentionLM, values: dict[str, torch.Tensor], device) -> Away:
-    """Each writer's output less its ablated value (its mean in the residual stream, or zero), 0 at the opening
-    token."""
-    means = [values["pre"]]
-    for layer in range(lm.n_layer):
-        w_o = lm.head_output_weights(layer).detach().to(values["z"].dtype)
-        means += list(torch.einsum("hd,hdm->hm", values["z"][layer], w_o)) + [values["mlp"][layer]]
-    table = torch.stack(means).to(device)  # [writer, d_model]
-
-    def away(i: int, a: torch.Tensor) -> torch.Tensor:
-        d = a - table[i].to(a.dtype)
-        d[:, 0] = 0
-        return d
-
-    return away
+    """Each writer's output less its ablated value (its mean in the residual stream, or zero; a head's from its
+    mean ``z``), 0 at the opening token."""
+    per = lm.n_head + 1
+    table = torch.cat([values["pre"][None], values["mlp"]]).to(device)  # [embedding and MLPs, d_model]
+    z = values["z"].to(device)  # [layer, head, d_head]
+    return Away(lambda i: table[0 if i == 0 else 1 + (i - 1) // per], lambda layer: z[layer], opening=True)
 
 
 def edge_batch(

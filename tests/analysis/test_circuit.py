@@ -265,11 +265,47 @@ def test_an_mlp_cut_from_every_edge_takes_the_corrupt_runs_output(tiny, task_pai
 
 
 def edge_patch_away(lm, b):
-    from storylens.circuits.edges import run_pass, writer_outputs
+    """Each writer's clean-minus-corrupt output, from the corrupt run's hook tensors."""
+    from storylens.circuits.bases import Away
+    from storylens.circuits.edges import run_pass
 
     _, seen = run_pass(lm, b.corrupt, lambda x: pair_metric(x, b), grad=False)
-    corrupt = writer_outputs(lm, seen)
-    return lambda i, a: a - corrupt[:, :, i].to(a.dtype)
+    per = lm.n_head + 1
+    return Away(lambda i: seen["pre"][0] if i == 0 else seen["mlp"][(i - 1) // per], lambda layer: seen["z"][layer])
+
+
+def test_away_is_each_writers_output_less_its_output_on_the_corrupt_run(tiny, task_pairs):
+    """:class:`Away` gives each writer's difference the way the edge-patched runs take it (a head's from its ``z``
+    through its slice of W_O, the embedding's and each MLP's from their outputs): equal, in float64, to every
+    writer's clean output less its corrupt one as :func:`writer_outputs` builds them (a head's output made from its
+    own ``z`` first). Both are ``d`` products of float64 values in another order: within ``2 d u`` of the sum of
+    their magnitudes each (``u = 1.1e-16``, ``d_head <= 16`` here); 1e-12 of the largest output is a margin of
+    over 1e2."""
+    from storylens.circuits.edges import graph_of, run_pass, writer_outputs
+    from storylens.circuits.faithfulness import _corrupt_away
+
+    lm, pairs = tiny, task_pairs
+    (b,) = pair_batches(lm, pairs)
+    metric = lambda x: pair_metric(x, b)  # noqa: E731
+    away, _, _ = _corrupt_away(lm, b, metric)
+    _, clean = run_pass(lm, b.clean, metric, grad=False)
+    _, corrupt = run_pass(lm, b.corrupt, metric, grad=False)
+    want = writer_outputs(lm, clean, minus=corrupt, writer_first=True)  # [batch, writer, pos, d_model]
+    per, got = lm.n_head + 1, []
+    for i in range(len(graph_of(lm).writers)):
+        layer, h = divmod(i - 1, per)
+        if i == 0 or h == lm.n_head:
+            got.append(away(i, clean["pre"][0] if i == 0 else clean["mlp"][layer]))
+        else:
+            dz = away.heads(layer, clean["z"][layer])[:, :, h]
+            got.append(dz @ lm.head_output_weights(layer)[h])
+    got = torch.stack(got, 1)
+    size = (
+        writer_outputs(lm, clean, writer_first=True).abs() + writer_outputs(lm, corrupt, writer_first=True).abs()
+    ).max()
+    bound = 1e-12 * size.item()
+    assert (got - want).abs().max().item() <= bound
+    assert want[:, 1 : per - 1].abs().max().item() > 1e3 * bound  # the heads' differences far above the bound
 
 
 def test_pruning_keeps_edges_on_a_path_from_the_input_to_the_logits():
