@@ -21,15 +21,22 @@ from storylens.lm import AttentionLM, Hook
 @dataclass
 class Away:
     """Each writer's output in a run less its ablated value. ``away(i, a)``: the embedding's or an MLP's
-    (writer ``i``, its output ``a`` ``[batch, pos, d_model]``) less ``ablated(i)``; :meth:`heads`: block
+    (writer ``i``, its output ``a`` ``[batch, pos, d_model]``) less :meth:`ablated`; :meth:`heads`: block
     ``layer``'s heads' mixed values ``z`` ``[batch, pos, head, d_head]`` less ``ablated_z(layer)``. A head writes
     ``z_h @ W_O[h]``, linear in ``z_h``, so its output's difference is its ``z``'s through its own slice of ``W_O``:
-    made in one product from the block's ``z``, with no head's ablated output held. ``opening``: the first
-    position carries no difference (a story's opening token, never ablated)."""
+    made in one product from the block's ``z``, with no head's ablated output held. ``per``: the writers of a block
+    (its heads and its MLP); ``opening``: the first position carries no difference (a story's opening token, never
+    ablated)."""
 
-    ablated: Callable[[int], torch.Tensor]  # broadcast against [batch, pos, d_model]
-    ablated_z: Callable[[int], torch.Tensor]  # broadcast against [batch, pos, head, d_head]
+    per: int
+    embedding: torch.Tensor  # the embedding's ablated value, broadcast against [batch, pos, d_model]
+    ablated_mlp: Callable[[int], torch.Tensor]  # block layer's MLP's, alike
+    ablated_z: Callable[[int], torch.Tensor]  # block layer's heads' z, broadcast against [batch, pos, head, d_head]
     opening: bool = False
+
+    def ablated(self, i: int) -> torch.Tensor:
+        """The ablated output of writer ``i``, the embedding (0) or an MLP (``1 + layer * per + per - 1``)."""
+        return self.embedding if i == 0 else self.ablated_mlp((i - 1) // self.per)
 
     def __call__(self, i: int, a: torch.Tensor) -> torch.Tensor:
         return self._less(a, self.ablated(i))
@@ -162,16 +169,11 @@ def corrupt_stream(lm: AttentionLM, ids: torch.Tensor, metric: Metric) -> tuple[
     :attr:`~Bases.metric`, the clean run's, is left to whoever needs it."""
     keep = norms_of(lm) is not None and _proj_bytes(lm, ids) <= PROJ_BYTES
     value, seen = run_pass(lm, ids, metric, grad=False, kinds=(*WRITTEN, "attn", "post", *(KINDS if keep else ())))
-    per = lm.n_head + 1
-
-    def output(i: int) -> torch.Tensor:  # the embedding's or an MLP's (writer 1 + layer * per + n_head)
-        return seen["pre"][0] if i == 0 else seen["mlp"][(i - 1) // per]
-
     pre = [seen["pre"][i] for i in range(lm.n_layer)]
     mid = [x + seen["attn"][i] for i, x in enumerate(pre)]
     proj = [{k: seen[k][i] for k in KINDS} for i in range(lm.n_layer)] if keep else []
-    away = Away(output, lambda layer: seen["z"][layer])
-    return value, away, Bases(pre, mid, seen["post"][0], proj, None, outputs=output)
+    away = Away(lm.n_head + 1, seen["pre"][0], seen["mlp"].__getitem__, seen["z"].__getitem__)
+    return value, away, Bases(pre, mid, seen["post"][0], proj, None, outputs=away.ablated)
 
 
 COPIES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose structure the one-copy pass misread

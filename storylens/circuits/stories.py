@@ -143,10 +143,8 @@ def _ablator(values: dict[str, torch.Tensor]) -> Callable[[dict], dict]:
 def _away(lm: AttentionLM, values: dict[str, torch.Tensor], device) -> Away:
     """Each writer's output less its ablated value (its mean in the residual stream, or zero; a head's from its
     mean ``z``), 0 at the opening token."""
-    per = lm.n_head + 1
-    table = torch.cat([values["pre"][None], values["mlp"]]).to(device)  # [embedding and MLPs, d_model]
-    z = values["z"].to(device)  # [layer, head, d_head]
-    return Away(lambda i: table[0 if i == 0 else 1 + (i - 1) // per], lambda layer: z[layer], opening=True)
+    mlp, z = values["mlp"].to(device), values["z"].to(device)  # [layer, d_model], [layer, head, d_head]
+    return Away(lm.n_head + 1, values["pre"].to(device), mlp.__getitem__, z.__getitem__, opening=True)
 
 
 def edge_batch(

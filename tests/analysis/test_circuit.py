@@ -270,8 +270,7 @@ def edge_patch_away(lm, b):
     from storylens.circuits.edges import run_pass
 
     _, seen = run_pass(lm, b.corrupt, lambda x: pair_metric(x, b), grad=False)
-    per = lm.n_head + 1
-    return Away(lambda i: seen["pre"][0] if i == 0 else seen["mlp"][(i - 1) // per], lambda layer: seen["z"][layer])
+    return Away(lm.n_head + 1, seen["pre"][0], seen["mlp"].__getitem__, seen["z"].__getitem__)
 
 
 def test_away_is_each_writers_output_less_its_output_on_the_corrupt_run(tiny, task_pairs):
