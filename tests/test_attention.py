@@ -175,8 +175,8 @@ def test_streamed_scores_equal_whole_maps(kind, tokenizer, monkeypatch):
             assert rows.shape[-2] == 1 or rows.numel() * rows.element_size() <= self.chunk_bytes
             self.consumer.rows(layer, rows, start, masses, heads)
 
-    def spy(taps, consumer, chunk_bytes):
-        return streaming(taps, Seen(consumer, chunk_bytes), chunk_bytes)
+    def spy(taps, consumer, chunk_bytes, riding=False):
+        return streaming(taps, Seen(consumer, chunk_bytes), chunk_bytes, riding)
 
     monkeypatch.setattr(interface, "stream_attention", spy)
     got = score_heads(lm, stories, detectors=detectors, examples=3, progress=False)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from storylens.core.errors import StorylensError
-from storylens.engine.gradients import norm_kind
+from storylens.engine.readout import norm_kind
 from storylens.lm import AttentionLM
 
 KINDS = ("q", "k", "v")  # a head's inputs

@@ -46,7 +46,8 @@ import torch
 from storylens.core.errors import StorylensError
 from storylens.engine.accumulate import RatioAccumulator, cauchy_slack, pooled_ratio
 from storylens.engine.encode import StoryBatch
-from storylens.engine.gradients import GRAPH_BYTES, Gradients, Readout
+from storylens.engine.gradients import GRAPH_BYTES, Gradients
+from storylens.engine.readout import Readout
 from storylens.engine.record import Needs
 
 CAUSAL_COLUMNS = ("atp_mean", "atp_mean_se", "atp_zero", "atp_zero_se", "dla", "dla_se")

@@ -39,7 +39,7 @@ from storylens.core.modes import eval_mode
 from storylens.effects.attribution import readout_rows
 from storylens.engine.accumulate import RatioAccumulator
 from storylens.engine.encode import EncodedStory, batch_of
-from storylens.engine.gradients import norm_scale, readout
+from storylens.engine.readout import norm_scale, readout
 from storylens.lm import AttentionLM, Hook
 from storylens.lm.hooks import HookFn
 

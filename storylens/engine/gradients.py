@@ -1,8 +1,9 @@
 """The gradient pass (:func:`gradient_pass`) and what it hands a measure that asks for gradients
 (:class:`~storylens.engine.record.Needs` ``gradients=True``): one :class:`Gradients` per block and
-batch, that block's head outputs and their gradients, and the model's :class:`Readout` (its final norm
-and unembedding, for direct logit attribution). :mod:`storylens.engine.record` runs the pass,
-:mod:`storylens.effects.attribution` reads what it hands over.
+batch, that block's head outputs and their gradients, and the model's
+:class:`~storylens.engine.readout.Readout` (its final norm and unembedding, for direct logit
+attribution). :mod:`storylens.engine.record` runs the pass (a recording of the attention may ride on
+its first forward, :class:`Riding`), :mod:`storylens.effects.attribution` reads what it hands over.
 
 **Memory.** The backward needs what each block's forward saved (its activations), and holding that
 for every block at once grows with the model's depth: on a 3,000-token story, several GB for GPT-2
@@ -28,7 +29,7 @@ import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,53 +38,8 @@ from torch import nn
 
 from storylens.core.errors import StorylensError
 from storylens.engine.encode import StoryBatch
+from storylens.engine.readout import Readout, norm_scale, readout
 from storylens.lm import AttentionLM, Hook
-
-
-@dataclass(frozen=True)
-class Readout:
-    """What DLA reads of the model's output: the final norm (``kind`` ``"layer"`` centres, ``"rms"``
-    does not), its gain ``[d_model]`` and ``eps``, and the unembedding ``W_U [vocab, d_model]``."""
-
-    norm: nn.Module
-    kind: str
-    gain: torch.Tensor
-    eps: float
-    unembed: torch.Tensor
-
-
-def readout(lm: AttentionLM) -> Readout | None:
-    """The final norm and unembedding of ``lm`` (None where they cannot be told apart: DLA left empty)."""
-    module = lm.module
-    getter = getattr(module, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    base = getattr(module, "base_model", None) or getattr(module, "transformer", None) or module
-    norm = None
-    for name in ("ln_f", "norm", "final_layer_norm", "norm_f"):
-        norm = norm or getattr(base, name, None)
-    if head is None:
-        head = getattr(module, "lm_head", None)
-    if not isinstance(norm, nn.Module) or head is None or getattr(head, "bias", None) is not None:
-        return None
-    known = norm_kind(norm)
-    if known is None:
-        return None
-    kind, gain, eps = known
-    return Readout(norm, kind, gain, eps, head.weight.detach())
-
-
-def norm_kind(norm: nn.Module) -> tuple[str, torch.Tensor, float] | None:
-    """A normalisation's kind (``"layer"``: LayerNorm, which centres; ``"rms"``: RMSNorm, which does not), its gain
-    ``[d_model]`` and its ``eps``; None for any other (Gemma's, whose gain is ``1 + weight``, among them)."""
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        return None
-    name = type(norm).__name__
-    if isinstance(norm, nn.LayerNorm):
-        return "layer", w.detach(), float(norm.eps)
-    if "RMSNorm" in name and not name.startswith("Gemma"):
-        return "rms", w.detach(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    return None
 
 
 @dataclass
@@ -196,13 +152,6 @@ def _scale(read: Readout | None, held: dict[str, torch.Tensor]) -> torch.Tensor 
     return norm_scale(read, held["x"])
 
 
-def norm_scale(read: Readout, x: torch.Tensor) -> torch.Tensor:
-    """``[..., pos]`` float64: what the final norm divides ``x [..., pos, d_model]`` (its input) by."""
-    x = x.to(torch.float64)
-    spread = x.var(-1, unbiased=False) if read.kind == "layer" else x.pow(2).mean(-1)
-    return (spread + read.eps).sqrt()
-
-
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """A block's input hidden states: its first positional argument, or ``hidden_states``."""
     x = args[0] if args else kwargs.get("hidden_states")
@@ -253,12 +202,30 @@ class _First:
     ran: bool
 
 
+@dataclass(frozen=True)
+class Riding:
+    """A recording of the attention that rides on the pass's first forward (:func:`gradient_pass`):
+    ``context()`` (its hooks, and its streaming with ``riding=True``: every layer's rows streamed in
+    inference mode and the fused kernel's output handed on, so the forward computes what it computes
+    alone) is entered around that forward; ``alone()`` runs the recording's own forward instead, first,
+    where the pass has no such forward (one graph through the whole model)."""
+
+    context: Callable[[], AbstractContextManager]
+    alone: Callable[[], None]
+
+
 def _first_pass(
-    lm: AttentionLM, blocks: list[nn.Module], ids: torch.Tensor, base: nn.Module | None, kept: int
+    lm: AttentionLM,
+    blocks: list[nn.Module],
+    ids: torch.Tensor,
+    base: nn.Module | None,
+    kept: int,
+    riding: Riding | None = None,
 ) -> _First:
     """The forward with a graph for the first ``kept`` blocks (:func:`_kept`: their reruns skipped)
     and from the last block's input on (that block and the tail: final norm, unembedding, a soft cap),
-    none in between; with ``base``, the decoder, its output is kept and the unembedding not run."""
+    none in between; with ``base``, the decoder, its output is kept and the unembedding not run; with
+    ``riding``, the recording rides on it."""
     saved: list[tuple[tuple, dict] | None] = [None] * len(blocks)
     last = len(blocks) - 1
     got: dict[str, torch.Tensor] = {}
@@ -289,8 +256,9 @@ def _first_pass(
     if base is not None:
         handles.append(base.register_forward_hook(lambda m, args, out: got.update(out=_output(out))))
     try:
-        with torch.no_grad():  # left with grad mode as it was, whatever the blocks' hooks set
-            logits = lm.forward(ids, record_attention=False, logits=base is None)  # [B, T, V]
+        # left with grad mode as it was, whatever the blocks' hooks set
+        with torch.no_grad(), riding.context() if riding is not None else contextlib.nullcontext():
+            logits = lm.forward(ids, record_attention=riding is not None, logits=base is None)  # [B, T, V]
     finally:
         for h in handles:
             h.remove()
@@ -455,6 +423,7 @@ def _blockwise(
     emit: Emit | None,
     split_head: bool = False,
     kept: int = 0,
+    riding: Riding | None = None,
 ) -> bool:
     """The pass block by block (the module docstring); ``split_head``: the logits a few rows at a
     time (:func:`_split_head`); ``kept``: the first blocks whose graph the first forward keeps
@@ -478,7 +447,7 @@ def _blockwise(
 
     with ExitStack() as stack:
         _tap(stack, lm, taps, read, held)
-        first = _first_pass(lm, blocks, ids, None if split is None else split[0], kept)
+        first = _first_pass(lm, blocks, ids, None if split is None else split[0], kept, riding)
         top, x, saved = first.top, first.leaf, first.saved
         if top is None or not first.ran or (x is None and kept < last):
             return False
@@ -579,7 +548,9 @@ def _splits(lm: AttentionLM, ids: torch.Tensor) -> bool:
     return float((split - logits).abs().max()) <= tol
 
 
-def gradient_pass(lm: AttentionLM, batch: StoryBatch, emit: Emit, graph_bytes: int = GRAPH_BYTES) -> None:
+def gradient_pass(
+    lm: AttentionLM, batch: StoryBatch, emit: Emit, graph_bytes: int = GRAPH_BYTES, riding: Riding | None = None
+) -> None:
     """The gradient pass of one batch: one forward with the model's fused attention and one backward
     of the batch's summed next-token loss (every predicted token, the opening token's prediction
     included), block by block (the module docstring); no weight gradient, no map formed. A zero
@@ -587,13 +558,16 @@ def gradient_pass(lm: AttentionLM, batch: StoryBatch, emit: Emit, graph_bytes: i
     norm's input is kept for its frozen scale. ``graph_bytes``: what the first blocks' graphs may
     hold, kept from the first forward so that those blocks are not run again (0: one block's
     activations at a time). ``emit`` gets every block's :class:`Gradients`, from the last block to
-    the first."""
+    the first. ``riding``: a recording of the attention that rides on the first forward
+    (:class:`Riding`), so that the batch runs through the model once for both."""
     read = readout(lm)
     with torch.inference_mode(False), _frozen(lm.module):
         blocks = lm.blocks()
         way = _way(lm, blocks, batch)
         if blocks is not None and way.blockwise:
             kept = _kept(graph_bytes, way.cost, batch.ids, len(blocks) - 1)
-            _blockwise(lm, blocks, batch, read, emit, way.split_head, kept)
+            _blockwise(lm, blocks, batch, read, emit, way.split_head, kept, riding)
         else:
+            if riding is not None:
+                riding.alone()
             _whole(lm, batch, read, emit)

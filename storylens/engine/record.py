@@ -44,7 +44,12 @@ loss, run block by block so that one block's activations exist at a time, no wei
 hands a block's head outputs ``z`` and ``dL/dz``, the final norm's scale and the batch
 (:class:`storylens.engine.gradients.Gradients`).
 ``plan().gradients`` says so; where no measure reads attention (``Needs(attention=False)``) the
-recording forward is skipped.
+recording forward is skipped. Where some measure does and the maps stream, the recording rides on the
+gradient pass's first forward (:class:`~storylens.engine.gradients.Riding`): each layer streams its rows
+in inference mode from its queries, keys and values detached and hands the fused kernel's output on, so
+the batch runs through the model once for both, the gradients are bit for bit those of the pass alone,
+and the rows those of the fused forward's hidden states (a recording of its own reads the explicit
+attention's: the same to rounding).
 
 **Reruns.** A measure whose ``needs.reruns`` is set (:class:`RerunMeasure`, e.g.
 :class:`storylens.effects.exact.ExactMeasure`, every head's exact ablation) gets, per batch and after
@@ -82,7 +87,7 @@ from storylens.engine.encode import (
     iter_encoded,
     length_batches,
 )
-from storylens.engine.gradients import GRAPH_BYTES, Gradients, gradient_pass
+from storylens.engine.gradients import GRAPH_BYTES, Gradients, Riding, gradient_pass
 from storylens.engine.images import head_images, key_norms, ov_factor
 from storylens.engine.masks import Masks
 from storylens.lm import AttentionLM, Hook, HookFn
@@ -278,8 +283,11 @@ class _Pass:
         self.waiting: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # whole map, output vectors
         self.formed: list[str] = []  # the key columns in the streamed kernel's masses, in order
 
-    def context(self) -> ExitStack:
-        """The model's hooks, and the streamed attention if planned."""
+    def context(self, riding: bool = False) -> ExitStack:
+        """The model's hooks, and the streamed attention if planned (``riding``: on the gradient pass's
+        first forward, run outside inference mode, :class:`~storylens.engine.gradients.Riding`; streamed
+        plans only: the hooks' work is then done in inference mode on their tensors detached, as the
+        streamed rows are)."""
         lm, chosen, n = self.lm, self.plan, self.lm.n_layer
         hooks: list[tuple[str, HookFn]] = []
         if not chosen.streamed:
@@ -287,18 +295,26 @@ class _Pass:
             if chosen.outputs:
                 hooks += [(f"blocks.{i}.attn.hook_z", self._outputs) for i in range(n)]
         if chosen.key_norms:
-            hooks += [(f"blocks.{i}.attn.hook_v", self._values) for i in range(n)]
+            hooks += [
+                (f"blocks.{i}.attn.hook_v", _in_inference(self._values) if riding else self._values) for i in range(n)
+            ]
         stack = ExitStack()
         stack.enter_context(lm.hooks(hooks))
         if chosen.streamed:
-            stack.enter_context(lm.streaming(self))
+            stack.enter_context(lm.streaming(self, riding))
         return stack
+
+    def rides(self) -> bool:
+        """Whether the recording forward rides on the gradient pass's first forward (one run of the batch
+        through the model for both): where both run and the maps stream."""
+        return self.plan.gradients and self.plan.attention and self.plan.streamed
 
     def run(self, batch: StoryBatch, chunk: Sequence[EncodedStory] = ()) -> None:
         self.masks, self.norms, self.waiting = Masks(batch, self.lm.dtype), {}, {}
         for m in self.measures:
             m.begin(batch)
-        if self.plan.attention or not self.plan.per_batch:
+        rides = self.rides()
+        if (self.plan.attention or not self.plan.per_batch) and not rides:
             # with a gradient pass or reruns, the hooks and streaming live for this forward only: those
             # passes run the model's own attention, handing no rows to any measure
             with self.context() if self.plan.per_batch else contextlib.nullcontext():
@@ -310,13 +326,19 @@ class _Pass:
                 for t in takers:
                     t.gradients(grads)
 
-            gradient_pass(self.lm, batch, hand, self.plan.graph_bytes)
+            riding = Riding(lambda: self.context(riding=True), lambda: self._alone(batch.ids)) if rides else None
+            gradient_pass(self.lm, batch, hand, self.plan.graph_bytes, riding)
         for m in self.measures:
             if m.needs.reruns:
                 cast(RerunMeasure, m).rerun(self.lm, batch, chunk)
         for m in self.measures:
             m.end()
         self.masks = None
+
+    def _alone(self, ids: torch.Tensor) -> None:
+        """The recording forward on its own, in inference mode (where the gradient pass has no forward to ride)."""
+        with torch.inference_mode(), self.context():
+            self._forward(ids)
 
     def _forward(self, ids: torch.Tensor) -> None:
         """The recording forward. Streamed, it stops at the last block's head outputs (``hook_z``, the
@@ -394,6 +416,16 @@ class _Pass:
         masks = masks.rows(start, start + n, keys)
         key = None if norms is None else norms[..., :keys]
         self._feed(Chunk(layer, start, probs, masks, columns, key, outputs, vectors))
+
+
+def _in_inference(fn: HookFn) -> HookFn:
+    """``fn`` run in inference mode on its tensor detached (a hook of a recording riding on a pass with autograd)."""
+
+    def run(t: torch.Tensor, hook: Hook) -> Any:
+        with torch.inference_mode():
+            return fn(t.detach(), hook)
+
+    return run
 
 
 class _Done(Exception):

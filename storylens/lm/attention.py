@@ -109,6 +109,7 @@ class AttentionTap:
         self.chunk_bytes = CHUNK_BYTES
         self.buffers = Workspace()
         self.fused = 0  # how many fused() contexts hold it
+        self.riding = False  # streamed on another pass's forward (streaming(riding=True))
 
 
 def attach(modules: Sequence[nn.Module]) -> list[AttentionTap]:
@@ -150,23 +151,29 @@ def _sdpa() -> Callable[..., tuple[torch.Tensor, None]]:
 
 
 @contextmanager
-def streaming(taps: Sequence[AttentionTap], consumer: RowConsumer, chunk_bytes: int = CHUNK_BYTES) -> Iterator[None]:
+def streaming(
+    taps: Sequence[AttentionTap], consumer: RowConsumer, chunk_bytes: int = CHUNK_BYTES, riding: bool = False
+) -> Iterator[None]:
     """Inside: the attention of each tap's module hands its probabilities to ``consumer.rows`` chunk by
     chunk and returns none (see the module docstring; the rows are overwritten by the next chunk),
     with ``consumer.key_weights(layer)`` carried through the product of the probabilities and the
-    values (extra columns of each group's value matrix, so no pass over the probabilities of their own)."""
+    values (extra columns of each group's value matrix, so no pass over the probabilities of their own).
+    ``riding``: the recording rides on a forward run outside inference mode for its own ends (the
+    gradient pass's): there each layer streams its rows in inference mode from its inputs detached, as a
+    recording does, and returns transformers' sdpa output of those inputs (with their graph where
+    autograd records), what that forward would get with nothing streamed, so the two runs are one."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: must be at least 1, got {chunk_bytes}")
     if any(tap.consumer is not None for tap in taps):
         raise RuntimeError("streaming(): these attention modules are already streamed")
     buffers = Workspace()  # one for every layer: chunk after chunk and layer after layer
     for tap in taps:
-        tap.consumer, tap.chunk_bytes, tap.buffers = consumer, chunk_bytes, buffers
+        tap.consumer, tap.chunk_bytes, tap.buffers, tap.riding = consumer, chunk_bytes, buffers, riding
     try:
         yield
     finally:
         for tap in taps:
-            tap.consumer, tap.buffers = None, Workspace()
+            tap.consumer, tap.buffers, tap.riding = None, Workspace(), False
 
 
 def query_chunk(batch: int, heads: int, keys: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -209,6 +216,12 @@ def grouped_attention(
     scaling = d**-0.5 if scaling is None else scaling
     tap = _tap(module)
     if tap is not None and tap.consumer is not None and not (dropout and module.training):
+        if tap.riding and not torch.is_inference_mode_enabled():  # the recording rides on a pass with autograd
+            with torch.inference_mode():
+                _streamed(
+                    module, query.detach(), key.detach(), value.detach(), attention_mask, scaling, tap, tap.consumer
+                )
+            return _sdpa()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return _streamed(module, query, key, value, attention_mask, scaling, tap, tap.consumer), None
     if tap is not None and tap.fused:
         return _sdpa()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -221,10 +221,11 @@ class AttentionLM:
         time (:meth:`streaming`); where not, ``hook_pattern`` gives whole maps."""
         return False
 
-    def streaming(self, consumer: RowConsumer) -> AbstractContextManager:
+    def streaming(self, consumer: RowConsumer, riding: bool = False) -> AbstractContextManager:
         """A context inside which every block hands its attention probabilities to ``consumer`` a
-        chunk of query rows at a time and keeps no whole map (:func:`storylens.lm.attention.streaming`);
-        only where :meth:`can_stream`."""
+        chunk of query rows at a time and keeps no whole map (:func:`storylens.lm.attention.streaming`;
+        ``riding``: on a forward outside inference mode that runs for its own ends, handing it the fused
+        kernel's output); only where :meth:`can_stream`."""
         raise StorylensError(f"{type(self).__name__}: its attention cannot stream")
 
     def fused(self) -> AbstractContextManager:

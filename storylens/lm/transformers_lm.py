@@ -235,10 +235,10 @@ class TransformersLM(AttentionLM):
     def can_stream(self) -> bool:
         return getattr(self.module.config, "_attn_implementation", None) == ATTENTION  # not switched since
 
-    def streaming(self, consumer: RowConsumer) -> AbstractContextManager:
+    def streaming(self, consumer: RowConsumer, riding: bool = False) -> AbstractContextManager:
         if not self.can_stream():
-            return super().streaming(consumer)
-        return stream_attention(self._taps, consumer, self.chunk_bytes)
+            return super().streaming(consumer, riding)
+        return stream_attention(self._taps, consumer, self.chunk_bytes, riding)
 
     def moving_unsupported(self) -> str | None:
         try:

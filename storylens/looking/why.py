@@ -46,8 +46,8 @@ from storylens.core.figures import csv_cell
 from storylens.core.heads import Head, head_label
 from storylens.core.schema import check_schema, schema, versioned
 from storylens.engine.encode import EncodedStory, batch_of
-from storylens.engine.gradients import norm_kind
 from storylens.engine.masks import Masks
+from storylens.engine.readout import norm_kind
 from storylens.lm import AttentionLM, NativeLM
 from storylens.viz.why import why_html
 

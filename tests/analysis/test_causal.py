@@ -222,31 +222,90 @@ def test_merged_and_resumed_equal_one_process(lm, stories):
 
 
 class _Rows:
-    """A streaming measure that counts the query rows it is fed, per block."""
+    """A streaming measure that counts the query rows it is fed per block, and sums per head what it reads of
+    them: the probabilities weighed by key position, the head output sizes and the key norms."""
 
-    needs = Needs()
+    needs = Needs(key_norms=True, outputs=True)
 
     def __init__(self):
         self.rows: dict[int, int] = {}
+        self.sums: dict[int, torch.Tensor] = {}
+        self.batches = 0
 
     def begin(self, batch):
-        pass
+        self.batches += 1
 
     def feed(self, chunk):
         self.rows[chunk.layer] = self.rows.get(chunk.layer, 0) + chunk.probs.shape[0] * chunk.probs.shape[-2]
+        place = torch.arange(chunk.probs.shape[-1], dtype=torch.float64)
+        read = [(chunk.probs.double() * place).sum((0, 2, 3))]
+        read += [t.double().sum((0, 2)) for t in (chunk.outputs, chunk.key_norms) if t is not None]
+        self.sums[chunk.layer] = self.sums.get(chunk.layer, 0) + torch.stack(read)
 
     def end(self):
         pass
 
 
+def _riding_rtol(lm) -> float:
+    """How far a recording riding on the gradient pass may read from one of its own (float64): its hidden states
+    are the fused kernel's, the recording's own the explicit attention's, the same sums in another order (1e-9, as
+    :data:`TOL`); in Llama's and GPT-Neo's attention float32 (their softmax, GPT-Neo's queries and keys) takes
+    the two apart by float32's rounding, 2^-24 relative, a few times over two blocks (:func:`_rtol`, 1e-6)."""
+    return _rtol(lm)
+
+
 def test_with_an_attention_measure_each_row_is_fed_once_and_atp_is_unchanged(lm, stories, measured):
+    """Beside the causal columns, an attention measure is fed every row once, what it reads as a recording alone
+    reads it (within :func:`_riding_rtol`), and the causal columns are those computed alone."""
     alone, beside = _Rows(), _Rows()
     record(lm, stories, [alone], batch_size=4, progress=False)
     acc = CausalAccumulator(lm.n_layer, lm.n_head)
     record(lm, stories, [beside, acc], batch_size=4, progress=False)
     assert beside.rows == alone.rows  # the gradient pass hands no rows to the attention measures
+    for layer, got in beside.sums.items():
+        assert torch.allclose(got, alone.sums[layer], rtol=_riding_rtol(lm), atol=0), layer
     for k, v in acc.columns().items():
         assert v is not None and torch.allclose(v, measured[k], rtol=1e-12, atol=1e-15), k
+
+
+def test_the_recording_rides_on_the_gradient_passs_forward(lm, stories, monkeypatch):
+    """Where the maps stream, the recording rides on the gradient pass's first forward: with every block's graph
+    kept, each block runs once a batch (twice with a forward of the recording's own, as on the native model, whose
+    maps come whole, and on GPT-Neo, whose attention is its own), and both the causal columns and what the
+    attention measure reads are those of the two passes run apart, the causal columns bit for bit (the forward
+    hands on the fused kernel's output either way)."""
+    from storylens.engine import record as record_module
+
+    def run(rides: bool):
+        if not rides:
+            monkeypatch.setattr(record_module._Pass, "rides", lambda self: False)
+        rows, acc = _Rows(), CausalAccumulator(lm.n_layer, lm.n_head, graph_bytes=1 << 40)
+        record(lm, stories, [rows, acc], batch_size=4, progress=False)  # the pass's checks on this model, once
+        calls = [0] * lm.n_layer
+        handles = [
+            b.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+            for i, b in enumerate(lm.blocks())
+        ]
+        rows, acc = _Rows(), CausalAccumulator(lm.n_layer, lm.n_head, graph_bytes=1 << 40)
+        try:
+            record(lm, stories, [rows, acc], batch_size=4, progress=False)
+        finally:
+            for h in handles:
+                h.remove()
+            monkeypatch.undo()
+        return rows, acc.columns(), calls
+
+    rows, columns, calls = run(True)
+    apart, apart_columns, apart_calls = run(False)
+    streamed = plan(lm, [rows]).streamed
+    assert streamed or isinstance(lm, NativeLM) or lm.module.config.model_type == "gpt_neo"  # (its own attention)
+    assert calls == [rows.batches * (1 if streamed else 2)] * lm.n_layer
+    assert apart_calls == [rows.batches * 2] * lm.n_layer
+    assert rows.rows == apart.rows
+    for layer, got in rows.sums.items():
+        assert torch.allclose(got, apart.sums[layer], rtol=_riding_rtol(lm), atol=0), layer
+    for k, v in columns.items():
+        assert v is not None and torch.equal(v, apart_columns[k]), k
 
 
 def _loss_with(lm, ids: torch.Tensor, layer: int, head: int, replace) -> torch.Tensor:

@@ -18,7 +18,7 @@ from storylens.table.write_ablation import compare_writes, writes_document
 
 
 def _final_norm(lm):
-    from storylens.engine.gradients import readout
+    from storylens.engine.readout import readout
 
     return readout(lm)
 
