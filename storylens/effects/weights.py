@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storylens.engine.gradients import norm_kind, readout
+from storylens.engine.readout import norm_kind, readout
 from storylens.lm import AttentionLM
 
 F64 = torch.float64
@@ -63,16 +63,31 @@ class HeadWeights:
         return W.repeat_interleave(self.group, dim=1)
 
 
-def _folding(norm) -> torch.Tensor | None:
-    """``[d_model, d_model]``: ``P diag(g)`` of a normalisation (see the module docstring); None: not known."""
+def _folding(norm) -> tuple[str, torch.Tensor] | None:
+    """A normalisation's kind and gain ``[d_model]`` (float64), what ``P diag(g)`` is made of (the module
+    docstring); None: not known."""
     known = None if norm is None else norm_kind(norm)
     if known is None:
         return None
     kind, gain, _ = known
-    g = gain.detach().to("cpu", F64)
-    d = g.shape[0]
-    P = torch.eye(d, dtype=F64) - (1.0 / d if kind == "layer" else 0.0)
-    return P * g[None, :]
+    return kind, gain.detach().to("cpu", F64)
+
+
+def _fold(folding: tuple[str, torch.Tensor] | None, W: torch.Tensor) -> torch.Tensor:
+    """``P diag(g) W`` for ``W [..., d_model, k]`` (``W`` itself where ``folding`` is None): the gain scales
+    the rows and, for a LayerNorm, each column's mean over them is taken away (``P = I - 1 1^T / d``). No
+    ``[d_model, d_model]`` product: the unembedding's fold would be one of ``d_model^2 vocab``."""
+    if folding is None:
+        return W
+    kind, g = folding
+    W = g[:, None] * W
+    return W - W.mean(-2, keepdim=True) if kind == "layer" else W
+
+
+def _left(A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``A @ W[...]`` for one ``A [m, d]`` and every ``W [..., d, k]``, as one product (no copy of ``A`` per
+    matrix, as a broadcast product would make)."""
+    return (W.transpose(-1, -2) @ A.T).transpose(-1, -2)
 
 
 def head_weights(lm: AttentionLM, *, fold: bool = True) -> HeadWeights:
@@ -84,7 +99,7 @@ def head_weights(lm: AttentionLM, *, fold: bool = True) -> HeadWeights:
         parts = []
         for part in "qkv":
             w = lm.projection_weights(layer, part)[0].detach().to("cpu", F64)  # [n, d, head_size]
-            parts.append(w if fold_in is None else fold_in @ w)
+            parts.append(_fold(fold_in, w))
         Q.append(parts[0])
         K.append(parts[1])
         V.append(parts[2])
@@ -96,11 +111,11 @@ def head_weights(lm: AttentionLM, *, fold: bool = True) -> HeadWeights:
     embedding = lm.token_embedding()
     W_E = embedding.detach().to("cpu", F64)
     W_U = read.unembed.detach().to("cpu", F64).T  # [d_model, vocab]
-    W_U = W_U if final is None else final @ W_U
+    W_U = _fold(final, W_U)
     gram = W_E.T @ W_E
     tied = read.unembed.shape == embedding.shape and read.unembed.data_ptr() == embedding.data_ptr()
     if tied:  # W_U W_E = F W_E^T W_E
-        unembed_embed = gram if final is None else final @ gram
+        unembed_embed = _fold(final, gram)
     else:
         unembed_embed = W_U @ W_E
     pos = lm.position_embedding()
@@ -119,10 +134,18 @@ def head_weights(lm: AttentionLM, *, fold: bool = True) -> HeadWeights:
     )
 
 
+def _by_group(w: HeadWeights, per_query: torch.Tensor) -> torch.Tensor:
+    """``[layer, head, ...]`` as ``[layer, kv_head, group, ...]``: query head ``h`` is member ``h % group`` of
+    key/value head ``h // group``'s group, so a key/value head's matrix broadcasts over its own query heads."""
+    L, H = per_query.shape[:2]
+    return per_query.view(L, H // w.group, w.group, *per_query.shape[2:])
+
+
 def ov_copying(w: HeadWeights) -> torch.Tensor:
     """``[layer, head]``: each head's OV copying score (the module docstring)."""
-    small = (
-        w.W_O @ w.unembed_embed @ w.kv(w.W_V)
+    read = _left(w.unembed_embed, w.W_V)[:, :, None]  # [L, KV, 1, d, dh]: W_U W_E W_V, once per key/value head
+    small = (_by_group(w, w.W_O) @ read).flatten(
+        1, 2
     )  # [L, H, dh, dh]: W_O W_U W_E W_V, with the full circuit's nonzero eigenvalues
     eig = torch.linalg.eigvals(small)
     return eig.sum(-1).real / eig.abs().sum(-1)
@@ -131,31 +154,43 @@ def ov_copying(w: HeadWeights) -> torch.Tensor:
 def qk_same_token(w: HeadWeights) -> torch.Tensor:
     """``[layer, head]``: each head's same-token preference (the module docstring), in standard deviations.
     With ``A = W_E W_Q`` and ``B = W_E W_K`` (``[vocab, dh]``, never formed) and ``G = W_E^T W_E``: the diagonal's
-    sum is ``tr(W_Q^T G W_K)``, every entry's ``(1^T A)(B^T 1)``, their squares' ``<A^T A, B^T B>``."""
+    sum is ``tr(W_Q^T G W_K)``, every entry's ``(1^T A)(B^T 1)``, their squares' ``<A^T A, B^T B>``. Each
+    ``G W`` is made once per matrix: the keys' once per key/value head, shared by its group."""
     n = w.W_E.shape[0]
-    G = w.gram  # [d, d]
     s = w.W_E.sum(0)  # [d]
-    Q, K = w.W_Q, w.kv(w.W_K)  # [L, H, d, dh]
-    diagonal = (Q * (G @ K)).sum((-1, -2)) / n
+    Q = _by_group(w, w.W_Q)  # [L, KV, group, d, dh]
+    K = w.W_K[:, :, None]  # [L, KV, 1, d, dh]
+    GQ, GK = _left(w.gram, Q), _left(w.gram, K)
+    diagonal = (GQ * K).sum((-1, -2)) / n  # tr(W_Q^T G W_K), G symmetric
     every = ((s @ Q) * (s @ K)).sum(-1) / n**2
-    square = ((Q.transpose(-1, -2) @ G @ Q) * (K.transpose(-1, -2) @ G @ K)).sum((-1, -2)) / n**2
+    square = ((Q.transpose(-1, -2) @ GQ) * (K.transpose(-1, -2) @ GK)).sum((-1, -2)) / n**2
     spread = (square - every**2).clamp(min=0).sqrt()
-    return torch.where(spread > 0, (diagonal - every) / spread, torch.nan)
+    return torch.where(spread > 0, (diagonal - every) / spread, torch.nan).flatten(1, 2)
+
+
+PREVIOUS_ROWS = 128  # queries a band of the positional QK circuit takes at once (:func:`qk_previous`)
 
 
 def qk_previous(w: HeadWeights) -> torch.Tensor | None:
     """``[layer, head]``: the positional QK circuit's attention on the previous position (the module
-    docstring); None where positions are not learned."""
+    docstring); None where positions are not learned. Queries are taken :data:`PREVIOUS_ROWS` at a time, each
+    band against the keys its last query sees (the keys after it, hidden from the whole band, are never made)."""
     if w.W_pos is None:
         return None
     T = w.W_pos.shape[0]
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    out = []
-    for Q, K in zip(w.W_Q, w.kv(w.W_K)):  # a block at a time: [H, T, T] each
-        scores = ((w.W_pos @ Q) @ (w.W_pos @ K).transpose(-1, -2)).masked_fill(future, float("-inf"))
-        best = scores[:, 1:].argmax(-1)  # [H, T - 1]: each query's highest key (ties: the earliest)
-        out.append((best == torch.arange(T - 1)[None, :]).to(F64).mean(-1))  # query q's previous position is q - 1
-    return torch.stack(out)
+    queries = _by_group(w, _left(w.W_pos, w.W_Q))  # [L, KV, group, T, dh]
+    keys = _left(w.W_pos, w.W_K)[:, :, None]  # [L, KV, 1, T, dh]
+    hits = torch.zeros(queries.shape[:3], dtype=F64)  # [L, KV, group]
+    for a in range(1, T, PREVIOUS_ROWS):  # query q's previous position is q - 1 (query 0 has none)
+        b = min(T, a + PREVIOUS_ROWS)
+        rows = torch.arange(b - a)
+        scores = queries[..., a:b, :] @ keys[..., :b, :].transpose(-1, -2)  # [L, KV, group, b - a, b]: query a + i
+        previous, own = scores[..., rows, a - 1 + rows], scores[..., rows, a + rows]
+        # the argmax (ties: the earliest key) is q - 1 where q - 1 scores above every earlier key and no lower
+        # than q itself (the keys after q are hidden): a maximum taken, not an argmax (several times slower)
+        earlier = scores.masked_fill_(torch.arange(b)[None, :] >= torch.arange(a - 1, b - 1)[:, None], float("-inf"))
+        hits += ((previous > earlier.amax(-1)) & (previous >= own)).sum(-1)
+    return (hits / (T - 1)).flatten(1, 2)
 
 
 def weight_columns(w: HeadWeights) -> dict[str, torch.Tensor | None]:

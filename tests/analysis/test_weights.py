@@ -10,8 +10,10 @@ import copy
 import pytest
 import torch
 
+import storylens.effects.weights as weights_module
 from storylens.circuits.composition import composition_scores
-from storylens.effects.weights import head_weights, ov_copying, qk_same_token
+from storylens.effects.weights import head_weights, ov_copying, qk_previous, qk_same_token
+from storylens.engine.readout import norm_kind, readout
 from storylens.lm import NativeLM, load_lm
 from storylens.model.gpt import GPT, GPTConfig
 
@@ -48,10 +50,15 @@ def lm(request, shipped_model, tmp_path_factory):
     }[request.param]()  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # biases away from 0, so that a bias read from the wrong place shows
+    with (
+        torch.no_grad()
+    ):  # biases away from 0 and norms' gains away from 1, so that one read from the wrong place shows
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+        for module in model.modules():
+            if norm_kind(module) is not None:
+                module.weight.uniform_(0.5, 1.5)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -119,6 +126,61 @@ def test_same_token_preference_is_its_definition(lm):
             M = (w.W_E @ w.W_Q[layer, h]) @ (w.W_E @ w.kv(w.W_K)[layer, h]).T
             want = (M.diagonal().mean() - M.mean()) / M.std(unbiased=False)
             assert abs(float(got[layer, h] - want)) <= 64 * M.shape[0] * U * (1 + abs(float(want))), (layer, h)
+
+
+def _dense_fold(norm, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P diag(g) W`` with ``P diag(g)`` formed as a ``[d_model, d_model]`` matrix (the module docstring of
+    storylens.effects.weights), and the same product of magnitudes."""
+    kind, g, _ = norm_kind(norm)
+    d = g.shape[0]
+    fold = (torch.eye(d, dtype=torch.float64) - (1.0 / d if kind == "layer" else 0.0)) * g.to(torch.float64)[None, :]
+    return fold @ W, fold.abs() @ W.abs()
+
+
+def test_folded_weights_are_the_norms_matrix_times_the_stored_ones(lm):
+    """Every reading weight ``head_weights`` folds (each block's ``W_Q``, ``W_K``, ``W_V`` through its attention
+    norm, ``W_U`` through the final one) equals ``P diag(g) W`` with that ``[d_model, d_model]`` matrix formed here
+    and multiplied in, the weights as stored taken from ``head_weights(fold=False)``. Either side is a sum of at most
+    ``d_model`` float64 terms of those magnitudes, plus a scaling and a subtraction: within ``(d_model + 2) u`` of
+    their sum each, ``4 d_model u`` of it leaving a margin of about two; the fold is checked to move the weights
+    far more than that."""
+    folded, stored = head_weights(lm), head_weights(lm, fold=False)
+    d = folded.W_E.shape[1]
+    pairs = [(folded.W_U, stored.W_U, readout(lm).norm)]
+    for layer in range(lm.n_layer):
+        norm = lm.attention_norm(layer)
+        pairs += [(getattr(folded, n)[layer], getattr(stored, n)[layer], norm) for n in ("W_Q", "W_K", "W_V")]
+    for got, W, norm in pairs:
+        want, size = _dense_fold(norm, W)
+        assert ((got - want).abs() <= 4 * d * U * size + 1e-300).all()
+        assert (want - W).abs().max() > 1e6 * d * U * size.max()
+
+
+@pytest.mark.parametrize("rows", [5, 128])
+def test_previous_position_share_is_its_argmax_definition(lm, monkeypatch, rows):
+    """``qk_previous``, taken a band of ``rows`` queries at a time with a maximum in place of an argmax, equals its
+    definition computed the long way: the whole ``[window, window]`` positional QK circuit of every head, the keys
+    after each query hidden, each query's argmax (the earliest of ties) compared with its previous position. Rows
+    whose two highest scores lie within the scores' rounding of each other (``2 (d_model + head_size) u`` of the
+    sum of the terms' magnitudes, doubled) may go either way; the shares may differ by those alone."""
+    w = head_weights(lm)
+    if w.W_pos is None:
+        assert qk_previous(w) is None
+        return
+    monkeypatch.setattr(weights_module, "PREVIOUS_ROWS", rows)
+    got = qk_previous(w)
+    T, d, dh = w.W_pos.shape[0], w.W_pos.shape[1], w.W_Q.shape[-1]
+    ahead = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for layer in range(w.shape[0]):
+        for h in range(w.shape[1]):
+            Q, K = w.W_Q[layer, h], w.kv(w.W_K)[layer, h]
+            scores = ((w.W_pos @ Q) @ (w.W_pos @ K).T).masked_fill(ahead, float("-inf"))[1:]
+            size = (w.W_pos.abs() @ Q.abs()) @ (w.W_pos.abs() @ K.abs()).T
+            top2 = scores.topk(2, dim=-1).values  # query 1 sees two keys: every row has two
+            close = (top2[:, 0] - top2[:, 1]) <= 4 * (d + dh) * U * size[1:].max(-1).values
+            want = (scores.argmax(-1) == torch.arange(T - 1)).to(torch.float64).mean()
+            assert abs(float(got[layer, h] - want)) <= int(close.sum()) / (T - 1) + 1e-15, (layer, h)
+            assert int(close.sum()) < T // 8  # the comparison is not left to ties
 
 
 def _one_head_model(sign: float) -> NativeLM:
