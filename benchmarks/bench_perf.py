@@ -23,7 +23,8 @@ each beside its comparator, measured in one run.
 
 Every pair is timed in alternating rounds (best of ``--rounds``), so a noisy moment hits both.
 ``--json`` writes the figures for ``scripts/readme_perf_table.py``; each section records the commit it
-was measured at (``--merge`` keeps the sections not run now, with their own commits).
+was measured at and on which processor (``--merge`` keeps the sections not run now, with their own commits,
+and the run's machine as it was).
 """
 
 from __future__ import annotations
@@ -344,9 +345,9 @@ def main() -> None:
         },
         "rounds": args.rounds,
     }
-    if args.json and args.merge and os.path.exists(args.json):  # keep the sections not run now
+    if args.json and args.merge and os.path.exists(args.json):  # keep the sections not run now (and their machine)
         with open(args.json) as f:
-            res = {**json.load(f), **{k: res[k] for k in ("machine",)}}
+            res = {**json.load(f), "rounds": args.rounds, "this_machine": res["machine"]}
     if "report" not in skip:
         res["report"] = bench_report(args.rounds)
         r = res["report"]
@@ -390,9 +391,10 @@ def main() -> None:
         res["training"] = tr = bench_training(args.rounds)
         for k, v in tr["tokens_per_s"].items():
             print(f"training {k:40} {v:8.0f} tokens/s  {tr['slowdown'][k]:.2f}x the time of no dropout")
+    here = res.pop("this_machine", res["machine"])["cpu"]  # the processor these sections ran on
     for k in SECTIONS:
         if k not in skip:
-            res[k]["commit"] = _commit()
+            res[k]["commit"], res[k]["cpu"] = _commit(), here
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -33,7 +33,9 @@ def paragraph(run: dict) -> str:
         text += (
             f"; `score --causal` (AtP and DLA: the gradient pass, block by block, the recording riding on its first "
             f"forward) {s['seconds']['causal'][s['causal_ratios'].index(s['causal_ratio'])]:.1f} s, "
-            f"**{s['causal_ratio']:.2f}x** (target 4x; rounds " + ", ".join(f"{x:.2f}x" for x in s["causal_ratios"]) + ")"
+            f"**{s['causal_ratio']:.2f}x** (target 4x; rounds "
+            + ", ".join(f"{x:.2f}x" for x in s["causal_ratios"])
+            + ")"
         )
     return text + "."
 

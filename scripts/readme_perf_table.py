@@ -18,15 +18,17 @@ SECTIONS = ("report", "scoring", "memory", "generation", "training")
 
 
 def measured_at(r: dict) -> str:
-    """Which commit each section of the run was measured at (``bench_perf.py --merge`` reruns some)."""
+    """Which commit each section of the run was measured at (``bench_perf.py --merge`` reruns some), and on
+    which processor where a section was measured on another than the run's (its own ``cpu``)."""
     commits: dict[str, list[str]] = {}
     for k in SECTIONS:
         if k in r:
-            commits.setdefault(r[k].get("commit", ""), []).append(k)
-    named = {(f"commit {c}" if c else "an unrecorded commit"): ks for c, ks in commits.items()}
-    if len(named) == 1:
-        return f"at {next(iter(named))}"
-    return "; ".join(f"{', '.join(ks)} at {c}" for c, ks in named.items())
+            where = r[k].get("cpu", r["machine"]["cpu"])
+            at = f"commit {r[k]['commit']}" if r[k].get("commit") else "an unrecorded commit"
+            commits.setdefault(at if where == r["machine"]["cpu"] else f"{at} on {where}", []).append(k)
+    if len(commits) == 1:
+        return f"at {next(iter(commits))}"
+    return "; ".join(f"{', '.join(ks)} at {c}" for c, ks in commits.items())
 
 
 def table(r: dict) -> str:
