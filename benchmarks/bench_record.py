@@ -236,7 +236,9 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     encoded = encode_stories(lm, stories, name_vocabulary(stories))
     # the batches score_heads makes: one chunk (CHUNK_STORIES >= the quiz), length-packed
     order = length_batches([len(s.ids) for s in encoded], BATCH_STORIES, BATCH_TOKENS)
-    batches = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device).ids for idx in order]
+    made = [batch_of([encoded[i] for i in idx], lm.marker_id, lm.device) for idx in order]
+    batches = [b.ids for b in made]
+    tokens = int(sum(int(b.lengths.sum()) for b in made))  # the stories' tokens, each opening marker included
 
     def bare_batch(i: int, _encoded, _acc) -> None:
         model.set_attn_implementation("sdpa")
@@ -325,6 +327,8 @@ def bench_end_to_end(folder: Path, n_stories: int, rounds: int) -> dict:
     return {
         "stories": n_stories,
         "batches": len(batches),
+        "tokens": tokens,
+        "padded_tokens": int(sum(b.numel() for b in batches)),
         "attention": own,
         "examples": EXAMPLES,
         "paired": "batch",

@@ -30,6 +30,18 @@ def _x(values) -> str:
     return ", ".join(f"{x:.3f}x" for x in values)
 
 
+def _throughput(e: dict) -> str:
+    """Both sides' throughput round by round (a run's ``tokens``; older runs have none)."""
+    if "tokens" not in e:
+        return ""
+    sec = e["seconds"]
+    rate = lambda side: ", ".join(f"{e['tokens'] / t:,.0f}" for t in sec[side])  # noqa: E731
+    return (
+        f" Throughput over its {e['tokens']:,} tokens (each story's opening marker included; {e['padded_tokens']:,} "
+        f"padded), round by round: `score` {rate('score')} tokens/s, the bare forward {rate('bare')} tokens/s."
+    )
+
+
 def _end_to_end(e: dict, name: str, machine: str) -> list[str]:
     """The end-to-end paragraphs: score's work paired batch by batch with the bare forward (the
     figure), where its time goes, and whole runs as the check."""
@@ -48,7 +60,8 @@ def _end_to_end(e: dict, name: str, machine: str) -> list[str]:
         + ", ".join(f"{t:.1f} s" for t in sec["score"])
         + ", of which name vocabulary, encoding, the induction test on random tokens and the table "
         + ", ".join(f"{t:.2f} s" for t in sec["fixed"])
-        + ").",
+        + ")."
+        + _throughput(e),
         "",
         "Where the time goes, each over the bare forward on the same batches, round by round: the recording "
         "with every map formed and handed to a measure that does nothing, "
@@ -76,8 +89,9 @@ def _end_to_end(e: dict, name: str, machine: str) -> list[str]:
 def table(r: dict) -> str:
     speeds = [m["speed"] for m in r["models"].values() if "speed" in m]
     rounds = speeds[0].get("rounds", r["rounds"]) if speeds else r["rounds"]  # a section keeps its run's rounds
+    cpu = speeds[0].get("machine", r["cpu"]) if speeds else r["cpu"]  # and its processor (--merge)
     rows = [
-        f"Measured by `python benchmarks/bench_record.py` on {r['cpu']} ({r['cores']} cores, torch {r['torch']}, "
+        f"Measured by `python benchmarks/bench_record.py` on {cpu} ({r['cores']} cores, torch {r['torch']}, "
         f"transformers {r['transformers']}, {r['threads']} threads), seeded random weights, best of "
         f"{rounds} rounds, every side run on each batch in turn (the first side rotating), so that each is timed "
         "within seconds of the others; each ratio is to the model's bare sdpa forward in the same round:",
