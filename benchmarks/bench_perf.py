@@ -347,7 +347,7 @@ def main() -> None:
     }
     if args.json and args.merge and os.path.exists(args.json):  # keep the sections not run now (and their machine)
         with open(args.json) as f:
-            res = {**json.load(f), "rounds": args.rounds, "this_machine": res["machine"]}
+            res = {**json.load(f), "this_machine": res["machine"]}
     if "report" not in skip:
         res["report"] = bench_report(args.rounds)
         r = res["report"]

@@ -144,9 +144,8 @@ def _by_group(w: HeadWeights, per_query: torch.Tensor) -> torch.Tensor:
 def ov_copying(w: HeadWeights) -> torch.Tensor:
     """``[layer, head]``: each head's OV copying score (the module docstring)."""
     read = _left(w.unembed_embed, w.W_V)[:, :, None]  # [L, KV, 1, d, dh]: W_U W_E W_V, once per key/value head
-    small = (_by_group(w, w.W_O) @ read).flatten(
-        1, 2
-    )  # [L, H, dh, dh]: W_O W_U W_E W_V, with the full circuit's nonzero eigenvalues
+    # [L, H, dh, dh]: W_O W_U W_E W_V, with the full circuit's nonzero eigenvalues
+    small = (_by_group(w, w.W_O) @ read).flatten(1, 2)
     eig = torch.linalg.eigvals(small)
     return eig.sum(-1).real / eig.abs().sum(-1)
 

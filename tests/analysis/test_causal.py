@@ -152,7 +152,9 @@ def _reference(lm, text: str, mu: torch.Tensor | None):
 
 def _rtol(lm) -> float:
     """Float32 inside float64 models: GPT-Neo's own attention casts queries and keys to float32, Llama's
-    RMSNorm computes in float32; batched and single-story runs round there differently (2^-24 relative)."""
+    RMSNorm (and softmax) computes in float32; batched and single-story runs round there differently (2^-24
+    relative), as do a recording riding on the gradient pass (the fused kernel's hidden states) and one of its
+    own (the explicit attention's), a few times over two blocks. Elsewhere the same float64 sums in another order."""
     return 1e-6 if getattr(lm.module.config, "model_type", "") in ("gpt_neo", "llama") else 1e-9
 
 
@@ -246,24 +248,16 @@ class _Rows:
         pass
 
 
-def _riding_rtol(lm) -> float:
-    """How far a recording riding on the gradient pass may read from one of its own (float64): its hidden states
-    are the fused kernel's, the recording's own the explicit attention's, the same sums in another order (1e-9, as
-    :data:`TOL`); in Llama's and GPT-Neo's attention float32 (their softmax, GPT-Neo's queries and keys) takes
-    the two apart by float32's rounding, 2^-24 relative, a few times over two blocks (:func:`_rtol`, 1e-6)."""
-    return _rtol(lm)
-
-
 def test_with_an_attention_measure_each_row_is_fed_once_and_atp_is_unchanged(lm, stories, measured):
     """Beside the causal columns, an attention measure is fed every row once, what it reads as a recording alone
-    reads it (within :func:`_riding_rtol`), and the causal columns are those computed alone."""
+    reads it (within :func:`_rtol`), and the causal columns are those computed alone."""
     alone, beside = _Rows(), _Rows()
     record(lm, stories, [alone], batch_size=4, progress=False)
     acc = CausalAccumulator(lm.n_layer, lm.n_head)
     record(lm, stories, [beside, acc], batch_size=4, progress=False)
     assert beside.rows == alone.rows  # the gradient pass hands no rows to the attention measures
     for layer, got in beside.sums.items():
-        assert torch.allclose(got, alone.sums[layer], rtol=_riding_rtol(lm), atol=0), layer
+        assert torch.allclose(got, alone.sums[layer], rtol=_rtol(lm), atol=0), layer
     for k, v in acc.columns().items():
         assert v is not None and torch.allclose(v, measured[k], rtol=1e-12, atol=1e-15), k
 
@@ -303,7 +297,7 @@ def test_the_recording_rides_on_the_gradient_passs_forward(lm, stories, monkeypa
     assert apart_calls == [rows.batches * 2] * lm.n_layer
     assert rows.rows == apart.rows
     for layer, got in rows.sums.items():
-        assert torch.allclose(got, apart.sums[layer], rtol=_riding_rtol(lm), atol=0), layer
+        assert torch.allclose(got, apart.sums[layer], rtol=_rtol(lm), atol=0), layer
     for k, v in columns.items():
         assert v is not None and torch.equal(v, apart_columns[k]), k
 
