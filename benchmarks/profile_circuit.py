@@ -65,7 +65,7 @@ def eap_stages(lm, pairs, rounds: int) -> dict[str, float]:
         for b in batches:
             metric = PairMetric(b)
             _, corrupt = _timed(per, "corrupt run", edges.run_pass, lm, b.corrupt, metric, False, kinds=edges.WRITTEN)
-            run, g_logits, _ = _timed(per, "gradient pass", edges.gradient_blocks, lm, b.clean, metric)
+            run, g_logits, *_ = _timed(per, "gradient pass", edges.gradient_blocks, lm, b.clean, metric)
             delta = _timed(per, "differences", edges._Delta, lm, corrupt, run)
             piece = functools.partial(receiver_grads_at, lm, run)
             blocks = ((layer, receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))

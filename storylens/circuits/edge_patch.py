@@ -456,13 +456,15 @@ def circuit_metrics(
     away: Away,
     ablated_run: torch.Tensor | None = None,
     stream: Bases | None = None,
+    clean_run: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[circuit, batch]``: :func:`patch_edges` with every edge outside each circuit (``[writer, receiver]`` bool,
     True in it) ablated, each distinct circuit run once, on one :class:`Bases` for them all where any reads it:
     ``stream`` where the caller has them (a counterfactual's: :func:`corrupt_stream`), else made by
     :func:`ablated_bases` (whose pass is the run itself: a circuit that keeps every edge takes its metric, else a
     forward gives it); one that keeps none is the ablated run (``ablated_run``, its metric ``[batch]``, where the
-    caller made it; else patched like any other). The curve's smallest sizes often prune to nothing and its largest
+    caller made it; else patched like any other); one that keeps every edge is the clean run (``clean_run``, its
+    metric ``[batch]``, where the caller has it). The curve's smallest sizes often prune to nothing and its largest
     keeps all."""
     graph = graph_of(lm)
     mask = edge_mask(graph)
@@ -479,7 +481,9 @@ def circuit_metrics(
         if p:
             done[key] = patch_edges(lm, ids, metric, ~c, away, bases)
         elif e:
-            if bases is None or bases.metric is None:
+            if clean_run is not None:
+                done[key] = clean_run.double()
+            elif bases is None or bases.metric is None:
                 done[key] = metric(logits_of(lm, ids, metric)).double()
             else:
                 done[key] = bases.metric

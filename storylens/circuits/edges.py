@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,14 @@ class Graph:
         return sum(self.upstream(r) for r in range(len(self.receivers)))
 
 
+def pairs_digest(pairs: Sequence[Pair]) -> str:
+    """A digest of ``pairs``' tokens and answers, in order: scores and exact runs on the same pairs agree on it."""
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(repr((p.clean_ids, p.corrupt_ids, p.answer_id, p.wrong_id)).encode())
+    return h.hexdigest()
+
+
 def graph_of(lm: AttentionLM) -> Graph:
     return Graph(lm.n_layer, lm.n_head, lm.n_kv_head)
 
@@ -98,12 +107,21 @@ def graph_of(lm: AttentionLM) -> Graph:
 @dataclass
 class EdgeScores:
     """Every edge's EAP score: ``mean`` and ``se`` ``[writer, receiver]`` over the pairs (NaN where the
-    receiver does not read the writer), ``per_pair`` ``[pair, writer, receiver]``."""
+    receiver does not read the writer), ``per_pair`` ``[pair, writer, receiver]``; ``clean`` ``[pair]`` float64,
+    each pair's metric on its clean run as the scoring passes computed it, and ``pairs`` the digest of the pairs
+    it was made on (:func:`pairs_digest`; both None where not known: a corpus's scores): the exact runs on the same
+    pairs take it (:meth:`clean_for`) instead of a forward of their own."""
 
     graph: Graph
     per_pair: torch.Tensor
     mean: torch.Tensor
     se: torch.Tensor
+    clean: torch.Tensor | None = None
+    pairs: str | None = None
+
+    def clean_for(self, pairs: Sequence[Pair]) -> torch.Tensor | None:
+        """:attr:`clean` where ``pairs`` are those the scores were made on (in that order), else None."""
+        return self.clean if self.pairs is not None and self.pairs == pairs_digest(pairs) else None
 
     def edges(self) -> list[tuple[str, str, float, float]]:
         """``(writer, receiver, mean, se)`` for every edge, in the graph's order."""
@@ -314,20 +332,21 @@ def _graph_fits(lm: AttentionLM, blocks: list[torch.nn.Module], ids: torch.Tenso
 
 def gradient_blocks(
     lm: AttentionLM, ids: torch.Tensor, metric: Metric, edit=None
-) -> tuple[dict, torch.Tensor, Iterator[tuple[int, torch.Tensor]]]:
+) -> tuple[dict, torch.Tensor, Iterator[tuple[int, torch.Tensor]], torch.Tensor]:
     """The gradient pass, one block's graph at a time (where the whole model's fits :data:`CIRCUIT_GRAPH_BYTES`, or its
-    blocks are not known: one graph, one backward): ``(run, g_logits, blocks)``: the run's hook tensors (as
-    :func:`run_pass` keeps them, without a graph), the logits receiver's gradient ``[batch, pos, d_model]``, and
+    blocks are not known: one graph, one backward): ``(run, g_logits, blocks, value)``: the run's hook tensors (as
+    :func:`run_pass` keeps them, without a graph), the logits receiver's gradient ``[batch, pos, d_model]``,
     ``(layer, [batch, pos, receiver, d_model])`` from the last block to the first (each block run again from what
-    the block before returned, kept by one forward pass without a graph). A model whose blocks are not known
-    (:meth:`~storylens.lm.AttentionLM.blocks` None) gets one graph through the whole model."""
+    the block before returned, kept by one forward pass without a graph), and the run's ``metric`` ``[batch]``. A
+    model whose blocks are not known (:meth:`~storylens.lm.AttentionLM.blocks` None) gets one graph through the
+    whole model."""
     blocks = lm.blocks()
     if blocks is None or len(blocks) != lm.n_layer or _graph_fits(lm, blocks, ids):
-        _, run = run_pass(lm, ids, metric, grad=True, edit=edit)
+        value, run = run_pass(lm, ids, metric, grad=True, edit=edit)
         grads = ((layer, receiver_grads(lm, run, layer)) for layer in reversed(range(lm.n_layer)))
-        return run, run["leaves"]["post"][0].grad, grads
+        return run, run["leaves"]["post"][0].grad, grads, value
     with lm.keep_block_outputs(range(lm.n_layer)) as kept:
-        _, run = run_pass(lm, ids, metric, grad=False, edit=edit, kinds=WRITTEN)
+        value, run = run_pass(lm, ids, metric, grad=False, edit=edit, kinds=WRITTEN)
     kept = dict(kept)
     last = _block_graph(lm, ids, metric, edit, lm.n_layer - 1, kept.get(lm.n_layer - 2), None)
 
@@ -339,7 +358,7 @@ def gradient_blocks(
                 up = here["leaves"]["pre"][layer].grad
                 here = _block_graph(lm, ids, metric, edit, layer - 1, kept.get(layer - 2), up)
 
-    return run, last["leaves"]["post"][0].grad, walk()
+    return run, last["leaves"]["post"][0].grad, walk(), value
 
 
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
@@ -451,16 +470,18 @@ def _contract_chunked(graph: Graph, g_logits: torch.Tensor, piece: Piece, delta:
 
 def batch_scores(
     lm: AttentionLM, ids: torch.Tensor, metric: Metric, ablate: Callable[[dict], dict], method: str, steps: int
-) -> torch.Tensor:
-    """``[batch, writer, receiver]`` float64: one batch's edge scores by ``method`` (:func:`eap_scores`);
-    ``ablate(run)``: the hook tensors of the ablated run (the corrupt prompt's, or means) given the clean run's."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's edge scores by ``method`` (:func:`eap_scores`), ``[batch, writer, receiver]`` float64, and the
+    metric of its clean run ``[batch]`` float64 (made on the way); ``ablate(run)``: the hook tensors of the ablated
+    run (the corrupt prompt's, or means) given the clean run's."""
     graph = graph_of(lm)
     if method == "eap":  # the gradient pass is the clean run: its activations are the clean ones
-        run, g_logits, grads = gradient_blocks(lm, ids, metric)
+        run, g_logits, grads, value = gradient_blocks(lm, ids, metric)
         delta = _Delta(lm, ablate(run), run)
         chunked = _contract_chunked(graph, g_logits, functools.partial(receiver_grads_at, lm, run), delta)
-        return chunked if chunked is not None else _contract(lm, graph, g_logits, grads, delta)
-    _, clean = run_pass(lm, ids, metric, grad=False)
+        scores = chunked if chunked is not None else _contract(lm, graph, g_logits, grads, delta)
+        return scores, value.double()
+    value, clean = run_pass(lm, ids, metric, grad=False)
     ablated = ablate(clean)
     delta = _Delta(lm, ablated, clean)
     edits = _edits(lm, method, steps, clean, ablated)
@@ -471,7 +492,7 @@ def batch_scores(
         for k in range(0, steps, each):
             n = min(each, steps - k)
             e = (kind, layer, shifts[k * rows : (k + n) * rows])
-            _, g_logits, grads = gradient_blocks(lm, ids.repeat(n, 1), _Repeated(metric, rows, n), edit=e)
+            _, g_logits, grads, _ = gradient_blocks(lm, ids.repeat(n, 1), _Repeated(metric, rows, n), edit=e)
             folded = ((block, _folded(g, rows)) for block, g in grads)
             if summed is not None:  # the scores are linear in the gradients: summed first, contracted once
                 summed.add(_folded(g_logits, rows), folded)
@@ -480,7 +501,7 @@ def batch_scores(
     if summed is not None and summed.logits is not None:
         chunked = _contract_chunked(graph, summed.logits, summed.at, delta)
         scores = chunked if chunked is not None else _contract(lm, graph, summed.logits, summed.blocks(), delta)
-    return scores / (len(edits) * steps)
+    return scores / (len(edits) * steps), value.double()
 
 
 class _GradSums:
@@ -570,13 +591,15 @@ def eap_scores(
             f"edge scores: a method of {', '.join(METHODS)} and 1 step or more (got {method}, {steps})"
         )
     graph = graph_of(lm)
-    per_pair = []
+    per_pair, clean = [], []
     ordered, back = start_ordered(pairs)  # pairs alike batched together
     for whole in pair_batches(lm, ordered, fitting_pairs(lm, ordered, batch_size)):
         with after_shared_start(lm, whole) as b:  # the start every pair shares run once: no difference there
             metric = PairMetric(b)
             _, corrupt = run_pass(lm, b.corrupt, metric, grad=False, kinds=WRITTEN)
-            per_pair.append(batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps))
+            scores, value = batch_scores(lm, b.clean, metric, functools.partial(_given, corrupt), method, steps)
+            per_pair.append(scores)
+            clean.append(value.cpu())
     s = torch.cat(per_pair)[back].masked_fill(~edge_mask(graph), float("nan"))  # [pair, writer, receiver]
     mean, se = mean_se(s)
-    return EdgeScores(graph, s, mean, se)
+    return EdgeScores(graph, s, mean, se, torch.cat(clean)[back], pairs_digest(pairs))

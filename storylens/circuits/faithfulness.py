@@ -41,20 +41,34 @@ def _corrupt_away(lm: AttentionLM, b: PairBatch, metric: Metric) -> tuple[Away, 
 
 
 def edge_metrics(
-    model: ModelLike, pairs: Sequence[Pair], circuits: Sequence[torch.Tensor], *, batch_size: int = BATCH_PAIRS
+    model: ModelLike,
+    pairs: Sequence[Pair],
+    circuits: Sequence[torch.Tensor],
+    *,
+    batch_size: int = BATCH_PAIRS,
+    clean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[circuit, pair]``: the metric with every edge outside each circuit (``[writer, receiver]`` bool, True
-    in the circuit) ablated."""
+    in the circuit) ablated; ``clean`` ``[pair]``: the pairs' clean metrics where the caller has them
+    (:attr:`~storylens.circuits.edges.EdgeScores.clean` of scores on these pairs), what a circuit that keeps
+    every edge gives, so no forward is run for it."""
     lm = wrap(model)
     if not pairs:
         raise StorylensError("circuit: no pairs")
+    if clean is not None and clean.shape != (len(pairs),):
+        raise StorylensError(f"circuit: {len(pairs)} pairs but {tuple(clean.shape)} clean metrics")
     out = []
     ordered, back = start_ordered(list(pairs))  # pairs alike batched together
+    order = torch.argsort(back)  # ordered[i] is pairs[order[i]]
+    done = 0
     for whole in pair_batches(lm, ordered, fitting_pairs(lm, ordered, batch_size, graph=False)):
+        rows = order[done : done + whole.clean.shape[0]]
+        done += len(rows)
         with after_shared_start(lm, whole) as b:  # the start every pair shares run once: no difference there
             metric = PairMetric(b)
             away, corrupt, stream = _corrupt_away(lm, b, metric)
-            out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, stream))
+            given = None if clean is None else clean[rows]
+            out.append(circuit_metrics(lm, b.clean, metric, list(circuits), away, corrupt, stream, given))
     return torch.cat(out, 1)[:, back]
 
 
@@ -174,12 +188,15 @@ def faithfulness(
     batch_size: int = BATCH_PAIRS,
     seed: int = 0,
 ) -> Faithfulness:
-    """The faithfulness curve of ``scores``' top circuits on ``pairs`` (the module docstring)."""
+    """The faithfulness curve of ``scores``' top circuits on ``pairs`` (the module docstring); the clean run's
+    metric is the scores' own where they were made on these pairs (:meth:`~storylens.circuits.edges.EdgeScores.clean_for`)."""
     sizes = [int(p * scores.graph.n_edges) for p in percentages]
     circuits = [top_circuit(scores, n) for n in sizes]
     empty = torch.zeros_like(circuits[0])
     everything = ~scores.mean.isnan()
-    metrics = edge_metrics(model, pairs, [*circuits, empty, everything], batch_size=batch_size)
+    metrics = edge_metrics(
+        model, pairs, [*circuits, empty, everything], batch_size=batch_size, clean=scores.clean_for(pairs)
+    )
     ones = torch.ones(metrics.shape[1], dtype=torch.float64)
     kept = [int(c.sum()) for c in circuits]
     return curve_of(metrics[: len(sizes)], metrics[-1], metrics[-2], ones, sizes, kept, percentages, seed)

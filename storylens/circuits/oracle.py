@@ -89,6 +89,7 @@ def edge_oracle(
 ) -> Oracle:
     """The top ``k`` edges by ``|score|`` and ``k`` drawn at random from the others, each ablated alone and run."""
     chosen = oracle_choice(scores, k, seed)
-    metrics = edge_metrics(model, pairs, [~scores.mean.isnan(), *without_each(scores, chosen)], batch_size=batch_size)
+    runs = [~scores.mean.isnan(), *without_each(scores, chosen)]
+    metrics = edge_metrics(model, pairs, runs, batch_size=batch_size, clean=scores.clean_for(pairs))
     effects = metrics[1:] - metrics[0]  # [edge, pair]
     return oracle_of(scores, chosen, effects, torch.ones(effects.shape[1], dtype=torch.float64))

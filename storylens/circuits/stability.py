@@ -91,7 +91,9 @@ def stability(
     draws = (torch.randint(0, rows, (rows,), generator=gen) for _ in range(resamples))
     whole, jac, core = resampled(scores.graph, scores.mean, (scores.per_pair[d].mean(0) for d in draws), n)
     every = ~scores.mean.isnan()
-    m = edge_metrics(model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size)
+    m = edge_metrics(
+        model, pairs, [core, torch.zeros_like(core), every], batch_size=batch_size, clean=scores.clean_for(pairs)
+    )
     return stability_of(n, whole, jac, core, *f_with_se(m, 0, 1, 2, gen, resamples))
 
 
@@ -132,9 +134,13 @@ def second_pairs(
     union = (mine | theirs).sum().item()
     shared = mine & theirs
     every = ~scores.mean.isnan()
-    m = edge_metrics(model, pairs, [shared, theirs, torch.zeros_like(every), every], batch_size=batch_size)
+    runs = [shared, theirs, torch.zeros_like(every), every]
+    m = edge_metrics(model, pairs, runs, batch_size=batch_size, clean=scores.clean_for(pairs))
     (shared_f, shared_se), (second_f, second_se) = (f_with_se(m, c, 2, 3, gen, resamples) for c in (0, 1))
-    clean, se = mean_se(edge_metrics(model, other_pairs, [every], batch_size=batch_size)[0])
+    known = other.clean_for(other_pairs)  # the second file's clean metrics, as its scoring passes made them
+    clean, se = mean_se(
+        known if known is not None else edge_metrics(model, other_pairs, [every], batch_size=batch_size)[0]
+    )
     sd = float(torch.tensor(jac, dtype=torch.float64).std()) if len(jac) > 1 else None
     return SecondPairs(
         source=source, pairs=len(other_pairs), verdict=task_verdict(float(clean), float(se), len(other_pairs)),

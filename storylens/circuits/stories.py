@@ -157,7 +157,7 @@ def edge_batch(
             f"--method {method}: on stories, one of {', '.join(STORY_METHODS)} (eap-ig-inputs moves the input "
             "from a corrupt prompt, and a corpus has none)"
         )
-    c = batch_scores(lm, ids, story_metric(ids, valid), _ablator(values), method, steps)
+    c, _ = batch_scores(lm, ids, story_metric(ids, valid), _ablator(values), method, steps)
     return c, valid[:, 1:].sum(1).to(torch.float64).cpu()
 
 

@@ -154,6 +154,33 @@ def test_each_distinct_circuit_is_patched_once_and_the_two_ends_not_at_all(tiny,
     assert (got[0] - got[1]).abs().min() > 1e-6
 
 
+def test_the_scores_clean_runs_are_the_exact_runs_own(tiny, task_pairs, monkeypatch):
+    """Edge scores keep each pair's clean metric from their own passes (EAP's gradient pass, EAP-IG's clean run):
+    the exact runs on the same pairs take it for the circuit that keeps every edge and run no forward for it; on
+    other pairs (another order, one fewer) it is not taken. Float64: the scores' pass (with a graph, or its
+    blocks run apart) and a bare forward differ by the rounding of sums of some tens of terms of order 1 made in
+    another order, about 1e-14; bound 1e-9 of the metric's size."""
+    from storylens.core.errors import StorylensError
+
+    lm, pairs = tiny, task_pairs
+    for method in ("eap", "eap-ig-inputs"):
+        r = eap_scores(lm, pairs, method=method, steps=2)
+        every = ~r.mean.isnan()
+        want = edge_metrics(lm, pairs, [every])[0]  # a bare forward's
+        torch.testing.assert_close(r.clean, want, rtol=0, atol=1e-9 * float(want.abs().max()))
+    assert r.clean_for(pairs[::-1]) is None and r.clean_for(pairs[:-1]) is None
+    with pytest.raises(StorylensError, match="clean metrics"):
+        edge_metrics(lm, pairs, [every], clean=r.clean[:-1])
+    runs, forward = [], lm.forward
+    monkeypatch.setattr(lm, "forward", lambda ids, **k: runs.append(1) or forward(ids, **k))
+    got = edge_metrics(lm, pairs, [every, torch.zeros_like(every)], clean=r.clean_for(pairs))
+    assert torch.equal(got[0], r.clean) and len(runs) == len(pair_batches(lm, pairs))  # the corrupt runs alone
+    runs.clear()
+    f = faithfulness(lm, pairs, r, percentages=(0.0, 1.0))  # the empty circuit and the whole model: no patched run
+    assert len(runs) == len(pair_batches(lm, pairs)) and f.f == [0.0, 1.0]
+    assert f.clean == pytest.approx(float(r.clean.mean()), rel=1e-12)
+
+
 def test_a_misread_structure_falls_back_to_copies(tiny, task_pairs, monkeypatch):
     """Where the attention norm is not what the block reads through (here: an identity put in its place), the run's
     first head rebuilt from it is not the model's: the pass is made again with copies, the same figure, and the
