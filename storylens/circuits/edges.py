@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 from storylens.circuits.prefix import after_shared_start, start_ordered
 from storylens.circuits.receivers import KINDS, mlp_input_leaves, receiver_grads, receiver_grads_at
 from storylens.core.errors import StorylensError
-from storylens.effects.patching import BATCH_PAIRS, Pair, PairMetric, mean_se, pair_batches
+from storylens.effects.patching import BATCH_PAIRS, Pair, PairMetric, mean_se, pair_batches, pairs_digest
 from storylens.engine.gradients import BlockCost
 from storylens.lm import AttentionLM, Hook, ModelLike, wrap
 
@@ -90,14 +89,6 @@ class Graph:
     @property
     def n_edges(self) -> int:
         return sum(self.upstream(r) for r in range(len(self.receivers)))
-
-
-def pairs_digest(pairs: Sequence[Pair]) -> str:
-    """A digest of ``pairs``' tokens and answers, in order: scores and exact runs on the same pairs agree on it."""
-    h = hashlib.sha256()
-    for p in pairs:
-        h.update(repr((p.clean_ids, p.corrupt_ids, p.answer_id, p.wrong_id)).encode())
-    return h.hexdigest()
 
 
 def graph_of(lm: AttentionLM) -> Graph:

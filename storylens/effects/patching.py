@@ -25,6 +25,7 @@ the whole difference between the runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -220,6 +221,14 @@ class PairBatch:
     last: torch.Tensor  # [batch] the last real position
     answer: torch.Tensor  # [batch]
     wrong: torch.Tensor  # [batch]
+
+
+def pairs_digest(pairs: Sequence[Pair]) -> str:
+    """A digest of ``pairs``' tokens and answers, in order: edge scores and the exact runs on the same pairs agree on it (:meth:`~storylens.circuits.edges.EdgeScores.clean_for`)."""
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(repr((p.clean_ids, p.corrupt_ids, p.answer_id, p.wrong_id)).encode())
+    return h.hexdigest()
 
 
 def pair_batches(lm: AttentionLM, pairs: Sequence[Pair], size: int = BATCH_PAIRS) -> list[PairBatch]:
