@@ -111,6 +111,48 @@ def test_selecting_only_in_rows_a_query_can_enter_keeps_what_every_row_keeps(rec
     assert states[0] == states[1] == states[2] == states[3]
 
 
+@pytest.mark.parametrize(("per_story", "k"), [(2, K), (1, 3)])
+def test_a_storys_kept_examples_bar_its_later_queries(recorded, monkeypatch, per_story, k):
+    """Fed a third of the rows at a time (a long story's chunks), a row that keeps ``per_story`` queries of
+    a story takes no later query of that story that does not beat them (``story_worst_kept``): fewer
+    queries reach the selection, and the same examples are kept as with that bar lifted and as selecting
+    in every row, whether the queries are held for the flush or selected among at once."""
+    import storylens.looking.examples as examples
+
+    lm, _, batches = recorded
+    offered: list[int] = []
+    offer = examples.TopExamples._offer
+    monkeypatch.setattr(
+        examples.TopExamples, "_offer", lambda self, *a: offered.append(int(a[3].sum())) or offer(self, *a)
+    )
+    import storylens.looking.example_select as select
+
+    barred = select.story_worst_kept
+
+    def lifted(floats, ints, rows, stories, per, dtype):  # no story bars a query
+        low, later = barred(floats, ints, rows, stories, per, dtype)
+        return torch.full_like(low, -torch.inf), torch.full_like(later, -1)
+
+    states, counts = [], []
+    for first, held, bar in ((False, 0, True), (True, 0, True), (True, 2**40, True), (True, 2**40, False)):
+        monkeypatch.setattr(examples, "ROWS_FIRST", first)
+        monkeypatch.setattr(examples, "OFFERED_BYTES", held)
+        monkeypatch.setattr(select, "story_worst_kept", barred if bar else lifted)
+        offered.clear()
+        top = TopExamples(lm.n_layer, lm.n_head, NAMES, k=k, per_story=per_story)
+        for batch, blocks in batches:
+            for layer, pattern, per in blocks:
+                T = pattern.shape[-2]
+                for start in (0, T // 3, 2 * T // 3):
+                    rows = slice(start, T if start == 2 * T // 3 else start + T // 3)
+                    part = [(name, v[..., rows], c[:, rows]) for name, (v, c) in per.items()]
+                    top.add_block(layer, part, pattern[:, :, rows], batch, start=start)
+        states.append(top.state())
+        counts.append(sum(offered))
+    assert states[0] == states[1] == states[2] == states[3]
+    assert 0 < counts[2] < counts[3]  # the bar kept queries out of the selection
+
+
 def brute_force(batches, layer, head, name, k=K, per_story=None):
     """Every counted query of every story, sorted by (-value, story, query), the first k (at most
     per_story of one story): (story, query, value, most-attended key, its weight, the weights on

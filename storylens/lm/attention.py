@@ -400,11 +400,20 @@ def _hide_ahead(scores: torch.Tensor, width: int) -> None:
     fill on a CPU; the entries set are the same)."""
     n = scores.shape[-2]
     corner = scores[..., -width:]  # [..., n, width]: row i sees corner columns 0 .. i
-    ahead = torch.ones(HIDE_ROWS, HIDE_ROWS, dtype=torch.bool, device=scores.device).triu(1)
+    ahead = _ahead(scores.device)
     for i0 in range(0, n, HIDE_ROWS):
         i1 = min(n, i0 + HIDE_ROWS)
         corner[..., i0:i1, i1:].fill_(float("-inf"))  # past the band's last row
         corner[..., i0:i1, i0:i1].masked_fill_(ahead[: i1 - i0, : i1 - i0], float("-inf"))
+
+
+@cache
+def _ahead(device: torch.device) -> torch.Tensor:
+    """``[HIDE_ROWS, HIDE_ROWS]`` bool: True above the diagonal (the keys ahead of each row of a band), made once
+    per device (never written: :func:`_hide_ahead` reads it), outside inference mode: a normal tensor, which a
+    pass with autograd may save for its backward."""
+    with torch.inference_mode(False):
+        return torch.ones(HIDE_ROWS, HIDE_ROWS, dtype=torch.bool, device=device).triu(1)
 
 
 def register() -> bool:

@@ -136,6 +136,57 @@ def worst_kept(
     return at_most(floats[rows, -1, 0], dtype), last[:, 0] * SPLIT + last[:, 1]
 
 
+def story_worst_kept(
+    floats: torch.Tensor,
+    ints: torch.Tensor,
+    rows: torch.Tensor,
+    stories: torch.Tensor,
+    per_story: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the slots' ``rows [r]`` and each story of ``stories [B]`` (story indices): the worst of that
+    story's ``per_story`` best kept examples, as :func:`worst_kept` gives a row's worst (``[r, B]`` each; -inf
+    and -1 where the row keeps fewer of the story). A query of the story that does not beat it never enters
+    the row: its story's best ``per_story`` are kept already (a row's slots are best first), and a row keeps
+    no more of one story. Where one story runs over several chunks (a long story), this is what keeps
+    its later chunks from being selected among in full."""
+    story, value = ints[rows, :, 0], floats[rows, :, 0]  # [r, k]
+    mine = (story[:, :, None] == stories) & value.isfinite()[:, :, None]  # [r, k, B]
+    nth = mine & (mine.cumsum(1) == per_story)  # the story's per_story-th kept, in the row's order
+    at = nth.to(torch.uint8).argmax(1)  # [r, B]
+    has = nth.any(1)
+    low = torch.tensor(-math.inf, dtype=dtype, device=floats.device)
+    later = story.gather(1, at) * SPLIT + ints[rows, :, 1].gather(1, at)
+    return torch.where(has, at_most(value.gather(1, at), dtype), low), torch.where(has, later, -1)
+
+
+def beating(
+    values: torch.Tensor,
+    counted: torch.Tensor,
+    floats: torch.Tensor,
+    ints: torch.Tensor,
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    per_story: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which queries of ``values [B, H, D, Q]`` can enter their rows (the slots' ``rows [D * H]``,
+    detector-major): counted (``counted [B, D, Q]``) and beating the row's worst kept (:func:`worst_kept`,
+    in the order of ``order [B, Q]``, each query's ``story * SPLIT + query``) and, with ``per_story``, the
+    worst of its story's kept (:func:`story_worst_kept`). Returns ``beats [B, H, D, Q]`` and the rows'
+    worst kept, ``[H, D]`` each."""
+    B, H, D, _ = values.shape
+    worst, later = (x.view(D, H).t() for x in worst_kept(floats, ints, rows, values.dtype))  # [H, D] each
+    after = order[:, None, None, :]  # [B, 1, 1, Q]
+    beats = (values > worst[None, :, :, None]) | (
+        (values == worst[None, :, :, None]) & (after < later[None, :, :, None])
+    )
+    if per_story is not None:
+        got = story_worst_kept(floats, ints, rows, order[:, 0] // SPLIT, per_story, values.dtype)
+        low, last = (x.view(D, H, B).permute(2, 1, 0)[..., None] for x in got)  # [B, H, D, 1] each
+        beats &= (values > low) | ((values == low) & (after < last))
+    return beats & counted[:, None], worst, later
+
+
 def window_weights(rowmaps: torch.Tensor, around: torch.Tensor, before: int, width: int) -> torch.Tensor:
     """``[N, width]``: each row's attention on the ``width`` keys from ``max(0, around - before)`` on
     (``rowmaps [N, key]``, ``around [N]``: the query, or its most-attended key), the last key

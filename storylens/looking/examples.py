@@ -37,7 +37,9 @@ scores' accumulator flushes at the end of each batch; every read flushes first).
 does not even select when it is fed: it keeps the queries that beat their row's worst kept example
 (few, once the kept are good ones) with their rows of the map, and the flush selects among every
 block's at once (the same rules, so the same examples); a block with more than
-:data:`OFFERED_BYTES` of such rows (the first batches) selects when fed.
+:data:`OFFERED_BYTES` of such rows (the first batches) selects when fed. A story's later chunks of rows
+must also beat the worst of that story's ``per_story`` kept, where a row keeps that many of it
+(:func:`~storylens.looking.example_select.story_worst_kept`): a long story's rows never fill a row's ``k``.
 
 **Values** are kept as Python floats equal to the tensor's values (half precision is widened
 exactly first); a value that is not a finite number (NaN, infinity) never qualifies.
@@ -60,6 +62,7 @@ from storylens.looking.example_select import (
     Offered,
     Taken,
     alike_groups,
+    beating,
     first_k,
     ranks_of,
     rounded_now,
@@ -231,10 +234,9 @@ class TopExamples(ExampleStore):
             dev.type == "cpu" and ROWS_FIRST
         ):  # the rows where some counted query beats the worst kept one (as _eligible)
             offered = (det[:, None] * H + torch.arange(H, device=dev)).reshape(-1)  # [D * H] rows, detector-major
-            worst, later = (x.view(D, H).t() for x in worst_kept(floats, ints, offered, values.dtype))  # [H, D] each
-            w, lt = worst[None, :, :, None], later[None, :, :, None]  # [1, H, D, 1]
-            beats = (values > w) | ((values == w) & (view.order_of[:, None, None, :] < lt))
-            beats &= counted[:, None]
+            # a story's later rows (start > 0) must also beat the worst of that story's kept
+            per = self.per_story if start > 0 else None
+            beats, worst, later = beating(values, counted, floats, ints, offered, view.order_of, per)
             if self._offer(layer, names, det, beats, values, pattern, view):
                 return
             hit = beats.view(torch.uint8).amax(-1).amax(0) > 0  # [H, D]: any (a max of bytes: several times faster)
@@ -244,11 +246,12 @@ class TopExamples(ExampleStore):
             rows = det[at] * H + heads  # [r]: the rows selected among
             kept = worst[heads, at], later[heads, at]
         else:
+            beats = None
             heads = torch.arange(H, device=dev).repeat(D)
             at = torch.arange(D, device=dev).repeat_interleave(H)
             rows = det[at] * H + heads
             kept = worst_kept(floats, ints, rows, values.dtype)
-        v, eligible = self._eligible(values, counted, heads, at, *kept, view)
+        v, eligible = self._eligible(values, counted if beats is None else beats, heads, at, *kept, view)
         # at most per_story of each of the B stories is already at most k: nothing more to cut
         capped = self.per_story is not None and self.per_story * B <= self.k
         take = eligible if capped else first_k(eligible, v, self.k)
@@ -412,11 +415,11 @@ class TopExamples(ExampleStore):
         ``at[i]``, of ``values [B, H, D, Q]``; stories in story order, so a flat index ``b * Q + q``
         runs in (story, query) order) and which of them may enter its top ``k``: a row that keeps k
         examples takes only queries that beat its worst one (``worst``, ``later``: :func:`worst_kept` of
-        the rows; an empty slot: any)."""
+        the rows; an empty slot: any). ``counted``: ``[B, D, Q]``, or ``[B, H, D, Q]`` per head."""
         B, H, D, Q = values.shape
         r = heads.shape[0]
         v = values[:, heads, at].transpose(0, 1)  # [r, B, Q]
-        c = counted[:, at].transpose(0, 1)  # [r, B, Q]
+        c = (counted[:, heads, at] if counted.dim() == 4 else counted[:, at]).transpose(0, 1)  # [r, B, Q]
         if view.perm is not None:
             v, c = v.index_select(1, view.perm), c.index_select(1, view.perm)
         v = v.reshape(r, B * Q)

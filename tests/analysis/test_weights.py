@@ -128,6 +128,23 @@ def test_same_token_preference_is_its_definition(lm):
             assert abs(float(got[layer, h] - want)) <= 64 * M.shape[0] * U * (1 + abs(float(want))), (layer, h)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_eigenvalues_split_over_threads_are_lapacks_bit_for_bit(threads):
+    """``ov_copying``'s eigenvalues, the batch split over torch's threads, are those of one
+    ``torch.linalg.eigvals`` call, bit for bit, in the same order (a split of 1, 2 and 3 parts, 7 matrices)."""
+    from storylens.effects.weights import eigvals_split
+
+    g = torch.Generator().manual_seed(0)
+    matrices = torch.randn(7, 16, 16, dtype=torch.float64, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = eigvals_split(matrices)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, torch.linalg.eigvals(matrices))
+
+
 def _dense_fold(norm, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``P diag(g) W`` with ``P diag(g)`` formed as a ``[d_model, d_model]`` matrix (the module docstring of
     storylens.effects.weights), and the same product of magnitudes."""
