@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_perf import _cpu  # noqa: E402
 
 
-def build(folder: Path, args) -> Path:
-    """A seeded random Llama of the asked shape, saved in ``folder`` (made once per shape)."""
+def build(folder: Path, args, device: str = "cpu", dtype=None) -> Path:
+    """A seeded random Llama of the asked shape, saved in ``folder`` (made once per shape), initialised on
+    ``device`` in ``dtype`` (default float32; a 1 B model's initialisation on a CPU takes minutes)."""
     import torch
     import transformers
 
@@ -64,7 +65,8 @@ def build(folder: Path, args) -> Path:
         tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_long import build as build_llama  # noqa: E402
 from bench_long import long_story  # noqa: E402
 
 from storylens.analysis import score_heads  # noqa: E402
@@ -69,32 +70,8 @@ LONG_CHUNK_MB = 1024  # the long story's streamed chunk on CUDA, unless --chunk-
 
 
 def build(folder: Path, shape: str, window: int, device: str) -> Path:
-    """A seeded random Llama of ``shape`` with storylens's tokenizer, saved in ``folder`` in bfloat16
-    (made on ``device``: a 1 B model's random initialisation on a CPU takes minutes)."""
-    import transformers
-
-    from storylens.model.hub import load_model
-
-    out = folder / f"{shape}-{window}"
-    if (out / "config.json").exists():
-        return out
-    s = SHAPES[shape]
-    native = load_model().tokenizer
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=native, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
-    )
-    cfg = transformers.LlamaConfig(
-        hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=window,
-        vocab_size=native.get_vocab_size(), bos_token_id=tok.bos_token_id, eos_token_id=tok.bos_token_id,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    """:func:`bench_long.build` of ``shape`` with a window of ``window``, made on ``device`` in bfloat16."""
+    return build_llama(folder, argparse.Namespace(**SHAPES[shape], tokens=window), device, torch.bfloat16)
 
 
 def _sync(device: str) -> None:
